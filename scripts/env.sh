@@ -1,0 +1,20 @@
+# Sourced by the other scripts: makes ./.venv with the project and its dev tools installed.
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+stamp=".venv/.specinfer-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    # torch==2.13.0 is pinned: pip takes the local CPU wheel where one is offered, so no CUDA
+    # packages are pulled. GPU users: install a CUDA build of torch 2.13.0 first (README).
+    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet -e ".[dev]"
+    echo "$want" > "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""specinfer: tree-based speculative inference and verification for LLM serving."""

@@ -1,0 +1,151 @@
+"""Command line: ``specinfer generate`` (in-process speculative generation) and ``specinfer demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything ``specinfer generate`` needs, built once from the flags."""
+
+    llm: Path
+    ssms: tuple[Path, ...]
+    expansion: ExpansionConfig | None
+    sampling: SamplingParams
+    max_new_tokens: int
+    dtype: str
+    prompts: tuple[str, ...]
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1", help="widths per depth, e.g. 1,1,3,1,1,1,1,1 (default: the paper's)")
+    p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+
+
+def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
+    return GenerateConfig(
+        llm=Path(llm),
+        ssms=tuple(Path(s) for s in ssms),
+        expansion=None if args.no_speculation or not ssms else ExpansionConfig.parse(args.expansion),
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        prompts=tuple(prompts),
+    )
+
+
+def run_generate(cfg: GenerateConfig, out=None) -> None:
+    """Load the models, generate every prompt as one batch, print text and statistics."""
+    import torch
+
+    out = out or sys.stdout
+    from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+    from specinfer.models.loading import check_checkpoint, check_same_vocabulary, eos_token_id, load_backend, load_tokenizer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    llm = load_backend(cfg.llm, "llm", cfg.dtype)
+    ssms = []
+    for i, path in enumerate(cfg.ssms):
+        check_checkpoint(path, f"ssm[{i}]")
+        check_same_vocabulary(cfg.llm, path, f"ssm[{i}]")
+        ssms.append(load_backend(path, f"ssm[{i}]", cfg.dtype))
+    tokenizer = load_tokenizer(cfg.llm)
+    if tokenizer is None:
+        raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
+    engine = SpeculativeEngine(llm, ssms, EngineConfig(eos_token_id=eos_token_id(cfg.llm)))
+    spec = None if cfg.expansion is None else SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms))))
+    requests = []
+    for i, text in enumerate(cfg.prompts):
+        if not text:
+            raise InvalidArgument("prompt", "must not be empty")
+        requests.append(GenerationRequest(f"cli-{i}", tuple(tokenizer.encode(text).ids), cfg.max_new_tokens, cfg.sampling, spec))
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    for text, res in zip(cfg.prompts, results, strict=True):
+        print(f"--- prompt ({len(res.prompt_tokens)} tokens)", file=out)
+        print(text, end="" if text.endswith("\n") else "\n", file=out)
+        print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
+        print(tokenizer.decode(res.output_tokens), file=out)
+        sizes = [s.tree_size for s in res.steps]
+        print(
+            f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
+            f"accepted per step {res.mean_accepted:.2f}, tree size {min(sizes)}-{max(sizes)}",
+            file=out,
+        )
+    total = sum(len(r.output_tokens) for r in results)
+    steps = sum(r.llm_steps for r in results)
+    mode = "incremental" if cfg.expansion is None else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {len(ssms)} SSM(s)"
+    print(f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps ({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s", file=out)
+
+
+def _demo_models() -> tuple[Path, Path, str]:
+    """The trained pair next to the checkout if present, else a tiny random pair built once."""
+    candidates = [
+        os.environ.get("SPECINFER_DEMO_MODELS", ""),
+        Path(__file__).resolve().parents[3] / "shared/models/pycode-a",
+        Path.cwd().parent / "shared/models/pycode-a",
+    ]
+    for c in candidates:
+        if c and (Path(c) / "llm/config.json").is_file() and (Path(c) / "ssm/config.json").is_file():
+            return Path(c) / "llm", Path(c) / "ssm", f"trained pair in {c}"
+    from specinfer.models.tiny import build_tiny_pair
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specinfer/tiny-pair"
+    if not (cache / "ssm/config.json").is_file():
+        build_tiny_pair(cache)
+    return cache / "llm", cache / "ssm", f"tiny random pair in {cache} (no trained pair found; its text is noise)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="speculative generation in this process")
+    gen.add_argument("--llm", required=True, help="Hugging Face checkpoint folder of the LLM")
+    gen.add_argument("--ssm", action="append", default=[], help="checkpoint folder of an SSM (repeat for several: trees are merged)")
+    _add_generation_flags(gen)
+    gen.add_argument("prompt", nargs="+", help="prompt text(s); several are generated as one batch")
+    demo = sub.add_parser("demo", help="generate a few prompts with the demo model pair")
+    _add_generation_flags(demo)
+    demo.add_argument("--prompts", type=int, default=2, help="how many prompts of the demo set")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            run_generate(_build_config(args, args.llm, args.ssm, args.prompt))
+        else:
+            llm, ssm, what = _demo_models()
+            print(f"=== demo models: {what}")
+            run_generate(_build_config(args, llm, [ssm], _demo_prompts(llm, args.prompts)))
+    except InvalidArgument as exc:
+        print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo_prompts(llm: Path, count: int) -> list[str]:
+    import json
+
+    prompts_file = llm.parent / "prompts.jsonl"
+    if prompts_file.is_file():
+        lines = prompts_file.read_text().splitlines()
+        return [json.loads(line)["text"] for line in lines[:count]]
+    return ["def fibonacci(n):\n", "class Stack:\n"][:count]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Pure algorithms of tree-based speculative inference: no I/O, no torch."""
+
+from specinfer.core.drafts import DraftGroup, DraftTree, ExpansionConfig, TreeBuilder
+from specinfer.core.errors import InvalidArgument
+from specinfer.core.merge import merge_drafts, merge_trees
+from specinfer.core.sampling import (
+    SamplingParams,
+    SparseDist,
+    draw_without_replacement,
+    process_logits,
+    sample,
+    sparsify,
+    top_k_tokens,
+)
+from specinfer.core.tree import TokenTree
+from specinfer.core.verify import VerifyResult, verify_greedy, verify_stochastic
+
+__all__ = [
+    "DraftGroup",
+    "DraftTree",
+    "ExpansionConfig",
+    "InvalidArgument",
+    "SamplingParams",
+    "SparseDist",
+    "TokenTree",
+    "TreeBuilder",
+    "VerifyResult",
+    "draw_without_replacement",
+    "merge_drafts",
+    "merge_trees",
+    "process_logits",
+    "sample",
+    "sparsify",
+    "top_k_tokens",
+    "verify_greedy",
+    "verify_stochastic",
+]

@@ -1,0 +1,135 @@
+"""Draft trees: a token tree plus how each node's children were drafted.
+
+Under sampling, verification must know the distribution every child was drawn from. A
+*draft group* records one SSM's proposal at one node: the children in the order they were
+drawn (without replacement) and the sparse distribution ``q`` they were drawn from. When
+trees of several SSMs are merged, a node keeps one group per SSM, so a token proposed by two
+SSMs is one tree node that appears in two groups: it is tried once per group, each time with
+its own ``q`` (independent drafts), which keeps multi-step speculative sampling exact.
+Under greedy decoding the groups carry ``q = None`` and only the tree matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specinfer.core.errors import InvalidArgument
+from specinfer.core.sampling import SparseDist
+from specinfer.core.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class DraftGroup:
+    """Children of ``parent`` drafted together by one SSM, in draw order."""
+
+    parent: int
+    children: tuple[int, ...]
+    q: SparseDist | None
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tree: TokenTree
+    groups: tuple[DraftGroup, ...] = ()
+
+    def groups_at(self, node: int) -> list[DraftGroup]:
+        return [g for g in self.groups if g.parent == node]
+
+
+@dataclass(frozen=True)
+class ExpansionConfig:
+    """Static expansion config ``<k1, ..., km>``: each node at depth d-1 gets ``k_d`` children."""
+
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.widths) == 0:
+            raise InvalidArgument("expansion", "needs at least one depth")
+        for d, k in enumerate(self.widths):
+            if not isinstance(k, int) or k <= 0:
+                raise InvalidArgument("expansion", f"width at depth {d + 1} must be a positive integer, got {k}")
+
+    @staticmethod
+    def parse(text: str) -> ExpansionConfig:
+        """Parse ``"1,1,3,1"`` (also accepts ``<1,1,3,1>`` and spaces)."""
+        body = text.strip().strip("<>").strip()
+        if not body:
+            raise InvalidArgument("expansion", "needs at least one depth")
+        try:
+            widths = tuple(int(part) for part in body.split(","))
+        except ValueError as exc:
+            raise InvalidArgument("expansion", f"expected comma-separated integers, got {text!r}") from exc
+        return ExpansionConfig(widths)
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def max_nodes(self) -> int:
+        """Node count of a full tree, the root included."""
+        total, level = 1, 1
+        for k in self.widths:
+            level *= k
+            total += level
+        return total
+
+
+class TreeBuilder:
+    """Grows one request's draft tree depth by depth from proposals made by a model.
+
+    The caller asks for ``frontier()`` (nodes whose children are wanted next), runs the SSM on
+    them (batched across requests), and hands back one proposal per frontier node. Nodes are
+    numbered breadth-first, so parents precede children.
+    """
+
+    def __init__(self, root_token: int, config: ExpansionConfig) -> None:
+        self._widths = config.widths
+        self._tokens = [int(root_token)]
+        self._parents = [-1]
+        self._groups: list[DraftGroup] = []
+        self._frontier = [0]
+        self._depth = 0
+
+    @property
+    def done(self) -> bool:
+        return self._depth >= len(self._widths) or not self._frontier
+
+    def frontier(self) -> list[int]:
+        return list(self._frontier)
+
+    def width(self) -> int:
+        """Children wanted per frontier node at the next depth."""
+        return self._widths[self._depth]
+
+    def tokens_of(self, nodes: Sequence[int]) -> list[int]:
+        return [self._tokens[i] for i in nodes]
+
+    def parents_of(self, nodes: Sequence[int]) -> list[int]:
+        return [self._parents[i] for i in nodes]
+
+    def expand(self, proposals: Sequence[tuple[Sequence[int], SparseDist | None]]) -> list[int]:
+        """Add children: ``proposals[j]`` = (tokens in draw order, their q) for frontier node j."""
+        if self.done:
+            raise RuntimeError("tree is complete")
+        if len(proposals) != len(self._frontier):
+            raise ValueError("one proposal per frontier node")
+        new: list[int] = []
+        for parent, (tokens, q) in zip(self._frontier, proposals, strict=True):
+            if len(set(tokens)) != len(tokens):
+                raise ValueError("children of one node must carry distinct tokens")
+            kids = []
+            for t in list(tokens)[: self.width()]:
+                kids.append(len(self._tokens))
+                self._tokens.append(int(t))
+                self._parents.append(parent)
+            if kids:
+                self._groups.append(DraftGroup(parent, tuple(kids), q))
+            new.extend(kids)
+        self._frontier = new
+        self._depth += 1
+        return new
+
+    def build(self) -> DraftTree:
+        return DraftTree(TokenTree(tuple(self._tokens), tuple(self._parents)), tuple(self._groups))

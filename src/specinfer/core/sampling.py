@@ -1,0 +1,133 @@
+"""Sampling parameters and the logit processing shared by drafting and verification.
+
+The LLM's target distribution ``p`` and an SSM's draft distribution ``q`` are both derived from
+raw logits by :func:`process_logits` with the request's parameters, so "sampling from the LLM
+alone" means sampling from ``process_logits(llm_logits, params)`` and speculative sampling
+must reproduce exactly that distribution.
+
+A *sparse distribution* is what crosses the wire for a draft: the support tokens and their
+probabilities (renormalised after truncation). Drafts are sampled from exactly the sparse
+distribution that is sent, which keeps verification exact whatever the truncation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from specinfer.core.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request turns logits into tokens.
+
+    ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0`` and ``top_p == 1``
+    disable those filters. ``seed`` fixes the request's random stream (None: fresh entropy).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution over a few tokens: ``tokens[k]`` (distinct) and ``probs[k]`` summing to 1."""
+
+    tokens: np.ndarray  # [k] int64
+    probs: np.ndarray  # [k] float64
+
+    def prob_of(self, token: int) -> float:
+        hit = np.nonzero(self.tokens == token)[0]
+        return float(self.probs[hit[0]]) if hit.size else 0.0
+
+    def dense(self, vocab_size: int) -> np.ndarray:
+        out = np.zeros(vocab_size, dtype=np.float64)
+        out[self.tokens] = self.probs
+        return out
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities after temperature, top-k and top-p, in that order.  # [..., V] float64
+
+    Greedy parameters give a one-hot distribution on the argmax (ties: lowest index), so
+    greedy decoding is the temperature -> 0 limit of the same function.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        out = np.zeros_like(x)
+        np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return out
+    x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - np.max(x, axis=-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        cum = np.cumsum(sorted_p, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        keep_sorted = (cum - sorted_p) < params.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sparsify(probs: np.ndarray, max_support: int) -> SparseDist:
+    """The ``max_support`` most likely tokens of ``probs`` (nonzero ones only), renormalised."""
+    probs = np.asarray(probs, dtype=np.float64)
+    nonzero = int(np.count_nonzero(probs))
+    k = min(max_support, nonzero)
+    top = np.argpartition(-probs, k - 1)[:k] if k < probs.size else np.arange(probs.size)
+    top = top[probs[top] > 0]
+    top = top[np.argsort(-probs[top], kind="stable")]
+    p = probs[top]
+    return SparseDist(top.astype(np.int64), p / p.sum())
+
+
+def draw_without_replacement(q: SparseDist, k: int, rng: np.random.Generator) -> list[int]:
+    """Up to ``k`` distinct tokens; the i-th is drawn from ``q`` renormalised over the tokens
+    not drawn before it (the order matters: verification tries them in this order)."""
+    remaining = q.probs.copy()
+    out: list[int] = []
+    for _ in range(min(k, int(np.count_nonzero(remaining)))):
+        idx = int(rng.choice(remaining.size, p=remaining / remaining.sum()))
+        out.append(int(q.tokens[idx]))
+        remaining[idx] = 0.0
+    return out
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a dense distribution."""
+    p = np.asarray(probs, dtype=np.float64)
+    return int(rng.choice(p.size, p=p / p.sum()))
+
+
+def top_k_tokens(logits: np.ndarray, k: int) -> list[int]:
+    """The ``k`` highest-scoring tokens, best first (ties: lowest index)."""
+    x = np.asarray(logits)
+    k = min(k, x.size)
+    top = np.argpartition(-x, k - 1)[:k]
+    return [int(t) for t in top[np.lexsort((top, -x[top]))]]

@@ -1,0 +1,229 @@
+"""In-process tree-based speculative generation for a batch of requests.
+
+Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
+
+1. *speculate*: every SSM a request names grows its draft tree depth by depth (all requests
+   drafting with that SSM in one batched forward per depth); trees of several SSMs are merged;
+2. *verify*: one batched LLM forward over every node of every tree, then greedy verification
+   or multi-step speculative sampling per request;
+3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
+
+Requests can be added between steps (continuous batching); KV caches live in the backends and
+follow the committed tokens automatically (see :mod:`specinfer.models.interface`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specinfer.core import (
+    DraftTree,
+    ExpansionConfig,
+    InvalidArgument,
+    TokenTree,
+    TreeBuilder,
+    draw_without_replacement,
+    merge_drafts,
+    process_logits,
+    sparsify,
+    top_k_tokens,
+    verify_greedy,
+    verify_stochastic,
+)
+from specinfer.engine.requests import GenerationRequest, GenerationResult, StepStats
+from specinfer.models.interface import CausalLM, TreeForward
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``max_batch``: most requests per iteration; ``eos_token_id``: ends a request unless it
+    sets ``ignore_eos`` (None: the model has no EOS)."""
+
+    max_batch: int = 64
+    eos_token_id: int | None = None
+
+
+class _Active:
+    """Mutable state of one running request."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.committed = list(request.prompt_tokens)
+        self.result = GenerationResult(request.request_id, request.prompt_tokens)
+        self.rng = np.random.default_rng(request.sampling.seed)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.result.output_tokens)
+
+
+class SpeculativeEngine:
+    """One LLM and any number of SSMs; see the module docstring."""
+
+    def __init__(self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig) -> None:
+        for i, ssm in enumerate(ssms):
+            if ssm.vocab_size != llm.vocab_size:
+                raise InvalidArgument(f"ssms[{i}]", f"vocabulary size {ssm.vocab_size} differs from the LLM's {llm.vocab_size}")
+        self.llm = llm
+        self.ssms = list(ssms)
+        self.config = config
+        self._active: dict[str, _Active] = {}
+        self._waiting: list[_Active] = []
+
+    # -- request lifecycle ------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        vocab = self.llm.vocab_size
+        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument("prompt_tokens", f"token IDs must be in [0, {vocab}), got {bad[:5]}")
+        bad_stop = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise InvalidArgument("stop_token_ids", f"token IDs must be in [0, {vocab}), got {bad_stop[:5]}")
+        limit = self.llm.max_positions
+        if len(request.prompt_tokens) + request.max_new_tokens > limit:
+            raise InvalidArgument(
+                "max_new_tokens", f"prompt ({len(request.prompt_tokens)}) + max_new_tokens ({request.max_new_tokens}) exceeds the model's {limit} positions"
+            )
+        spec = request.speculation
+        if spec is not None:
+            unknown = [s for s in spec.ssms if not 0 <= s < len(self.ssms)]
+            if unknown:
+                raise InvalidArgument("speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if request.request_id in self._active or any(w.request.request_id == request.request_id for w in self._waiting):
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already running")
+        self._waiting.append(_Active(request))
+
+    def cancel(self, request_id: str) -> GenerationResult | None:
+        state = self._active.pop(request_id, None)
+        if state is None:
+            for w in self._waiting:
+                if w.request.request_id == request_id:
+                    self._waiting.remove(w)
+                    state = w
+        if state is None:
+            return None
+        state.result.finish_reason = "cancelled"
+        self._release(request_id)
+        return state.result
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active or self._waiting)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; results in input order."""
+        for r in requests:
+            self.validate(r)
+        for r in requests:
+            self.add(r)
+        done: dict[str, GenerationResult] = {}
+        while self.has_work:
+            for result in self.step():
+                done[result.request_id] = result
+        return [done[r.request_id] for r in requests]
+
+    # -- one iteration ------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """One speculate/verify/commit iteration; returns the requests that finished."""
+        while self._waiting and len(self._active) < self.config.max_batch:
+            w = self._waiting.pop(0)
+            self._active[w.request.request_id] = w
+        states = list(self._active.values())
+        if not states:
+            return []
+        drafts = self._speculate(states)
+        logits = self.llm.forward_tree(
+            [TreeForward(s.request.request_id, s.committed[:-1], d.tree.tokens, d.tree.parents) for s, d in zip(states, drafts, strict=True)]
+        )
+        finished = []
+        for state, draft, node_logits in zip(states, drafts, logits, strict=True):
+            result = self._verify(state, draft, node_logits)
+            if self._commit(state, draft.tree, result):
+                finished.append(state.result)
+                del self._active[state.request.request_id]
+                self._release(state.request.request_id)
+        return finished
+
+    def _speculate(self, states: list[_Active]) -> list[DraftTree]:
+        per_request: list[list[DraftTree]] = [[] for _ in states]
+        for ssm_index, ssm in enumerate(self.ssms):
+            builders: dict[int, TreeBuilder] = {}
+            for i, s in enumerate(states):
+                spec = s.request.speculation
+                # the bonus token always comes on top, so never draft past the token budget
+                depth = min(spec.expansion.depth, s.remaining - 1) if spec else 0
+                if spec is not None and ssm_index in spec.ssms and depth > 0:
+                    builders[i] = TreeBuilder(s.committed[-1], ExpansionConfig(spec.expansion.widths[:depth]))
+            while builders:
+                order = list(builders)
+                items = []
+                for i in order:
+                    frontier = builders[i].frontier()
+                    items.append(
+                        TreeForward(states[i].request.request_id, states[i].committed[:-1], builders[i].tokens_of(frontier), builders[i].parents_of(frontier))
+                    )
+                for i, node_logits in zip(order, ssm.forward_tree(items), strict=True):
+                    b = builders[i]
+                    b.expand([self._propose(states[i], row, b.width()) for row in node_logits])
+                    if b.done:
+                        per_request[i].append(b.build())
+                        del builders[i]
+        out = []
+        for s, trees in zip(states, per_request, strict=True):
+            if not trees:
+                out.append(DraftTree(TokenTree.root_only(s.committed[-1])))
+            else:
+                out.append(trees[0] if len(trees) == 1 else merge_drafts(trees))
+        return out
+
+    @staticmethod
+    def _propose(state: _Active, logits: torch.Tensor, width: int):
+        params = state.request.sampling
+        if params.greedy:
+            return top_k_tokens(logits.numpy(), width), None
+        q = sparsify(process_logits(logits.numpy(), params), state.request.speculation.draft_support)
+        return draw_without_replacement(q, width, state.rng), q
+
+    @staticmethod
+    def _verify(state: _Active, draft: DraftTree, logits: torch.Tensor):
+        params = state.request.sampling
+        if params.greedy:
+            return verify_greedy(draft.tree, logits.argmax(dim=-1).numpy())
+        return verify_stochastic(draft, lambda node: process_logits(logits[node].numpy(), params), state.rng)
+
+    def _commit(self, state: _Active, tree: TokenTree, result) -> bool:
+        """Append the step's tokens; True when the request is finished."""
+        req = state.request
+        stops = set(req.stop_token_ids)
+        eos = None if req.ignore_eos else self.config.eos_token_id
+        committed = 0
+        reason = None
+        for token in result.new_tokens:
+            state.committed.append(token)
+            state.result.output_tokens.append(token)
+            committed += 1
+            if token == eos:
+                reason = "eos"
+            elif token in stops:
+                reason = "stop"
+            elif state.remaining <= 0:
+                reason = "length"
+            if reason:
+                break
+        state.result.steps.append(StepStats(len(tree), result.num_accepted, result.bonus_token, committed))
+        state.result.finish_reason = reason
+        return reason is not None
+
+    def _release(self, request_id: str) -> None:
+        self.llm.release(request_id)
+        for ssm in self.ssms:
+            ssm.release(request_id)

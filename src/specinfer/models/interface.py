@@ -1,0 +1,57 @@
+"""The model interface shared by every backend.
+
+One operation covers both roles: run a causal LM over new *tree nodes* of several requests at
+once, each request on top of its committed context, and return logits for those nodes.
+
+- LLM role (verify): ``context`` = committed tokens without the root, ``tokens``/``parents`` =
+  the whole token tree (root first, ``parents[0] == -1``).
+- SSM role (expand): the same context, first the root alone, then each depth's frontier nodes
+  with parents indexing the nodes sent before in this round.
+
+A backend keeps a KV cache per request. It holds the committed context plus the *pending*
+nodes sent since the context last changed. When a call arrives with a longer context, pending
+nodes on the path that context took are adopted into the cache (the accepted path of the last
+verify step) and the rest are dropped; context tokens the cache does not hold (a new request,
+a lost cache, a moved request) are computed in the same forward pass as a chain before the
+nodes. A cache is therefore only ever a cache: the committed tokens rebuild it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeForward:
+    """One request's share of a batched forward pass.
+
+    ``parents[j]`` indexes the request's pending nodes (sent earlier with the same context,
+    then the ones before j in this call); -1 attaches the node right after the context.
+    """
+
+    request_id: str
+    context: Sequence[int]
+    tokens: Sequence[int]
+    parents: Sequence[int]
+
+
+class CausalLM(Protocol):
+    """A causal LM with per-request KV caches (see the module docstring)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
+        """Logits for the new nodes of each request, in ``batch`` order.  # each [n_new, V]"""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's cache (finished or moved)."""
+        ...

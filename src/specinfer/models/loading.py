@@ -1,0 +1,61 @@
+"""Loading local Hugging Face checkpoints (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from specinfer.core import InvalidArgument
+from specinfer.models.reference import ReferenceBackend
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_checkpoint(path: str | Path, field: str) -> Path:
+    """A folder with ``config.json``; raises :class:`InvalidArgument` naming ``field`` otherwise."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no config.json)")
+    return p
+
+
+def load_backend(path: str | Path, field: str, dtype: str = "float32", device: str = "cpu") -> ReferenceBackend:
+    if dtype not in DTYPES:
+        raise InvalidArgument("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return ReferenceBackend.load(check_checkpoint(path, field), dtype=DTYPES[dtype], device=device)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The checkpoint's ``tokenizer.json``, or None when it ships none."""
+    f = Path(path) / "tokenizer.json"
+    return Tokenizer.from_file(str(f)) if f.is_file() else None
+
+
+def eos_token_id(path: str | Path) -> int | None:
+    """EOS from generation_config.json, else config.json (the first one if a list)."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    return None
+
+
+def check_same_vocabulary(llm_dir: str | Path, ssm_dir: str | Path, field: str) -> None:
+    """An SSM must speak the LLM's token IDs: same size and, where both ship a tokenizer, the
+    same token -> ID map."""
+    sizes = []
+    for p in (llm_dir, ssm_dir):
+        cfg = json.loads((Path(p) / "config.json").read_text())
+        sizes.append(cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size")))
+    if sizes[0] != sizes[1]:
+        raise InvalidArgument(field, f"vocabulary size {sizes[1]} differs from the LLM's {sizes[0]}")
+    a, b = load_tokenizer(llm_dir), load_tokenizer(ssm_dir)
+    if a is not None and b is not None and a.get_vocab() != b.get_vocab():
+        raise InvalidArgument(field, "tokenizer differs from the LLM's (token IDs would not match)")

@@ -1,0 +1,190 @@
+"""Reference backend: any Hugging Face causal LM through ``transformers``.
+
+The tree mask is passed as a 4D additive attention mask and node positions as
+``position_ids``; keys and values live in per-request :class:`RequestCache` objects and are
+packed into a padded ``DynamicCache`` for each batched forward. It is the correctness oracle
+for the native backend, not the fast path: every step copies the cached KV into the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from specinfer.models.interface import TreeForward
+from specinfer.models.kv_store import RequestCache
+
+
+@dataclass(frozen=True)
+class _Row:
+    """Layout of one request inside the padded batch."""
+
+    cache: RequestCache
+    chain: list[int]  # context tokens computed in this pass
+    offset: int  # first query row of this request (queries are right-aligned)
+    past: int  # cached entries (context + pending)
+
+
+class ReferenceBackend:
+    """A ``transformers`` model implementing :class:`specinfer.models.interface.CausalLM`."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.config = model.config.get_text_config(decoder=True)
+        self._caches: dict[str, RequestCache] = {}
+        self._device = next(model.parameters()).device
+        self._dtype = next(model.parameters()).dtype
+        self._layers, self._kv_heads, self._head_dim = self._probe_cache_shape()
+        self._sliding = self._sliding_layout()
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ReferenceBackend:
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+        return cls(model.to(device))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def release(self, request_id: str) -> None:
+        self._caches.pop(request_id, None)
+
+    def cached_requests(self) -> list[str]:
+        return list(self._caches)
+
+    # -- forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
+        if not batch:
+            return []
+        rows = []
+        for item in batch:
+            cache = self._caches.get(item.request_id)
+            if cache is None:
+                cache = RequestCache(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device)
+                self._caches[item.request_id] = cache
+            chain = cache.sync(item.context)
+            rows.append((item, cache, chain))
+        q_max = max(len(chain) + len(item.tokens) for item, _, chain in rows)
+        p_max = max(cache.context.length + cache.pending.length for _, cache, _ in rows)
+        n_max = max(len(item.tokens) for item, _, _ in rows)
+        bsz = len(rows)
+
+        input_ids = torch.zeros(bsz, q_max, dtype=torch.long)  # [B, Q]
+        positions = torch.zeros(bsz, q_max, dtype=torch.long)  # [B, Q]
+        allowed = torch.zeros(bsz, q_max, p_max + q_max, dtype=torch.bool)  # [B, Q, P+Q]
+        key_pos = torch.zeros(bsz, p_max + q_max, dtype=torch.long)  # [B, P+Q]
+        layout: list[_Row] = []
+        for b, (item, cache, chain) in enumerate(rows):
+            layout.append(self._fill_row(b, item, cache, chain, q_max, p_max, input_ids, positions, allowed, key_pos))
+
+        mask = self._attention_mask(allowed, positions, key_pos)
+        past = self._pack_past(layout, p_max)
+        out = self.model(
+            input_ids=input_ids.to(self._device),
+            position_ids=positions.to(self._device),
+            attention_mask=mask,
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=n_max,
+        )
+        new_cache = out.past_key_values
+        results = []
+        for b, ((item, _, _), row) in enumerate(zip(rows, layout, strict=True)):
+            q_len = len(row.chain) + len(item.tokens)
+            start = p_max + row.offset
+            kv = torch.stack(
+                [torch.stack([layer.keys[b, :, start : start + q_len], layer.values[b, :, start : start + q_len]]) for layer in new_cache.layers]
+            )  # [layers, 2, kv_heads, q_len, head_dim]
+            m = len(row.chain)
+            row.cache.append_context(row.chain, kv[:, :, :, :m])
+            row.cache.append_pending(item.tokens, item.parents, kv[:, :, :, m:])
+            n = len(item.tokens)
+            results.append(out.logits[b, n_max - n :].float())  # [n, V]
+        return results
+
+    def _fill_row(self, b, item, cache, chain, q_max, p_max, input_ids, positions, allowed, key_pos) -> _Row:
+        lc, lp = cache.context.length, cache.pending.length
+        m, n = len(chain), len(item.tokens)
+        off = q_max - m - n
+        ctx_len = lc + m  # == len(item.context)
+        depths = cache.node_depths(item.parents)
+        ancestors = cache.ancestors(item.parents)
+
+        input_ids[b, off:] = torch.tensor(list(chain) + list(item.tokens), dtype=torch.long)
+        positions[b, off : off + m] = torch.arange(lc, ctx_len)
+        positions[b, off + m :] = torch.tensor(depths, dtype=torch.long) + ctx_len
+        key_pos[b, :lc] = torch.arange(lc)
+        key_pos[b, lc : lc + lp] = torch.tensor(cache.pending_depths, dtype=torch.long) + lc
+        key_pos[b, p_max:] = positions[b]
+
+        for i in range(off):  # padding rows attend to themselves only, so they stay finite
+            allowed[b, i, p_max + i] = True
+        allowed[b, off:, :lc] = True  # every real query sees the cached context
+        chain_cols = p_max + off
+        allowed[b, off : off + m, chain_cols : chain_cols + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        allowed[b, off + m :, chain_cols : chain_cols + m] = True
+        for k, anc in enumerate(ancestors):
+            row = off + m + k
+            for a in anc:
+                col = lc + a if a < lp else chain_cols + m + (a - lp)
+                allowed[b, row, col] = True
+        return _Row(cache, list(chain), off, lc + lp)
+
+    def _attention_mask(self, allowed, positions, key_pos):
+        """Additive float mask(s); a dict per layer type when some layers use a sliding window."""
+        neg = torch.finfo(self._dtype).min
+
+        def additive(ok: torch.Tensor) -> torch.Tensor:
+            m = torch.zeros(ok.shape, dtype=self._dtype).masked_fill_(~ok, neg)
+            return m[:, None].to(self._device)  # [B, 1, Q, P+Q]
+
+        if self._sliding is None:
+            return additive(allowed)
+        window, layer_types = self._sliding
+        distance = positions[:, :, None] - key_pos[:, None, :]  # [B, Q, P+Q]
+        diag_pad = allowed & (distance == 0)  # keep padding rows' self-attention
+        slid = additive((allowed & (distance < window)) | diag_pad)
+        if layer_types is None:
+            return slid
+        return {"full_attention": additive(allowed), "sliding_attention": slid}
+
+    def _pack_past(self, layout: list[_Row], p_max: int) -> DynamicCache:
+        if p_max == 0:
+            return DynamicCache()
+        data = torch.zeros(self._layers, 2, len(layout), self._kv_heads, p_max, self._head_dim, dtype=self._dtype, device=self._device)
+        for b, row in enumerate(layout):
+            lc, lp = row.cache.context.length, row.cache.pending.length
+            data[:, :, b, :, :lc] = row.cache.context.kv
+            data[:, :, b, :, lc : lc + lp] = row.cache.pending.kv
+        return DynamicCache(ddp_cache_data=[(data[layer, 0], data[layer, 1]) for layer in range(self._layers)])
+
+    # -- model facts -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _probe_cache_shape(self) -> tuple[int, int, int]:
+        out = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._device), past_key_values=DynamicCache(), use_cache=True)
+        layers = out.past_key_values.layers
+        _, kv_heads, _, head_dim = layers[0].keys.shape
+        return len(layers), int(kv_heads), int(head_dim)
+
+    def _sliding_layout(self) -> tuple[int, list[str] | None] | None:
+        window = getattr(self.config, "sliding_window", None)
+        if not window or getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        mixed = layer_types is not None and "full_attention" in layer_types
+        return int(window), (list(layer_types) if mixed else None)

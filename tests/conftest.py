@@ -1,0 +1,55 @@
+"""Shared fixtures: the trained pair from ../shared when present, else tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from specinfer.models.tiny import TinySpec, build_tiny_pair, truncated_copy
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_PAIR = Path(os.environ.get("SPECINFER_TEST_MODELS", REPO.parent / "shared/models/pycode-a"))
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    llm: Path
+    ssm: Path
+    ssm2: Path  # a second, different SSM for merge tests
+    prompts: list[list[int]]  # token IDs
+    trained: bool
+
+
+def _prompt_ids(llm: Path, trained: bool) -> list[list[int]]:
+    if trained:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(llm / "tokenizer.json"))
+        lines = (llm.parent / "prompts.jsonl").read_text().splitlines()
+        return [tok.encode(json.loads(line)["text"]).ids for line in lines]
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 259, (int(n),), generator=gen).tolist() for n in torch.randint(4, 60, (40,), generator=gen)]
+
+
+@pytest.fixture(scope="session")
+def model_pair(tmp_path_factory) -> ModelPair:
+    """LLM, SSM and a second SSM (the LLM cut to its first layers), with prompts."""
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("pair")
+    if (SHARED_PAIR / "llm/config.json").is_file():
+        llm, ssm, trained = SHARED_PAIR / "llm", SHARED_PAIR / "ssm", True
+    else:
+        llm, ssm = build_tiny_pair(tmp, TinySpec(layers=4, ssm_layers=1))
+        trained = False
+    big = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
+    ssm2 = tmp / "ssm2"
+    truncated_copy(big, 2).save_pretrained(ssm2)
+    return ModelPair(llm, ssm, ssm2, _prompt_ids(llm, trained), trained)
