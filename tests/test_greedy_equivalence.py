@@ -8,15 +8,14 @@ from transformers import AutoModelForCausalLM
 
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-from specinfer.models.loading import eos_token_id
-from specinfer.models.reference import ReferenceBackend
+from specinfer.models.loading import eos_token_id, load_backend
 
 NEW_TOKENS = 48
 NUM_PROMPTS = 20
 
 
 @pytest.fixture(scope="module")
-def setup(model_pair):
+def expected(model_pair):
     prompts = model_pair.prompts[:NUM_PROMPTS]
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
     eos = eos_token_id(model_pair.llm)
@@ -25,12 +24,14 @@ def setup(model_pair):
         for ids in prompts:
             out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
             expected.append(out[0, len(ids) :].tolist())
-    engine = SpeculativeEngine(
-        ReferenceBackend.load(model_pair.llm),
-        [ReferenceBackend.load(model_pair.ssm), ReferenceBackend.load(model_pair.ssm2)],
-        EngineConfig(eos_token_id=eos),
-    )
-    return prompts, expected, engine
+    return prompts, expected, eos
+
+
+@pytest.fixture(scope="module", params=["reference", "native"])
+def setup(request, model_pair, expected):
+    prompts, tokens, eos = expected
+    models = [load_backend(p, "model", backend=request.param, kv_cache_bytes=1 << 28) for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)]
+    return prompts, tokens, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos))
 
 
 def _truncate_at_eos(tokens, eos):

@@ -23,6 +23,8 @@ class GenerateConfig:
     sampling: SamplingParams
     max_new_tokens: int
     dtype: str
+    backend: str
+    attention: str
     prompts: tuple[str, ...]
 
 
@@ -35,6 +37,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
+    p.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"], help="native tree attention (auto: Triton on CUDA)")
 
 
 def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
@@ -45,6 +49,8 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
+        backend=args.backend,
+        attention=args.attention,
         prompts=tuple(prompts),
     )
 
@@ -58,12 +64,12 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     from specinfer.models.loading import check_checkpoint, check_same_vocabulary, eos_token_id, load_backend, load_tokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    llm = load_backend(cfg.llm, "llm", cfg.dtype)
+    llm = load_backend(cfg.llm, "llm", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
     ssms = []
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
         check_same_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssms.append(load_backend(path, f"ssm[{i}]", cfg.dtype))
+        ssms.append(load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention))
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")

@@ -73,6 +73,9 @@ class SpeculativeEngine:
         self.config = config
         self._active: dict[str, _Active] = {}
         self._waiting: list[_Active] = []
+        # a request holds a KV cache in every model until it finishes: admit no more than all hold
+        limits = [m.max_requests for m in (llm, *ssms) if m.max_requests is not None]
+        self._capacity = min([config.max_batch, *limits])
 
     # -- request lifecycle ------------------------------------------------------------
 
@@ -134,7 +137,7 @@ class SpeculativeEngine:
 
     def step(self) -> list[GenerationResult]:
         """One speculate/verify/commit iteration; returns the requests that finished."""
-        while self._waiting and len(self._active) < self.config.max_batch:
+        while self._waiting and len(self._active) < self._capacity:
             w = self._waiting.pop(0)
             self._active[w.request.request_id] = w
         states = list(self._active.values())

@@ -30,7 +30,9 @@ class TreeForward:
     """One request's share of a batched forward pass.
 
     ``parents[j]`` indexes the request's pending nodes (sent earlier with the same context,
-    then the ones before j in this call); -1 attaches the node right after the context.
+    then the ones before j in this call); -1 attaches the node right after the context. Only
+    the first node of a round may attach to the context: a call whose first node does starts
+    a new round and drops the pending nodes of the previous one.
     """
 
     request_id: str
@@ -47,6 +49,11 @@ class CausalLM(Protocol):
 
     @property
     def max_positions(self) -> int: ...
+
+    @property
+    def max_requests(self) -> int | None:
+        """Most requests whose caches fit at once (None: bounded only by memory)."""
+        ...
 
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         """Logits for the new nodes of each request, in ``batch`` order.  # each [n_new, V]"""

@@ -1,15 +1,131 @@
-"""Per-request KV storage with the context/pending bookkeeping of the model interface.
+"""Per-request KV bookkeeping shared by the backends (see :mod:`specinfer.models.interface`).
 
-Pure tensor bookkeeping, independent of how attention is computed: a backend asks
+:class:`RequestCache` tracks which tokens a request's cache holds: the committed *context*
+and the *pending* tree nodes sent since the context last changed. Where the keys and values
+physically live is a :class:`KVStorage`: growable tensors for the reference backend
+(:class:`BufferStorage`), a slot of a preallocated pool for the native backend. A backend asks
 :meth:`RequestCache.sync` which context tokens still need computing, runs its forward pass,
-and hands the new keys/values back with :meth:`RequestCache.append`.
+stores the new keys/values and records them with :meth:`record_context` / :meth:`record_pending`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+
+
+class KVStorage(Protocol):
+    """Where one request's keys and values live: context entries, then pending entries."""
+
+    def truncate_context(self, length: int) -> None: ...
+
+    def adopt_pending(self, context_len: int, path: list[int]) -> None:
+        """Append pending entries ``path`` (indices, increasing) to the context (now
+        ``context_len`` long), in order."""
+        ...
+
+    def clear_pending(self) -> None: ...
+
+
+class RequestCache:
+    """Token bookkeeping of one request's KV cache."""
+
+    def __init__(self, storage: KVStorage) -> None:
+        self.storage = storage
+        self.context_tokens: list[int] = []
+        self.pending_tokens: list[int] = []
+        self.pending_parents: list[int] = []
+        self.pending_depths: list[int] = []
+
+    @property
+    def context_len(self) -> int:
+        return len(self.context_tokens)
+
+    @property
+    def pending_len(self) -> int:
+        return len(self.pending_tokens)
+
+    def sync(self, context: Sequence[int], new_round: bool = False) -> list[int]:
+        """Make the cache stand for ``context``; returns the context tokens still to compute.
+
+        Keeps the longest cached prefix of ``context``, adopting pending nodes along the path
+        ``context`` continues with (the accepted path of the last verify step); drops every
+        other pending node. ``new_round``: the caller starts a new tree (its first node attaches
+        to the context), so pending nodes of an earlier round on the same context are dropped.
+        """
+        context = list(context)
+        if context == self.context_tokens:
+            if new_round:
+                self._drop_pending()
+            return []
+        common = 0
+        limit = min(len(context), len(self.context_tokens))
+        while common < limit and context[common] == self.context_tokens[common]:
+            common += 1
+        if common < len(self.context_tokens):
+            self.storage.truncate_context(common)
+            del self.context_tokens[common:]
+        else:
+            path = self._matching_path(context[common:])
+            if path:
+                self.storage.adopt_pending(len(self.context_tokens), path)
+                self.context_tokens.extend(self.pending_tokens[j] for j in path)
+        self._drop_pending()
+        return context[len(self.context_tokens) :]
+
+    def _drop_pending(self) -> None:
+        self.storage.clear_pending()
+        self.pending_tokens.clear()
+        self.pending_parents.clear()
+        self.pending_depths.clear()
+
+    def _matching_path(self, continuation: list[int]) -> list[int]:
+        children: dict[tuple[int, int], int] = {}
+        for j, (t, p) in enumerate(zip(self.pending_tokens, self.pending_parents, strict=True)):
+            children.setdefault((p, t), j)
+        node, path = -1, []
+        for token in continuation:
+            nxt = children.get((node, token))
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        return path
+
+    def record_context(self, tokens: Sequence[int]) -> None:
+        self.context_tokens.extend(int(t) for t in tokens)
+
+    def record_pending(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
+        self.pending_depths.extend(self.node_depths(parents))
+        self.pending_tokens.extend(int(t) for t in tokens)
+        self.pending_parents.extend(int(p) for p in parents)
+
+    def node_depths(self, parents: Sequence[int]) -> list[int]:
+        """Depths (0 = right after the context) of new nodes with these parents."""
+        depths = list(self.pending_depths)
+        out = []
+        for p in parents:
+            if not -1 <= p < len(depths):
+                raise ValueError(f"parent {p} does not name a pending or earlier node")
+            d = 0 if p < 0 else depths[p] + 1
+            depths.append(d)
+            out.append(d)
+        return out
+
+    def ancestors(self, parents: Sequence[int]) -> list[list[int]]:
+        """For each new node, the pending/new node indices it attends to (itself included)."""
+        all_parents = self.pending_parents + list(parents)
+        memo: dict[int, list[int]] = {}
+
+        def anc(j: int) -> list[int]:
+            if j not in memo:
+                p = all_parents[j]
+                memo[j] = ([] if p < 0 else anc(p)) + [j]
+            return memo[j]
+
+        return [anc(len(self.pending_parents) + i) for i in range(len(parents))]
 
 
 class _Buffer:
@@ -38,97 +154,18 @@ class _Buffer:
         self.length = min(self.length, length)
 
 
-class RequestCache:
-    """KV of one request: the committed context plus pending tree nodes."""
+class BufferStorage:
+    """KV in two growable tensors (context, pending): the reference backend's storage."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.context = _Buffer(layers, kv_heads, head_dim, dtype, device)
-        self.context_tokens: list[int] = []
         self.pending = _Buffer(layers, kv_heads, head_dim, dtype, device)
-        self.pending_tokens: list[int] = []
-        self.pending_parents: list[int] = []
-        self.pending_depths: list[int] = []
 
-    def sync(self, context: Sequence[int]) -> list[int]:
-        """Make the cache stand for ``context``; returns the context tokens still to compute.
+    def truncate_context(self, length: int) -> None:
+        self.context.truncate(length)
 
-        Keeps the longest cached prefix of ``context``, adopting pending nodes along the path
-        ``context`` continues with; drops every other pending node.
-        """
-        context = list(context)
-        if context == self.context_tokens:
-            return []
-        common = 0
-        limit = min(len(context), len(self.context_tokens))
-        while common < limit and context[common] == self.context_tokens[common]:
-            common += 1
-        if common < len(self.context_tokens):
-            self.context.truncate(common)
-            del self.context_tokens[common:]
-        else:
-            self._adopt(context[common:])
-        self._clear_pending()
-        return context[len(self.context_tokens) :]
+    def adopt_pending(self, context_len: int, path: list[int]) -> None:
+        self.context.append(self.pending.kv[:, :, :, path])
 
-    def _adopt(self, continuation: list[int]) -> None:
-        node, path = -1, []
-        for token in continuation:
-            nxt = next(
-                (j for j, (t, p) in enumerate(zip(self.pending_tokens, self.pending_parents, strict=True)) if t == token and p == node),
-                None,
-            )
-            if nxt is None:
-                break
-            path.append(nxt)
-            node = nxt
-        if path:
-            self.context.append(self.pending.kv[:, :, :, path])
-            self.context_tokens.extend(self.pending_tokens[j] for j in path)
-
-    def _clear_pending(self) -> None:
+    def clear_pending(self) -> None:
         self.pending.truncate(0)
-        self.pending_tokens.clear()
-        self.pending_parents.clear()
-        self.pending_depths.clear()
-
-    def append_context(self, tokens: Sequence[int], kv: torch.Tensor) -> None:
-        """Store computed context tokens.  kv: [layers, 2, kv_heads, len(tokens), head_dim]"""
-        self.context.append(kv)
-        self.context_tokens.extend(tokens)
-
-    def append_pending(self, tokens: Sequence[int], parents: Sequence[int], kv: torch.Tensor) -> None:
-        for t, p in zip(tokens, parents, strict=True):
-            if not -1 <= p < len(self.pending_tokens):
-                raise ValueError(f"parent {p} does not name a pending node")
-            self.pending_depths.append(0 if p < 0 else self.pending_depths[p] + 1)
-            self.pending_tokens.append(int(t))
-            self.pending_parents.append(int(p))
-        self.pending.append(kv)
-
-    def node_depths(self, parents: Sequence[int]) -> list[int]:
-        """Depths (0 = right after the context) of new nodes with these parents."""
-        depths = list(self.pending_depths)
-        out = []
-        for p in parents:
-            if not -1 <= p < len(depths):
-                raise ValueError(f"parent {p} does not name a pending or earlier node")
-            d = 0 if p < 0 else depths[p] + 1
-            depths.append(d)
-            out.append(d)
-        return out
-
-    def ancestors(self, parents: Sequence[int]) -> list[list[int]]:
-        """For each new node, the pending/new node indices it attends to (itself included)."""
-        chains: list[list[int]] = []
-        all_parents = self.pending_parents + list(parents)
-        memo: dict[int, list[int]] = {}
-
-        def anc(j: int) -> list[int]:
-            if j not in memo:
-                p = all_parents[j]
-                memo[j] = ([] if p < 0 else anc(p)) + [j]
-            return memo[j]
-
-        for i in range(len(parents)):
-            chains.append(anc(len(self.pending_parents) + i))
-        return chains

@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer
 
 from specinfer.core import InvalidArgument
+from specinfer.models.interface import CausalLM
 from specinfer.models.reference import ReferenceBackend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,10 +23,37 @@ def check_checkpoint(path: str | Path, field: str) -> Path:
     return p
 
 
-def load_backend(path: str | Path, field: str, dtype: str = "float32", device: str = "cpu") -> ReferenceBackend:
+BACKENDS = ("auto", "native", "reference")
+
+
+def load_backend(
+    path: str | Path,
+    field: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    backend: str = "auto",
+    kv_cache_bytes: int = 1 << 30,
+    attention: str = "auto",
+) -> CausalLM:
+    """A model backend for the checkpoint at ``path``: ``native`` (our runtime; Llama family and
+    OPT), ``reference`` (any causal LM through transformers) or ``auto`` (native where the
+    architecture is supported)."""
     if dtype not in DTYPES:
         raise InvalidArgument("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return ReferenceBackend.load(check_checkpoint(path, field), dtype=DTYPES[dtype], device=device)
+    if backend not in BACKENDS:
+        raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {backend!r}")
+    path = check_checkpoint(path, field)
+    if backend != "reference":
+        from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
+
+        try:
+            ModelSpec.from_dir(path)
+        except UnsupportedModel as exc:
+            if backend == "native":
+                raise InvalidArgument("backend", f"native backend cannot run {path}: {exc}") from exc
+        else:
+            return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, 0, attention))
+    return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

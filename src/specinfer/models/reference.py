@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from specinfer.models.interface import TreeForward
-from specinfer.models.kv_store import RequestCache
+from specinfer.models.kv_store import BufferStorage, RequestCache
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class ReferenceBackend:
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
+    @property
+    def max_requests(self) -> int | None:
+        return None
+
     def release(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
 
@@ -72,12 +76,12 @@ class ReferenceBackend:
         for item in batch:
             cache = self._caches.get(item.request_id)
             if cache is None:
-                cache = RequestCache(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device)
+                cache = RequestCache(BufferStorage(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device))
                 self._caches[item.request_id] = cache
-            chain = cache.sync(item.context)
+            chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             rows.append((item, cache, chain))
         q_max = max(len(chain) + len(item.tokens) for item, _, chain in rows)
-        p_max = max(cache.context.length + cache.pending.length for _, cache, _ in rows)
+        p_max = max(cache.context_len + cache.pending_len for _, cache, _ in rows)
         n_max = max(len(item.tokens) for item, _, _ in rows)
         bsz = len(rows)
 
@@ -108,14 +112,17 @@ class ReferenceBackend:
                 [torch.stack([layer.keys[b, :, start : start + q_len], layer.values[b, :, start : start + q_len]]) for layer in new_cache.layers]
             )  # [layers, 2, kv_heads, q_len, head_dim]
             m = len(row.chain)
-            row.cache.append_context(row.chain, kv[:, :, :, :m])
-            row.cache.append_pending(item.tokens, item.parents, kv[:, :, :, m:])
+            storage = row.cache.storage
+            storage.context.append(kv[:, :, :, :m])
+            row.cache.record_context(row.chain)
+            storage.pending.append(kv[:, :, :, m:])
+            row.cache.record_pending(item.tokens, item.parents)
             n = len(item.tokens)
             results.append(out.logits[b, n_max - n :].float())  # [n, V]
         return results
 
     def _fill_row(self, b, item, cache, chain, q_max, p_max, input_ids, positions, allowed, key_pos) -> _Row:
-        lc, lp = cache.context.length, cache.pending.length
+        lc, lp = cache.context_len, cache.pending_len
         m, n = len(chain), len(item.tokens)
         off = q_max - m - n
         ctx_len = lc + m  # == len(item.context)
@@ -165,9 +172,9 @@ class ReferenceBackend:
             return DynamicCache()
         data = torch.zeros(self._layers, 2, len(layout), self._kv_heads, p_max, self._head_dim, dtype=self._dtype, device=self._device)
         for b, row in enumerate(layout):
-            lc, lp = row.cache.context.length, row.cache.pending.length
-            data[:, :, b, :, :lc] = row.cache.context.kv
-            data[:, :, b, :, lc : lc + lp] = row.cache.pending.kv
+            lc, lp = row.cache.context_len, row.cache.pending_len
+            data[:, :, b, :, :lc] = row.cache.storage.context.kv
+            data[:, :, b, :, lc : lc + lp] = row.cache.storage.pending.kv
         return DynamicCache(ddp_cache_data=[(data[layer, 0], data[layer, 1]) for layer in range(self._layers)])
 
     # -- model facts -----------------------------------------------------------------------

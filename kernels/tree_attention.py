@@ -1,0 +1,47 @@
+"""Tree attention for the LLM verify step: one entry point choosing between the Triton kernel and PyTorch.
+
+See :mod:`specinfer.kernels.metadata` for the terms (prefix, tree, chain) and the q / KV-cache / mask layouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+
+from .metadata import TreeAttentionMetadata
+from .tree_attention_ref import tree_attention_ref, tree_attention_sdpa
+
+Impl = Literal["auto", "triton", "torch", "ref"]
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def tree_attention(
+    q: torch.Tensor,  # [total_queries, num_heads, head_dim] (total_nodes unless num_queries was given)
+    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
+    """Attention of every tree node (that has a query) to its request's prefix, its ancestors and itself.
+
+    ``impl``: ``"triton"`` forces the fused kernel (on CPU only under ``TRITON_INTERPRET=1``, set before the first
+    call), ``"torch"`` the per-request SDPA-with-mask path, ``"ref"`` the slow fp32 reference, ``"auto"`` the kernel
+    for CUDA tensors when Triton is installed and the SDPA path otherwise. ``sm_scale`` defaults to
+    ``1 / sqrt(head_dim)``.
+    """
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and HAS_TRITON else "torch"
+    if impl == "triton":
+        # Imported here, not at module load: @triton.jit reads TRITON_INTERPRET when the kernel module is imported.
+        from .tree_attention_triton import tree_attention_triton
+
+        return tree_attention_triton(q, k_cache, v_cache, meta, sm_scale)
+    if impl == "torch":
+        return tree_attention_sdpa(q, k_cache, v_cache, meta, sm_scale)
+    if impl == "ref":
+        return tree_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+    raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton', 'torch' or 'ref'")

@@ -1,0 +1,117 @@
+"""PyTorch tree attention: the fp32 reference (test oracle) and the SDPA-with-explicit-mask path.
+
+Both loop over requests and materialise each request's dense ``[num_queries, prefix_len + tree_len]`` mask from its
+*parent array* (not from the packed ``anc_bits`` the kernel reads), so they check the bit packing too.
+See :mod:`specinfer.kernels.metadata` for the terms and layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import TreeAttentionMetadata, ancestor_matrix, is_chain
+
+
+def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean mask of one request: ``mask[i, k]`` is True iff tree node i may attend to key k.  # [n, prefix_len + n]
+
+    Keys ``0 .. prefix_len-1`` are the prefix (always visible); key ``prefix_len + j`` is tree node j, visible iff
+    j is i or an ancestor of i. ``True`` means "attend", as ``scaled_dot_product_attention`` expects.
+    """
+    n = len(parents)
+    mask = torch.ones(n, prefix_len + n, dtype=torch.bool)
+    # A chain's ancestor relation is j <= i; tril avoids the O(n) Python loop for long prefill chains.
+    mask[:, prefix_len:] = torch.ones(n, n, dtype=torch.bool).tril() if is_chain(parents) else torch.from_numpy(ancestor_matrix(parents))
+    return mask.to(device)
+
+
+def _request_views(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Request b's queries ``[nq, H, D]`` and keys/values ``[prefix_len + n, H_kv, D]`` (views, no copies)."""
+    q0, q1 = meta.q_starts[b], meta.q_starts[b + 1]
+    kv0 = meta.kv_starts[b]
+    kv1 = kv0 + meta.prefix_lens[b] + len(meta.parents[b])
+    return q[q0:q1], k_cache[kv0:kv1], v_cache[kv0:kv1]
+
+
+def _query_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
+    """Rows of request b's dense mask that have queries (its last num_queries nodes).  # [nq, prefix_len + n]"""
+    n, nq = len(meta.parents[b]), meta.num_queries[b]
+    return dense_tree_mask(meta.parents[b], meta.prefix_lens[b], device)[n - nq :]
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata) -> int:
+    """Validate shapes; returns the GQA group size ``num_heads // num_kv_heads``."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [T, H, D] and k/v caches [capacity, H_kv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[0] != meta.total_queries:
+        raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.total_queries} queries")
+    if q.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"head_dim differs: q {q.shape[2]} vs cache {k_cache.shape[2]}")
+    if q.shape[1] % k_cache.shape[1] != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[1]}")
+    end = max(s + p + n for s, p, n in zip(meta.kv_starts, meta.prefix_lens, meta.tree_lens, strict=True))
+    if end > k_cache.shape[0]:
+        raise ValueError(f"requests reach KV row {end} but the cache holds {k_cache.shape[0]} rows")
+    return q.shape[1] // k_cache.shape[1]
+
+
+def tree_attention_ref(
+    q: torch.Tensor,  # [total_nodes, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
+    """Reference tree attention: per request, dense fp32 ``softmax(q k^T * scale + mask) v``. Slow and obvious."""
+    group = _check_shapes(q, k_cache, v_cache, meta)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    for b in range(meta.batch_size):
+        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
+        kb = kb.float().repeat_interleave(group, dim=1)  # [L, H, D]; query head h reads kv head h // group
+        vb = vb.float().repeat_interleave(group, dim=1)  # [L, H, D]
+        scores = torch.einsum("qhd,khd->hqk", qb.float(), kb) * scale  # [H, nq, L]
+        scores = scores.masked_fill(~_query_mask(meta, b, q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [H, nq, L]
+        out[meta.q_starts[b] : meta.q_starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vb).to(q.dtype)
+    return out
+
+
+def _cached_dense_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
+    """Request b's dense query mask, built once per metadata (i.e. per verify step) and reused by every layer."""
+    key = (b, str(device))
+    mask = meta._dense_masks.get(key)
+    if mask is None:
+        mask = _query_mask(meta, b, device)
+        meta._dense_masks[key] = mask
+    return mask
+
+
+def tree_attention_sdpa(
+    q: torch.Tensor,  # [total_nodes, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
+    """Tree attention through ``F.scaled_dot_product_attention`` with an explicit boolean mask per request.
+
+    The "SDPA with explicit mask" baseline and the CPU path of :func:`tree_attention`. A chain without prefix
+    (all of whose nodes have queries) uses ``is_causal=True`` instead (same result, lets SDPA pick its flash backend).
+    """
+    group = _check_shapes(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    for b in range(meta.batch_size):
+        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (qb, kb, vb))  # [1, heads, len, D]
+        causal = meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
+        mask = None if causal else _cached_dense_mask(meta, b, q.device)  # [nq, L]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=group > 1)
+        out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
+    return out

@@ -1,0 +1,164 @@
+"""Native backend: our own blocks, a preallocated KV pool and the fused tree-attention kernel.
+
+Implements :class:`specinfer.models.interface.CausalLM`. One forward pass packs, for every
+request, up to two *segments* for the attention kernel: the context tokens the cache lacks (a
+chain: prefill, or a rebuild after a lost cache) and the new tree nodes, which attend to the
+whole context, to their pending ancestors and to themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specinfer.kernels import build_tree_metadata
+from specinfer.models.interface import TreeForward
+from specinfer.models.kv_store import RequestCache
+from specinfer.models.native.kv_pool import KVPool, SlotStorage
+from specinfer.models.native.model import NativeModel
+from specinfer.models.native.spec import ModelSpec
+from specinfer.models.native.weights import build_weights, read_state_dict
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    """``kv_cache_bytes``: memory for the KV pool; ``max_seq_len``: tokens per request slot
+    (0: the model's limit); ``attention``: ``auto`` (Triton on CUDA, PyTorch on CPU),
+    ``triton`` or ``torch``; ``max_tree_nodes``: extra rows per slot for tree nodes beyond the
+    sequence (a tree's nodes share positions, so they need rows but no positions)."""
+
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    kv_cache_bytes: int = 1 << 30
+    max_seq_len: int = 0
+    attention: str = "auto"
+    max_tree_nodes: int = 256
+
+
+def _rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
+    if spec.arch == "opt":
+        return None, 1.0
+    config = AutoConfig.from_pretrained(str(path))
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+        return inv, 1.0
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(scale)
+
+
+class NativeBackend:
+    def __init__(self, spec: ModelSpec, model: NativeModel, options: NativeOptions) -> None:
+        self.spec = spec
+        self.model = model
+        self.options = options
+        self.device = torch.device(options.device)
+        limit = spec.positions_limit
+        self.slot_len = min(limit, options.max_seq_len) if options.max_seq_len else limit
+        rows = self.slot_len + options.max_tree_nodes
+        per_slot = KVPool.bytes_per_token(spec, options.dtype) * rows
+        self.pool = KVPool(spec, options.dtype, self.device, rows, options.kv_cache_bytes // per_slot)
+        self._caches: dict[str, RequestCache] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
+        path = Path(path)
+        spec = ModelSpec.from_dir(path)
+        weights = build_weights(spec, read_state_dict(path), options.dtype, torch.device(options.device))
+        inv_freq, scale = _rope_tables(spec, path)
+        if inv_freq is not None:
+            inv_freq = inv_freq.to(options.device)
+        return cls(spec, NativeModel(spec, weights, inv_freq, scale, options.attention), options)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.slot_len
+
+    @property
+    def max_requests(self) -> int:
+        """Concurrent requests the KV pool holds."""
+        return self.pool.num_slots
+
+    def cached_requests(self) -> list[str]:
+        return list(self._caches)
+
+    def release(self, request_id: str) -> None:
+        cache = self._caches.pop(request_id, None)
+        if cache is not None:
+            self.pool.release(cache.storage.slot)
+
+    def _cache(self, request_id: str) -> RequestCache:
+        cache = self._caches.get(request_id)
+        if cache is None:
+            cache = RequestCache(SlotStorage(self.pool, self.pool.allocate()))
+            self._caches[request_id] = cache
+        return cache
+
+    @torch.inference_mode()
+    def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
+        if not batch:
+            return []
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        seg_parents: list[list[int]] = []
+        seg_prefix: list[int] = []
+        seg_starts: list[int] = []
+        seg_queries: list[int] = []
+        logit_rows: list[int] = []
+        plans = []
+        for item in batch:
+            cache = self._cache(item.request_id)
+            chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
+            lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
+            start = cache.storage.start
+            if lc + m > self.slot_len or lp + n > self.pool.slot_len - lc - m:
+                raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, its slot holds {self.pool.slot_len}")
+            if m:
+                seg_parents.append(list(range(-1, m - 1)))
+                seg_prefix.append(lc)
+                seg_starts.append(start)
+                seg_queries.append(m)
+                tokens.extend(chain)
+                positions.extend(range(lc, lc + m))
+                rows.extend(range(start + lc, start + lc + m))
+            if n:
+                parents = cache.pending_parents + [int(p) for p in item.parents]
+                if any(p < 0 for p in parents[1:]):
+                    raise ValueError("only the first pending node may attach to the context (parent -1)")
+                seg_parents.append(parents)
+                seg_prefix.append(lc + m)
+                seg_starts.append(start)
+                seg_queries.append(n)
+                logit_rows.extend(range(len(tokens), len(tokens) + n))
+                tokens.extend(int(t) for t in item.tokens)
+                positions.extend(d + lc + m for d in cache.node_depths(item.parents))
+                rows.extend(range(start + lc + m + lp, start + lc + m + lp + n))
+            plans.append((item, cache, chain, n))
+        meta = build_tree_metadata(seg_parents, seg_prefix, seg_starts, self.device, num_queries=seg_queries)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            meta,
+            self.pool,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )  # [sum n, vocab]
+        out, offset = [], 0
+        for item, cache, chain, n in plans:
+            cache.record_context(chain)
+            cache.record_pending(item.tokens, item.parents)
+            out.append(logits[offset : offset + n])
+            offset += n
+        return out

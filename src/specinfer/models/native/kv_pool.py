@@ -1,0 +1,71 @@
+"""Preallocated KV cache: one contiguous slot of ``slot_len`` token rows per request.
+
+The pool is allocated once from a memory budget; a request holds a slot from its first
+forward until it is released. Inside a slot, rows ``[0, context_len)`` hold the committed
+context and the pending tree nodes follow, which is the layout the tree-attention kernel reads
+(:mod:`specinfer.kernels.metadata`). Adopting the accepted path compacts it in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specinfer.models.native.spec import ModelSpec
+
+
+class KVCacheFull(RuntimeError):
+    """No free slot: more concurrent requests than the KV budget holds."""
+
+
+class KVPool:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, slot_len: int, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError("the KV budget does not hold a single slot; raise the budget or lower max_seq_len")
+        self.slot_len = slot_len
+        self.num_slots = num_slots
+        shape = (spec.layers, num_slots * slot_len, spec.kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, capacity, kv_heads, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+        return 2 * spec.layers * spec.kv_heads * spec.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise KVCacheFull(f"all {self.num_slots} KV slots ({self.slot_len} tokens each) are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows ``src`` to rows ``dst`` in every layer (gathered first, so overlap is safe)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+class SlotStorage:
+    """:class:`specinfer.models.kv_store.KVStorage` on one slot of a :class:`KVPool`."""
+
+    def __init__(self, pool: KVPool, slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.start = slot * pool.slot_len
+
+    def truncate_context(self, length: int) -> None:
+        """Nothing to free: rows past the context are overwritten by the next forward."""
+
+    def adopt_pending(self, context_len: int, path: list[int]) -> None:
+        src = torch.tensor(path, dtype=torch.long) + self.start + context_len
+        dst = torch.arange(len(path), dtype=torch.long) + self.start + context_len
+        if not torch.equal(src, dst):
+            self.pool.move(src.to(self.pool.k.device), dst.to(self.pool.k.device))
+
+    def clear_pending(self) -> None:
+        """Pending rows are simply overwritten later."""

@@ -1,0 +1,108 @@
+"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2) and OPT forward pass over packed tokens.
+
+Every token of every request of a batch is one row of the packed activations; attention reads
+and writes the :class:`KVPool` through the tree-attention kernel, whose per-step metadata is
+built once by the backend and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from specinfer.kernels import TreeAttentionMetadata, tree_attention
+from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.spec import ModelSpec
+from specinfer.models.native.weights import ModelWeights
+
+OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
+
+
+class NativeModel:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, inv_freq: torch.Tensor | None, rope_scale: float, attention_impl: str) -> None:
+        self.spec = spec
+        self.w = weights
+        self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
+        self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
+        self.attention_impl = attention_impl
+        self.act = ACT2FN[spec.activation]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache_rows: torch.Tensor,  # [T] int64, pool row where each token's K/V go
+        meta: TreeAttentionMetadata,
+        pool: KVPool,
+        logit_rows: torch.Tensor,  # [N] int64, rows whose logits are wanted
+    ) -> torch.Tensor:  # [N, vocab] float32
+        spec, w = self.spec, self.w
+        h = F.embedding(tokens, w.embed)  # [T, word_embed_dim]
+        if spec.arch == "opt":
+            if w.project_in is not None:
+                h = F.linear(h, w.project_in)
+            h = h + F.embedding(positions + OPT_POSITION_OFFSET, w.positions)
+            rope = None
+        else:
+            rope = self._rope(positions, h.dtype)
+        for i, layer in enumerate(w.layers):
+            h = self._layer(i, layer, h, rope, cache_rows, meta, pool)
+        h = h[logit_rows]  # [N, hidden]
+        if spec.arch == "opt":
+            if w.final_norm_w is not None or w.final_norm_b is not None:
+                h = F.layer_norm(h, (spec.hidden_size,), w.final_norm_w, w.final_norm_b, spec.norm_eps)
+            if w.project_out is not None:
+                h = F.linear(h, w.project_out)
+        else:
+            h = F.rms_norm(h, (spec.hidden_size,), w.final_norm_w, spec.norm_eps)
+        return F.linear(h, w.lm_head).float()
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
+        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, head_dim]
+        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
+        return cos, sin
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, i, layer, x, rope, cache_rows, meta, pool) -> torch.Tensor:
+        spec = self.spec
+        t = x.shape[0]
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (heads + 2 * kv_heads) * head_dim]
+        q_size, kv_size = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)  # [T, heads, head_dim]
+        k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)  # [T, kv_heads, head_dim]
+        v = qkv[:, q_size + kv_size :].view(t, spec.kv_heads, spec.head_dim)
+        if rope is not None:
+            q = self._rotate(q, *rope)
+            k = self._rotate(k, *rope)
+        pool.k[i][cache_rows] = k
+        pool.v[i][cache_rows] = v
+        out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
+        return F.linear(out.reshape(t, q_size), layer.o_w, layer.o_b)
+
+    def _layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
+        spec = self.spec
+        if spec.arch == "opt":
+            dims = (spec.hidden_size,)
+            before = spec.layer_norm_before
+            x = F.layer_norm(h, dims, layer.norm1_w, layer.norm1_b, spec.norm_eps) if before else h
+            h = h + self._attention(i, layer, x, rope, cache_rows, meta, pool)
+            if not before:
+                h = F.layer_norm(h, dims, layer.norm1_w, layer.norm1_b, spec.norm_eps)
+            x = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps) if before else h
+            h = h + F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b)
+            if not before:
+                h = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps)
+            return h
+        dims = (spec.hidden_size,)
+        h = h + self._attention(i, layer, F.rms_norm(h, dims, layer.norm1_w, spec.norm_eps), rope, cache_rows, meta, pool)
+        gate_up = F.linear(F.rms_norm(h, dims, layer.norm2_w, spec.norm_eps), layer.up_w)  # [T, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)

@@ -1,0 +1,128 @@
+"""The native backend matches ``transformers`` logits (fp32) for prefill and tree-verify steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+
+from specinfer.models.interface import TreeForward
+from specinfer.models.native import KVCacheFull, NativeBackend, NativeOptions
+
+TOL = 1e-4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|"""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _tiny_configs():
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+    return {
+        "llama-gqa": LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False),
+        "llama3-rope": LlamaConfig(
+            **common,
+            num_key_value_heads=1,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=512),
+        "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+        "opt": OPTConfig(
+            vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64
+        ),
+        "opt-project": OPTConfig(
+            vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32
+        ),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_tiny_configs()))
+def checkpoint(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = _tiny_configs()[request.param]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a forgotten term shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _hf_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
+
+
+def test_prefill_and_tree_steps_match_transformers(checkpoint):
+    path, hf = checkpoint
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
+    # prefill: the whole prompt as a chain (context empty) -> logits after every token
+    chains = native.forward_tree([TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
+    for p, logits in zip(prompts, chains, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        assert _rel(logits, ref) < TOL
+    # tree verify on top of the cached prompts: root = last prompt token, branches
+    tokens, parents = [0, 5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2, 4]
+    for step in range(2):
+        items = []
+        for i, p in enumerate(prompts):
+            tree_tokens = [p[-1]] + [(t * (i + 3) + step) % 97 for t in tokens[1:]]
+            items.append(TreeForward(f"r{i}", p[:-1], tree_tokens, parents))
+        out = native.forward_tree(items)
+        for item, logits in zip(items, out, strict=True):
+            seqs = []
+            for node in range(len(tokens)):
+                path, u = [], node
+                while u >= 0:
+                    path.append(item.tokens[u])
+                    u = parents[u]
+                seqs.append(list(item.context) + path[::-1])
+            assert _rel(logits, _hf_last_logits(hf, seqs)) < TOL
+        # accept node 3's path (root, 1, 3) + a bonus token: the next context adopts it
+        prompts = [list(item.context) + [item.tokens[0], item.tokens[1], item.tokens[3], 11] for item in items]
+
+
+def test_incremental_expansion_and_cache_rebuild(checkpoint):
+    """SSM-style calls (root, then frontier nodes attached to earlier ones) and a context that
+    diverges from the cache (truncation) both give transformers' logits."""
+    path, hf = checkpoint
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    ctx = list(range(10, 30))
+    root = native.forward_tree([TreeForward("a", ctx[:-1], [ctx[-1]], [-1])])[0]
+    assert _rel(root, _hf_last_logits(hf, [ctx])) < TOL
+    kids = native.forward_tree([TreeForward("a", ctx[:-1], [40, 41], [0, 0])])[0]
+    assert _rel(kids, _hf_last_logits(hf, [ctx + [40], ctx + [41]])) < TOL
+    grand = native.forward_tree([TreeForward("a", ctx[:-1], [50], [2])])[0]
+    assert _rel(grand, _hf_last_logits(hf, [ctx + [41, 50]])) < TOL
+    # the context moved on along 41 then diverged from the cache further back
+    new_ctx = ctx[:5] + [1, 2, 3]
+    out = native.forward_tree([TreeForward("a", new_ctx, [4], [-1])])[0]
+    assert _rel(out, _hf_last_logits(hf, [new_ctx + [4]])) < TOL
+    adopted = native.forward_tree([TreeForward("a", ctx + [41], [50], [-1])])[0]
+    assert _rel(adopted, _hf_last_logits(hf, [ctx + [41, 50]])) < TOL
+
+
+def test_kv_budget_is_enforced(checkpoint):
+    path, _ = checkpoint
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 20, max_seq_len=64, max_tree_nodes=0))
+    slots = native.max_requests
+    assert slots >= 1
+    for i in range(slots):
+        native.forward_tree([TreeForward(f"r{i}", [], [1, 2], [-1, 0])])
+    with pytest.raises(KVCacheFull):
+        native.forward_tree([TreeForward("one-too-many", [], [1], [-1])])
+    native.release("r0")
+    native.forward_tree([TreeForward("one-too-many", [], [1], [-1])])
