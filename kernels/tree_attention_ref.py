@@ -83,12 +83,14 @@ def tree_attention_ref(
     return out
 
 
-def _cached_dense_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
-    """Request b's dense query mask, built once per metadata (i.e. per verify step) and reused by every layer."""
-    key = (b, str(device))
+def _cached_additive_mask(meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Request b's query mask as an additive float mask (0 = attend, -inf = not), built once per metadata (i.e.
+    per verify step) and reused by every layer. Float, not bool: CPU SDPA is several times slower with bool masks."""
+    key = (b, f"{device}/{dtype}")
     mask = meta._dense_masks.get(key)
     if mask is None:
-        mask = _query_mask(meta, b, device)
+        allowed = _query_mask(meta, b, device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         meta._dense_masks[key] = mask
     return mask
 
@@ -109,9 +111,10 @@ def tree_attention_sdpa(
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
         qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
-        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (qb, kb, vb))  # [1, heads, len, D]
+        # head-major copies: the token-major cache slices are strided, which CPU SDPA handles far slower
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
         causal = meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
-        mask = None if causal else _cached_dense_mask(meta, b, q.device)  # [nq, L]
+        mask = None if causal else _cached_additive_mask(meta, b, q.device, q.dtype)  # [nq, L]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=group > 1)
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
     return out

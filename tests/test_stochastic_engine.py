@@ -17,6 +17,8 @@ from stats import chi_square_pvalue
 
 from specinfer.core import ExpansionConfig, SamplingParams, VerifyResult, process_logits
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.engine import engine as engine_module
+from specinfer.models.interface import TreeForward
 from specinfer.models.reference import ReferenceBackend
 from specinfer.models.tiny import tiny_llama
 
@@ -69,17 +71,18 @@ def sample_engine(engine: SpeculativeEngine, params: SamplingParams, spec: Specu
     return counts
 
 
-class AlwaysAcceptEngine(SpeculativeEngine):
-    """Deliberately wrong: accepts the first drafted child at every node."""
-
-    @staticmethod
-    def _verify(state, draft, logits):
-        tree, u, path = draft.tree, 0, []
+def always_accept_verify(llm, jobs):
+    """Deliberately wrong verification: accepts the first drafted child at every node."""
+    logits = llm.forward_tree([TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs])
+    results = []
+    for job, node_logits in zip(jobs, logits, strict=True):
+        tree, u, path = job.draft.tree, 0, []
         while tree.children[u]:
             u = tree.children[u][0]
             path.append(u)
-        p = process_logits(logits[u].numpy(), state.request.sampling)
-        return VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path), int(state.rng.choice(p.size, p=p)))
+        p = process_logits(node_logits[u].numpy(), job.sampling)
+        results.append(VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path), int(job.rng.choice(p.size, p=p))))
+    return results
 
 
 CASES = {
@@ -88,9 +91,9 @@ CASES = {
 }
 
 
-def _engine(models, cls=SpeculativeEngine):
+def _engine(models):
     llm, a, b = models
-    return cls(ReferenceBackend(llm), [ReferenceBackend(a), ReferenceBackend(b)], EngineConfig(max_batch=2500))
+    return SpeculativeEngine(ReferenceBackend(llm), [ReferenceBackend(a), ReferenceBackend(b)], EngineConfig(max_batch=2500))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -102,9 +105,10 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
     assert pvalue > 0.001, f"p-value {pvalue}"
 
 
-def test_always_accepting_verifier_fails(models):
+def test_always_accepting_verifier_fails(models, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_trees", always_accept_verify)
     params, spec = CASES["one-ssm-width-3"]
-    counts = sample_engine(_engine(models, AlwaysAcceptEngine), params, spec)
+    counts = sample_engine(_engine(models), params, spec)
     assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 1e-6
 
 

@@ -121,17 +121,38 @@ def _demo_models() -> tuple[Path, Path, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="speculative generation in this process")
-    gen.add_argument("--llm", required=True, help="Hugging Face checkpoint folder of the LLM")
+    gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
+    gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
+    gen.add_argument("--llm", help="Hugging Face checkpoint folder of the LLM (in-process generation)")
     gen.add_argument("--ssm", action="append", default=[], help="checkpoint folder of an SSM (repeat for several: trees are merged)")
     _add_generation_flags(gen)
     gen.add_argument("prompt", nargs="+", help="prompt text(s); several are generated as one batch")
+    up = sub.add_parser("up", help="start Redis, the request manager, SSM workers and the verifier as local processes")
+    up.add_argument("--llm", help="LLM checkpoint folder (default: the demo pair)")
+    up.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several; default: the demo pair's)")
+    up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
+    up.add_argument("--port", type=int, default=50051, help="public API port")
+    up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
+    up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
+    up.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
     demo = sub.add_parser("demo", help="generate a few prompts with the demo model pair")
     _add_generation_flags(demo)
     demo.add_argument("--prompts", type=int, default=2, help="how many prompts of the demo set")
     args = parser.parse_args(argv)
     try:
+        if args.command == "up":
+            from specinfer.launcher import StackConfig, run_up
+
+            llm, ssms = (Path(args.llm), tuple(Path(s) for s in args.ssm)) if args.llm else _demo_models()[:2]
+            if not isinstance(ssms, tuple):
+                ssms = (ssms,)
+            cfg = StackConfig(llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, args.expansion)
+            return run_up(cfg)
+        if args.command == "generate" and args.server:
+            return _generate_remote(args)
         if args.command == "generate":
+            if not args.llm:
+                raise InvalidArgument("llm", "give --llm (in-process) or --server (a running stack)")
             run_generate(_build_config(args, args.llm, args.ssm, args.prompt))
         else:
             llm, ssm, what = _demo_models()
@@ -140,6 +161,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidArgument as exc:
         print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream each prompt's text from a running request manager."""
+    import grpc
+
+    from specinfer.client import Client
+
+    with Client(args.server) as client:
+        for prompt in args.prompt:
+            request = Client.request(
+                prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                expansion=() if args.no_speculation else ExpansionConfig.parse(args.expansion).widths,
+                speculation=not args.no_speculation,
+            )
+            try:
+                for msg in client.stream(request):
+                    print(msg.text, end="", flush=True)
+                    if msg.HasField("finished"):
+                        u = msg.finished.usage
+                        print(f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps ({u.tokens_per_step:.2f} tokens/step)", flush=True)
+            except grpc.RpcError as exc:
+                print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from specinfer.kernels import (
     TreeAttentionMetadata,
     build_tree_metadata,

@@ -18,24 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from specinfer.core import (
-    DraftTree,
-    ExpansionConfig,
-    InvalidArgument,
-    TokenTree,
-    TreeBuilder,
-    draw_without_replacement,
-    merge_drafts,
-    process_logits,
-    sparsify,
-    top_k_tokens,
-    verify_greedy,
-    verify_stochastic,
-)
-from specinfer.engine.requests import GenerationRequest, GenerationResult, StepStats
-from specinfer.models.interface import CausalLM, TreeForward
+from specinfer.core import DraftTree, ExpansionConfig, InvalidArgument, TokenTree, merge_drafts
+from specinfer.core.requests import GenerationRequest, GenerationResult, StepStats, commit_tokens
+from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
+from specinfer.models.interface import CausalLM
 
 
 @dataclass(frozen=True)
@@ -47,6 +34,18 @@ class EngineConfig:
     eos_token_id: int | None = None
 
 
+VERIFY_STREAM = 0  # random stream IDs within a step: 0 verifies, 1 + i drafts with SSM i
+
+
+def step_rng(seed: int, step: int, stream: int) -> np.random.Generator:
+    """The random stream of one role in one verify step of a request.
+
+    Derived from (request seed, step, role) alone, so the same seed gives the same output in
+    process and through the services, whichever worker drafts or verifies a step.
+    """
+    return np.random.default_rng([seed, step, stream])
+
+
 class _Active:
     """Mutable state of one running request."""
 
@@ -54,7 +53,11 @@ class _Active:
         self.request = request
         self.committed = list(request.prompt_tokens)
         self.result = GenerationResult(request.request_id, request.prompt_tokens)
-        self.rng = np.random.default_rng(request.sampling.seed)
+        seed = request.sampling.seed
+        self.seed = int(np.random.SeedSequence().entropy % (1 << 63)) if seed is None else seed
+
+    def rng(self, stream: int) -> np.random.Generator:
+        return step_rng(self.seed, len(self.result.steps), stream)
 
     @property
     def remaining(self) -> int:
@@ -144,12 +147,9 @@ class SpeculativeEngine:
         if not states:
             return []
         drafts = self._speculate(states)
-        logits = self.llm.forward_tree(
-            [TreeForward(s.request.request_id, s.committed[:-1], d.tree.tokens, d.tree.parents) for s, d in zip(states, drafts, strict=True)]
-        )
+        jobs = [VerifyJob(s.request.request_id, s.committed[:-1], d, s.request.sampling, s.rng(VERIFY_STREAM)) for s, d in zip(states, drafts, strict=True)]
         finished = []
-        for state, draft, node_logits in zip(states, drafts, logits, strict=True):
-            result = self._verify(state, draft, node_logits)
+        for state, draft, result in zip(states, drafts, verify_trees(self.llm, jobs), strict=True):
             if self._commit(state, draft.tree, result):
                 finished.append(state.result)
                 del self._active[state.request.request_id]
@@ -157,29 +157,21 @@ class SpeculativeEngine:
         return finished
 
     def _speculate(self, states: list[_Active]) -> list[DraftTree]:
+        """Every SSM drafts for the requests that name it; several trees per request merge."""
         per_request: list[list[DraftTree]] = [[] for _ in states]
         for ssm_index, ssm in enumerate(self.ssms):
-            builders: dict[int, TreeBuilder] = {}
+            jobs, owners = [], []
             for i, s in enumerate(states):
                 spec = s.request.speculation
                 # the bonus token always comes on top, so never draft past the token budget
                 depth = min(spec.expansion.depth, s.remaining - 1) if spec else 0
                 if spec is not None and ssm_index in spec.ssms and depth > 0:
-                    builders[i] = TreeBuilder(s.committed[-1], ExpansionConfig(spec.expansion.widths[:depth]))
-            while builders:
-                order = list(builders)
-                items = []
-                for i in order:
-                    frontier = builders[i].frontier()
-                    items.append(
-                        TreeForward(states[i].request.request_id, states[i].committed[:-1], builders[i].tokens_of(frontier), builders[i].parents_of(frontier))
-                    )
-                for i, node_logits in zip(order, ssm.forward_tree(items), strict=True):
-                    b = builders[i]
-                    b.expand([self._propose(states[i], row, b.width()) for row in node_logits])
-                    if b.done:
-                        per_request[i].append(b.build())
-                        del builders[i]
+                    expansion = ExpansionConfig(spec.expansion.widths[:depth])
+                    rng = s.rng(1 + ssm_index)
+                    jobs.append(DraftJob(s.request.request_id, s.committed[:-1], s.committed[-1], expansion, s.request.sampling, spec.draft_support, rng))
+                    owners.append(i)
+            for i, tree in zip(owners, draft_trees(ssm, jobs) if jobs else [], strict=True):
+                per_request[i].append(tree)
         out = []
         for s, trees in zip(states, per_request, strict=True):
             if not trees:
@@ -188,41 +180,14 @@ class SpeculativeEngine:
                 out.append(trees[0] if len(trees) == 1 else merge_drafts(trees))
         return out
 
-    @staticmethod
-    def _propose(state: _Active, logits: torch.Tensor, width: int):
-        params = state.request.sampling
-        if params.greedy:
-            return top_k_tokens(logits.numpy(), width), None
-        q = sparsify(process_logits(logits.numpy(), params), state.request.speculation.draft_support)
-        return draw_without_replacement(q, width, state.rng), q
-
-    @staticmethod
-    def _verify(state: _Active, draft: DraftTree, logits: torch.Tensor):
-        params = state.request.sampling
-        if params.greedy:
-            return verify_greedy(draft.tree, logits.argmax(dim=-1).numpy())
-        return verify_stochastic(draft, lambda node: process_logits(logits[node].numpy(), params), state.rng)
-
     def _commit(self, state: _Active, tree: TokenTree, result) -> bool:
         """Append the step's tokens; True when the request is finished."""
         req = state.request
-        stops = set(req.stop_token_ids)
         eos = None if req.ignore_eos else self.config.eos_token_id
-        committed = 0
-        reason = None
-        for token in result.new_tokens:
-            state.committed.append(token)
-            state.result.output_tokens.append(token)
-            committed += 1
-            if token == eos:
-                reason = "eos"
-            elif token in stops:
-                reason = "stop"
-            elif state.remaining <= 0:
-                reason = "length"
-            if reason:
-                break
-        state.result.steps.append(StepStats(len(tree), result.num_accepted, result.bonus_token, committed))
+        tokens, reason = commit_tokens(result.new_tokens, state.remaining, eos, frozenset(req.stop_token_ids))
+        state.committed.extend(tokens)
+        state.result.output_tokens.extend(tokens)
+        state.result.steps.append(StepStats(len(tree), result.num_accepted, result.bonus_token, len(tokens)))
         state.result.finish_reason = reason
         return reason is not None
 

@@ -81,8 +81,13 @@ class ReferenceBackend:
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             rows.append((item, cache, chain))
         q_max = max(len(chain) + len(item.tokens) for item, _, chain in rows)
+        if q_max == 0:  # every cache already holds its context and no nodes came (a prefill that is up to date)
+            return [torch.empty(0, self.vocab_size) for _ in rows]
         p_max = max(cache.context_len + cache.pending_len for _, cache, _ in rows)
         n_max = max(len(item.tokens) for item, _, _ in rows)
+        # transformers reads logits_to_keep=0 as "keep every position", so keep at least one row
+        # (a prefill sends no nodes) and slice each request's n rows from the end
+        keep = max(n_max, 1)
         bsz = len(rows)
 
         input_ids = torch.zeros(bsz, q_max, dtype=torch.long)  # [B, Q]
@@ -101,7 +106,7 @@ class ReferenceBackend:
             attention_mask=mask,
             past_key_values=past,
             use_cache=True,
-            logits_to_keep=n_max,
+            logits_to_keep=keep,
         )
         new_cache = out.past_key_values
         results = []
@@ -118,7 +123,7 @@ class ReferenceBackend:
             storage.pending.append(kv[:, :, :, m:])
             row.cache.record_pending(item.tokens, item.parents)
             n = len(item.tokens)
-            results.append(out.logits[b, n_max - n :].float())  # [n, V]
+            results.append(out.logits[b, keep - n :].float())  # [n, V]
         return results
 
     def _fill_row(self, b, item, cache, chain, q_max, p_max, input_ids, positions, allowed, key_pos) -> _Row:

@@ -145,6 +145,8 @@ class NativeBackend:
                 positions.extend(d + lc + m for d in cache.node_depths(item.parents))
                 rows.extend(range(start + lc + m + lp, start + lc + m + lp + n))
             plans.append((item, cache, chain, n))
+        if not tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in plans]
         meta = build_tree_metadata(seg_parents, seg_prefix, seg_starts, self.device, num_queries=seg_queries)
         dev = self.device
         logits = self.model.forward(

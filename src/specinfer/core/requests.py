@@ -1,10 +1,12 @@
-"""Requests, results and per-step statistics of the in-process engine."""
+"""Generation requests, results and per-step statistics (pure data, shared by the engine and the services)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.drafts import ExpansionConfig
+from specinfer.core.errors import InvalidArgument
+from specinfer.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,19 @@ class GenerationResult:
     @property
     def mean_accepted(self) -> float:
         return sum(s.accepted for s in self.steps) / max(1, len(self.steps))
+
+
+def commit_tokens(new_tokens: tuple[int, ...], remaining: int, eos_token_id: int | None, stop_token_ids: frozenset[int]) -> tuple[tuple[int, ...], str | None]:
+    """The prefix of a step's tokens (accepted + bonus) to commit, and the finish reason if the
+    request ends with them: ``eos`` / ``stop`` include the stopping token, ``length`` cuts at
+    ``remaining`` tokens."""
+    out = []
+    for token in new_tokens:
+        out.append(token)
+        if token == eos_token_id:
+            return tuple(out), "eos"
+        if token in stop_token_ids:
+            return tuple(out), "stop"
+        if len(out) >= remaining:
+            return tuple(out), "length"
+    return tuple(out), None

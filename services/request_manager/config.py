@@ -1,0 +1,102 @@
+"""Request-manager configuration, built once from flags / SPECINFER_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.core import ExpansionConfig
+from specinfer.serving.config import add_setting, split_list
+
+
+@dataclass(frozen=True)
+class RequestManagerConfig:
+    host: str
+    port: int
+    port_file: str
+    redis_url: str  # empty: start an embedded Redis under state_dir
+    redis_password: str
+    state_dir: str
+    ssm_workers: tuple[str, ...]
+    verifier: str
+    model_dir: str  # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
+    expansion: tuple[int, ...]  # default expansion config; empty: no speculation by default
+    default_ssms: tuple[str, ...]
+    draft_support: int
+    max_batch: int
+    max_queue: int
+    max_new_tokens: int
+    owner: str
+    result_ttl_seconds: float
+    rpc_timeout_seconds: float
+    grace_seconds: float
+    log_level: str
+
+    @staticmethod
+    def parser() -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
+        add_setting(p, "--host", str, "127.0.0.1", "address to listen on")
+        add_setting(p, "--port", int, 50051, "public API port (0: pick a free one)")
+        add_setting(p, "--port-file", str, "", "write the bound port to this file once serving")
+        add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
+        add_setting(p, "--redis-password", str, "", "Redis password")
+        add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
+        add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses (host:port)")
+        add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
+        add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
+        add_setting(p, "--expansion", str, "1,1,3,1,1,1,1,1", "default expansion config (widths per depth); 'none' disables speculation")
+        add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
+        add_setting(p, "--draft-support", int, 32, "most tokens of a sparse draft distribution")
+        add_setting(p, "--max-batch", int, 32, "most requests per iteration")
+        add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
+        add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")
+        add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner)")
+        add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
+        add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
+        add_setting(p, "--grace-seconds", float, 10.0, "shutdown grace period")
+        add_setting(p, "--log-level", str, "INFO", "log level")
+        return p
+
+    @staticmethod
+    def from_args(argv: Sequence[str] | None = None) -> RequestManagerConfig:
+        a = RequestManagerConfig.parser().parse_args(argv)
+        expansion = () if a.expansion.strip().lower() in ("", "none", "off") else ExpansionConfig.parse(a.expansion).widths
+        return RequestManagerConfig(
+            host=a.host,
+            port=a.port,
+            port_file=a.port_file,
+            redis_url=a.redis_url,
+            redis_password=a.redis_password,
+            state_dir=a.state_dir,
+            ssm_workers=tuple(split_list(a.ssm_workers)),
+            verifier=a.verifier,
+            model_dir=a.model_dir,
+            expansion=expansion,
+            default_ssms=tuple(split_list(a.default_ssms)),
+            draft_support=a.draft_support,
+            max_batch=a.max_batch,
+            max_queue=a.max_queue,
+            max_new_tokens=a.max_new_tokens,
+            owner=a.owner,
+            result_ttl_seconds=a.result_ttl_seconds,
+            rpc_timeout_seconds=a.rpc_timeout_seconds,
+            grace_seconds=a.grace_seconds,
+            log_level=a.log_level,
+        )
+
+
+def model_eos(model_dir: str) -> int | None:
+    """EOS token of the LLM: generation_config.json, else config.json (first of a list)."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_dir) / name
+        if model_dir and f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    return None

@@ -1,0 +1,301 @@
+"""The request manager's serving loop: continuous batching over remote SSM workers and verifier.
+
+Each iteration admits waiting requests (up to ``max_batch`` running), drops cancelled or
+expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
+has the verifier check every tree in one call, and commits: tokens are persisted in Redis
+*before* they are published to the client streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specinfer.core import DraftTree, ExpansionConfig, TokenTree, merge_drafts
+from specinfer.core.requests import GenerationRequest, StepStats, commit_tokens
+from specinfer.request_manager.remote import DraftCall, SsmWorkers, Verdict, Verifier, VerifyCall
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.text import TextStream
+
+log = logging.getLogger("specinfer.request_manager")
+
+
+class QueueFull(Exception):
+    """Admission refused: the waiting queue is at its bound."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``max_batch``: most running requests per iteration; ``max_queue``: most waiting ones;
+    ``ssm_names``: the SSMs in a fixed order (a request's random stream for SSM i is 1 + i)."""
+
+    max_batch: int
+    max_queue: int
+    ssm_names: tuple[str, ...]
+    eos_token_id: int | None
+    owner: str = "default"
+    verifier_backoff_seconds: float = 0.5
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    llm_steps: int
+    mean_accepted: float
+    tokens_per_step: float
+    mean_tree_size: float
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "length" | "eos" | "stop" | "cancelled" | "error"
+    usage: Usage
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New committed tokens of a request (``offset``: index of the first in its output)."""
+
+    offset: int
+    tokens: tuple[int, ...]
+    text: str
+    finished: Finish | None = None
+
+
+@dataclass
+class Live:
+    """A request the scheduler is running (the Redis record is the durable copy)."""
+
+    request: GenerationRequest
+    seed: int
+    stop_strings: tuple[str, ...] = ()
+    text: TextStream | None = None
+    deadline: float | None = None  # time.monotonic() after which the request is abandoned
+    output: list[int] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    subscribers: list[asyncio.Queue] = field(default_factory=list)
+    stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
+    finished: Finish | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def committed(self) -> list[int]:
+        return list(self.request.prompt_tokens) + self.output
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.output)
+
+    def usage(self) -> Usage:
+        n = max(1, len(self.steps))
+        return Usage(
+            prompt_tokens=len(self.request.prompt_tokens),
+            completion_tokens=len(self.output),
+            llm_steps=len(self.steps),
+            mean_accepted=sum(s.accepted for s in self.steps) / n,
+            tokens_per_step=len(self.output) / n,
+            mean_tree_size=sum(s.tree_size for s in self.steps) / n,
+        )
+
+    def publish(self, event: StreamEvent) -> None:
+        for q in self.subscribers:
+            q.put_nowait(event)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, store: RequestStore, workers: SsmWorkers | None, verifier: Verifier) -> None:
+        self.config = config
+        self.store = store
+        self.workers = workers
+        self.verifier = verifier
+        self._waiting: deque[Live] = deque()
+        self._active: dict[str, Live] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.iterations = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def get(self, request_id: str) -> Live | None:
+        live = self._active.get(request_id)
+        if live is None:
+            live = next((w for w in self._waiting if w.request_id == request_id), None)
+        return live
+
+    def is_queued(self, request_id: str) -> bool:
+        return any(w.request_id == request_id for w in self._waiting)
+
+    def check_room(self) -> None:
+        """Raises :class:`QueueFull` when no new request can wait."""
+        if len(self._waiting) >= self.config.max_queue:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+
+    async def submit(self, live: Live) -> None:
+        """Enqueue a new (already persisted) request; raises :class:`QueueFull` when the queue is full."""
+        self.check_room()
+        self._waiting.append(live)
+        self._wake.set()
+
+    def resume(self, live: Live) -> None:
+        """Re-enqueue a request recovered from Redis (no queue bound: it was admitted before)."""
+        self._waiting.append(live)
+        self._wake.set()
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        live = self.get(request_id)
+        if live is None or live.finished is not None:
+            return False
+        live.stop_reason = live.stop_reason or reason
+        self._wake.set()
+        return True
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting)"""
+        return len(self._active), len(self._waiting)
+
+    # -- loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self._stopping:
+            if not self._active and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self.iteration()
+            except Exception:  # one broken iteration must not end the service
+                log.exception("iteration failed")
+                await asyncio.sleep(self.config.verifier_backoff_seconds)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def iteration(self) -> None:
+        while self._waiting and len(self._active) < self.config.max_batch:
+            live = self._waiting.popleft()
+            self._active[live.request_id] = live
+        now = time.monotonic()
+        for live in list(self._active.values()):
+            if live.stop_reason is None and live.deadline is not None and now > live.deadline:
+                live.stop_reason = "cancelled"
+            if live.stop_reason is not None:
+                await self._finish(live, live.stop_reason)
+        batch = list(self._active.values())
+        if not batch:
+            return
+        self.iterations += 1
+        drafts = await self._speculate(batch)
+        calls = [VerifyCall(lv.request_id, lv.committed[:-1], drafts[lv.request_id], lv.request.sampling, lv.seed, len(lv.steps)) for lv in batch]
+        try:
+            verdicts = await self.verifier.verify(calls)
+        except grpc.aio.AioRpcError as exc:
+            # the verifier is down or restarting: requests wait, caches are rebuilt when it is back
+            log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details()})
+            self.verifier.lost_caches()
+            await asyncio.sleep(self.config.verifier_backoff_seconds)
+            return
+        for live in batch:
+            if live.request_id in self._active:
+                await self._commit(live, drafts[live.request_id], verdicts[live.request_id])
+
+    async def _speculate(self, batch: Sequence[Live]) -> dict[str, DraftTree]:
+        per_request: dict[str, list[DraftTree]] = {lv.request_id: [] for lv in batch}
+        tasks, names = [], []
+        for index, name in enumerate(self.config.ssm_names):
+            calls = []
+            for lv in batch:
+                spec = lv.request.speculation
+                # the bonus token always comes on top, so never draft past the token budget
+                depth = min(spec.expansion.depth, lv.remaining - 1) if spec else 0
+                if spec is not None and index in spec.ssms and depth > 0:
+                    calls.append(
+                        DraftCall(
+                            lv.request_id,
+                            lv.committed[:-1],
+                            lv.committed[-1],
+                            ExpansionConfig(spec.expansion.widths[:depth]),
+                            lv.request.sampling,
+                            spec.draft_support,
+                            lv.seed,
+                            len(lv.steps),
+                            1 + index,
+                        )
+                    )
+            if calls and self.workers is not None:
+                tasks.append(self.workers.speculate(name, calls))
+                names.append(name)
+        for name, result in zip(names, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+            if isinstance(result, BaseException):
+                # a failed SSM costs speed, not answers: its requests verify smaller trees
+                log.warning("speculation failed", extra={"ssm": name, "error": repr(result)})
+                continue
+            for rid, tree in result.items():
+                per_request[rid].append(tree)
+        out = {}
+        for lv in batch:
+            trees = per_request[lv.request_id]
+            out[lv.request_id] = DraftTree(TokenTree.root_only(lv.committed[-1])) if not trees else trees[0] if len(trees) == 1 else merge_drafts(trees)
+        return out
+
+    async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
+        req = live.request
+        eos = None if req.ignore_eos else self.config.eos_token_id
+        tokens, reason = commit_tokens(verdict.new_tokens, live.remaining, eos, frozenset(req.stop_token_ids))
+        delta = ""
+        if live.text is not None:
+            delta, stopped = live.text.update(live.output + list(tokens))
+            if stopped:
+                tokens = self._cut_at_stop(live, tokens)
+                reason = "stop"
+        stats = StepStats(len(draft.tree), len(verdict.accepted_tokens), verdict.bonus_token, len(tokens))
+        offset = len(live.output)
+        # durable before anyone sees it; the offset makes a retried append idempotent
+        await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
+        live.output.extend(tokens)
+        live.steps.append(stats)
+        if reason is None:
+            live.publish(StreamEvent(offset, tokens, delta))
+        else:
+            await self._finish(live, reason, StreamEvent(offset, tokens, delta))
+
+    @staticmethod
+    def _cut_at_stop(live: Live, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """Keep the step's tokens up to the one that completes the stop string."""
+        probe = TextStream(live.text._tok, live.stop_strings)
+        for k in range(1, len(tokens) + 1):
+            probe.text = ""
+            if probe.update(live.output + list(tokens[:k]))[1]:
+                return tokens[:k]
+        return tokens
+
+    async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
+        live.finished = Finish(reason, live.usage(), error)
+        await self.store.finish(live.request_id, reason, error or None, owner=self.config.owner)
+        self._active.pop(live.request_id, None)
+        if live in self._waiting:
+            self._waiting.remove(live)
+        text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
+        event = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
+        live.publish(event)
+        asyncio.get_running_loop().create_task(self._release(live.request_id))
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await self.verifier.release([request_id])
+            if self.workers is not None:
+                await self.workers.release([request_id])
+        except grpc.aio.AioRpcError as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
+            log.info("release failed", extra={"request_id": request_id, "code": str(exc.code())})

@@ -1,0 +1,1 @@
+"""SSM worker: serves ``specinfer.v1.SsmWorker``, drafting token trees with small speculative models."""

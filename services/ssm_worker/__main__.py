@@ -1,0 +1,52 @@
+"""``specinfer-ssm-worker`` / ``python -m specinfer.ssm_worker``: serve SSMs over gRPC.
+
+Every flag is also an environment variable (``--kv-cache-bytes`` = ``SPECINFER_KV_CACHE_BYTES``).
+Example: ``specinfer-ssm-worker --ssm small=/models/ssm,/models/ssm2 --port 50061``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from specinfer.core import InvalidArgument
+from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.runner import load_model
+from specinfer.serving.server import ServerConfig, serve, setup_logging
+from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
+
+log = logging.getLogger("specinfer.ssm_worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setting(parser, "--ssm", default=None, help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)")
+    add_server_settings(parser)
+    add_model_settings(parser)
+    return parser
+
+
+def load_servicer(args: argparse.Namespace) -> SsmWorkerServicer:
+    paths = parse_named_paths(args.ssm, "ssm")
+    return SsmWorkerServicer({name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        servicer = load_servicer(args)
+    except InvalidArgument as exc:
+        log.error("bad settings", extra={"error": str(exc)})
+        return 2
+    log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
+    # models load before the server starts, so health turns SERVING only once they can draft
+    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

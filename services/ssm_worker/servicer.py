@@ -1,0 +1,88 @@
+"""``specinfer.v1.SsmWorker``: translates messages (:mod:`specinfer.wire`) and drafts with
+:func:`specinfer.engine.steps.draft_trees`; nothing else happens here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import grpc
+
+from specinfer import wire
+from specinfer.core import InvalidArgument
+from specinfer.engine.steps import draft_trees
+from specinfer.models.interface import CausalLM
+from specinfer.serving.contexts import ContextStore
+from specinfer.serving.rpc import rpc_errors
+from specinfer.serving.runner import ModelRunner
+from specinfer.v1 import internal_pb2, internal_pb2_grpc
+
+SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["SsmWorker"].full_name
+
+log = logging.getLogger("specinfer.ssm_worker")
+
+
+class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
+    """One or more named SSMs sharing a vocabulary, and the contexts of the requests they draft for.
+
+    Contexts are kept per request, not per SSM: they are the request's committed tokens
+    whichever SSM drafts, and each model rebuilds its own KV cache from them.
+    """
+
+    def __init__(self, ssms: Mapping[str, CausalLM]) -> None:
+        if not ssms:
+            raise InvalidArgument("ssm", "name at least one SSM checkpoint")
+        sizes = {name: m.vocab_size for name, m in ssms.items()}
+        if len(set(sizes.values())) > 1:
+            raise InvalidArgument("ssm", f"the SSMs' vocabulary sizes differ: {sizes}")
+        self.vocab_size = next(iter(sizes.values()))
+        self._runners = {name: ModelRunner(name, m) for name, m in ssms.items()}
+        self._contexts = ContextStore()
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._runners)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        internal_pb2_grpc.add_SsmWorkerServicer_to_server(self, server)
+
+    def _runner(self, name: str) -> ModelRunner:
+        runner = self._runners.get(name)
+        if runner is None:
+            raise InvalidArgument("ssm", f"unknown SSM {name!r} (have: {', '.join(self._runners)})")
+        return runner
+
+    @rpc_errors
+    async def Speculate(self, request: internal_pb2.SpeculateRequest, context: grpc.aio.ServicerContext) -> internal_pb2.SpeculateResponse:
+        started = time.monotonic()
+        runner = self._runner(request.ssm)
+        items = list(request.items)
+        updates = [wire.context_from_proto(item.context, self.vocab_size, f"items[{i}].context") for i, item in enumerate(items)]
+        contexts = self._contexts.resolve_all(updates)
+        # every item is validated, misses included, before anything is stored or computed
+        limit = runner.model.max_positions
+        pairs = enumerate(zip(items, contexts, strict=True))
+        jobs = [wire.draft_job_from_proto(item, ctx or [], self.vocab_size, limit, f"items[{i}]") for i, (item, ctx) in pairs]
+        self._contexts.store_all(updates, contexts)
+        live = [job for job, ctx in zip(jobs, contexts, strict=True) if ctx is not None]
+        trees = iter(await runner.call(draft_trees, live) if live else [])
+        response = internal_pb2.SpeculateResponse(
+            results=[wire.speculate_result_to_proto(u.request_id, None if ctx is None else next(trees)) for u, ctx in zip(updates, contexts, strict=True)]
+        )
+        log.debug(
+            "speculate", extra={"ssm": request.ssm, "items": len(items), "misses": len(items) - len(live), "seconds": round(time.monotonic() - started, 4)}
+        )
+        return response
+
+    @rpc_errors
+    async def Release(self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ReleaseResponse:
+        for rid in request.request_ids:
+            self._contexts.forget(rid)
+        for runner in self._runners.values():
+            await runner.release(request.request_ids)
+        return internal_pb2.ReleaseResponse()
+
+    @rpc_errors
+    async def ListModels(self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ListModelsResponse:
+        return internal_pb2.ListModelsResponse(models=self.models, vocab_size=self.vocab_size)

@@ -1,0 +1,171 @@
+"""``specinfer up``: the whole stack as separate local processes on 127.0.0.1.
+
+Starts the LLM verifier, N SSM workers and the request manager (which starts its embedded Redis),
+waits until each reports its port and its health is SERVING, prints the addresses, and stops
+them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or when one of them dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    llm: Path
+    ssms: tuple[Path, ...]
+    workers: int = 1
+    port: int = 50051
+    state_dir: Path = Path("./specinfer-state")
+    backend: str = "auto"
+    expansion: str = "1,1,3,1,1,1,1,1"
+    threads: int = 0  # torch threads per model process (0: torch's default)
+    extra_env: tuple[tuple[str, str], ...] = ()
+    rm_args: tuple[str, ...] = ()  # further request-manager flags
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    port_file: Path
+    address: str = ""
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    """Block until ``address`` answers a health check with SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class Stack:
+    """Running processes of a local stack; use as a context manager."""
+
+    config: StackConfig
+    processes: list[Process] = field(default_factory=list)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specinfer-stack-")))
+
+    def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float) -> Process:
+        port_file = self.workdir / f"{name}.port"
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file), *args]
+        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file)
+        self.processes.append(proc)
+        deadline = time.monotonic() + timeout
+        while not port_file.is_file() or not port_file.read_text().strip():
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.popen.returncode}; log: {self.workdir / (name + '.log')}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not start in {timeout:.0f} s; log: {self.workdir / (name + '.log')}")
+            time.sleep(0.05)
+        proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
+        wait_serving(proc.address, max(1.0, deadline - time.monotonic()))
+        return proc
+
+    def start(self, timeout: float = 120.0) -> Stack:
+        c = self.config
+        model = ["--backend", c.backend, "--torch-threads", str(c.threads)]
+        verifier = self._spawn("llm-verifier", "specinfer.llm_verifier", ["--port", "0", "--llm", str(c.llm), *model], timeout)
+        ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
+        workers = [
+            self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, *model], timeout)
+            for i in range(c.workers if c.ssms else 0)
+        ]
+        rm_args = [
+            "--port",
+            str(c.port),
+            "--verifier",
+            verifier.address,
+            "--ssm-workers",
+            ",".join(w.address for w in workers),
+            "--model-dir",
+            str(c.llm),
+            "--state-dir",
+            str(c.state_dir),
+            "--expansion",
+            c.expansion,
+            *c.rm_args,
+        ]
+        self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
+        return self
+
+    def spawn_request_manager(self, name: str, args: Sequence[str], timeout: float = 60.0) -> Process:
+        """Another request manager on the same verifier and workers (e.g. with other limits)."""
+        workers = ",".join(p.address for p in self.processes if p.name.startswith("ssm-worker"))
+        verifier = self.process("llm-verifier").address
+        base = ["--port", "0", "--verifier", verifier, "--ssm-workers", workers, "--model-dir", str(self.config.llm), "--state-dir", str(self.workdir / name)]
+        proc = self._spawn(name, "specinfer.request_manager", [*base, *args], timeout)
+        # keep the main request manager last (Stack.address)
+        self.processes.remove(proc)
+        self.processes.insert(len(self.processes) - 1, proc)
+        return proc
+
+    @property
+    def address(self) -> str:
+        return self.processes[-1].address
+
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def stop(self, grace: float = 15.0) -> dict[str, int]:
+        """SIGTERM in reverse start order; returns each process's exit code."""
+        codes = {}
+        for p in reversed(self.processes):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in reversed(self.processes):
+            try:
+                codes[p.name] = p.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                codes[p.name] = p.popen.wait()
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(config: StackConfig) -> int:
+    """Start the stack, print the addresses, wait for Ctrl-C (or a process dying)."""
+    stack = Stack(config)
+    try:
+        stack.start()
+        for p in stack.processes:
+            print(f"{p.name:16s} {p.address}  (pid {p.popen.pid}, log {stack.workdir / (p.name + '.log')})", flush=True)
+        print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
+        while all(p.popen.poll() is None for p in stack.processes):
+            time.sleep(0.5)
+        dead = [p.name for p in stack.processes if p.popen.poll() is not None]
+        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()

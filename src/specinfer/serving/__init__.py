@@ -1,0 +1,1 @@
+"""What every gRPC service shares: server bootstrap, health, reflection, shutdown, logging, config."""

@@ -1,0 +1,138 @@
+"""gRPC server bootstrap shared by the services.
+
+Every service gets ``grpc.health.v1`` health (overall and per service), server reflection,
+graceful shutdown on SIGTERM/SIGINT (health turns NOT_SERVING, new calls are refused, in-flight
+calls get ``grace`` seconds) and JSON logs on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+
+    _skip = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        out.update({k: v for k, v in record.__dict__.items() if k not in self._skip})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    grace_seconds: float = 10.0
+
+
+Register = Callable[[grpc.aio.Server], None]
+
+
+class Service:
+    """A running gRPC server with health and reflection."""
+
+    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register) -> None:
+        self.config = config
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        register(self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self) -> None:
+        await self.set_serving(False)
+        await self.server.stop(self.config.grace_seconds)
+
+
+async def run_service(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+    log = logging.getLogger("specinfer.server")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    log.info("serving", extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}"})
+    if ready is not None:
+        ready(service.port)
+    await stop.wait()
+    started = time.monotonic()
+    log.info("shutting down", extra={"grace_seconds": service.config.grace_seconds})
+    await service.stop()
+    if on_stop is not None:
+        await on_stop()
+    log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+
+
+def write_port_file(path: str | os.PathLike, port: int) -> None:
+    """Write the bound port for a launcher; atomically (write, then rename), so that a reader
+    polling for the file never sees it half-written."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(
+    config: ServerConfig,
+    service_names: Sequence[str],
+    register: Register,
+    port_file: str | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Build the server inside the running event loop (grpc.aio binds to it) and serve until
+    SIGTERM/SIGINT; ``port_file`` gets the bound port once the server accepts calls."""
+    service = Service(config, service_names, register)
+    ready = (lambda port: write_port_file(port_file, port)) if port_file else None
+    await run_service(service, on_stop, ready)

@@ -1,0 +1,178 @@
+from specinfer.v1 import api_pb2 as _api_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Context(_message.Message):
+    __slots__ = ("request_id", "offset", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    offset: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SpeculateItem(_message.Message):
+    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream")
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPANSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    context: Context
+    root_token: int
+    expansion: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _api_pb2.SamplingParams
+    draft_support: int
+    seed: int
+    step: int
+    stream: int
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ...) -> None: ...
+
+class SpeculateRequest(_message.Message):
+    __slots__ = ("ssm", "items")
+    SSM_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ssm: str
+    items: _containers.RepeatedCompositeFieldContainer[SpeculateItem]
+    def __init__(self, ssm: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SpeculateItem, _Mapping]]] = ...) -> None: ...
+
+class DraftGroup(_message.Message):
+    __slots__ = ("parent", "children", "q_tokens", "q_probs")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    parent: int
+    children: _containers.RepeatedScalarFieldContainer[int]
+    q_tokens: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, parent: _Optional[int] = ..., children: _Optional[_Iterable[int]] = ..., q_tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents", "groups")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    groups: _containers.RepeatedCompositeFieldContainer[DraftGroup]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[DraftGroup, _Mapping]]] = ...) -> None: ...
+
+class SpeculateResult(_message.Message):
+    __slots__ = ("request_id", "cache_miss", "tree")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cache_miss: bool
+    tree: DraftTree
+    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+
+class SpeculateResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SpeculateResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models", "vocab_size")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    vocab_size: int
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class VerifyItem(_message.Message):
+    __slots__ = ("context", "tree", "sampling", "seed", "step")
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    context: Context
+    tree: DraftTree
+    sampling: _api_pb2.SamplingParams
+    seed: int
+    step: int
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cache_miss: bool
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    bonus_token: int
+    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+
+class PrefillItem(_message.Message):
+    __slots__ = ("context",)
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    context: Context
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("cache_misses",)
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    cache_misses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_misses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LlmInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LlmInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_positions", "max_requests")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_positions: int
+    max_requests: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,205 @@
+"""End to end: Redis, the request manager, 2 SSM workers and the LLM verifier as separate
+processes on 127.0.0.1, called over gRPC like any client would."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from specinfer.client import Client
+from specinfer.launcher import Stack, StackConfig
+from specinfer.models.loading import eos_token_id
+from specinfer.v1 import api_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, tmp_path_factory):
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm, model_pair.ssm2),
+        workers=2,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        expansion="1,1,3,1,1,1,1,1",
+        threads=1,
+        rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
+    )
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(model_pair):
+    """transformers' greedy continuation of each prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
+    eos = eos_token_id(model_pair.llm)
+    out = []
+    with torch.inference_mode():
+        for ids in model_pair.prompts[:16]:
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            tokens = gen[0, len(ids) :].tolist()
+            out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
+    return out
+
+
+def _run(client: Client, request: api_pb2.GenerateRequest):
+    messages = list(client.stream(request))
+    return messages
+
+
+def test_concurrent_streams_mixed_parameters(stack, model_pair, expected):
+    prompts = model_pair.prompts[:16]
+    requests = []
+    for i, ids in enumerate(prompts):
+        kind = i % 4
+        if kind == 0:
+            req = Client.request(ids, NEW_TOKENS)  # server default tree, both SSMs merged
+        elif kind == 1:
+            req = Client.request(ids, NEW_TOKENS, expansion=(2, 2, 1), ssms=("ssm0",))
+        elif kind == 2:
+            req = Client.request(ids, NEW_TOKENS, speculation=False)
+        else:
+            req = Client.request(ids, NEW_TOKENS, temperature=1.0, top_p=0.9, seed=i, expansion=(2, 1, 1))
+        requests.append(req)
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda r: _run(client, r), requests))
+    for i, (req, msgs) in enumerate(zip(requests, results, strict=True)):
+        final = msgs[-1]
+        assert final.HasField("finished"), f"stream {i} did not finish"
+        tokens = [t for m in msgs for t in m.token_ids]
+        offsets = [m.offset for m in msgs]
+        assert offsets == sorted(offsets) and all(m.offset == sum(len(x.token_ids) for x in msgs[:k]) for k, m in enumerate(msgs))
+        usage = final.finished.usage
+        assert usage.completion_tokens == len(tokens)
+        assert usage.prompt_tokens == len(prompts[i])
+        assert usage.llm_steps >= 1 and abs(usage.tokens_per_step - len(tokens) / usage.llm_steps) < 1e-4
+        if req.sampling.temperature == 0:
+            assert tokens == expected[i], f"greedy stream {i} differs from transformers"
+        else:
+            assert 1 <= len(tokens) <= NEW_TOKENS
+        if not req.speculation.disabled:
+            assert usage.mean_tree_size > 1
+        else:
+            assert usage.mean_tree_size == 1 and usage.tokens_per_step == 1
+
+
+def test_health_and_reflection(stack):
+    for proc in stack.processes:
+        with grpc.insecure_channel(proc.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, proc.name
+            reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in reply.list_services_response.service}
+            assert "grpc.health.v1.Health" in names
+            want = {"request-manager": "specinfer.v1.SpecInfer", "llm-verifier": "specinfer.v1.LlmVerifier"}.get(proc.name, "specinfer.v1.SsmWorker")
+            assert want in names, (proc.name, names)
+
+
+def test_client_from_proto_files_alone(stack, model_pair, expected, tmp_path):
+    """Stubs generated from protos/ in a temp dir; the client process imports none of our code."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from grpc_tools import protoc
+        out = {str(tmp_path)!r}
+        assert protoc.main(["protoc", "-I{REPO / "protos"}", "--python_out=" + out, "--grpc_python_out=" + out,
+                            "specinfer/v1/api.proto"]) == 0
+        sys.path.insert(0, out)
+        import grpc
+        from specinfer.v1 import api_pb2, api_pb2_grpc
+        import specinfer
+        assert specinfer.__file__ is None or specinfer.__file__.startswith(out), specinfer.__file__
+        stub = api_pb2_grpc.SpecInferStub(grpc.insecure_channel({stack.address!r}))
+        req = api_pb2.GenerateRequest(max_new_tokens={NEW_TOKENS}, token_ids=api_pb2.TokenIds(ids={model_pair.prompts[0]!r}))
+        tokens = [t for m in stub.Generate(req, timeout=300) for t in m.token_ids]
+        print(json.dumps(tokens))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt": []}, "prompt.token_ids"),
+        ({"prompt": [10**6]}, "prompt.token_ids"),
+        ({"prompt": [5], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": [5], "max_new_tokens": 100000}, "max_new_tokens"),
+        ({"prompt": [5], "temperature": -1.0}, "sampling.temperature"),
+        ({"prompt": [5], "top_p": 1.5}, "sampling.top_p"),
+        ({"prompt": [5], "expansion": (1, 0, 2)}, "speculation.expansion"),
+        ({"prompt": [5], "ssms": ("nope",)}, "speculation.ssms"),
+        ({"prompt": [5], "stop_token_ids": (-3,)}, "stop_token_ids"),
+    ],
+)
+def test_bad_input_names_the_field(stack, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    max_new = kwargs.pop("max_new_tokens", 8)
+    with Client(stack.address, timeout=60) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(Client.request(prompt, max_new, **kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field), err.value.details()
+
+
+def _status(client: Client, request_id: str) -> int | None:
+    try:
+        return client.get_request(request_id).status
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def _wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_full_queue_and_cancellation(stack, model_pair):
+    """A request manager with one batch slot and one queue place: a third request is refused
+    with RESOURCE_EXHAUSTED while the others go on, and a cancelled stream frees its slot
+    within one iteration (it commits at most one more step)."""
+    rm = stack.spawn_request_manager("rm-small", ["--max-batch", "1", "--max-queue", "1", "--max-new-tokens", "4000"])
+    prompt = model_pair.prompts[1]
+    max_step_tokens = 1 + 8  # deepest default tree (8) + the bonus token
+    with Client(rm.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_tokens = client.model_info().max_positions - len(prompt)  # runs far longer than this test
+        stream_a = client.stream(Client.request(prompt, long_tokens, ignore_eos=True, request_id="long-a"))
+        assert next(stream_a).request_id == "long-a"  # A holds the only batch slot
+        fut_b = pool.submit(client.generate, Client.request(prompt, 4, request_id="short-b"))
+        _wait_until(lambda: _status(client, "short-b") == api_pb2.REQUEST_STATUS_QUEUED)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(Client.request(prompt, 4, request_id="refused-c"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        before = len(client.get_request("long-a").output_token_ids)
+        assert client.cancel("long-a")
+        rest = list(stream_a)
+        assert rest[-1].finished.reason == api_pb2.FINISH_REASON_CANCELLED
+        after = client.get_request("long-a")
+        assert after.status == api_pb2.REQUEST_STATUS_FINISHED
+        # one step may land between reading `before` and the cancel, one is in flight when it lands
+        assert len(after.output_token_ids) <= before + 2 * max_step_tokens
+        b = fut_b.result(timeout=120)
+        assert b.finished.reason in (api_pb2.FINISH_REASON_LENGTH, api_pb2.FINISH_REASON_EOS)
+        assert len(b.token_ids) >= 1

@@ -1,0 +1,1 @@
+"""Tests of the gRPC services; :mod:`services.harness` runs them as separate processes."""

@@ -1,0 +1,192 @@
+"""LlmVerifier over gRPC (a separate process) against verify_trees in process."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer import wire
+from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+from specinfer.engine.engine import VERIFY_STREAM, step_rng
+from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
+from specinfer.models.loading import load_backend
+from specinfer.v1 import internal_pb2
+
+_ids = itertools.count()
+
+GREEDY = SamplingParams()
+SAMPLING = SamplingParams(temperature=0.9, top_p=0.9)
+
+
+def fresh_id(prefix: str) -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+@pytest.fixture(scope="module")
+def local_models(model_pair):
+    """The verifier's LLM and an SSM in process (backend auto, as in the services)."""
+    return load_backend(model_pair.llm, "llm", kv_cache_bytes=128 << 20), load_backend(model_pair.ssm, "ssm", kv_cache_bytes=16 << 20)
+
+
+@pytest.fixture
+def local(local_models):
+    """:func:`local_models`, whose KV caches are freed after each test."""
+    yield local_models
+    for model in local_models:
+        for rid in model.cached_requests():
+            model.release(rid)
+
+
+def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count: int = 3) -> list[VerifyJob]:
+    """Verify jobs on trees the SSM drafted for the first prompts (fresh request IDs)."""
+    ssm = local[1]
+    prompts = model_pair.prompts[:count]
+    ids = [fresh_id(prefix) for _ in prompts]
+    drafts = draft_trees(
+        ssm, [DraftJob(rid, p[:-1], p[-1], ExpansionConfig((2, 2, 1)), sampling, 32, step_rng(7, 0, 1)) for rid, p in zip(ids, prompts, strict=True)]
+    )
+    jobs = []
+    for i, (rid, p, d) in enumerate(zip(ids, prompts, drafts, strict=True)):
+        # the verifier's generator of step i: (seed 40 + i, step i, VERIFY_STREAM), as verify_item(job, 40 + i, i) asks
+        jobs.append(VerifyJob(rid, list(p[:-1]), d, sampling, step_rng(40 + i, i, VERIFY_STREAM)))
+    return jobs
+
+
+def verify_item(job: VerifyJob, seed: int, step: int, offset: int = 0) -> internal_pb2.VerifyItem:
+    return internal_pb2.VerifyItem(
+        context=wire.context_to_proto(job.request_id, job.context, offset),
+        tree=wire.draft_to_proto(job.draft),
+        sampling=wire.sampling_to_proto(job.sampling),
+        seed=seed,
+        step=step,
+    )
+
+
+def release(stub, ids) -> None:
+    stub.Release(internal_pb2.ReleaseRequest(request_ids=list(ids)), timeout=10)
+
+
+def greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
+    """The LLM's own argmax decoding, n tokens (the oracle of greedy verification)."""
+    seq = list(tokens)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(tokens) :]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
+def test_verify_matches_verify_trees(services, local, model_pair, sampling):
+    jobs = drafted_jobs(local, model_pair, sampling, "verify")
+    # the service derives each job's generator from (seed, step, VERIFY_STREAM), as drafted_jobs did
+    request = internal_pb2.VerifyRequest(items=[verify_item(j, 40 + i, i) for i, j in enumerate(jobs)])
+    response = services.llm_stub.Verify(request, timeout=60)
+    want = verify_trees(local[0], jobs)
+    assert [r.request_id for r in response.results] == [j.request_id for j in jobs]
+    for result, expected in zip(response.results, want, strict=True):
+        assert not result.cache_miss
+        assert tuple(result.accepted_tokens) == expected.accepted_tokens  # the root excluded
+        assert result.bonus_token == expected.bonus_token
+    if sampling.greedy:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
+        for job, result in zip(jobs, response.results, strict=True):
+            committed = [*result.accepted_tokens, result.bonus_token]
+            assert committed == greedy_continuation(hf, [*job.context, job.draft.tree.tokens[0]], len(committed))
+        assert any(r.accepted_tokens for r in response.results), "the trained SSM should get some token accepted"
+    release(services.llm_stub, [j.request_id for j in jobs])
+
+
+def test_prefill_then_verify(services, local, model_pair):
+    """Chunked prefill brings the cache up to the context; Verify then sends no context tokens."""
+    stub = services.llm_stub
+    (job,) = drafted_jobs(local, model_pair, GREEDY, "prefill", count=1)
+    ctx, rid = job.context, job.request_id
+    half = len(ctx) // 2
+    first = stub.Prefill(internal_pb2.PrefillRequest(items=[internal_pb2.PrefillItem(context=wire.context_to_proto(rid, ctx[:half], 0))]), timeout=30)
+    assert list(first.cache_misses) == []
+    unknown = fresh_id("prefill-unknown")
+    second = stub.Prefill(
+        internal_pb2.PrefillRequest(
+            items=[
+                internal_pb2.PrefillItem(context=internal_pb2.Context(request_id=rid, offset=half, tokens=ctx[half:])),
+                internal_pb2.PrefillItem(context=internal_pb2.Context(request_id=unknown, offset=4, tokens=[1, 2])),
+            ]
+        ),
+        timeout=30,
+    )
+    assert list(second.cache_misses) == [unknown]
+    (result,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 40, 0, offset=len(ctx))]), timeout=30).results
+    assert not result.cache_miss
+    (want,) = verify_trees(local[0], [job])
+    assert (tuple(result.accepted_tokens), result.bonus_token) == (want.accepted_tokens, want.bonus_token)
+    release(stub, [rid])
+
+
+def test_verify_cache_miss_protocol(services, local, model_pair):
+    stub = services.llm_stub
+    (job,) = drafted_jobs(local, model_pair, GREEDY, "vmiss", count=1)
+    (miss,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 0, 0, offset=2)]), timeout=30).results
+    assert miss.cache_miss and not miss.accepted_tokens
+    (hit,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 0, 0, offset=0)]), timeout=30).results
+    assert not hit.cache_miss
+    # the next step sends only the newly committed tokens
+    committed = [*job.context, job.draft.tree.tokens[0], *hit.accepted_tokens]
+    nxt = VerifyJob(job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.rng)
+    (hit2,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context))]), timeout=30).results
+    assert not hit2.cache_miss
+    release(stub, [job.request_id])
+    (miss,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context))]), timeout=30).results
+    assert miss.cache_miss
+
+
+def test_get_info(services, model_pair):
+    info = services.llm_stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=10)
+    assert info.model == "llm"
+    assert info.vocab_size == local_vocab(model_pair)
+    assert info.max_positions > 0
+    assert info.max_requests > 0  # the native backend's KV pool (256 MiB in the fixture)
+
+
+def local_vocab(model_pair) -> int:
+    import json
+
+    return json.loads((model_pair.llm / "config.json").read_text())["vocab_size"]
+
+
+def _tree(request, tokens, parents):
+    del request.items[0].tree.groups[:]
+    request.items[0].tree.tokens[:] = tokens
+    request.items[0].tree.parents[:] = parents
+
+
+BAD_REQUESTS = {
+    "parent-not-before-child": (lambda r: _tree(r, [5, 6, 7], [-1, 0, 2]), "items[0].tree: parents[2] = 2 must be in [0, 2)"),
+    "root-has-parent": (lambda r: _tree(r, [5, 6], [0, 0]), "items[0].tree"),
+    "empty-tree": (lambda r: _tree(r, [], []), "items[0].tree"),
+    "tree-token-out-of-vocab": (lambda r: r.items[1].tree.tokens.__setitem__(1, 1 << 20), "items[1].tree.tokens"),
+    "context-token-out-of-vocab": (lambda r: r.items[1].context.tokens.__setitem__(0, -3), "items[1].context.tokens"),
+    "temperature-negative": (lambda r: setattr(r.items[0].sampling, "temperature", -1.0), "items[0].sampling.temperature"),
+    "sampling-without-q": (lambda r: [g.ClearField("q_tokens") or g.ClearField("q_probs") for g in r.items[0].tree.groups], "items[0].tree.groups"),
+    "q-token-out-of-vocab": (lambda r: r.items[0].tree.groups[0].q_tokens.__setitem__(0, 1 << 20), "items[0].tree.groups[0].q_tokens"),
+    "bad-group-child": (lambda r: r.items[0].tree.groups[0].children.__setitem__(0, 99), "items[0].tree.groups[0]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_invalid_argument_names_the_field(services, local, model_pair, case):
+    mutate, expected = BAD_REQUESTS[case]
+    jobs = drafted_jobs(local, model_pair, SAMPLING, "bad", count=2)
+    request = internal_pb2.VerifyRequest(items=[verify_item(j, 1, 0) for j in jobs])
+    mutate(request)
+    with pytest.raises(grpc.RpcError) as err:
+        services.llm_stub.Verify(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in err.value.details()
+    # the verifier goes on serving
+    good = internal_pb2.VerifyRequest(items=[verify_item(j, 1, 0) for j in jobs])
+    assert not any(r.cache_miss for r in services.llm_stub.Verify(good, timeout=30).results)
+    release(services.llm_stub, [j.request_id for j in jobs])

@@ -1,0 +1,110 @@
+"""The shared pieces of the model services, in process: context protocol, settings, empty
+forwards (Prefill) and the status a full KV pool or a backend failure maps to."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from specinfer import wire
+from specinfer.core import InvalidArgument
+from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
+from specinfer.models.interface import TreeForward
+from specinfer.models.loading import load_backend
+from specinfer.serving.config import parse_named_paths
+from specinfer.serving.contexts import ContextStore
+from specinfer.serving.server import ServerConfig, Service
+from specinfer.v1 import internal_pb2, internal_pb2_grpc
+
+
+def update(rid: str, offset: int, tokens: list[int]) -> wire.ContextUpdate:
+    return wire.ContextUpdate(rid, offset, tuple(tokens))
+
+
+def test_context_store_protocol():
+    store = ContextStore()
+    assert store.resolve(update("a", 0, [1, 2, 3])) == [1, 2, 3]
+    assert store.resolve(update("a", 1, [])) is None  # unknown request: only offset 0 works
+    assert "a" not in store  # resolving stores nothing
+    store.store("a", [1, 2, 3])
+    assert store.resolve(update("a", 3, [4, 5])) == [1, 2, 3, 4, 5]
+    assert store.resolve(update("a", 4, [9])) is None  # past what it knows
+    assert store.resolve(update("a", 1, [7])) == [1, 7]  # a rewind
+    assert store.resolve(update("a", 0, [])) == []
+    store.forget("a")
+    assert store.resolve(update("a", 2, [])) is None
+    with pytest.raises(InvalidArgument, match=r"items\[1\].context.request_id"):
+        store.resolve_all([update("b", 0, []), update("b", 0, [])])
+
+
+def test_parse_named_paths():
+    assert parse_named_paths("/m/ssm-a, small=/m/b/", "ssm") == {"ssm-a": "/m/ssm-a", "small": "/m/b/"}
+    assert parse_named_paths(None, "ssm") == {}
+    with pytest.raises(InvalidArgument, match="ssm: name 'x' is given twice"):
+        parse_named_paths("x=/a,/b/x", "ssm")
+    with pytest.raises(InvalidArgument, match="ssm: expected NAME=PATH"):
+        parse_named_paths("=/a", "ssm")
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_forward_without_nodes_prefills(model_pair, backend):
+    """A forward with no tree nodes (Prefill) computes the context only; later trees see it."""
+    prompt = model_pair.prompts[1]
+    warm = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)
+    cold = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)
+    half = len(prompt) // 2
+    for context in (prompt[:half], prompt[:half], prompt[:-1]):  # a chunk, an up-to-date cache, the rest
+        out = warm.forward_tree([TreeForward("r", context, [], []), TreeForward("s", prompt[:3], [], [])])
+        assert [tuple(o.shape) for o in out] == [(0, warm.vocab_size)] * 2
+    tree = TreeForward("r", prompt[:-1], [prompt[-1], 5, 6], [-1, 0, 0])
+    # a mixed batch: one request prefills while another verifies a tree
+    got = warm.forward_tree([tree, TreeForward("s", prompt[:4], [], [])])
+    want = cold.forward_tree([tree])
+    assert got[1].shape == (0, warm.vocab_size)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+def one_slot_bytes(model_pair) -> int:
+    """A KV budget of exactly one request slot of the native backend."""
+    probe = load_backend(model_pair.llm, "llm", backend="native", kv_cache_bytes=1 << 30)
+    return probe.options.kv_cache_bytes // probe.max_requests
+
+
+def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
+    llm = load_backend(model_pair.llm, "llm", backend="native", kv_cache_bytes=one_slot_bytes(model_pair))
+    assert llm.max_requests == 1
+    servicer = LlmVerifierServicer("llm", llm)
+    prompt = model_pair.prompts[0]
+
+    def item(rid: str, context: list[int], tokens: list[int]) -> internal_pb2.VerifyItem:
+        return internal_pb2.VerifyItem(context=wire.context_to_proto(rid, context, 0), tree=internal_pb2.DraftTree(tokens=tokens, parents=[-1] * len(tokens)))
+
+    async def scenario() -> None:
+        service = Service(ServerConfig("127.0.0.1", 0, 1.0), [SERVICE_NAME], servicer.register)
+        await service.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+                stub = internal_pb2_grpc.LlmVerifierStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Verify(internal_pb2.VerifyRequest(items=[item("a", prompt, [5]), item("b", prompt, [5])]))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await stub.Release(internal_pb2.ReleaseRequest(request_ids=["a"]))
+                (ok,) = (await stub.Verify(internal_pb2.VerifyRequest(items=[item("b", prompt, [5])]))).results
+                assert not ok.cache_miss
+                # a failure inside the backend (here: more tree nodes than a nearly full slot has
+                # rows for) is INTERNAL, and the service goes on
+                wide = internal_pb2.DraftTree(tokens=list(range(300)), parents=[-1] + [0] * 299)
+                long_context = [7] * (llm.max_positions - 10)
+                too_big = internal_pb2.VerifyItem(context=wire.context_to_proto("b", long_context, 0), tree=wide)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Verify(internal_pb2.VerifyRequest(items=[too_big]))
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+                (ok,) = (await stub.Verify(internal_pb2.VerifyRequest(items=[item("b", prompt, [5])]))).results
+                assert not ok.cache_miss
+        finally:
+            await service.stop()
+
+    asyncio.run(scenario())
