@@ -69,10 +69,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-bytes", type=float, default=4e9, help="native KV pool budget")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = ExpansionConfig.parse(args.expansion)
-    backends = {name: load_backend(args.llm, "llm", args.dtype, args.device, backend=name, kv_cache_bytes=1 << 30) for name in ("reference", "native")}
+    backends = {
+        name: load_backend(args.llm, "llm", args.dtype, args.device, backend=name, kv_cache_bytes=int(args.kv_cache_bytes)) for name in ("reference", "native")
+    }
     print(
         f"LLM {args.llm}, tree <{args.expansion}> ({cfg.max_nodes} nodes), {args.dtype} on {args.device}, {args.threads} threads, median of {args.steps} steps"
     )

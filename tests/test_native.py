@@ -58,6 +58,18 @@ def checkpoint(request, tmp_path_factory):
     return path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def _node_sequences(item: TreeForward) -> list[list[int]]:
+    """Context + root-to-node tokens of every node of ``item``'s tree."""
+    seqs = []
+    for node in range(len(item.tokens)):
+        path, u = [], node
+        while u >= 0:
+            path.append(item.tokens[u])
+            u = item.parents[u]
+        seqs.append(list(item.context) + path[::-1])
+    return seqs
+
+
 def _hf_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
     with torch.no_grad():
         return torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
@@ -83,14 +95,7 @@ def test_prefill_and_tree_steps_match_transformers(checkpoint):
             items.append(TreeForward(f"r{i}", p[:-1], tree_tokens, parents))
         out = native.forward_tree(items)
         for item, logits in zip(items, out, strict=True):
-            seqs = []
-            for node in range(len(tokens)):
-                path, u = [], node
-                while u >= 0:
-                    path.append(item.tokens[u])
-                    u = parents[u]
-                seqs.append(list(item.context) + path[::-1])
-            assert _rel(logits, _hf_last_logits(hf, seqs)) < TOL
+            assert _rel(logits, _hf_last_logits(hf, _node_sequences(item))) < TOL
         # accept node 3's path (root, 1, 3) + a bonus token: the next context adopts it
         prompts = [list(item.context) + [item.tokens[0], item.tokens[1], item.tokens[3], 11] for item in items]
 
@@ -126,3 +131,19 @@ def test_kv_budget_is_enforced(checkpoint):
         native.forward_tree([TreeForward("one-too-many", [], [1], [-1])])
     native.release("r0")
     native.forward_tree([TreeForward("one-too-many", [], [1], [-1])])
+
+
+def test_shared_pair_logits_match_transformers(model_pair):
+    """The LLM of the test pair (the trained one when present): prefill and a tree-verify step."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
+    native = NativeBackend.load(model_pair.llm, NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=512, attention="torch"))
+    prompts = [p[:200] for p in model_pair.prompts[:3]]
+    out = native.forward_tree([TreeForward(f"s{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
+    for p, logits in zip(prompts, out, strict=True):
+        with torch.no_grad():
+            assert _rel(logits, hf(torch.tensor([p])).logits[0]) < TOL
+    parents = [-1, 0, 0, 1, 2, 2]
+    vocab = native.vocab_size
+    items = [TreeForward(f"s{i}", p[:-1], [p[-1]] + [t % vocab for t in (17, 99, 5, 300, 42)], parents) for i, p in enumerate(prompts)]
+    for item, logits in zip(items, native.forward_tree(items), strict=True):
+        assert _rel(logits, _hf_last_logits(hf, _node_sequences(item))) < TOL

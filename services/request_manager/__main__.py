@@ -6,25 +6,19 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from tokenizers import Tokenizer
-
-from specinfer.request_manager.config import RequestManagerConfig, model_eos
+from specinfer.checkpoint import eos_token_id, load_tokenizer
+from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import ApiLimits, SpecInferServicer
 from specinfer.request_manager.store import RequestStore
-from specinfer.serving.server import ServerConfig, Service, run_service, setup_logging
+from specinfer.serving.server import ServerConfig, setup_logging
+from specinfer.serving.server import serve as serve_grpc
 from specinfer.v1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
-
-
-def _tokenizer(model_dir: str) -> Tokenizer | None:
-    f = Path(model_dir) / "tokenizer.json"
-    return Tokenizer.from_file(str(f)) if model_dir and f.is_file() else None
 
 
 async def serve(cfg: RequestManagerConfig) -> None:
@@ -49,8 +43,12 @@ async def serve(cfg: RequestManagerConfig) -> None:
     unknown = [n for n in cfg.default_ssms if n not in ssm_names]
     if unknown:
         raise SystemExit(f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})")
-    eos = model_eos(cfg.model_dir)
-    scheduler = Scheduler(SchedulerConfig(cfg.max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier)
+    eos = eos_token_id(cfg.model_dir) if cfg.model_dir else None
+    # a running request holds a KV slot in the verifier until it finishes: never run more than it has
+    max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests else cfg.max_batch
+    if max_batch < cfg.max_batch:
+        log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
+    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier)
     limits = ApiLimits(
         vocab_size=info.vocab_size,
         max_positions=info.max_positions,
@@ -62,12 +60,7 @@ async def serve(cfg: RequestManagerConfig) -> None:
         llm_name=info.model,
         eos_token_id=eos,
     )
-    servicer = SpecInferServicer(scheduler, store, limits, _tokenizer(cfg.model_dir), cfg.owner)
-    service = Service(
-        ServerConfig(cfg.host, cfg.port, cfg.grace_seconds),
-        [api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name],
-        lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
-    )
+    servicer = SpecInferServicer(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
     loop_task = asyncio.get_running_loop().create_task(scheduler.run())
 
     async def on_stop() -> None:
@@ -80,11 +73,13 @@ async def serve(cfg: RequestManagerConfig) -> None:
         if embedded is not None:
             embedded.close()
 
-    def ready(port: int) -> None:
-        if cfg.port_file:
-            Path(cfg.port_file).write_text(str(port))
-
-    await run_service(service, on_stop, ready)
+    await serve_grpc(
+        ServerConfig(cfg.host, cfg.port, cfg.grace_seconds),
+        [api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name],
+        lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
+        cfg.port_file or None,
+        on_stop,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from specinfer.core import ExpansionConfig
 from specinfer.serving.config import add_setting, split_list
@@ -45,7 +43,7 @@ class RequestManagerConfig:
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
         add_setting(p, "--redis-password", str, "", "Redis password")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
-        add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses (host:port)")
+        add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
         add_setting(p, "--expansion", str, "1,1,3,1,1,1,1,1", "default expansion config (widths per depth); 'none' disables speculation")
@@ -87,16 +85,3 @@ class RequestManagerConfig:
             grace_seconds=a.grace_seconds,
             log_level=a.log_level,
         )
-
-
-def model_eos(model_dir: str) -> int | None:
-    """EOS token of the LLM: generation_config.json, else config.json (first of a list)."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_dir) / name
-        if model_dir and f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-    return None

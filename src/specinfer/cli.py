@@ -135,9 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     up.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
-    demo = sub.add_parser("demo", help="generate a few prompts with the demo model pair")
+    demo = sub.add_parser("demo", help="start the local stack with the demo model pair and stream a few generations through gRPC")
     _add_generation_flags(demo)
-    demo.add_argument("--prompts", type=int, default=2, help="how many prompts of the demo set")
+    demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
+    demo.add_argument("--in-process", action="store_true", help="run the engine in this process instead of the services")
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
@@ -157,41 +158,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             llm, ssm, what = _demo_models()
             print(f"=== demo models: {what}")
-            run_generate(_build_config(args, llm, [ssm], _demo_prompts(llm, args.prompts)))
+            prompts = _demo_prompts(llm, args.prompts)
+            if args.in_process:
+                run_generate(_build_config(args, llm, [ssm], prompts))
+            else:
+                return _demo_stack(args, llm, ssm, prompts)
     except InvalidArgument as exc:
         print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
         return 2
     return 0
 
 
+def _demo_stack(args: argparse.Namespace, llm: Path, ssm: Path, prompts: list[str]) -> int:
+    """Start verifier, SSM worker and request manager (with its embedded Redis) as local
+    processes, stream the prompts through the public gRPC API, stop everything."""
+    import tempfile
+
+    from specinfer.launcher import Stack, StackConfig
+
+    state = Path(tempfile.mkdtemp(prefix="specinfer-demo-"))
+    print("=== starting the local stack (LLM verifier, SSM worker, request manager + Redis) ...", flush=True)
+    with Stack(StackConfig(llm, (ssm,), 1, 0, state, args.backend, args.expansion)) as stack:
+        for p in stack.processes:
+            print(f"    {p.name:16s} {p.address}", flush=True)
+        for prompt in prompts:
+            print("--- prompt", flush=True)
+            print(prompt, end="" if prompt.endswith("\n") else "\n", flush=True)
+            print("--- generated (streamed through gRPC)", flush=True)
+            if _stream(stack.address, args, prompt) != 0:
+                return 2
+    return 0
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream each prompt's text from a running request manager."""
+    for prompt in args.prompt:
+        if _stream(args.server, args, prompt) != 0:
+            return 2
+    return 0
+
+
+def _stream(address: str, args: argparse.Namespace, prompt: str) -> int:
+    """Stream one generation's text to stdout; 0 on success, 2 on an RPC error."""
     import grpc
 
     from specinfer.client import Client
 
-    with Client(args.server) as client:
-        for prompt in args.prompt:
-            request = Client.request(
-                prompt,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                expansion=() if args.no_speculation else ExpansionConfig.parse(args.expansion).widths,
-                speculation=not args.no_speculation,
-            )
-            try:
-                for msg in client.stream(request):
-                    print(msg.text, end="", flush=True)
-                    if msg.HasField("finished"):
-                        u = msg.finished.usage
-                        print(f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps ({u.tokens_per_step:.2f} tokens/step)", flush=True)
-            except grpc.RpcError as exc:
-                print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 2
+    request = Client.request(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        expansion=() if args.no_speculation else ExpansionConfig.parse(args.expansion).widths,
+        speculation=not args.no_speculation,
+    )
+    with Client(address) as client:
+        try:
+            for msg in client.stream(request):
+                print(msg.text, end="", flush=True)
+                if msg.HasField("finished"):
+                    u = msg.finished.usage
+                    print(
+                        f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps ({u.tokens_per_step:.2f} tokens per LLM step, "
+                        f"mean tree size {u.mean_tree_size:.1f}), finish: {api_reason(msg.finished.reason)}",
+                        flush=True,
+                    )
+        except grpc.RpcError as exc:
+            print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
     return 0
+
+
+def api_reason(reason: int) -> str:
+    from specinfer.v1 import api_pb2
+
+    return api_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def _demo_prompts(llm: Path, count: int) -> list[str]:
@@ -200,7 +243,7 @@ def _demo_prompts(llm: Path, count: int) -> list[str]:
     prompts_file = llm.parent / "prompts.jsonl"
     if prompts_file.is_file():
         lines = prompts_file.read_text().splitlines()
-        return [json.loads(line)["text"] for line in lines[:count]]
+        return [json.loads(line)["text"] for line in lines[1 : 1 + count]]  # the first one loops at once
     return ["def fibonacci(n):\n", "class Stack:\n"][:count]
 
 

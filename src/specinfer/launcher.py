@@ -30,9 +30,11 @@ class StackConfig:
     state_dir: Path = Path("./specinfer-state")
     backend: str = "auto"
     expansion: str = "1,1,3,1,1,1,1,1"
-    threads: int = 0  # torch threads per model process (0: torch's default)
+    threads: int = 0  # torch threads of the verifier (0: torch's default)
+    ssm_threads: int = 1  # torch threads per SSM worker: small models, and they must not crowd the verifier
     extra_env: tuple[tuple[str, str], ...] = ()
     rm_args: tuple[str, ...] = ()  # further request-manager flags
+    model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
 
 
 @dataclass
@@ -88,8 +90,10 @@ class Stack:
 
     def start(self, timeout: float = 120.0) -> Stack:
         c = self.config
-        model = ["--backend", c.backend, "--torch-threads", str(c.threads)]
-        verifier = self._spawn("llm-verifier", "specinfer.llm_verifier", ["--port", "0", "--llm", str(c.llm), *model], timeout)
+        model = ["--backend", c.backend, *c.model_args]
+        verifier = self._spawn(
+            "llm-verifier", "specinfer.llm_verifier", ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model], timeout
+        )
         ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
         workers = [
             self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, *model], timeout)
@@ -155,6 +159,13 @@ class Stack:
 def run_up(config: StackConfig) -> int:
     """Start the stack, print the addresses, wait for Ctrl-C (or a process dying)."""
     stack = Stack(config)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # a shell's background job starts with SIGINT ignored; SIGTERM (docker, systemd) stops us too
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         stack.start()
         for p in stack.processes:

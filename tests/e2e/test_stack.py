@@ -40,8 +40,12 @@ def stack(model_pair, tmp_path_factory):
         threads=1,
         rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
     )
-    with Stack(cfg) as s:
+    s = Stack(cfg).start()
+    try:
         yield s
+    finally:
+        codes = s.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean shutdown on SIGTERM: {codes}"
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +180,20 @@ def _wait_until(predicate, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def test_bad_requests_do_not_disturb_good_ones(stack, model_pair, expected):
+    """Good streams running while a stream of bad requests is refused still match transformers."""
+    bad = [Client.request([], 8), Client.request([10**6], 8), Client.request([5], 0), Client.request([5], 8, expansion=(0,))]
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(client.generate, Client.request(model_pair.prompts[i], NEW_TOKENS)) for i in range(4)]
+        for _ in range(5):
+            for req in bad:
+                with pytest.raises(grpc.RpcError) as err:
+                    client.generate(req)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for i, fut in enumerate(good):
+            assert fut.result(timeout=300).token_ids == expected[i]
+
+
 def test_full_queue_and_cancellation(stack, model_pair):
     """A request manager with one batch slot and one queue place: a third request is refused
     with RESOURCE_EXHAUSTED while the others go on, and a cancelled stream frees its slot
@@ -203,3 +221,20 @@ def test_full_queue_and_cancellation(stack, model_pair):
         b = fut_b.result(timeout=120)
         assert b.finished.reason in (api_pb2.FINISH_REASON_LENGTH, api_pb2.FINISH_REASON_EOS)
         assert len(b.token_ids) >= 1
+
+
+def test_deadline_is_honoured(stack, model_pair):
+    """A client deadline ends the stream with DEADLINE_EXCEEDED and the request stops server-side."""
+    prompt = model_pair.prompts[2]
+    with Client(stack.address, timeout=30) as client:
+        info = client.model_info()
+        long_tokens = min(info.max_new_tokens_limit, info.max_positions - len(prompt))  # takes far longer than the deadline
+    with Client(stack.address, timeout=0.3) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(Client.request(prompt, long_tokens, ignore_eos=True, request_id="deadline-a"))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with Client(stack.address, timeout=30) as client:
+        _wait_until(lambda: client.get_request("deadline-a").status == api_pb2.REQUEST_STATUS_FINISHED, timeout=30)
+        state = client.get_request("deadline-a")
+        assert state.finished.reason == api_pb2.FINISH_REASON_CANCELLED
+        assert len(state.output_token_ids) < long_tokens

@@ -1,4 +1,7 @@
-"""Loading local Hugging Face checkpoints (nothing is downloaded)."""
+"""Loading local Hugging Face checkpoints (nothing is downloaded).
+
+``eos_token_id`` and ``load_tokenizer`` (from :mod:`specinfer.checkpoint`) are re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,8 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
+from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
 from specinfer.models.interface import CausalLM
 from specinfer.models.reference import ReferenceBackend
@@ -22,6 +25,8 @@ def check_checkpoint(path: str | Path, field: str) -> Path:
         raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no config.json)")
     return p
 
+
+__all__ = ["BACKENDS", "DTYPES", "check_checkpoint", "check_same_vocabulary", "eos_token_id", "load_backend", "load_tokenizer"]
 
 BACKENDS = ("auto", "native", "reference")
 
@@ -54,25 +59,6 @@ def load_backend(
         else:
             return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, 0, attention))
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The checkpoint's ``tokenizer.json``, or None when it ships none."""
-    f = Path(path) / "tokenizer.json"
-    return Tokenizer.from_file(str(f)) if f.is_file() else None
-
-
-def eos_token_id(path: str | Path) -> int | None:
-    """EOS from generation_config.json, else config.json (the first one if a list)."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(path) / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-    return None
 
 
 def check_same_vocabulary(llm_dir: str | Path, ssm_dir: str | Path, field: str) -> None:

@@ -24,8 +24,10 @@ class KVPool:
         self.slot_len = slot_len
         self.num_slots = num_slots
         shape = (spec.layers, num_slots * slot_len, spec.kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, capacity, kv_heads, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # empty, not zeros: rows are always written before they are read (attention masks every
+        # row past a request's valid range), and untouched pages cost no host memory
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, capacity, kv_heads, head_dim]
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
 
     @staticmethod
