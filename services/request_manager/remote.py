@@ -8,6 +8,9 @@ lost it (restart, moved request) answers ``cache_miss`` and gets the whole conte
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import socket
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ import grpc
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("specinfer.request_manager")
 
 
 @dataclass(frozen=True)
@@ -101,30 +106,163 @@ async def _call_with_context(send, calls, tracker: _ContextTracker):
     raise RuntimeError(f"callee reported a cache miss for a full context: {[c.request_id for c in pending]}")
 
 
-class SsmWorkers:
-    """The SSM worker replicas. A request sticks to one worker per SSM (its KV cache lives there)."""
+# -- DNS discovery of SSM workers -----------------------------------------------------------
+# ``dns:///ssm-worker:50052`` names one worker per A/AAAA record of ``ssm-worker``: Docker Compose
+# (``--scale ssm-worker=N``) and Kubernetes headless Services publish one record per replica.
+# gRPC's own dns resolver would spread calls over them, but a request must keep drafting on the
+# worker that holds its cache, so the request manager resolves the name itself and keeps one
+# channel per address (see :meth:`SsmWorkers.worker_for`).
 
-    def __init__(self, addresses: Sequence[str], timeout: float) -> None:
-        if not addresses:
+DNS_REFRESH_SECONDS = 30.0  # how often SsmWorkers re-resolves its dns: targets
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    host: str
+    port: int
+
+    @staticmethod
+    def parse(target: str) -> DnsTarget | None:
+        """``dns:///host:port`` or ``dns:host:port`` (gRPC's target syntax); None for a plain ``host:port``."""
+        if not target.startswith("dns:"):
+            return None
+        rest = target.removeprefix("dns:")
+        if rest.startswith("//"):
+            authority, _, rest = rest[2:].partition("/")
+            if authority:
+                raise ValueError(f"SSM worker target {target!r}: a DNS server (authority) is not supported; write dns:///host:port")
+        host, sep, port = rest.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [IPv6 literal]
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"SSM worker target {target!r}: expected dns:///host:port")
+        return DnsTarget(host, int(port))
+
+    async def resolve(self) -> list[str]:
+        """Every address of ``host`` (A and AAAA records), sorted, as ``ip:port`` or ``[ip]:port``."""
+        infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        return sorted({f"[{addr[0]}]:{self.port}" if family == socket.AF_INET6 else f"{addr[0]}:{self.port}" for family, _, _, _, addr in infos})
+
+
+class SsmWorkers:
+    """The SSM worker replicas. A request sticks to one worker per SSM (its KV cache lives there).
+
+    ``targets`` are ``host:port`` addresses or ``dns:///host:port`` names; a name stands for all
+    its addresses, looked up by :meth:`discover` and again every ``refresh_seconds``
+    (:meth:`refresh`), so workers that scale up or move are found without a restart.
+    """
+
+    def __init__(self, targets: Sequence[str], timeout: float, refresh_seconds: float = DNS_REFRESH_SECONDS) -> None:
+        if not targets:
             raise ValueError("no SSM worker addresses")
-        self.addresses = list(addresses)
+        self.targets = list(targets)
+        self._dns = [DnsTarget.parse(t) for t in self.targets]  # bad dns: targets fail here, at start-up
         self.timeout = timeout
-        self._channels = {a: grpc.aio.insecure_channel(a) for a in self.addresses}
-        self._stubs = {a: internal_pb2_grpc.SsmWorkerStub(ch) for a, ch in self._channels.items()}
-        self._trackers = {a: _ContextTracker() for a in self.addresses}
+        self.refresh_seconds = refresh_seconds
+        self.addresses: list[str] = []  # the workers, in the order of the stable hashing
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, internal_pb2_grpc.SsmWorkerStub] = {}
+        self._trackers: dict[str, _ContextTracker] = {}
+        self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = None
+        self._refresher: asyncio.Task | None = None
+
+    @property
+    def uses_dns(self) -> bool:
+        return any(self._dns)
+
+    async def resolve(self) -> list[str]:
+        """The worker addresses the targets stand for now (plain addresses as given). Raises
+        OSError when a lookup fails (e.g. a name with no address yet)."""
+        out: list[str] = []
+        for target, dns in zip(self.targets, self._dns, strict=True):
+            found = await dns.resolve() if dns is not None else [target]
+            out += [a for a in found if a not in out]
+        return out
+
+    def _join(self, address: str, channel: grpc.aio.Channel, info: internal_pb2.ListModelsResponse) -> None:
+        if self.vocab_size is not None and info.vocab_size != self.vocab_size:
+            raise ValueError(f"SSM worker {address} has vocabulary {info.vocab_size}, others {self.vocab_size}")
+        self.vocab_size = info.vocab_size
+        self._channels[address] = channel
+        self._stubs[address] = internal_pb2_grpc.SsmWorkerStub(channel)
+        self._trackers[address] = _ContextTracker()
+        self._served[address] = tuple(info.models)
+        self.addresses.append(address)
+
+    def _index(self) -> None:
+        self.models = {}
+        for address in self.addresses:
+            for name in self._served[address]:
+                self.models.setdefault(name, []).append(address)
 
     async def discover(self) -> None:
-        """Ask every worker which SSMs it serves."""
-        self.models.clear()
-        for address, stub in self._stubs.items():
-            info = await stub.ListModels(internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True)
-            if self.vocab_size is not None and info.vocab_size != self.vocab_size:
-                raise ValueError(f"SSM worker {address} has vocabulary {info.vocab_size}, others {self.vocab_size}")
-            self.vocab_size = info.vocab_size
-            for name in info.models:
-                self.models.setdefault(name, []).append(address)
+        """Ask every worker which SSMs it serves (each gets ``timeout`` seconds to come up); a
+        ``dns:`` name that has no address yet is looked up again until then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        error: OSError | None = None
+        while True:
+            try:
+                addresses = await self.resolve()
+            except OSError as exc:
+                addresses, error = [], exc
+            if addresses or loop.time() >= deadline:
+                break
+            await asyncio.sleep(1.0)
+        if not addresses:
+            raise RuntimeError(f"no SSM worker address found for {', '.join(self.targets)} in {self.timeout:.0f} s (last error: {error!r})")
+        if self.uses_dns:
+            log.info("SSM workers resolved", extra={"targets": self.targets, "addresses": addresses})
+        for address in (a for a in addresses if a not in self._stubs):
+            channel = grpc.aio.insecure_channel(address)
+            info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True)
+            self._join(address, channel, info)
+        self._index()
+        if self.uses_dns and self.refresh_seconds > 0 and self._refresher is None:
+            self._refresher = loop.create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            try:
+                await self.refresh()
+            except Exception:  # the next round tries again; the workers in use stay
+                log.exception("SSM worker refresh failed")
+
+    async def refresh(self) -> None:
+        """Look the targets up again: new addresses join once they answer ListModels with the
+        same vocabulary, addresses no longer found leave (their requests move to other workers,
+        which rebuild the caches through the context protocol). A failed or empty lookup keeps
+        the current workers."""
+        try:
+            found = await self.resolve()
+        except OSError as exc:
+            log.warning("SSM worker lookup failed; keeping the current workers", extra={"error": repr(exc)})
+            return
+        if not found:
+            log.warning("SSM worker lookup found no address; keeping the current workers", extra={"targets": self.targets})
+            return
+        joined = []
+        for address in (a for a in found if a not in self._stubs):
+            channel = grpc.aio.insecure_channel(address)
+            try:
+                info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=self.timeout)
+                self._join(address, channel, info)
+                joined.append(address)
+            except (grpc.aio.AioRpcError, ValueError) as exc:
+                await channel.close()
+                log.warning("SSM worker not added; trying again at the next lookup", extra={"address": address, "error": repr(exc)})
+        gone = [a for a in self.addresses if a not in found]
+        closing = [self._channels.pop(a) for a in gone]
+        for address in gone:
+            del self._stubs[address], self._trackers[address], self._served[address]
+        self.addresses = [a for a in self.addresses if a not in gone]
+        self._index()
+        if joined or gone:
+            log.info("SSM workers changed", extra={"added": joined, "removed": gone, "workers": self.addresses})
+        for channel in closing:  # calls in flight on a removed worker may finish
+            await channel.close(grace=self.timeout)
 
     def worker_for(self, request_id: str, ssm: str) -> str:
         """The worker that drafts ``request_id`` with ``ssm``: stable hashing over the workers
@@ -136,12 +274,13 @@ class SsmWorkers:
         by_worker: dict[str, list[DraftCall]] = {}
         for c in calls:
             by_worker.setdefault(self.worker_for(c.request_id, ssm), []).append(c)
-        parts = await asyncio.gather(*(self._speculate_on(a, ssm, cs) for a, cs in by_worker.items()))
+        # stubs and trackers are taken now: a refresh may drop a worker while its call runs
+        parts = await asyncio.gather(*(self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()))
         return {rid: tree for part in parts for rid, tree in part.items()}
 
-    async def _speculate_on(self, address: str, ssm: str, calls: Sequence[DraftCall]) -> dict[str, DraftTree]:
-        stub = self._stubs[address]
-
+    async def _speculate_on(
+        self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: _ContextTracker, ssm: str, calls: Sequence[DraftCall]
+    ) -> dict[str, DraftTree]:
         async def send(pending, contexts):
             request = internal_pb2.SpeculateRequest(ssm=ssm)
             for c, ctx in zip(pending, contexts, strict=True):
@@ -158,18 +297,23 @@ class SsmWorkers:
             response = await stub.Speculate(request, timeout=self.timeout)
             return response.results
 
-        results = await _call_with_context(send, calls, self._trackers[address])
+        results = await _call_with_context(send, calls, tracker)
         return {rid: wire.draft_from_proto(r.tree) for rid, r in results.items()}
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        for address, stub in self._stubs.items():
-            ids = [r for r in request_ids if r in self._trackers[address]]
+        # the workers as they are now: a refresh may change them while the calls run
+        for stub, tracker in [(self._stubs[a], self._trackers[a]) for a in self.addresses]:
+            ids = [r for r in request_ids if r in tracker]
             for r in ids:
-                self._trackers[address].forget(r)
+                tracker.forget(r)
             if ids:
                 await stub.Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout)
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
         for ch in self._channels.values():
             await ch.close()
 

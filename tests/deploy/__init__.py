@@ -1,0 +1,1 @@
+"""Tests of the deployment artifacts: images, compose, Kubernetes manifests, configuration docs."""

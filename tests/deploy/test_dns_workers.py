@@ -1,0 +1,212 @@
+"""``--ssm-workers dns:///name:port``: the request manager finds every SSM worker replica in DNS.
+
+Fake SSM workers (in-process gRPC servers answering ListModels and Release) stand in for the
+real ones; the lookups are real for ``localhost`` and scripted (monkeypatched) for membership
+changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from specinfer.request_manager.redis_server import free_tcp_port
+from specinfer.request_manager.remote import DnsTarget, SsmWorkers
+from specinfer.v1 import internal_pb2, internal_pb2_grpc
+
+VOCAB = 259
+
+
+class FakeWorker(internal_pb2_grpc.SsmWorkerServicer):
+    def __init__(self, models: tuple[str, ...] = ("ssm",), vocab_size: int = VOCAB) -> None:
+        self.models, self.vocab_size = models, vocab_size
+        self.released: list[str] = []
+
+    async def ListModels(self, request, context):
+        return internal_pb2.ListModelsResponse(models=self.models, vocab_size=self.vocab_size)
+
+    async def Release(self, request, context):
+        self.released += request.request_ids
+        return internal_pb2.ReleaseResponse()
+
+
+async def start_fake(worker: FakeWorker) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_SsmWorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 20))
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("ssm-worker:50052", None),
+        ("10.0.0.7:50052", None),
+        ("dns:///ssm-worker:50052", DnsTarget("ssm-worker", 50052)),
+        ("dns:ssm-worker.specinfer.svc.cluster.local:50052", DnsTarget("ssm-worker.specinfer.svc.cluster.local", 50052)),
+        ("dns:///[::1]:50052", DnsTarget("::1", 50052)),
+    ],
+)
+def test_parse_targets(target, expected):
+    assert DnsTarget.parse(target) == expected
+
+
+@pytest.mark.parametrize("target", ["dns:///ssm-worker", "dns:///:50052", "dns:///ssm-worker:http", "dns://8.8.8.8/ssm-worker:50052"])
+def test_bad_dns_targets_fail_at_start_up(target):
+    with pytest.raises(ValueError, match="SSM worker target"):
+        SsmWorkers([target], timeout=1.0)
+
+
+def test_localhost_resolves_to_its_loopback_addresses():
+    addresses = asyncio.run(DnsTarget("localhost", 50052).resolve())
+    assert "127.0.0.1:50052" in addresses
+    assert set(addresses) <= {"127.0.0.1:50052", "[::1]:50052"}
+    assert addresses == sorted(addresses)
+
+
+def test_discover_uses_every_address_of_the_name(caplog):
+    async def test() -> None:
+        server, port = await start_fake(FakeWorker(("ssm", "ssm2")))
+        workers = SsmWorkers([f"dns:///localhost:{port}", f"dns:///localhost:{port}"], timeout=5.0, refresh_seconds=0)
+        try:
+            with caplog.at_level(logging.INFO, logger="specinfer.request_manager"):
+                await workers.discover()
+            assert "127.0.0.1:" + str(port) in workers.addresses  # duplicates (same name twice) collapse
+            assert len(workers.addresses) == len(set(workers.addresses))
+            assert set(workers.models) == {"ssm", "ssm2"}
+            assert workers.vocab_size == VOCAB
+            assert workers.worker_for("r1", "ssm") in workers.addresses
+            logged = [r for r in caplog.records if r.getMessage() == "SSM workers resolved"]
+            assert logged and logged[0].addresses == workers.addresses
+            assert workers._refresher is None  # refresh_seconds=0: looked up once
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    run(test)
+
+
+def test_plain_addresses_are_used_as_given():
+    async def test() -> None:
+        server, port = await start_fake(FakeWorker())
+        workers = SsmWorkers([f"127.0.0.1:{port}"], timeout=5.0)
+        try:
+            await workers.discover()
+            assert workers.addresses == [f"127.0.0.1:{port}"]
+            assert workers._refresher is None  # nothing to look up again
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    run(test)
+
+
+def scripted_lookup(monkeypatch, answers: list[list[str] | OSError]) -> None:
+    """DnsTarget.resolve answers from ``answers``, one per call (the last one repeats)."""
+
+    async def resolve(self: DnsTarget) -> list[str]:
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(DnsTarget, "resolve", resolve)
+
+
+def test_discover_waits_for_the_name_to_appear(monkeypatch):
+    async def test() -> None:
+        server, port = await start_fake(FakeWorker())
+        scripted_lookup(monkeypatch, [socket.gaierror(socket.EAI_NONAME, "not known"), [f"127.0.0.1:{port}"]])
+        workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=5.0, refresh_seconds=0)
+        try:
+            await workers.discover()
+            assert workers.addresses == [f"127.0.0.1:{port}"]
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    run(test)
+
+
+def test_discover_gives_up_after_the_timeout(monkeypatch):
+    scripted_lookup(monkeypatch, [socket.gaierror(socket.EAI_NONAME, "not known")])
+    workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=0.5, refresh_seconds=0)
+    with pytest.raises(RuntimeError, match="no SSM worker address found"):
+        run(workers.discover)
+
+
+def test_refresh_follows_scaling(monkeypatch):
+    async def test() -> None:
+        fakes = [FakeWorker(), FakeWorker(), FakeWorker(vocab_size=VOCAB + 1)]
+        servers = [await start_fake(f) for f in fakes]
+        a, b, odd = (f"127.0.0.1:{port}" for _, port in servers)
+        dead = f"127.0.0.1:{free_tcp_port()}"
+        answers: list[list[str] | OSError] = [[a]]
+        scripted_lookup(monkeypatch, answers)
+        workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=1.0, refresh_seconds=0)
+        try:
+            await workers.discover()
+            assert workers.addresses == [a]
+            # scale up: b joins; a replica that does not answer, or has another vocabulary, does not
+            answers[:] = [[a, b, dead, odd]]
+            await workers.refresh()
+            assert workers.addresses == [a, b]
+            assert workers.models == {"ssm": [a, b]}
+            owner = {rid: workers.worker_for(rid, "ssm") for rid in (f"r{i}" for i in range(40))}
+            assert set(owner.values()) == {a, b}  # requests spread over both
+            for rid, address in owner.items():  # as if each request had drafted on its worker
+                workers._trackers[address].sent(rid, 3)
+            # a failed or empty lookup keeps the workers
+            for answer in (socket.gaierror(socket.EAI_AGAIN, "temporary failure"), []):
+                answers[:] = [answer]
+                await workers.refresh()
+                assert workers.addresses == [a, b]
+            # scale down: a leaves; its requests move to b, which rebuilds their caches
+            answers[:] = [[b]]
+            await workers.refresh()
+            assert workers.addresses == [b]
+            assert workers.models == {"ssm": [b]}
+            assert all(workers.worker_for(rid, "ssm") == b for rid in owner)
+            await workers.release(list(owner))
+            assert sorted(fakes[1].released) == sorted(rid for rid, address in owner.items() if address == b)
+            assert fakes[0].released == []  # a left: nothing is sent there
+        finally:
+            await workers.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    run(test)
+
+
+def test_refresh_runs_in_the_background(monkeypatch):
+    async def test() -> None:
+        servers = [await start_fake(FakeWorker()) for _ in range(2)]
+        a, b = (f"127.0.0.1:{port}" for _, port in servers)
+        answers: list[list[str] | OSError] = [[a]]
+        scripted_lookup(monkeypatch, answers)
+        workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=1.0, refresh_seconds=0.05)
+        try:
+            await workers.discover()
+            answers[:] = [[a, b]]
+            for _ in range(100):
+                if workers.addresses == [a, b]:
+                    break
+                await asyncio.sleep(0.05)
+            assert workers.addresses == [a, b]
+        finally:
+            await workers.close()
+            for server, _ in servers:
+                await server.stop(None)
+        assert workers._refresher is not None and workers._refresher.done()
+
+    run(test)

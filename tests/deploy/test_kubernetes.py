@@ -1,0 +1,264 @@
+"""deploy/k8s: the base and both overlays render, validate against the Kubernetes OpenAPI schema,
+and agree with the images, the services' settings and each other (selectors, ports, env)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .artifacts import K8S, KUSTOMIZATIONS, PORTS, REQUIRED, SERVICES, image_key, images, rendered, settings
+from .kustomize import load_documents
+
+# the oldest Kubernetes the manifests are for (gRPC probes are GA since 1.27) and the newest schema
+# kubernetes-validate ships
+KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
+WORKLOADS = ("Deployment", "StatefulSet")
+# ids other than "gpu": tests/conftest.py skips every test with a "gpu" keyword where there is no CUDA device
+NAMES = [pytest.param(name, id=f"k8s-{name}") for name in KUSTOMIZATIONS]
+# created by the operator before `kubectl apply -k` (deploy/README.md), so absent from the render
+EXTERNAL = {"gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")}, "base": {("PersistentVolumeClaim", "specinfer-models")}}
+
+Obj = dict[str, Any]
+
+
+def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def containers(objects: list[Obj]) -> list[tuple[Obj, Obj]]:
+    """(workload, container) for every container of every Deployment and StatefulSet."""
+    return [(o, c) for o in objects if o["kind"] in WORKLOADS for c in o["spec"]["template"]["spec"]["containers"]]
+
+
+def service_of(container: Obj) -> str | None:
+    """Which specinfer service a container runs (None: not one of ours, e.g. Redis)."""
+    image = images().get(image_key(container["image"]))
+    return image.service if image else None
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def environment(objects: list[Obj], container: Obj) -> dict[str, str]:
+    """The container's variables: the image's ENV, then envFrom ConfigMaps, then env (Kubernetes'
+    precedence); values from Secrets read ``<secret:name/key>``."""
+    config_maps = by_kind(objects, "ConfigMap")
+    image = images()[image_key(container["image"])]
+    out = dict(image.env())
+    for source in container.get("envFrom", []):
+        out.update(config_maps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        out[var["name"]] = f"<secret:{ref['name']}/{ref['key']}>" if ref else var["value"]
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_against_the_kubernetes_schema(name, version):
+    objects = rendered(name)
+    assert objects
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_schema_check_catches_mistakes():
+    deployment = copy.deepcopy(by_kind(rendered("base"), "Deployment")["ssm-worker"])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 50052
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[0], strict=True)
+    deployment = copy.deepcopy(by_kind(rendered("base"), "Deployment")["ssm-worker"])
+    deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "50052"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def _kustomize_version() -> tuple[int, ...] | None:
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        return None
+    out = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"v(\d+)\.(\d+)", json.loads(out.stdout or "{}").get("kustomizeVersion", ""))
+    return tuple(int(x) for x in found.groups()) if found else None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_renderer_agrees_with_kubectl_kustomize(name):
+    version = _kustomize_version()
+    if version is None or version < (5, 0):
+        pytest.skip("needs kubectl with kustomize >= 5 (the renderer in tests/deploy/kustomize.py stands in for it)")
+    out = subprocess.run(["kubectl", "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, timeout=60, check=True).stdout
+    theirs = [doc for doc in yaml.safe_load_all(out) if doc]
+
+    def ident(o: Obj) -> tuple[str, str, str]:
+        return o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]
+
+    assert sorted(map(ident, rendered(name))) == sorted(map(ident, theirs))
+    assert {ident(o): o for o in rendered(name)} == {ident(o): o for o in theirs}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_selectors_match_the_pods(name):
+    objects = rendered(name)
+    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in WORKLOADS}
+    for w in workloads.values():
+        assert matches(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
+
+    def selected(selector: dict[str, str]) -> list[str]:
+        return [n for n, w in workloads.items() if matches(selector, w["spec"]["template"]["metadata"]["labels"])]
+
+    for svc in by_kind(objects, "Service").values():
+        assert len(selected(svc["spec"]["selector"])) == 1, svc["metadata"]["name"]
+    for pdb in by_kind(objects, "PodDisruptionBudget").values():
+        assert selected(pdb["spec"]["selector"]["matchLabels"]) == [pdb["metadata"]["name"]]
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"].get("matchLabels", {})
+        assert selected(selector), policy["metadata"]["name"]
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                assert selected(peer["podSelector"]["matchLabels"]), policy["metadata"]["name"]
+    for hpa in by_kind(objects, "HorizontalPodAutoscaler").values():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] in workloads
+        assert "replicas" not in workloads[target["name"]]["spec"], "the HPA owns the replica count"
+    sts = by_kind(objects, "StatefulSet")["redis"]
+    assert by_kind(objects, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ports_agree(name):
+    """Container port = SPECINFER_PORT = the port of every probe, Service and NetworkPolicy."""
+    objects = rendered(name)
+    seen = set()
+    for workload, container in containers(objects):
+        service = service_of(container)
+        if service is None:
+            continue
+        seen.add(service)
+        port = PORTS[service]
+        assert [p["containerPort"] for p in container["ports"]] == [port]
+        assert environment(objects, container)["SPECINFER_PORT"] == str(port)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": port}, (service, probe)
+        assert images()[image_key(container["image"])].stage.expose == [port]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        services = [s for s in by_kind(objects, "Service").values() if matches(s["spec"]["selector"], labels)]
+        assert services, service
+        for s in services:
+            for p in s["spec"]["ports"]:
+                assert p["port"] == port and named.get(p["targetPort"], p["targetPort"]) == port
+        policies = [
+            p
+            for p in by_kind(objects, "NetworkPolicy").values()
+            if p["spec"]["podSelector"].get("matchLabels") and matches(p["spec"]["podSelector"]["matchLabels"], labels)
+        ]
+        assert [[q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]] for p in policies] == [[port]]
+    assert seen == set(SERVICES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_variable_is_a_setting_and_every_required_one_is_set(name):
+    objects = rendered(name)
+    present = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for _, container in containers(objects):
+        service = service_of(container)
+        if service is None:
+            continue
+        env = environment(objects, container)
+        ours = {k for k in env if k.startswith("SPECINFER_")}
+        assert ours <= set(settings(service)), (service, sorted(ours - set(settings(service))))
+        assert REQUIRED[service] <= {k for k, v in env.items() if v}, (service, sorted(REQUIRED[service] - set(env)))
+        assert env["SPECINFER_HOST"] == "0.0.0.0"
+        for var in container.get("env", []):  # set in the pod spec: SPECINFER_* only (the image sets the rest)
+            assert var["name"].startswith("SPECINFER_")
+        for var in container.get("env", []) + container.get("envFrom", []):
+            ref = var.get("valueFrom", {}).get("secretKeyRef") or var.get("configMapRef")
+            if ref:
+                kind = "ConfigMap" if "configMapRef" in var else "Secret"
+                assert (kind, ref["name"]) in present | EXTERNAL.get(name, set()), ref
+    for cm in by_kind(objects, "ConfigMap").values():  # fixed in the Deployments, next to the ports
+        assert not {"SPECINFER_HOST", "SPECINFER_PORT"} & set(cm["data"]), cm["metadata"]["name"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_images_run_the_dockerfiles_entry_points(name):
+    for _, container in containers(rendered(name)):
+        assert not container["image"].endswith(":latest") and ":" in container["image"]
+        if service_of(container) is None:
+            assert container["image"].startswith("redis:")
+            continue
+        assert "command" not in container and "args" not in container, "the image's ENTRYPOINT starts the service"
+        image = images()[image_key(container["image"])]
+        assert container["name"] == image.service
+        assert image.stage.user == "10001:10001"
+
+
+def test_gpu_overlay_puts_the_models_on_gpus():
+    for name, device in (("gpu", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
+        objects = rendered(name)
+        for _, container in containers(objects):
+            service = service_of(container)
+            limits = container["resources"].get("limits", {})
+            if service in ("ssm-worker", "llm-verifier"):
+                assert environment(objects, container)["SPECINFER_DEVICE"] == device
+                assert images()[image_key(container["image"])].variant == device
+                assert limits.get("nvidia.com/gpu") == (1 if device == "cuda" else None)
+                # torch's default thread count is the node's, not the container's: keep them equal
+                assert environment(objects, container)["SPECINFER_TORCH_THREADS"] == str(limits["cpu"])
+            else:
+                assert "nvidia.com/gpu" not in limits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_only_the_request_manager_reaches_the_internal_services(name):
+    policies = by_kind(rendered(name), "NetworkPolicy")
+    deny = policies.pop("default-deny-ingress")
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    public = policies.pop("request-manager-public-api")
+    assert public["spec"]["ingress"] == [{"ports": [{"port": PORTS["request-manager"], "protocol": "TCP"}]}]  # from anywhere
+    assert {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in policies.values()} == {"ssm-worker", "llm-verifier", "redis"}
+    for policy in policies.values():
+        peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+        assert peers == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "request-manager", "app.kubernetes.io/part-of": "specinfer"}}}]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_request_manager_finds_the_others_through_headless_services(name):
+    objects = rendered(name)
+    services = by_kind(objects, "Service")
+    env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
+    for variable, service in (("SPECINFER_SSM_WORKERS", "ssm-worker"), ("SPECINFER_VERIFIER", "llm-verifier")):
+        assert env[variable] == f"dns:///{service}:{PORTS[service]}"
+        assert services[service]["spec"]["clusterIP"] == "None"
+    assert env["SPECINFER_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["SPECINFER_REDIS_PASSWORD"] == "<secret:specinfer-redis/password>"
+    redis = by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}["REDIS_PASSWORD"] == {"name": "specinfer-redis", "key": "password"}
+
+
+@pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "gpu")])
+def test_each_overlay_has_one_settings_file(overlay):
+    """What users change lives in the overlay's settings.yaml: the three ConfigMaps (models, token
+    tree, batch limits), the request manager's replicas and the SSM workers' autoscaling bounds."""
+    patches = load_documents(K8S / "overlays" / overlay / "settings.yaml")
+    assert {(p["kind"], p["metadata"]["name"]) for p in patches} == {
+        ("ConfigMap", "specinfer-request-manager"),
+        ("ConfigMap", "specinfer-ssm-worker"),
+        ("ConfigMap", "specinfer-llm-verifier"),
+        ("Deployment", "request-manager"),
+        ("HorizontalPodAutoscaler", "ssm-worker"),
+    }
+    data = {p["metadata"]["name"]: p.get("data", {}) for p in patches if p["kind"] == "ConfigMap"}
+    assert {"SPECINFER_MODEL_DIR", "SPECINFER_EXPANSION", "SPECINFER_MAX_BATCH"} <= set(data["specinfer-request-manager"])
+    assert "SPECINFER_SSM" in data["specinfer-ssm-worker"] and "SPECINFER_LLM" in data["specinfer-llm-verifier"]
