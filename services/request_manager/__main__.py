@@ -61,6 +61,7 @@ async def serve(cfg: RequestManagerConfig) -> None:
         eos_token_id=eos,
     )
     servicer = SpecInferServicer(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
+    await servicer.recover()
     loop_task = asyncio.get_running_loop().create_task(scheduler.run())
 
     async def on_stop() -> None:

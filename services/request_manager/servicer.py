@@ -17,8 +17,8 @@ import grpc
 from tokenizers import Tokenizer
 
 from specinfer import wire
-from specinfer.core import InvalidArgument
-from specinfer.core.requests import GenerationRequest, SpeculationConfig
+from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.requests import GenerationRequest, SpeculationConfig, StepStats
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
 from specinfer.request_manager.scheduler import Finish, Live, QueueFull, Scheduler, StreamEvent, Usage
 from specinfer.request_manager.store import RequestExistsError, RequestStore
@@ -93,6 +93,40 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict:
         "ignore_eos": req.ignore_eos,
         "speculation": None if spec is None else {"expansion": list(spec.expansion.widths), "ssms": [ssm_names[i] for i in spec.ssms]},
     }
+
+
+def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: Tokenizer | None) -> Live:
+    """The inverse of :func:`live_params`: an unfinished request found in Redis, ready to resume
+    where its committed tokens end. SSMs the workers no longer serve are dropped from its tree."""
+    params = snapshot.params
+    spec = None
+    if params.get("speculation"):
+        names = [n for n in params["speculation"]["ssms"] if n in limits.ssm_names]
+        if names:
+            spec = SpeculationConfig(
+                ExpansionConfig(tuple(params["speculation"]["expansion"])), tuple(limits.ssm_names.index(n) for n in names), limits.draft_support
+            )
+    request = GenerationRequest(
+        request_id=snapshot.request_id,
+        prompt_tokens=tuple(snapshot.prompt_tokens),
+        max_new_tokens=int(params["max_new_tokens"]),
+        sampling=SamplingParams(**params["sampling"]),
+        speculation=spec,
+        stop_token_ids=tuple(params["stop_token_ids"]),
+        ignore_eos=bool(params["ignore_eos"]),
+    )
+    stop = tuple(params["stop"])
+    text = TextStream(tokenizer, stop) if tokenizer is not None else None
+    live = Live(request, int(params["seed"]), stop, text)
+    live.output = list(snapshot.output_tokens)
+    if text is not None:
+        text.update(live.output)  # already streamed before the restart
+    # Only totals survive in Redis. One entry carries them and the rest pad the count, which keeps
+    # the usage sums and the step index that seeds each step's random stream.
+    stats = snapshot.stats
+    if stats.llm_steps:
+        live.steps = [StepStats(stats.tree_nodes, stats.accepted_tokens, -1, len(live.output))] + [StepStats(0, 0, -1, 0)] * (stats.llm_steps - 1)
+    return live
 
 
 def event_to_proto(request_id: str, event: StreamEvent) -> api_pb2.GenerateResponse:
@@ -177,6 +211,25 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         text = TextStream(self.tokenizer, tuple(msg.stop)) if self.tokenizer is not None else None
         return Live(request, seed, tuple(msg.stop), text, deadline)
+
+    async def recover(self) -> list[str]:
+        """Resume the unfinished requests this replica owns in Redis (after a restart)."""
+        resumed = []
+        for rid in await self.store.active(self.owner):
+            snapshot = await self.store.get(rid)
+            if snapshot is None or snapshot.is_finished:
+                continue
+            try:
+                live = live_from_snapshot(snapshot, self.limits, self.tokenizer)
+            except (KeyError, TypeError, ValueError) as exc:  # a record this version cannot read
+                log.error("cannot resume request", extra={"request_id": rid, "error": repr(exc)})
+                await self.store.finish(rid, "error", f"cannot resume: {exc}", owner=self.owner)
+                continue
+            self.scheduler.resume(live)
+            resumed.append(rid)
+        if resumed:
+            log.info("resumed requests from Redis", extra={"count": len(resumed)})
+        return resumed
 
     # -- RPCs ----------------------------------------------------------------------------
 
