@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specinfer.core import ExpansionConfig
-from specinfer.serving.config import add_setting, split_list
+from specinfer.serving.config import add_server_settings, add_setting, split_list
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,7 @@ class RequestManagerConfig:
     @staticmethod
     def parser() -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
-        add_setting(p, "--host", str, "127.0.0.1", "address to listen on")
-        add_setting(p, "--port", int, 50051, "public API port (0: pick a free one)")
-        add_setting(p, "--port-file", str, "", "write the bound port to this file once serving")
+        add_server_settings(p, default_port=50051)
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
         add_setting(p, "--redis-password", str, "", "Redis password")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
@@ -55,8 +53,6 @@ class RequestManagerConfig:
         add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner)")
         add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
         add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
-        add_setting(p, "--grace-seconds", float, 10.0, "shutdown grace period")
-        add_setting(p, "--log-level", str, "INFO", "log level")
         return p
 
     @staticmethod
@@ -66,7 +62,7 @@ class RequestManagerConfig:
         return RequestManagerConfig(
             host=a.host,
             port=a.port,
-            port_file=a.port_file,
+            port_file=a.port_file or "",
             redis_url=a.redis_url,
             redis_password=a.redis_password,
             state_dir=a.state_dir,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.core import DraftTree, ExpansionConfig, TokenTree, merge_drafts
+from specinfer.core import DraftTree, combine_drafts
 from specinfer.core.requests import GenerationRequest, StepStats, commit_tokens
 from specinfer.request_manager.remote import DraftCall, SsmWorkers, Verdict, Verifier, VerifyCall
 from specinfer.request_manager.store import RequestStore
@@ -52,6 +52,25 @@ class Usage:
     tokens_per_step: float
     mean_tree_size: float
 
+    @staticmethod
+    def from_totals(prompt_tokens: int, completion_tokens: int, llm_steps: int, accepted: int, tree_nodes: int) -> Usage:
+        n = max(1, llm_steps)
+        return Usage(prompt_tokens, completion_tokens, llm_steps, accepted / n, completion_tokens / n, tree_nodes / n)
+
+
+@dataclass
+class StepTotals:
+    """What a request's verify steps add up to (what Redis keeps of them, too)."""
+
+    llm_steps: int = 0
+    accepted: int = 0
+    tree_nodes: int = 0
+
+    def add(self, step: StepStats) -> None:
+        self.llm_steps += 1
+        self.accepted += step.accepted
+        self.tree_nodes += step.tree_size
+
 
 @dataclass(frozen=True)
 class Finish:
@@ -80,7 +99,7 @@ class Live:
     text: TextStream | None = None
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
     output: list[int] = field(default_factory=list)
-    steps: list[StepStats] = field(default_factory=list)
+    steps: StepTotals = field(default_factory=StepTotals)  # llm_steps also indexes each step's random stream
     subscribers: list[asyncio.Queue] = field(default_factory=list)
     stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
     finished: Finish | None = None
@@ -98,15 +117,8 @@ class Live:
         return self.request.max_new_tokens - len(self.output)
 
     def usage(self) -> Usage:
-        n = max(1, len(self.steps))
-        return Usage(
-            prompt_tokens=len(self.request.prompt_tokens),
-            completion_tokens=len(self.output),
-            llm_steps=len(self.steps),
-            mean_accepted=sum(s.accepted for s in self.steps) / n,
-            tokens_per_step=len(self.output) / n,
-            mean_tree_size=sum(s.tree_size for s in self.steps) / n,
-        )
+        t = self.steps
+        return Usage.from_totals(len(self.request.prompt_tokens), len(self.output), t.llm_steps, t.accepted, t.tree_nodes)
 
     def publish(self, event: StreamEvent) -> None:
         for q in self.subscribers:
@@ -198,7 +210,7 @@ class Scheduler:
             return
         self.iterations += 1
         drafts = await self._speculate(batch)
-        calls = [VerifyCall(lv.request_id, lv.committed[:-1], drafts[lv.request_id], lv.request.sampling, lv.seed, len(lv.steps)) for lv in batch]
+        calls = [VerifyCall(lv.request_id, lv.committed[:-1], drafts[lv.request_id], lv.request.sampling, lv.seed, lv.steps.llm_steps) for lv in batch]
         try:
             verdicts = await self.verifier.verify(calls)
         except grpc.aio.AioRpcError as exc:
@@ -218,20 +230,12 @@ class Scheduler:
             calls = []
             for lv in batch:
                 spec = lv.request.speculation
-                # the bonus token always comes on top, so never draft past the token budget
-                depth = min(spec.expansion.depth, lv.remaining - 1) if spec else 0
-                if spec is not None and index in spec.ssms and depth > 0:
+                expansion = spec.expansion_for(index, lv.remaining) if spec else None
+                if expansion is not None:
+                    context = lv.committed
                     calls.append(
                         DraftCall(
-                            lv.request_id,
-                            lv.committed[:-1],
-                            lv.committed[-1],
-                            ExpansionConfig(spec.expansion.widths[:depth]),
-                            lv.request.sampling,
-                            spec.draft_support,
-                            lv.seed,
-                            len(lv.steps),
-                            1 + index,
+                            lv.request_id, context[:-1], context[-1], expansion, lv.request.sampling, spec.draft_support, lv.seed, lv.steps.llm_steps, 1 + index
                         )
                     )
             if calls and self.workers is not None:
@@ -244,11 +248,7 @@ class Scheduler:
                 continue
             for rid, tree in result.items():
                 per_request[rid].append(tree)
-        out = {}
-        for lv in batch:
-            trees = per_request[lv.request_id]
-            out[lv.request_id] = DraftTree(TokenTree.root_only(lv.committed[-1])) if not trees else trees[0] if len(trees) == 1 else merge_drafts(trees)
-        return out
+        return {lv.request_id: combine_drafts(lv.committed[-1], per_request[lv.request_id]) for lv in batch}
 
     async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
         req = live.request
@@ -265,7 +265,7 @@ class Scheduler:
         # durable before anyone sees it; the offset makes a retried append idempotent
         await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
         live.output.extend(tokens)
-        live.steps.append(stats)
+        live.steps.add(stats)
         if reason is None:
             live.publish(StreamEvent(offset, tokens, delta))
         else:

@@ -18,9 +18,9 @@ from tokenizers import Tokenizer
 
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
-from specinfer.core.requests import GenerationRequest, SpeculationConfig, StepStats
+from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
-from specinfer.request_manager.scheduler import Finish, Live, QueueFull, Scheduler, StreamEvent, Usage
+from specinfer.request_manager.scheduler import Finish, Live, QueueFull, Scheduler, StepTotals, StreamEvent, Usage
 from specinfer.request_manager.store import RequestExistsError, RequestStore
 from specinfer.request_manager.text import TextStream
 from specinfer.v1 import api_pb2, api_pb2_grpc
@@ -68,15 +68,8 @@ def snapshot_finish(snapshot: RequestSnapshot) -> Finish | None:
     """The final state of a stored request, or None while it runs."""
     if snapshot.finish_reason is None:
         return None
-    steps = max(1, snapshot.stats.llm_steps)
-    usage = Usage(
-        prompt_tokens=len(snapshot.prompt_tokens),
-        completion_tokens=len(snapshot.output_tokens),
-        llm_steps=snapshot.stats.llm_steps,
-        mean_accepted=snapshot.stats.accepted_tokens / steps,
-        tokens_per_step=len(snapshot.output_tokens) / steps,
-        mean_tree_size=snapshot.stats.tree_nodes / steps,
-    )
+    stats = snapshot.stats
+    usage = Usage.from_totals(len(snapshot.prompt_tokens), len(snapshot.output_tokens), stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
     return Finish(snapshot.finish_reason.value, usage, snapshot.error or "")
 
 
@@ -121,11 +114,8 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     live.output = list(snapshot.output_tokens)
     if text is not None:
         text.update(live.output)  # already streamed before the restart
-    # Only totals survive in Redis. One entry carries them and the rest pad the count, which keeps
-    # the usage sums and the step index that seeds each step's random stream.
     stats = snapshot.stats
-    if stats.llm_steps:
-        live.steps = [StepStats(stats.tree_nodes, stats.accepted_tokens, -1, len(live.output))] + [StepStats(0, 0, -1, 0)] * (stats.llm_steps - 1)
+    live.steps = StepTotals(stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
     return live
 
 

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specinfer.serving.healthcheck import check
 
 
 @dataclass(frozen=True)
@@ -48,17 +47,10 @@ class Process:
 def wait_serving(address: str, timeout: float) -> None:
     """Block until ``address`` answers a health check with SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
-            time.sleep(0.1)
+    while check(address, timeout=2) != "SERVING":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 @dataclass

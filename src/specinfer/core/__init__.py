@@ -2,7 +2,7 @@
 
 from specinfer.core.drafts import DraftGroup, DraftTree, ExpansionConfig, TreeBuilder
 from specinfer.core.errors import InvalidArgument
-from specinfer.core.merge import merge_drafts, merge_trees
+from specinfer.core.merge import combine_drafts, merge_drafts, merge_trees
 from specinfer.core.sampling import (
     SamplingParams,
     SparseDist,
@@ -25,6 +25,7 @@ __all__ = [
     "TokenTree",
     "TreeBuilder",
     "VerifyResult",
+    "combine_drafts",
     "draw_without_replacement",
     "merge_drafts",
     "merge_trees",

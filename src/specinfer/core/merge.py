@@ -45,3 +45,11 @@ def merge_drafts(drafts: Sequence[DraftTree]) -> DraftTree:
     tree, maps = _merge_with_maps([d.tree for d in drafts])
     groups = [DraftGroup(m[g.parent], tuple(m[c] for c in g.children), g.q) for d, m in zip(drafts, maps, strict=True) for g in d.groups]
     return DraftTree(tree, tuple(groups))
+
+
+def combine_drafts(root_token: int, drafts: Sequence[DraftTree]) -> DraftTree:
+    """One request's tree for verification: its SSMs' drafts merged, or just the root when no
+    SSM drafted (incremental decoding)."""
+    if not drafts:
+        return DraftTree(TokenTree.root_only(root_token))
+    return drafts[0] if len(drafts) == 1 else merge_drafts(drafts)

@@ -29,6 +29,16 @@ class SpeculationConfig:
         if self.draft_support <= 0:
             raise InvalidArgument("speculation.draft_support", f"must be > 0, got {self.draft_support}")
 
+    def expansion_for(self, ssm_index: int, remaining: int) -> ExpansionConfig | None:
+        """What SSM ``ssm_index`` drafts for a request with ``remaining`` tokens to go, or None.
+
+        The bonus token always comes on top of the tree, so never draft past the token budget.
+        """
+        depth = min(self.expansion.depth, remaining - 1)
+        if ssm_index not in self.ssms or depth <= 0:
+            return None
+        return ExpansionConfig(self.expansion.widths[:depth])
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

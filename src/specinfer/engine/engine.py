@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specinfer.core import DraftTree, ExpansionConfig, InvalidArgument, TokenTree, merge_drafts
+from specinfer.core import DraftTree, InvalidArgument, TokenTree, combine_drafts
 from specinfer.core.requests import GenerationRequest, GenerationResult, StepStats, commit_tokens
 from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
 from specinfer.models.interface import CausalLM
@@ -163,22 +163,14 @@ class SpeculativeEngine:
             jobs, owners = [], []
             for i, s in enumerate(states):
                 spec = s.request.speculation
-                # the bonus token always comes on top, so never draft past the token budget
-                depth = min(spec.expansion.depth, s.remaining - 1) if spec else 0
-                if spec is not None and ssm_index in spec.ssms and depth > 0:
-                    expansion = ExpansionConfig(spec.expansion.widths[:depth])
+                expansion = spec.expansion_for(ssm_index, s.remaining) if spec else None
+                if expansion is not None:
                     rng = s.rng(1 + ssm_index)
                     jobs.append(DraftJob(s.request.request_id, s.committed[:-1], s.committed[-1], expansion, s.request.sampling, spec.draft_support, rng))
                     owners.append(i)
             for i, tree in zip(owners, draft_trees(ssm, jobs) if jobs else [], strict=True):
                 per_request[i].append(tree)
-        out = []
-        for s, trees in zip(states, per_request, strict=True):
-            if not trees:
-                out.append(DraftTree(TokenTree.root_only(s.committed[-1])))
-            else:
-                out.append(trees[0] if len(trees) == 1 else merge_drafts(trees))
-        return out
+        return [combine_drafts(s.committed[-1], trees) for s, trees in zip(states, per_request, strict=True)]
 
     def _commit(self, state: _Active, tree: TokenTree, result) -> bool:
         """Append the step's tokens; True when the request is finished."""
