@@ -16,12 +16,12 @@ import torch
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from specinfer.kernels import build_tree_metadata
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.spec import ModelSpec
+from specinfer.models.native.step import LocalRunner, PackedStep, StepRunner
 from specinfer.models.native.weights import build_weights, read_state_dict
 
 
@@ -40,7 +40,20 @@ class NativeOptions:
     max_tree_nodes: int = 256
 
 
-def _rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
+def slot_len(spec: ModelSpec, options: NativeOptions) -> int:
+    """Positions a request may use: the model's limit, or ``max_seq_len`` when lower."""
+    limit = spec.positions_limit
+    return min(limit, options.max_seq_len) if options.max_seq_len else limit
+
+
+def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
+    """``(rows per slot, slots)`` of a KV pool for ``spec`` within ``options.kv_cache_bytes``:
+    each slot holds a whole sequence plus ``max_tree_nodes`` tree rows."""
+    rows = slot_len(spec, options) + options.max_tree_nodes
+    return rows, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * rows)
+
+
+def rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
     if spec.arch == "opt":
         return None, 1.0
     config = AutoConfig.from_pretrained(str(path))
@@ -54,27 +67,34 @@ def _rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, floa
 
 
 class NativeBackend:
-    def __init__(self, spec: ModelSpec, model: NativeModel, options: NativeOptions) -> None:
+    """Per-request bookkeeping (which tokens each KV slot holds, what a step must compute) on
+    top of a :class:`StepRunner` that executes the packed steps: the whole model in this
+    process, or a group of ranks (:mod:`specinfer.models.native.parallel`)."""
+
+    def __init__(self, spec: ModelSpec, runner: StepRunner, options: NativeOptions) -> None:
         self.spec = spec
-        self.model = model
+        self.runner = runner
         self.options = options
         self.device = torch.device(options.device)
-        limit = spec.positions_limit
-        self.slot_len = min(limit, options.max_seq_len) if options.max_seq_len else limit
-        rows = self.slot_len + options.max_tree_nodes
-        per_slot = KVPool.bytes_per_token(spec, options.dtype) * rows
-        self.pool = KVPool(spec, options.dtype, self.device, rows, options.kv_cache_bytes // per_slot)
+        self.slot_len = slot_len(spec, options)
         self._caches: dict[str, RequestCache] = {}
+
+    @property
+    def pool(self) -> KVPool:
+        return self.runner.pool
 
     @classmethod
     def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
         path = Path(path)
         spec = ModelSpec.from_dir(path)
         weights = build_weights(spec, read_state_dict(path), options.dtype, torch.device(options.device))
-        inv_freq, scale = _rope_tables(spec, path)
+        inv_freq, scale = rope_tables(spec, path)
         if inv_freq is not None:
             inv_freq = inv_freq.to(options.device)
-        return cls(spec, NativeModel(spec, weights, inv_freq, scale, options.attention), options)
+        model = NativeModel(spec, weights, inv_freq, scale, options.attention)
+        device = torch.device(options.device)
+        rows, slots = pool_slots(spec, options)
+        return cls(spec, LocalRunner(model, KVPool(spec, options.dtype, device, rows, slots), device), options)
 
     @property
     def vocab_size(self) -> int:
@@ -147,16 +167,17 @@ class NativeBackend:
             plans.append((item, cache, chain, n))
         if not tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in plans]
-        meta = build_tree_metadata(seg_parents, seg_prefix, seg_starts, self.device, num_queries=seg_queries)
-        dev = self.device
-        logits = self.model.forward(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            torch.tensor(rows, dtype=torch.long, device=dev),
-            meta,
-            self.pool,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )  # [sum n, vocab]
+        step = PackedStep(
+            tuple(tokens),
+            tuple(positions),
+            tuple(rows),
+            tuple(tuple(p) for p in seg_parents),
+            tuple(seg_prefix),
+            tuple(seg_starts),
+            tuple(seg_queries),
+            tuple(logit_rows),
+        )
+        logits = self.runner.run(step)  # [sum n, vocab]
         out, offset = [], 0
         for item, cache, chain, n in plans:
             cache.record_context(chain)

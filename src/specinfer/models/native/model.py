@@ -37,17 +37,30 @@ class NativeModel:
         pool: KVPool,
         logit_rows: torch.Tensor,  # [N] int64, rows whose logits are wanted
     ) -> torch.Tensor:  # [N, vocab] float32
+        h = self.embed(tokens, positions)
+        h = self.run_layers(h, positions, cache_rows, meta, pool)
+        return self.head(h, logit_rows)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """Token (and for OPT, position) embeddings of the packed tokens."""
         spec, w = self.spec, self.w
-        h = F.embedding(tokens, w.embed)  # [T, word_embed_dim]
+        h = self._embed_tokens(tokens)  # [T, word_embed_dim]
         if spec.arch == "opt":
             if w.project_in is not None:
                 h = F.linear(h, w.project_in)
             h = h + F.embedding(positions + OPT_POSITION_OFFSET, w.positions)
-            rope = None
-        else:
-            rope = self._rope(positions, h.dtype)
-        for i, layer in enumerate(w.layers):
+        return h
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """Every decoder layer of ``self.w`` over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
+        rope = None if self.spec.arch == "opt" else self._rope(positions, h.dtype)
+        for i, layer in enumerate(self.w.layers):
             h = self._layer(i, layer, h, rope, cache_rows, meta, pool)
+        return h
+
+    def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]."""
+        spec, w = self.spec, self.w
         h = h[logit_rows]  # [N, hidden]
         if spec.arch == "opt":
             if w.final_norm_w is not None or w.final_norm_b is not None:
@@ -56,7 +69,20 @@ class NativeModel:
                 h = F.linear(h, w.project_out)
         else:
             h = F.rms_norm(h, (spec.hidden_size,), w.final_norm_w, spec.norm_eps)
-        return F.linear(h, w.lm_head).float()
+        return self._lm_head(h).float()
+
+    # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the
+    # whole vocabulary and full-width row-parallel layers, so nothing is communicated.
+
+    def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:  # [T, word_embed_dim]
+        return F.embedding(tokens, self.w.embed)
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
+        return F.linear(h, self.w.lm_head)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""
+        return x
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
@@ -85,7 +111,7 @@ class NativeModel:
         pool.k[i][cache_rows] = k
         pool.v[i][cache_rows] = v
         out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
-        return F.linear(out.reshape(t, q_size), layer.o_w, layer.o_b)
+        return self._reduce(F.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
     def _layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
         spec = self.spec
@@ -97,7 +123,7 @@ class NativeModel:
             if not before:
                 h = F.layer_norm(h, dims, layer.norm1_w, layer.norm1_b, spec.norm_eps)
             x = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps) if before else h
-            h = h + F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b)
+            h = h + self._reduce(F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
             if not before:
                 h = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps)
             return h
@@ -105,4 +131,4 @@ class NativeModel:
         h = h + self._attention(i, layer, F.rms_norm(h, dims, layer.norm1_w, spec.norm_eps), rope, cache_rows, meta, pool)
         gate_up = F.linear(F.rms_norm(h, dims, layer.norm2_w, spec.norm_eps), layer.up_w)  # [T, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down_w)
+        return h + self._reduce(F.linear(F.silu(gate) * up, layer.down_w))

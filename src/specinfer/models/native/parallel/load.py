@@ -1,0 +1,64 @@
+"""Building one rank of a tensor x pipeline parallel LLM from a checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from specinfer.models.native.backend import NativeBackend, NativeOptions, pool_slots, rope_tables
+from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.parallel.driver import DriverRunner, RecordingPool, serve_rank
+from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, init_groups
+from specinfer.models.native.parallel.layout import ParallelLayout, check_layout, shard_spec
+from specinfer.models.native.parallel.shard import shard_weights
+from specinfer.models.native.parallel.stage import StageModel
+from specinfer.models.native.spec import ModelSpec
+from specinfer.models.native.weights import LayerWeights, ModelWeights, build_weights, read_state_dict
+
+
+def _moved(obj: ModelWeights | LayerWeights, device: torch.device) -> ModelWeights | LayerWeights:
+    changes = {f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)}
+    return dataclasses.replace(obj, **changes)
+
+
+def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: ParallelGroups) -> tuple[StageModel, int, int]:
+    """This rank's model on its device, and the pool geometry ``(rows per slot, slots)``, which
+    every rank computes alike: for the largest stage (the first), so ``kv_cache_bytes`` bounds
+    each rank's pool."""
+    layout = groups.layout
+    device = torch.device(options.device)
+    # build and shard on the CPU, so the device only ever holds this rank's shard
+    full = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
+    shard = shard_weights(spec, full, layout)
+    del full
+    weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
+    inv_freq, scale = rope_tables(spec, path)
+    model = StageModel(shard_spec(spec, layout), weights, None if inv_freq is None else inv_freq.to(device), scale, options.attention, spec.vocab_size, groups)
+    rows, slots = pool_slots(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
+    return model, rows, slots
+
+
+def load_driver(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> tuple[NativeBackend, DriverRunner]:
+    """Rank 0: joins the group, loads its shard; returns the backend to serve and its runner
+    (``runner.shutdown()`` stops the other ranks; ``runner.failure`` says whether the group broke)."""
+    path = Path(path)
+    spec = ModelSpec.from_dir(path)
+    check_layout(spec, layout.tp, layout.pp)
+    device = torch.device(options.device)
+    groups = init_groups(layout, rendezvous, device)
+    model, rows, slots = _stage(path, spec, options, groups)
+    runner = DriverRunner(model, RecordingPool(model.spec, options.dtype, device, rows, slots), device)
+    return NativeBackend(spec, runner, options), runner
+
+
+def run_rank(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> None:
+    """Every rank but 0: join the group, load the shard, replay rank 0's operations until shutdown."""
+    path = Path(path)
+    spec = ModelSpec.from_dir(path)
+    check_layout(spec, layout.tp, layout.pp)
+    device = torch.device(options.device)
+    groups = init_groups(layout, rendezvous, device)
+    model, rows, slots = _stage(path, spec, options, groups)
+    serve_rank(model, KVPool(model.spec, options.dtype, device, rows, slots), device)

@@ -1,0 +1,68 @@
+"""One packed forward step of the native backend, as plain data, and the runner that executes it.
+
+A *packed step* is everything a forward pass needs besides the weights and the KV pool: the
+tokens of every request of the batch as one packed row list, their positions and KV-pool rows,
+the tree-attention segments (:func:`specinfer.kernels.build_tree_metadata`'s inputs) and the
+rows whose logits are wanted. It holds Python ints only, so a distributed driver can ship it to
+the other ranks (:mod:`specinfer.models.native.parallel`) and each rebuilds the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specinfer.kernels import TreeAttentionMetadata, build_tree_metadata
+from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.model import NativeModel
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """Inputs of one forward pass over packed tokens (``T`` rows, ``N`` logit rows)."""
+
+    tokens: tuple[int, ...]  # [T]
+    positions: tuple[int, ...]  # [T]
+    cache_rows: tuple[int, ...]  # [T] pool row where each token's K/V go
+    seg_parents: tuple[tuple[int, ...], ...]  # per attention segment, its parent array
+    seg_prefix: tuple[int, ...]  # per segment, cached tokens it attends to
+    seg_starts: tuple[int, ...]  # per segment, pool row of its prefix position 0
+    seg_queries: tuple[int, ...]  # per segment, rows with queries (its last nodes)
+    logit_rows: tuple[int, ...]  # [N] rows whose logits are wanted
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device``."""
+        return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (self.tokens, self.positions, self.cache_rows, self.logit_rows))
+
+    def metadata(self, device: torch.device) -> TreeAttentionMetadata:
+        return build_tree_metadata(self.seg_parents, self.seg_prefix, self.seg_starts, device, num_queries=self.seg_queries)
+
+
+class StepRunner(Protocol):
+    """Executes packed steps on the KV pool it owns (one process, or a group of ranks)."""
+
+    @property
+    def pool(self) -> KVPool: ...
+
+    def run(self, step: PackedStep) -> torch.Tensor:
+        """Logits of ``step.logit_rows``.  # [N, vocab] float32"""
+        ...
+
+
+class LocalRunner:
+    """The whole model in this process."""
+
+    def __init__(self, model: NativeModel, pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self._pool = pool
+        self.device = device
+
+    @property
+    def pool(self) -> KVPool:
+        return self._pool
+
+    def run(self, step: PackedStep) -> torch.Tensor:
+        tokens, positions, rows, logit_rows = step.tensors(self.device)
+        return self.model.forward(tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows)  # [N, vocab]

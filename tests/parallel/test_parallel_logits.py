@@ -1,0 +1,94 @@
+"""Tensor (TP), pipeline (PP) and TP x PP parallel logits equal the single-process native
+backend's (fp32) for prefill and tree-verify steps, with gloo and one process per rank."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+
+from specinfer.models.native import NativeBackend
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from scenario import OPTIONS, steps  # noqa: E402
+
+TOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _configs():
+    common = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256)
+    return {
+        # GQA: 2 key/value heads, one per tensor rank; 97 tokens: vocabulary shards of 49 and 48; 3 layers: stages of 2 and 1
+        "llama-gqa": LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=False),
+        # biases everywhere (row-parallel biases must count once), tied embeddings
+        "opt": OPTConfig(**common, ffn_dim=96, word_embed_proj_dim=64),
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(request, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_configs()[request.param]).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a term counted twice or dropped shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint) -> list[list[torch.Tensor]]:
+    backend = NativeBackend.load(checkpoint, OPTIONS)
+    return steps(backend, backend.vocab_size)
+
+
+def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path) -> list[list[torch.Tensor]]:
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE / "scenario.py"), str(checkpoint), str(tp), str(pp), str(rank), str(port), str(out)], stderr=subprocess.PIPE)
+        for rank in range(tp * pp)
+    ]
+    errors = []
+    for rank, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode != 0:
+            errors.append(f"rank {rank} exited {p.returncode}:\n{err.decode(errors='replace')[-3000:]}")
+    assert not errors, "\n".join(errors)
+    return torch.load(out)
+
+
+# every layout on the GQA Llama; OPT (biases, layer norms, tied embeddings) once, split both ways
+CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("opt", 2, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("checkpoint", "tp", "pp"), CASES, indirect=["checkpoint"], ids=[f"{m}-tp{t}xpp{p}" for m, t, p in CASES])
+def test_parallel_logits_equal_single_process(checkpoint, single, tp, pp, tmp_path):
+    parallel = run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt")
+    assert len(parallel) == len(single)
+    for step, (got_step, want_step) in enumerate(zip(parallel, single, strict=True)):
+        assert len(got_step) == len(want_step)
+        for got, want in zip(got_step, want_step, strict=True):
+            assert got.shape == want.shape, f"step {step}"
+            if want.numel():
+                rel = float((got - want).abs().max() / want.abs().max())
+                assert rel < TOL, f"step {step}: relative error {rel:.2e}"
