@@ -1,7 +1,10 @@
 """``specinfer-llm-verifier`` / ``python -m specinfer.llm_verifier``: serve the LLM over gRPC.
 
 Every flag is also an environment variable (``--kv-cache-bytes`` = ``SPECINFER_KV_CACHE_BYTES``).
-Example: ``specinfer-llm-verifier --llm /models/llm --port 50051``.
+Example: ``specinfer-llm-verifier --llm /models/llm --port 50051``. With ``--tensor-parallel N
+--pipeline-parallel M`` the LLM runs on N*M ranks (:mod:`specinfer.llm_verifier.ranks`,
+docs/parallelism.md): this process is rank 0, serves gRPC and starts the others, unless an
+outside launcher (torchrun) set ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -9,16 +12,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import torch
 
 from specinfer.core import InvalidArgument
+from specinfer.llm_verifier.ranks import Launch, exit_with_parent, plan_launch, rank_device, spawn_ranks, stop_ranks, watch_ranks
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
+from specinfer.models.loading import DTYPES, check_checkpoint
+from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
+from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
 log = logging.getLogger("specinfer.llm_verifier")
+
+STOP_RANKS_SECONDS = 10.0  # after a clean shutdown, how long the other ranks get to exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,25 +38,116 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting(parser, "--llm", default=None, help="the LLM checkpoint, PATH or NAME=PATH (default name: the folder's) (required)")
     add_server_settings(parser)
     add_model_settings(parser)
+    add_setting(parser, "--tensor-parallel", int, 1, help="ranks each layer is split across (native backend; divides the heads, KV heads and MLP width)")
+    add_setting(parser, "--pipeline-parallel", int, 1, help="pipeline stages, each a contiguous range of layers (native backend)")
+    add_setting(parser, "--rank-timeout-seconds", float, 60.0, help="with several ranks: how long a collective waits for a peer before the service fails")
     return parser
 
 
-def load_servicer(args: argparse.Namespace) -> LlmVerifierServicer:
+def llm_path(args: argparse.Namespace) -> tuple[str, str]:
     paths = parse_named_paths(args.llm, "llm")
     if len(paths) != 1:
         raise InvalidArgument("llm", f"name exactly one checkpoint, got {len(paths)}")
     ((name, path),) = paths.items()
+    return name, path
+
+
+def load_servicer(args: argparse.Namespace) -> LlmVerifierServicer:
+    name, path = llm_path(args)
     return LlmVerifierServicer(name, load_model(path, "llm", args))
 
 
+def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:
+    """The launch of a parallel verifier (None: one process); raises :class:`InvalidArgument`
+    naming the setting that does not fit the model."""
+    tp, pp = args.tensor_parallel, args.pipeline_parallel
+    if tp < 1 or pp < 1:
+        raise InvalidArgument("tensor-parallel" if tp < 1 else "pipeline-parallel", f"must be >= 1, got {min(tp, pp)}")
+    if tp * pp == 1:
+        return None
+    if args.backend == "reference":
+        raise InvalidArgument("backend", "tensor and pipeline parallelism need the native backend")
+    if args.dtype not in DTYPES:
+        raise InvalidArgument("dtype", f"must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+    _, path = llm_path(args)
+    try:
+        spec = ModelSpec.from_dir(check_checkpoint(path, "llm"))
+    except UnsupportedModel as exc:
+        raise InvalidArgument("backend", f"tensor and pipeline parallelism need the native backend, which cannot run {path}: {exc}") from exc
+    check_layout(spec, tp, pp)
+    return plan_launch(tp, pp, args.rank_timeout_seconds, environ)
+
+
+def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
+    return NativeOptions(DTYPES[args.dtype], rank_device(args.device, launch.local_rank), args.kv_cache_bytes, 0, args.attention)
+
+
+def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:
+    """Ranks 1..: replay rank 0's operations until it shuts them down."""
+    exit_with_parent()
+    try:
+        run_rank(llm_path(args)[1], native_options(args, launch), launch.layout, launch.rendezvous)
+    except Exception:
+        log.exception("rank failed", extra={"rank": launch.layout.rank})
+        logging.shutdown()
+        os._exit(1)  # not sys.exit: a failed process group may hold threads that never end
+    close_groups()
+    log.info("rank stopped", extra={"rank": launch.layout.rank})
+    return 0
+
+
+def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]) -> int:
+    """Rank 0: start the other ranks (spawned launch), load its shard, serve, watch the ranks."""
+    children = spawn_ranks(launch, argv) if launch.spawn else []
+    name, path = llm_path(args)
+    try:
+        backend, driver = load_driver(path, native_options(args, launch), launch.layout, launch.rendezvous)
+    except Exception:
+        log.exception("loading the parallel model failed")
+        stop_ranks(children, 0.0)
+        logging.shutdown()
+        os._exit(1)
+    servicer = LlmVerifierServicer(name, backend)
+    layout = launch.layout
+    log.info("model loaded", extra={"llm": name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "max_requests": backend.max_requests})
+
+    async def on_stop() -> None:
+        await servicer.runner.call(lambda _model: driver.shutdown())
+
+    code = asyncio.run(
+        serve(
+            ServerConfig(args.host, args.port, args.grace_seconds),
+            [SERVICE_NAME],
+            servicer.register,
+            args.port_file,
+            on_stop,
+            lambda: watch_ranks(children, driver),
+        )
+    )
+    if code == 0:
+        stop_ranks(children, STOP_RANKS_SECONDS)
+        close_groups()
+        return 0
+    stop_ranks(children, 0.0)
+    logging.shutdown()
+    os._exit(code)  # the model thread may be blocked in a collective with a dead peer: do not join it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        servicer = load_servicer(args)
+        launch = plan_parallel(args, os.environ)
+        if launch is None:
+            servicer = load_servicer(args)
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
         return 2
+    if launch is not None:
+        if args.torch_threads > 0:
+            torch.set_num_threads(args.torch_threads)
+        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv)
     llm = servicer.llm
     log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
     # the model loads before the server starts, so health turns SERVING only once it can verify

@@ -42,6 +42,11 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     def llm(self) -> CausalLM:
         return self._runner.model
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The thread the model's calls run in (one at a time)."""
+        return self._runner
+
     def register(self, server: grpc.aio.Server) -> None:
         internal_pb2_grpc.add_LlmVerifierServicer_to_server(self, server)
 

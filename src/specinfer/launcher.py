@@ -34,6 +34,7 @@ class StackConfig:
     extra_env: tuple[tuple[str, str], ...] = ()
     rm_args: tuple[str, ...] = ()  # further request-manager flags
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
+    verifier_args: tuple[str, ...] = ()  # further flags of the verifier only (e.g. --tensor-parallel 2)
 
 
 @dataclass
@@ -84,7 +85,10 @@ class Stack:
         c = self.config
         model = ["--backend", c.backend, *c.model_args]
         verifier = self._spawn(
-            "llm-verifier", "specinfer.llm_verifier", ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model], timeout
+            "llm-verifier",
+            "specinfer.llm_verifier",
+            ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args],
+            timeout,
         )
         ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
         workers = [

@@ -11,6 +11,7 @@ import grpc
 
 from specinfer.core import InvalidArgument
 from specinfer.models.native.kv_pool import KVCacheFull
+from specinfer.models.native.parallel.driver import RankFailure
 
 log = logging.getLogger("specinfer.rpc")
 
@@ -20,7 +21,8 @@ Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 def rpc_errors(method: Handler) -> Handler:
     """Wrap a servicer method so that exceptions become statuses and never reach gRPC's own
     handler: :class:`InvalidArgument` -> INVALID_ARGUMENT ("field: message"), a full KV pool ->
-    RESOURCE_EXHAUSTED (the caller may retry with fewer requests), anything else -> INTERNAL
+    RESOURCE_EXHAUSTED (the caller may retry with fewer requests), a failed rank of a parallel
+    model -> UNAVAILABLE (the service is going down; another replica may answer), anything else -> INTERNAL
     (logged with its traceback)."""
 
     @functools.wraps(method)
@@ -33,6 +35,8 @@ def rpc_errors(method: Handler) -> Handler:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVCacheFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RankFailure as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
             log.exception("call failed", extra={"method": method.__name__})
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")

@@ -23,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20
+FAILED_LINGER_SECONDS = 1.0  # after a failure, how long health answers NOT_SERVING before the server stops
 
 
 class JsonFormatter(logging.Formatter):
@@ -95,8 +96,19 @@ class Service:
         await self.server.stop(self.config.grace_seconds)
 
 
-async def run_service(service: Service, on_stop: Callable[[], Awaitable[None]] | None = None, ready: Callable[[int], None] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+Watch = Callable[[], Awaitable[str]]
+
+
+async def run_service(
+    service: Service,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    ready: Callable[[int], None] | None = None,
+    watch: Watch | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully and return 0. ``watch``, when
+    given, runs beside the server and returns only when the service can no longer work (its
+    result says why): health turns NOT_SERVING, in-flight calls are cancelled (no grace: they
+    cannot complete) and 1 is returned, without ``on_stop``."""
     log = logging.getLogger("specinfer.server")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -106,13 +118,25 @@ async def run_service(service: Service, on_stop: Callable[[], Awaitable[None]] |
     log.info("serving", extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}"})
     if ready is not None:
         ready(service.port)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    watched = asyncio.ensure_future(watch()) if watch is not None else None
+    await asyncio.wait([stopped, *([watched] if watched else [])], return_when=asyncio.FIRST_COMPLETED)
+    if watched is not None and watched.done() and not stopped.done():
+        log.error("failed, not serving any more", extra={"reason": watched.result()})
+        await service.set_serving(False)
+        await asyncio.sleep(FAILED_LINGER_SECONDS)  # health watchers and probes see NOT_SERVING, not only a closed port
+        await service.server.stop(0)
+        return 1
+    for task in (stopped, watched):
+        if task is not None:
+            task.cancel()
     started = time.monotonic()
     log.info("shutting down", extra={"grace_seconds": service.config.grace_seconds})
     await service.stop()
     if on_stop is not None:
         await on_stop()
     log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+    return 0
 
 
 def write_port_file(path: str | os.PathLike, port: int) -> None:
@@ -130,9 +154,11 @@ async def serve(
     register: Register,
     port_file: str | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
-) -> None:
+    watch: Watch | None = None,
+) -> int:
     """Build the server inside the running event loop (grpc.aio binds to it) and serve until
-    SIGTERM/SIGINT; ``port_file`` gets the bound port once the server accepts calls."""
+    SIGTERM/SIGINT (returns 0) or until ``watch`` reports a failure (returns 1; see
+    :func:`run_service`); ``port_file`` gets the bound port once the server accepts calls."""
     service = Service(config, service_names, register)
     ready = (lambda port: write_port_file(port_file, port)) if port_file else None
-    await run_service(service, on_stop, ready)
+    return await run_service(service, on_stop, ready, watch)
