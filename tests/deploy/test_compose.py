@@ -21,7 +21,7 @@ from specinfer.v1 import api_pb2, api_pb2_grpc
 from .artifacts import PORTS, REQUIRED, compose, compose_raw, image_for, image_key, images, settings
 
 HEALTHCHECK = ["CMD", "python", "-m", "specinfer.serving.healthcheck"]
-OURS = ("request-manager", "ssm-worker", "llm-verifier", "llm-verifier-cpu")
+OURS = ("request-manager", "ssm-worker", "llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu")
 
 
 def compose_schema() -> dict[str, Any]:
@@ -52,14 +52,30 @@ def test_the_schema_check_catches_mistakes():
 def test_services_and_profiles():
     services = compose()["services"]
     assert set(services) == {"redis", *OURS}
-    assert {name: s.get("profiles") for name, s in services.items() if s.get("profiles")} == {"llm-verifier": ["gpu"], "llm-verifier-cpu": ["cpu"]}
+    assert {name: s.get("profiles") for name, s in services.items() if s.get("profiles")} == {
+        "llm-verifier": ["gpu"],
+        "llm-verifier-multi-gpu": ["multi-gpu"],
+        "llm-verifier-cpu": ["cpu"],
+    }
     # whichever profile runs, the verifier answers as llm-verifier
     assert services["llm-verifier-cpu"]["networks"]["default"]["aliases"] == ["llm-verifier"]
+    assert services["llm-verifier-multi-gpu"]["networks"]["default"]["aliases"] == ["llm-verifier"]
     gpu = services["llm-verifier"]["deploy"]["resources"]["reservations"]["devices"]
     assert gpu == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert [name for name, s in services.items() if "deploy" in s] == ["llm-verifier"]
+    assert [name for name, s in services.items() if "deploy" in s] == ["llm-verifier", "llm-verifier-multi-gpu"]
     # --scale ssm-worker=N needs a service without a fixed container name or host port
     assert "container_name" not in services["ssm-worker"] and "ports" not in services["ssm-worker"]
+
+
+def test_multi_gpu_profile_reserves_a_gpu_per_rank():
+    """One rank per GPU: tensor x pipeline ranks = the GPUs reserved, and the split fits the
+    verifier's settings (NCCL needs more shared memory than Docker's default 64 MB)."""
+    service = compose()["services"]["llm-verifier-multi-gpu"]
+    env = service["environment"]
+    ranks = int(env["SPECINFER_TENSOR_PARALLEL"]) * int(env["SPECINFER_PIPELINE_PARALLEL"])
+    (devices,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == {"driver": "nvidia", "count": ranks, "capabilities": ["gpu"]} and ranks > 1
+    assert env["SPECINFER_DEVICE"] == "cuda" and service["shm_size"]
 
 
 def test_only_the_request_manager_publishes_a_port():
@@ -102,10 +118,10 @@ def test_health_checks_and_start_order():
         assert services[name]["healthcheck"]["test"] == HEALTHCHECK == ["CMD", *image_for(services[name]["build"]).stage.healthcheck]
     assert services["redis"]["healthcheck"]["test"]
     depends = services["request-manager"]["depends_on"]
-    assert set(depends) == {"redis", "ssm-worker", "llm-verifier", "llm-verifier-cpu"}
+    assert set(depends) == {"redis", "ssm-worker", "llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu"}
     assert all(d["condition"] == "service_healthy" for d in depends.values())
     # one verifier per profile: neither may be required
-    assert depends["llm-verifier"]["required"] is False and depends["llm-verifier-cpu"]["required"] is False
+    assert not any(depends[name]["required"] for name in ("llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu"))
 
 
 def test_models_are_mounted_read_only():
