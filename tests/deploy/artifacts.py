@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE_PREFIX = "specinfer"
 DOCKERFILES = {"request-manager": REPO / "docker/request-manager.Dockerfile", "model-service": REPO / "docker/model-service.Dockerfile"}
 K8S = REPO / "deploy/k8s"
-KUSTOMIZATIONS = {"base": K8S / "base", "cpu-dev": K8S / "overlays/cpu-dev", "gpu": K8S / "overlays/gpu"}
+KUSTOMIZATIONS = {"base": K8S / "base", "cpu-dev": K8S / "overlays/cpu-dev", "gpu": K8S / "overlays/gpu", "multi-gpu": K8S / "overlays/multi-gpu"}
 SERVICES = ("request-manager", "ssm-worker", "llm-verifier")
 PORTS = {"request-manager": 50051, "ssm-worker": 50052, "llm-verifier": 50053}
 # settings a deployment must give each service: the defaults are for one machine (127.0.0.1,

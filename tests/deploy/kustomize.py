@@ -64,8 +64,9 @@ def apply_patch(objects: list[Obj], patch: Obj) -> list[Obj]:
 
 
 def merge(base: Any, patch: Any, field: str = "") -> Any:
-    """Strategic merge of ``patch`` into ``base``: maps merge, lists with a merge key merge by it,
-    other lists and scalars are replaced, ``null`` deletes."""
+    """Strategic merge of ``patch`` into ``base``: maps merge, lists with a merge key merge by it
+    (items the base lacks go first, as ``kubectl kustomize`` orders them), other lists and
+    scalars are replaced, ``null`` deletes."""
     if isinstance(patch, dict) and isinstance(base, dict):
         out = dict(base)
         for k, v in patch.items():
@@ -77,10 +78,14 @@ def merge(base: Any, patch: Any, field: str = "") -> Any:
     if isinstance(patch, list) and isinstance(base, list) and field in MERGE_KEYS:
         merge_key = MERGE_KEYS[field]
         out = list(base)
+        added = []
         for item in patch:
             at = next((i for i, old in enumerate(out) if old[merge_key] == item[merge_key]), None)
-            out = out + [copy.deepcopy(item)] if at is None else out[:at] + [merge(out[at], item)] + out[at + 1 :]
-        return out
+            if at is None:
+                added.append(copy.deepcopy(item))
+            else:
+                out = out[:at] + [merge(out[at], item)] + out[at + 1 :]
+        return added + out  # kustomize puts the items new to the list first
     return copy.deepcopy(patch)
 
 

@@ -24,7 +24,11 @@ WORKLOADS = ("Deployment", "StatefulSet")
 # ids other than "gpu": tests/conftest.py skips every test with a "gpu" keyword where there is no CUDA device
 NAMES = [pytest.param(name, id=f"k8s-{name}") for name in KUSTOMIZATIONS]
 # created by the operator before `kubectl apply -k` (deploy/README.md), so absent from the render
-EXTERNAL = {"gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")}, "base": {("PersistentVolumeClaim", "specinfer-models")}}
+EXTERNAL = {
+    "gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
+    "multi-gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
+    "base": {("PersistentVolumeClaim", "specinfer-models")},
+}
 
 Obj = dict[str, Any]
 
@@ -204,15 +208,19 @@ def test_images_run_the_dockerfiles_entry_points(name):
 
 
 def test_gpu_overlay_puts_the_models_on_gpus():
-    for name, device in (("gpu", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
+    for name, device in (("gpu", "cuda"), ("multi-gpu", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
         objects = rendered(name)
         for _, container in containers(objects):
             service = service_of(container)
             limits = container["resources"].get("limits", {})
             if service in ("ssm-worker", "llm-verifier"):
-                assert environment(objects, container)["SPECINFER_DEVICE"] == device
+                env = environment(objects, container)
+                assert env["SPECINFER_DEVICE"] == device
                 assert images()[image_key(container["image"])].variant == device
-                assert limits.get("nvidia.com/gpu") == (1 if device == "cuda" else None)
+                # one GPU per rank of the verifier (tensor x pipeline parallel)
+                ranks = int(env.get("SPECINFER_TENSOR_PARALLEL", 1)) * int(env.get("SPECINFER_PIPELINE_PARALLEL", 1))
+                assert ranks == 1 or (service == "llm-verifier" and name == "multi-gpu")
+                assert limits.get("nvidia.com/gpu") == (ranks if device == "cuda" else None)
                 # torch's default thread count is the node's, not the container's: keep them equal
                 assert environment(objects, container)["SPECINFER_TORCH_THREADS"] == str(limits["cpu"])
             else:
