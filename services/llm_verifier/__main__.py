@@ -61,8 +61,9 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
     """The launch of a parallel verifier (None: one process); raises :class:`InvalidArgument`
     naming the setting that does not fit the model."""
     tp, pp = args.tensor_parallel, args.pipeline_parallel
-    if tp < 1 or pp < 1:
-        raise InvalidArgument("tensor-parallel" if tp < 1 else "pipeline-parallel", f"must be >= 1, got {min(tp, pp)}")
+    for field, value in (("tensor-parallel", tp), ("pipeline-parallel", pp)):
+        if value < 1:
+            raise InvalidArgument(field, f"must be >= 1, got {value}")
     if tp * pp == 1:
         return None
     if args.backend == "reference":

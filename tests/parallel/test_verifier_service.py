@@ -4,6 +4,7 @@ bounded time) and settings the model cannot be split by exit 2 naming the settin
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -75,16 +76,27 @@ def test_greedy_generation_through_the_stack_with_tp2(model_pair, tmp_path):
         verifier_args=TP2,
         rm_args=("--max-new-tokens", "256"),
     )
-    with Stack(config) as stack, Client(stack.address, timeout=120) as client:
+    stack = Stack(config).start()
+    try:
+        greedy_streams(stack, prompts, expected)
+    finally:
+        codes = stack.stop()
+    assert codes == dict.fromkeys(codes, 0), f"unclean shutdown on SIGTERM: {codes}"
+    verifier_log = (stack.workdir / "llm-verifier.log").read_text()
+    assert '"tensor_parallel": 2' in verifier_log and '"rank stopped"' in verifier_log  # rank 1 stopped cleanly too
+
+
+def greedy_streams(stack: Stack, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    with Client(stack.address, timeout=120) as client:
         verifier = stack.process("llm-verifier").popen.pid
         assert len([p for p in children(verifier) if alive(p)]) == 1, "rank 0 runs one other rank"
-        for i, (ids, want) in enumerate(zip(prompts, expected, strict=True)):
-            messages = list(client.stream(Client.request(ids, NEW_TOKENS)))
+        # all at once, so the verifier batches several requests' trees into one parallel step
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            streams = list(pool.map(lambda ids: list(client.stream(Client.request(ids, NEW_TOKENS))), prompts))
+        for i, (messages, want) in enumerate(zip(streams, expected, strict=True)):
             assert messages[-1].HasField("finished")
             assert [t for m in messages for t in m.token_ids] == want, f"prompt {i} differs from transformers"
             assert messages[-1].finished.usage.mean_tree_size > 1  # speculation really ran through the parallel verifier
-    verifier_log = (stack.workdir / "llm-verifier.log").read_text()
-    assert '"tensor_parallel": 2' in verifier_log
 
 
 def _prefill_forever(address: str, context: list[int], outcome: list[grpc.StatusCode]) -> None:

@@ -8,13 +8,12 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
@@ -56,9 +55,18 @@ def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
 def rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
     if spec.arch == "opt":
         return None, 1.0
+    cfg = json.loads((path / "config.json").read_text())
+    rope, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    if (rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default") == "default":
+        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+        return inv, 1.0
+    # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
+    # of a parallel verifier pays it at start-up)
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     config = AutoConfig.from_pretrained(str(path))
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type == "default":
         inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
         return inv, 1.0

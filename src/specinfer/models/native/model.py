@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from specinfer.kernels import TreeAttentionMetadata, tree_attention
 from specinfer.models.native.kv_pool import KVPool
@@ -26,7 +25,12 @@ class NativeModel:
         self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
         self.attention_impl = attention_impl
-        self.act = ACT2FN[spec.activation]
+        if spec.arch == "opt":  # only OPT names its activation (Llama blocks are SwiGLU); transformers takes seconds to import
+            from transformers.activations import ACT2FN
+
+            self.act = ACT2FN[spec.activation]
+        else:
+            self.act = F.silu
 
     def forward(
         self,

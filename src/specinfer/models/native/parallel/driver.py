@@ -81,9 +81,12 @@ class DriverRunner:
         if self.failure is not None:
             raise RankFailure(self.failure)
         layout = self.groups.layout
+        # built (and so checked) before anything is sent: a step that cannot run fails this call
+        # alone and leaves the ranks in step
+        meta = step.metadata(self.device)
         try:
             broadcast(Operation("step", self._pool.take_moves(), step), self.groups.control)
-            logits = run_stage(self.model, self._pool, step, self.device)
+            logits = run_stage(self.model, self._pool, step, meta, self.device)
             if layout.pp > 1:  # rank 0 is on the first stage; the logits come from the last
                 logits = torch.empty(len(step.logit_rows), self.model.vocab_size, device=self.device)
                 if step.logit_rows:
@@ -112,6 +115,6 @@ def serve_rank(model: StageModel, pool: KVPool, device: torch.device) -> None:
             return
         for src, dst in op.moves:
             pool.move(torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device))
-        logits = run_stage(model, pool, op.step, device)
+        logits = run_stage(model, pool, op.step, op.step.metadata(device), device)
         if sends_logits and op.step.logit_rows:
             dist.send(logits, dst=0, group=groups.world)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from specinfer.kernels import TreeAttentionMetadata
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.parallel.groups import ParallelGroups
@@ -69,11 +70,11 @@ class StageModel(NativeModel):
         return x
 
 
-def run_stage(model: StageModel, pool: KVPool, step: PackedStep, device: torch.device) -> torch.Tensor | None:
-    """This rank's share of ``step``; the logits  # [N, vocab] float32 on the last stage, else None."""
+def run_stage(model: StageModel, pool: KVPool, step: PackedStep, meta: TreeAttentionMetadata, device: torch.device) -> torch.Tensor | None:
+    """This rank's share of ``step`` (``meta``: its tree-attention metadata); the logits
+    # [N, vocab] float32 on the last stage, else None."""
     layout, world = model.groups.layout, model.groups.world
     tokens, positions, rows, logit_rows = step.tensors(device)
-    meta = step.metadata(device)
     if layout.is_first_stage:
         h = model.embed(tokens, positions)  # [T, hidden]
     else:
