@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from specinfer import wire
 from specinfer.client import Client
+from specinfer.core import DraftTree, SamplingParams, TokenTree
 from specinfer.launcher import Stack, StackConfig
 from specinfer.llm_verifier.__main__ import main as llm_verifier_main
 from specinfer.models.loading import eos_token_id
@@ -31,6 +34,12 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 TP2 = ("--tensor-parallel", "2")
 NEW_TOKENS = 24
 FAIL_WITHIN_SECONDS = 30.0  # the bound on noticing a dead rank and exiting
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
@@ -155,6 +164,56 @@ def test_killed_rank_ends_the_service(model_pair, tmp_path, victim):
         svc.kill()
         for pid in children(svc.process.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_joined_launch_verifies_and_stops_cleanly(model_pair, tmp_path):
+    """A torchrun-style launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for each process):
+    rank 0 serves, greedy verification of a tree holding the LLM's own continuation accepts it
+    all, and SIGTERM to rank 0 stops both ranks with exit code 0."""
+    prompt = model_pair.prompts[1][:40]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(4):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    greedy = seq[len(prompt) :]
+    command = llm_verifier_command(model_pair, *TP2)
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    log = open(tmp_path / "rank1.log", "wb")  # noqa: SIM115 (closed below)
+    rank1 = subprocess.Popen(command, env={**os.environ, **rendezvous, "RANK": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    svc = start_service(command, env={**os.environ, **rendezvous, "RANK": "0"}, workdir=tmp_path)
+    try:
+        address = svc.wait_ready(120)
+        assert children(svc.process.pid) == [], "a joined rank 0 starts no ranks itself"
+        with grpc.insecure_channel(address) as channel:
+            stub = internal_pb2_grpc.LlmVerifierStub(channel)
+            # step 1: the root alone -> the bonus token is the LLM's next token
+            first = internal_pb2.VerifyItem(
+                context=wire.context_to_proto("joined", prompt[:-1], 0),
+                tree=wire.draft_to_proto(DraftTree(TokenTree.root_only(prompt[-1]))),
+                sampling=wire.sampling_to_proto(SamplingParams()),
+            )
+            (result,) = stub.Verify(internal_pb2.VerifyRequest(items=[first]), timeout=30).results
+            assert result.bonus_token == greedy[0] and not result.accepted_tokens
+            # step 2: a chain of the true continuation (cache hit: only the new root is sent) -> all accepted
+            tree = TokenTree((greedy[0], greedy[1], greedy[2]), (-1, 0, 1))
+            second = internal_pb2.VerifyItem(
+                context=wire.context_to_proto("joined", prompt, len(prompt) - 1),
+                tree=wire.draft_to_proto(DraftTree(tree)),
+                sampling=wire.sampling_to_proto(SamplingParams()),
+            )
+            (result,) = stub.Verify(internal_pb2.VerifyRequest(items=[second]), timeout=30).results
+            assert not result.cache_miss
+            assert [*result.accepted_tokens, result.bonus_token] == greedy[1:4]
+        assert svc.stop(30) == 0, svc.log_tail()
+        assert rank1.wait(30) == 0
+    finally:
+        svc.kill()
+        if rank1.poll() is None:
+            rank1.kill()
+        rank1.wait()
+        log.close()
 
 
 @pytest.fixture
