@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -29,26 +30,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_servicer(args: argparse.Namespace) -> LlmVerifierServicer:
+def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     paths = parse_named_paths(args.llm, "llm")
     if len(paths) != 1:
         raise InvalidArgument("llm", f"name exactly one checkpoint, got {len(paths)}")
     ((name, path),) = paths.items()
-    return LlmVerifierServicer(name, load_model(path, "llm", args))
+    return LlmVerifierServicer(name, load_model(path, "llm", args), metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        servicer = load_servicer(args)
+        metrics = ServiceMetrics(SERVICE_NAME)
+        servicer = load_servicer(args, ModelMetrics(metrics.registry, "llm"))
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
         return 2
     llm = servicer.llm
     log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
     # the model loads before the server starts, so health turns SERVING only once it can verify
-    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics))
     return 0
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from specinfer.core import ExpansionConfig
 from specinfer.serving.config import add_server_settings, add_setting, split_list
+from specinfer.serving.server import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RequestManagerConfig:
     rpc_timeout_seconds: float
     grace_seconds: float
     log_level: str
+    server: ServerConfig  # where it listens (gRPC and metrics), from the same settings as host/port
 
     @staticmethod
     def parser() -> argparse.ArgumentParser:
@@ -80,4 +82,5 @@ class RequestManagerConfig:
             rpc_timeout_seconds=a.rpc_timeout_seconds,
             grace_seconds=a.grace_seconds,
             log_level=a.log_level,
+            server=ServerConfig.from_args(a),
         )
