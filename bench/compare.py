@@ -15,6 +15,8 @@ the same batch size), per-token latency p50/p99, whether greedy outputs equal (a
 ``OUT/compare.json``, ``OUT/compare.md`` and PNG plots (tokens/step vs tree size; speedup vs
 batch size).
 
+*Decode* numbers leave out each request's first step (prefill, identical work for every method):
+decode tokens/s = tokens after the first step / time after the first step.
 *Per-token latency*: when a request receives k tokens at once, t seconds after its previous
 tokens (or after it started, for the first ones), each of the k tokens counts t / k.
 
@@ -78,10 +80,23 @@ class Run:
     llm_steps: int = 0  # LLM forward passes per request, summed over requests (prefill included)
     tree_nodes: int = 0  # verified nodes, summed over steps (ours)
     latencies: list[float] = field(default_factory=list)  # seconds per token
+    decode_seconds: float = 0.0  # wall time after the first step of each round
+    decode_tokens: int = 0  # tokens committed after the first step
+
+    def add_round(self, start: float, end: float, emissions: Sequence[Sequence[tuple[float, int]]]) -> None:
+        """Account one round of concurrent requests (their emissions: (time, tokens))."""
+        firsts = [e[0] for e in emissions if e]
+        self.seconds += end - start
+        self.decode_seconds += end - max(t for t, _ in firsts)
+        self.decode_tokens += sum(n for e in emissions for _, n in e) - sum(n for _, n in firsts)
+        for e in emissions:
+            self.latencies += token_latencies(start, e)
+
     outputs: list[list[int]] = field(default_factory=list)
 
     def row(self, baseline: Run | None, batch_baseline: Run | None) -> dict:
         tps = self.tokens / self.seconds
+        dtps = self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
         lat = sorted(self.latencies)
         return {
             "label": self.case.label,
@@ -96,7 +111,9 @@ class Run:
             "tokens_per_step": round(self.tokens / max(1, self.llm_steps), 3),
             "mean_tree_size": round(self.tree_nodes / self.llm_steps, 2) if self.tree_nodes else 1.0,
             "tokens_per_second": round(tps, 3),
+            "decode_tokens_per_second": round(dtps, 3),
             "speedup_vs_hf_incremental": round(tps / (baseline.tokens / baseline.seconds), 3) if baseline else None,
+            "decode_speedup_vs_hf_incremental": round(dtps / (baseline.decode_tokens / baseline.decode_seconds), 3) if baseline else None,
             "speedup_vs_incremental_same_batch": round(tps / (batch_baseline.tokens / batch_baseline.seconds), 3) if batch_baseline else None,
             "latency_p50_ms": round(1000 * percentile(lat, 50), 1),
             "latency_p99_ms": round(1000 * percentile(lat, 99), 1),
@@ -154,11 +171,10 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
                 out = llm.generate(
                     torch.tensor([list(ids)]), generation_config=config, streamer=streamer, assistant_model=ssm if case.method == "hf-assisted" else None
                 )
-                run.seconds += time.perf_counter() - start
+                run.add_round(start, time.perf_counter(), [streamer.emissions])
                 tokens = out[0, len(ids) :].tolist()
                 run.tokens += len(tokens)
                 run.outputs.append(tokens)
-                run.latencies += token_latencies(start, streamer.emissions)
                 progress.update(1)
     finally:
         hook.remove()
@@ -199,14 +215,13 @@ def run_ours(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engi
             for result in finished:
                 done[result.request_id] = result
                 progress.update(1)
-        run.seconds += time.perf_counter() - start
+        run.add_round(start, time.perf_counter(), [emissions[r.request_id] for r in requests])
         for r in requests:
             result = done[r.request_id]
             run.tokens += len(result.output_tokens)
             run.llm_steps += len(result.steps)
             run.tree_nodes += sum(s.tree_size for s in result.steps)
             run.outputs.append(list(result.output_tokens))
-            run.latencies += token_latencies(start, emissions[r.request_id])
     return run
 
 
@@ -221,7 +236,8 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
         if not args.skip_hf:
             cases += [Case("hf-incremental", 1, temp), Case("hf-assisted", 1, temp)]
         for batch in batches:
-            cases.append(Case("incremental", batch, temp))
+            if not args.no_incremental:
+                cases.append(Case("incremental", batch, temp))
             cases.append(Case("sequence", batch, temp, chain))
             cases += [Case("tree", batch, temp, t) for t in trees]
             if num_ssms >= 2:
@@ -238,6 +254,8 @@ def markdown(rows: list[dict]) -> str:
         ("tokens_per_step", "tokens / LLM step"),
         ("tokens_per_second", "tokens/s"),
         ("speedup_vs_hf_incremental", "speedup vs (a)"),
+        ("decode_tokens_per_second", "decode tokens/s"),
+        ("decode_speedup_vs_hf_incremental", "decode speedup vs (a)"),
         ("speedup_vs_incremental_same_batch", "speedup vs ours incremental, same batch"),
         ("latency_p50_ms", "per-token p50 ms"),
         ("latency_p99_ms", "per-token p99 ms"),
@@ -281,7 +299,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label in dict.fromkeys(r["label"] for r in rows if r["method"] not in ("hf-incremental", "hf-assisted", "incremental")):
         for temp in sorted({r["temperature"] for r in rows}):
-            pts = sorted((r["batch"], r["speedup_vs_incremental_same_batch"]) for r in rows if r["label"] == label and r["temperature"] == temp)
+            pts = sorted(
+                (r["batch"], r["speedup_vs_incremental_same_batch"])
+                for r in rows
+                if r["label"] == label and r["temperature"] == temp and r["speedup_vs_incremental_same_batch"] is not None
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label}, T={temp:g}")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -298,10 +320,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def load_prompts(path: Path, tokenizer_dir: Path, count: int) -> list[tuple[int, ...]]:
+def load_prompts(path: Path, tokenizer_dir: Path, count: int, max_tokens: int) -> list[tuple[int, ...]]:
     tok = load_tokenizer(tokenizer_dir)
     lines = path.read_text().splitlines()[:count]
-    return [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    prompts = [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    return [p[-max_tokens:] for p in prompts] if max_tokens > 0 else prompts
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -317,6 +340,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch", default="1,8", help="batch sizes of our runs (transformers runs batch 1)")
     ap.add_argument("--skip-hf", action="store_true", help="only our runs")
+    ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/compare"))
@@ -330,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pick = json.loads(args.tuned.read_text())["pick"]["expansion"]
         if pick not in args.trees.split(";"):
             args.trees = f"{args.trees};{pick}"
-    prompts = load_prompts(args.prompts, args.llm, args.count)
+    prompts = load_prompts(args.prompts, args.llm, args.count, args.max_prompt_tokens)
     cases = build_cases(args, len(args.ssm))
     batches = max((c.batch for c in cases), default=1)
     print(f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), {len(cases)} runs")
@@ -342,6 +367,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm: CausalLM = load_backend(args.llm, "llm", backend="native", kv_cache_bytes=_kv_bytes(args.llm, batches, len(prompts[0]) + args.new_tokens))
     ssms = [load_backend(p, f"ssm[{i}]", backend="native") for i, p in enumerate(args.ssm)]
     engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b)) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
+
+    # warm-up (lazy initialisation, allocator, thread pools), not timed
+    with tqdm(total=0, disable=True) as quiet:
+        warm = [Case(c.method, 1, c.temperature, c.expansion, c.ssms) for c in cases if c.batch == 1][:8]
+        for case in warm:
+            if case.method.startswith("hf-"):
+                run_hf(case, prompts[:1], 4, hf_llm, hf_ssm, args.seed, quiet)
+            elif 1 in engines:
+                run_ours(case, prompts[:1], 4, engines[1], args.seed, quiet)
 
     runs: list[Run] = []
     with tqdm(total=len(cases) * len(prompts), unit="request", file=sys.stderr) as progress:
@@ -361,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompts": str(args.prompts),
         "count": len(prompts),
         "new_tokens": args.new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
         "threads": args.threads,
         "torch": torch.__version__,
         "command": " ".join(sys.argv),

@@ -32,7 +32,7 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
                 assert (label, batch, temp) in labels, (label, batch, temp)
     for r in rows:
         assert r["tokens"] == 3 * 6
-        assert r["tokens_per_second"] > 0 and r["latency_p50_ms"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"]
+        assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0 and r["latency_p50_ms"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"]
         if r["temperature"] == 0:
             assert r["greedy_equals_hf"] == "3/3", r  # every method reproduces transformers' greedy output
         if r["method"] in ("hf-incremental", "incremental"):
