@@ -25,6 +25,7 @@ from specinfer.models.loading import DTYPES, check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -52,9 +53,9 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
     return name, path
 
 
-def load_servicer(args: argparse.Namespace) -> LlmVerifierServicer:
+def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
-    return LlmVerifierServicer(name, load_model(path, "llm", args))
+    return LlmVerifierServicer(name, load_model(path, "llm", args), metrics)
 
 
 def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:
@@ -97,7 +98,7 @@ def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:
     return 0
 
 
-def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]) -> int:
+def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics) -> int:
     """Rank 0: start the other ranks (spawned launch), load its shard, serve, watch the ranks."""
     children = spawn_ranks(launch, argv) if launch.spawn else []
     name, path = llm_path(args)
@@ -108,7 +109,7 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
         stop_ranks(children, 0.0)
         logging.shutdown()
         os._exit(1)
-    servicer = LlmVerifierServicer(name, backend)
+    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"))
     layout = launch.layout
     log.info("model loaded", extra={"llm": name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "max_requests": backend.max_requests})
 
@@ -117,12 +118,13 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
 
     code = asyncio.run(
         serve(
-            ServerConfig(args.host, args.port, args.grace_seconds),
+            ServerConfig.from_args(args),
             [SERVICE_NAME],
             servicer.register,
             args.port_file,
             on_stop,
-            lambda: watch_ranks(children, driver),
+            metrics=metrics,
+            watch=lambda: watch_ranks(children, driver),
         )
     )
     if code == 0:
@@ -139,20 +141,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        metrics = ServiceMetrics(SERVICE_NAME)
         launch = plan_parallel(args, os.environ)
         if launch is None:
-            servicer = load_servicer(args)
+            servicer = load_servicer(args, ModelMetrics(metrics.registry, "llm"))
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
         return 2
     if launch is not None:
         if args.torch_threads > 0:
             torch.set_num_threads(args.torch_threads)
-        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv)
+        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv, metrics)
     llm = servicer.llm
     log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
     # the model loads before the server starts, so health turns SERVING only once it can verify
-    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics))
     return 0
 
 

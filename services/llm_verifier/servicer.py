@@ -14,6 +14,7 @@ from specinfer import wire
 from specinfer.engine.steps import verify_trees
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.serving.contexts import ContextStore
+from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
 from specinfer.serving.runner import ModelRunner
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
@@ -32,8 +33,9 @@ def prefill(llm: CausalLM, contexts: Sequence[tuple[str, Sequence[int]]]) -> lis
 class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     """The LLM and the contexts of the requests it verifies."""
 
-    def __init__(self, name: str, llm: CausalLM) -> None:
+    def __init__(self, name: str, llm: CausalLM, metrics: ModelMetrics) -> None:
         self.name = name
+        self.metrics = metrics
         self.vocab_size = llm.vocab_size
         self._runner = ModelRunner(name, llm)
         self._contexts = ContextStore()
@@ -66,7 +68,9 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         response = internal_pb2.VerifyResponse(
             results=[wire.verify_result_to_proto(u.request_id, None if ctx is None else next(verdicts)) for u, ctx in zip(updates, contexts, strict=True)]
         )
-        log.debug("verify", extra={"items": len(items), "misses": len(items) - len(live), "seconds": round(time.monotonic() - started, 4)})
+        seconds = time.monotonic() - started
+        self.metrics.observe(self.name, len(live), sum(len(job.draft.tree) for job in live), len(items) - len(live), seconds, len(self._contexts))
+        log.debug("verify", extra={"items": len(items), "misses": len(items) - len(live), "seconds": round(seconds, 4)})
         return response
 
     @rpc_errors

@@ -14,8 +14,9 @@ from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import ApiLimits, SpecInferServicer
 from specinfer.request_manager.store import RequestStore
-from specinfer.serving.server import ServerConfig, setup_logging
+from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
 from specinfer.serving.server import serve as serve_grpc
+from specinfer.serving.server import setup_logging
 from specinfer.v1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
@@ -48,7 +49,10 @@ async def serve(cfg: RequestManagerConfig) -> None:
     max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests else cfg.max_batch
     if max_batch < cfg.max_batch:
         log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
-    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier)
+    api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
+    metrics = ServiceMetrics(api_name)
+    scheduler_metrics = SchedulerMetrics(metrics.registry)
+    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics)
     limits = ApiLimits(
         vocab_size=info.vocab_size,
         max_positions=info.max_positions,
@@ -75,11 +79,12 @@ async def serve(cfg: RequestManagerConfig) -> None:
             embedded.close()
 
     await serve_grpc(
-        ServerConfig(cfg.host, cfg.port, cfg.grace_seconds),
-        [api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name],
+        cfg.server,
+        [api_name],
         lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
         cfg.port_file or None,
         on_stop,
+        metrics,
     )
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from specinfer.core import ExpansionConfig
 from specinfer.serving.config import add_server_settings, add_setting, split_list
+from specinfer.serving.server import ServerConfig
+from specinfer.tuning import resolve_expansion
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class RequestManagerConfig:
     rpc_timeout_seconds: float
     grace_seconds: float
     log_level: str
+    server: ServerConfig  # where it listens (gRPC and metrics), from the same settings as host/port
 
     @staticmethod
     def parser() -> argparse.ArgumentParser:
@@ -44,7 +47,7 @@ class RequestManagerConfig:
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
-        add_setting(p, "--expansion", str, "1,1,3,1,1,1,1,1", "default expansion config (widths per depth); 'none' disables speculation")
+        add_setting(p, "--expansion", str, "1,1,3,1,1,1,1,1", "default tree (widths per depth); @FILE: a `specinfer tune` result; 'none': no speculation")
         add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
         add_setting(p, "--draft-support", int, 32, "most tokens of a sparse draft distribution")
         add_setting(p, "--max-batch", int, 32, "most requests per iteration")
@@ -58,7 +61,7 @@ class RequestManagerConfig:
     @staticmethod
     def from_args(argv: Sequence[str] | None = None) -> RequestManagerConfig:
         a = RequestManagerConfig.parser().parse_args(argv)
-        expansion = () if a.expansion.strip().lower() in ("", "none", "off") else ExpansionConfig.parse(a.expansion).widths
+        expansion = () if a.expansion.strip().lower() in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
         return RequestManagerConfig(
             host=a.host,
             port=a.port,
@@ -80,4 +83,5 @@ class RequestManagerConfig:
             rpc_timeout_seconds=a.rpc_timeout_seconds,
             grace_seconds=a.grace_seconds,
             log_level=a.log_level,
+            server=ServerConfig.from_args(a),
         )

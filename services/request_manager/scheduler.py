@@ -22,6 +22,7 @@ from specinfer.core.requests import GenerationRequest, StepStats, commit_tokens
 from specinfer.request_manager.remote import DraftCall, SsmWorkers, Verdict, Verifier, VerifyCall
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.text import TextStream
+from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -126,11 +127,12 @@ class Live:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, store: RequestStore, workers: SsmWorkers | None, verifier: Verifier) -> None:
+    def __init__(self, config: SchedulerConfig, store: RequestStore, workers: SsmWorkers | None, verifier: Verifier, metrics: SchedulerMetrics) -> None:
         self.config = config
         self.store = store
         self.workers = workers
         self.verifier = verifier
+        self.metrics = metrics
         self._waiting: deque[Live] = deque()
         self._active: dict[str, Live] = {}
         self._wake = asyncio.Event()
@@ -157,6 +159,8 @@ class Scheduler:
         """Enqueue a new (already persisted) request; raises :class:`QueueFull` when the queue is full."""
         self.check_room()
         self._waiting.append(live)
+        self.metrics.admitted.inc()
+        self.metrics.prompt_tokens.inc(len(live.request.prompt_tokens))
         self._wake.set()
 
     def resume(self, live: Live) -> None:
@@ -205,23 +209,35 @@ class Scheduler:
                 live.stop_reason = "cancelled"
             if live.stop_reason is not None:
                 await self._finish(live, live.stop_reason)
+        m = self.metrics
+        m.queue_depth.set(len(self._waiting))
+        m.running.set(len(self._active))
         batch = list(self._active.values())
         if not batch:
             return
         self.iterations += 1
+        started = time.perf_counter()
         drafts = await self._speculate(batch)
+        drafted = time.perf_counter()
         calls = [VerifyCall(lv.request_id, lv.committed[:-1], drafts[lv.request_id], lv.request.sampling, lv.seed, lv.steps.llm_steps) for lv in batch]
         try:
             verdicts = await self.verifier.verify(calls)
         except grpc.aio.AioRpcError as exc:
             # the verifier is down or restarting: requests wait, caches are rebuilt when it is back
             log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details()})
+            m.verifier_failures.inc()
             self.verifier.lost_caches()
             await asyncio.sleep(self.config.verifier_backoff_seconds)
             return
+        verified = time.perf_counter()
         for live in batch:
             if live.request_id in self._active:
                 await self._commit(live, drafts[live.request_id], verdicts[live.request_id])
+        m.iterations.inc()
+        m.batch_size.observe(len(batch))
+        m.speculate_seconds.observe(drafted - started)
+        m.verify_seconds.observe(verified - drafted)
+        m.iteration_seconds.observe(time.perf_counter() - started)
 
     async def _speculate(self, batch: Sequence[Live]) -> dict[str, DraftTree]:
         per_request: dict[str, list[DraftTree]] = {lv.request_id: [] for lv in batch}
@@ -245,6 +261,7 @@ class Scheduler:
             if isinstance(result, BaseException):
                 # a failed SSM costs speed, not answers: its requests verify smaller trees
                 log.warning("speculation failed", extra={"ssm": name, "error": repr(result)})
+                self.metrics.ssm_failures.labels(name).inc()
                 continue
             for rid, tree in result.items():
                 per_request[rid].append(tree)
@@ -266,6 +283,11 @@ class Scheduler:
         await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
         live.output.extend(tokens)
         live.steps.add(stats)
+        m = self.metrics
+        m.llm_steps.inc()
+        m.generated_tokens.inc(len(tokens))
+        m.accepted_tokens.observe(stats.accepted)
+        m.tree_size.observe(stats.tree_size)
         if reason is None:
             live.publish(StreamEvent(offset, tokens, delta))
         else:
@@ -283,6 +305,7 @@ class Scheduler:
 
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         live.finished = Finish(reason, live.usage(), error)
+        self.metrics.requests.labels(reason).inc()
         await self.store.finish(live.request_id, reason, error or None, owner=self.config.owner)
         self._active.pop(live.request_id, None)
         if live in self._waiting:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from specinfer.core import InvalidArgument
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
@@ -29,22 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_servicer(args: argparse.Namespace) -> SsmWorkerServicer:
+def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerServicer:
     paths = parse_named_paths(args.ssm, "ssm")
-    return SsmWorkerServicer({name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()})
+    return SsmWorkerServicer({name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()}, metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        servicer = load_servicer(args)
+        metrics = ServiceMetrics(SERVICE_NAME)
+        servicer = load_servicer(args, ModelMetrics(metrics.registry, "ssm"))
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
         return 2
     log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
     # models load before the server starts, so health turns SERVING only once they can draft
-    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics))
     return 0
 
 

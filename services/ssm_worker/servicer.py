@@ -14,6 +14,7 @@ from specinfer.core import InvalidArgument
 from specinfer.engine.steps import draft_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
+from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
 from specinfer.serving.runner import ModelRunner
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
@@ -30,7 +31,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     whichever SSM drafts, and each model rebuilds its own KV cache from them.
     """
 
-    def __init__(self, ssms: Mapping[str, CausalLM]) -> None:
+    def __init__(self, ssms: Mapping[str, CausalLM], metrics: ModelMetrics) -> None:
+        self.metrics = metrics
         if not ssms:
             raise InvalidArgument("ssm", "name at least one SSM checkpoint")
         sizes = {name: m.vocab_size for name, m in ssms.items()}
@@ -66,13 +68,14 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         jobs = [wire.draft_job_from_proto(item, ctx or [], self.vocab_size, limit, f"items[{i}]") for i, (item, ctx) in pairs]
         self._contexts.store_all(updates, contexts)
         live = [job for job, ctx in zip(jobs, contexts, strict=True) if ctx is not None]
-        trees = iter(await runner.call(draft_trees, live) if live else [])
+        drafted = await runner.call(draft_trees, live) if live else []
+        seconds = time.monotonic() - started
+        self.metrics.observe(request.ssm, len(live), sum(len(d.tree) for d in drafted), len(items) - len(live), seconds, len(self._contexts))
+        trees = iter(drafted)
         response = internal_pb2.SpeculateResponse(
             results=[wire.speculate_result_to_proto(u.request_id, None if ctx is None else next(trees)) for u, ctx in zip(updates, contexts, strict=True)]
         )
-        log.debug(
-            "speculate", extra={"ssm": request.ssm, "items": len(items), "misses": len(items) - len(live), "seconds": round(time.monotonic() - started, 4)}
-        )
+        log.debug("speculate", extra={"ssm": request.ssm, "items": len(items), "misses": len(items) - len(live), "seconds": round(seconds, 4)})
         return response
 
     @rpc_errors

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.tuning import resolve_expansion
+from specinfer.tuning.run import add_tune_parser, tune_main
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,11 @@ class GenerateConfig:
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1", help="widths per depth, e.g. 1,1,3,1,1,1,1,1 (default: the paper's)")
+    p.add_argument(
+        "--expansion",
+        default="auto",
+        help="widths per depth, e.g. 1,1,3,1,1,1,1,1; @FILE: a `specinfer tune` result; auto (default): the SSM's installed tuning, else the paper's tree",
+    )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -45,7 +51,7 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
     return GenerateConfig(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
-        expansion=None if args.no_speculation or not ssms else ExpansionConfig.parse(args.expansion),
+        expansion=None if args.no_speculation or not ssms else ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)),
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
@@ -134,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
-    up.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    up.add_argument("--expansion", default="auto", help="default tree of the request manager (as for generate)")
+    add_tune_parser(sub)
     demo = sub.add_parser("demo", help="start the local stack with the demo model pair and stream a few generations through gRPC")
     _add_generation_flags(demo)
     demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
@@ -147,8 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             llm, ssms = (Path(args.llm), tuple(Path(s) for s in args.ssm)) if args.llm else _demo_models()[:2]
             if not isinstance(ssms, tuple):
                 ssms = (ssms,)
-            cfg = StackConfig(llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, args.expansion)
+            cfg = StackConfig(llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, resolve_expansion(args.expansion, ssms))
             return run_up(cfg)
+        if args.command == "tune":
+            return tune_main(args)
         if args.command == "generate" and args.server:
             return _generate_remote(args)
         if args.command == "generate":
@@ -178,7 +187,7 @@ def _demo_stack(args: argparse.Namespace, llm: Path, ssm: Path, prompts: list[st
 
     state = Path(tempfile.mkdtemp(prefix="specinfer-demo-"))
     print("=== starting the local stack (LLM verifier, SSM worker, request manager + Redis) ...", flush=True)
-    with Stack(StackConfig(llm, (ssm,), 1, 0, state, args.backend, args.expansion)) as stack:
+    with Stack(StackConfig(llm, (ssm,), 1, 0, state, args.backend, resolve_expansion(args.expansion, [ssm]))) as stack:
         for p in stack.processes:
             print(f"    {p.name:16s} {p.address}", flush=True)
         for prompt in prompts:
@@ -211,7 +220,8 @@ def _stream(address: str, args: argparse.Namespace, prompt: str) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        expansion=() if args.no_speculation else ExpansionConfig.parse(args.expansion).widths,
+        # auto: the server's default tree
+        expansion=() if args.no_speculation or args.expansion == "auto" else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation,
     )
     with Client(address) as client:

@@ -43,6 +43,7 @@ class Process:
     popen: subprocess.Popen
     port_file: Path
     address: str = ""
+    metrics_address: str = ""  # host:port of its Prometheus /metrics endpoint
 
 
 def wait_serving(address: str, timeout: float) -> None:
@@ -67,7 +68,9 @@ class Stack:
         env = dict(os.environ)
         env.update(self.config.extra_env)
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file), *args]
+        metrics_file = self.workdir / f"{name}.metrics-port"
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
+        cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
         proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file)
         self.processes.append(proc)
         deadline = time.monotonic() + timeout
@@ -79,6 +82,7 @@ class Stack:
             time.sleep(0.05)
         proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
         wait_serving(proc.address, max(1.0, deadline - time.monotonic()))
+        proc.metrics_address = f"127.0.0.1:{metrics_file.read_text().strip()}"  # written before health turns SERVING
         return proc
 
     def start(self, timeout: float = 120.0) -> Stack:
@@ -165,7 +169,8 @@ def run_up(config: StackConfig) -> int:
     try:
         stack.start()
         for p in stack.processes:
-            print(f"{p.name:16s} {p.address}  (pid {p.popen.pid}, log {stack.workdir / (p.name + '.log')})", flush=True)
+            log = stack.workdir / (p.name + ".log")
+            print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {log})", flush=True)
         print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
         while all(p.popen.poll() is None for p in stack.processes):
             time.sleep(0.5)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
@@ -113,6 +115,53 @@ def test_health_and_reflection(stack):
             assert "grpc.health.v1.Health" in names
             want = {"request-manager": "specinfer.v1.SpecInfer", "llm-verifier": "specinfer.v1.LlmVerifier"}.get(proc.name, "specinfer.v1.SsmWorker")
             assert want in names, (proc.name, names)
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page, parsed as Prometheus text: (name, labels) -> value."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.headers.get_content_type() == "text/plain"
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def test_metrics_move_as_requests_complete(stack, model_pair):
+    rm = stack.process("request-manager").metrics_address
+    verifier = stack.process("llm-verifier").metrics_address
+    workers = [p.metrics_address for p in stack.processes if p.name.startswith("ssm-worker")]
+    before = scrape(rm), scrape(verifier), [scrape(w) for w in workers]
+    prompts = model_pair.prompts[:3]
+    with Client(stack.address, timeout=300) as client:
+        finals = [_run(client, Client.request(ids, 8, ignore_eos=True))[-1] for ids in prompts]
+        with pytest.raises(grpc.RpcError):
+            _run(client, Client.request([], 8))  # INVALID_ARGUMENT
+    after = scrape(rm), scrape(verifier), [scrape(w) for w in workers]
+
+    def delta(i: int, name: str, **labels: str) -> float:
+        return total(after[i], name, **labels) - total(before[i], name, **labels)
+
+    steps = sum(f.finished.usage.llm_steps for f in finals)
+    assert delta(0, "specinfer_requests_total", outcome="length") == len(prompts)
+    assert delta(0, "specinfer_generated_tokens_total") == 8 * len(prompts)
+    assert delta(0, "specinfer_llm_steps_total") == steps
+    assert delta(0, "specinfer_accepted_tokens_per_step_count") == steps
+    assert delta(0, "specinfer_accepted_tokens_per_step_sum") == sum(round(f.finished.usage.mean_accepted_tokens * f.finished.usage.llm_steps) for f in finals)
+    assert delta(0, "specinfer_tree_size_count") == steps and delta(0, "specinfer_tree_size_sum") > steps  # trees beyond the root
+    assert delta(0, "specinfer_iterations_total") >= steps / len(prompts)
+    assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="OK") == len(prompts)
+    assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert total(after[0], "specinfer_queue_depth") == 0
+    assert delta(1, "specinfer_model_calls_total", role="llm") >= steps / len(prompts)
+    assert delta(1, "specinfer_grpc_server_handling_seconds_count", method="Verify", code="OK") >= steps / len(prompts)
+    nodes = "specinfer_model_tree_nodes_total"
+    drafted = sum(total(a, nodes, role="ssm") - total(b, nodes, role="ssm") for a, b in zip(after[2], before[2], strict=True))
+    assert drafted >= steps  # every step drafted at least the root's children
 
 
 def test_client_from_proto_files_alone(stack, model_pair, expected, tmp_path):

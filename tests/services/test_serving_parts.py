@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from specinfer import wire
 from specinfer.core import InvalidArgument
@@ -16,6 +17,7 @@ from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
 from specinfer.serving.config import parse_named_paths
 from specinfer.serving.contexts import ContextStore
+from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.server import ServerConfig, Service
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
@@ -76,7 +78,7 @@ def one_slot_bytes(model_pair) -> int:
 def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
     llm = load_backend(model_pair.llm, "llm", backend="native", kv_cache_bytes=one_slot_bytes(model_pair))
     assert llm.max_requests == 1
-    servicer = LlmVerifierServicer("llm", llm)
+    servicer = LlmVerifierServicer("llm", llm, ModelMetrics(CollectorRegistry(), "llm"))
     prompt = model_pair.prompts[0]
 
     def item(rid: str, context: list[int], tokens: list[int]) -> internal_pb2.VerifyItem:

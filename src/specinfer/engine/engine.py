@@ -120,6 +120,11 @@ class SpeculativeEngine:
         self._release(request_id)
         return state.result
 
+    def running(self) -> list[GenerationResult]:
+        """Results of the requests admitted and not finished; live objects that each step extends
+        (e.g. to time when tokens are committed)."""
+        return [s.result for s in self._active.values()]
+
     @property
     def has_work(self) -> bool:
         return bool(self._active or self._waiting)

@@ -45,6 +45,8 @@ def add_server_settings(parser: argparse.ArgumentParser, default_port: int = 0) 
     add_setting(parser, "--port-file", default=None, help="write the bound port to this file once serving (for launchers and tests)")
     add_setting(parser, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_setting(parser, "--grace-seconds", float, 10.0, help="on SIGTERM, how long in-flight calls may finish")
+    add_setting(parser, "--metrics-port", int, -1, help="HTTP port of the Prometheus /metrics endpoint (-1: none; 0: pick a free one)")
+    add_setting(parser, "--metrics-port-file", default=None, help="write the bound metrics port to this file (for launchers and tests)")
 
 
 def add_model_settings(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
 Every service gets ``grpc.health.v1`` health (overall and per service), server reflection,
 graceful shutdown on SIGTERM/SIGINT (health turns NOT_SERVING, new calls are refused, in-flight
-calls get ``grace`` seconds) and JSON logs on stderr.
+calls get ``grace`` seconds), JSON logs on stderr and, when a metrics port is set, Prometheus
+metrics on ``http://HOST:METRICS_PORT/metrics`` (:mod:`specinfer.serving.metrics`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
+from specinfer.serving.metrics import ServiceMetrics
 
 MAX_MESSAGE_BYTES = 64 << 20
 FAILED_LINGER_SECONDS = 1.0  # after a failure, how long health answers NOT_SERVING before the server stops
@@ -49,9 +52,20 @@ def setup_logging(level: str = "INFO") -> None:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """``metrics_port``: HTTP port of ``/metrics`` (None: no metrics endpoint; 0: a free port,
+    written to ``metrics_port_file`` when set)."""
+
     host: str
     port: int
     grace_seconds: float = 10.0
+    metrics_port: int | None = None
+    metrics_port_file: str | None = None
+
+    @staticmethod
+    def from_args(args) -> ServerConfig:
+        """From the settings of :func:`specinfer.serving.config.add_server_settings`."""
+        metrics_port = args.metrics_port if args.metrics_port >= 0 else None
+        return ServerConfig(args.host, args.port, args.grace_seconds, metrics_port, args.metrics_port_file)
 
 
 Register = Callable[[grpc.aio.Server], None]
@@ -60,10 +74,13 @@ Register = Callable[[grpc.aio.Server], None]
 class Service:
     """A running gRPC server with health and reflection."""
 
-    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register) -> None:
+    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register, metrics: ServiceMetrics | None = None) -> None:
         self.config = config
         self.service_names = list(service_names)
+        self.metrics = metrics or ServiceMetrics(service_names[0] if service_names else "")
+        self.metrics_port: int | None = None
         self.server = grpc.aio.server(
+            interceptors=[self.metrics.interceptor()],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -71,7 +88,7 @@ class Service:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-            ]
+            ],
         )
         register(self.server)
         self.health = HealthServicer()
@@ -84,6 +101,10 @@ class Service:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
+            if self.config.metrics_port_file:
+                write_port_file(self.config.metrics_port_file, self.metrics_port)
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
@@ -94,6 +115,7 @@ class Service:
     async def stop(self) -> None:
         await self.set_serving(False)
         await self.server.stop(self.config.grace_seconds)
+        self.metrics.stop_http()
 
 
 Watch = Callable[[], Awaitable[str]]
@@ -115,7 +137,10 @@ async def run_service(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
-    log.info("serving", extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}"})
+    log.info(
+        "serving",
+        extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}", "metrics_port": service.metrics_port},
+    )
     if ready is not None:
         ready(service.port)
     stopped = asyncio.ensure_future(stop.wait())
@@ -126,6 +151,7 @@ async def run_service(
         await service.set_serving(False)
         await asyncio.sleep(FAILED_LINGER_SECONDS)  # health watchers and probes see NOT_SERVING, not only a closed port
         await service.server.stop(0)
+        service.metrics.stop_http()
         return 1
     for task in (stopped, watched):
         if task is not None:
@@ -154,11 +180,12 @@ async def serve(
     register: Register,
     port_file: str | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    metrics: ServiceMetrics | None = None,
     watch: Watch | None = None,
 ) -> int:
     """Build the server inside the running event loop (grpc.aio binds to it) and serve until
     SIGTERM/SIGINT (returns 0) or until ``watch`` reports a failure (returns 1; see
     :func:`run_service`); ``port_file`` gets the bound port once the server accepts calls."""
-    service = Service(config, service_names, register)
+    service = Service(config, service_names, register, metrics)
     ready = (lambda port: write_port_file(port_file, port)) if port_file else None
     return await run_service(service, on_stop, ready, watch)

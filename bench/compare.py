@@ -1,0 +1,437 @@
+"""Side by side on one LLM/SSM pair, one prompt set and one machine, in one run:
+
+(a) ``hf-incremental``: transformers ``generate`` (one LLM forward per token), batch 1;
+(b) ``hf-assisted``: transformers assisted generation (``assistant_model``: sequence speculation
+    with transformers' default schedule), batch 1;
+(c) ``sequence``: ours, a chain of the same depth as the trees (``<1,1,...,1>``);
+(d) ``tree``: ours, expansion trees (the paper's ``<1,1,3,1,1,1,1,1>`` and others, e.g. the
+    tuner's pick);
+(e) ``merged``: ours, the trees of two or more SSMs merged;
+plus ``incremental``: ours with speculation off (the baseline of each batch size). Greedy and
+temperature 1; batch 1 and larger batches for ours.
+
+Reported per run: tokens per LLM step, tokens/s, speedup over (a) (and over our incremental at
+the same batch size), per-token latency p50/p99, whether greedy outputs equal (a)'s. Writes
+``OUT/compare.json``, ``OUT/compare.md`` and PNG plots (tokens/step vs tree size; speedup vs
+batch size).
+
+*Decode* numbers leave out each request's first step (prefill, identical work for every method):
+decode tokens/s = tokens after the first step / time after the first step.
+*Per-token latency*: when a request receives k tokens at once, t seconds after its previous
+tokens (or after it started, for the first ones), each of the k tokens counts t / k.
+
+    python bench/compare.py --llm /tmp/pycode-a-llm-1b --ssm ../shared/models/pycode-a/ssm \\
+        --ssm /tmp/pycode-a-ssm2 --prompts ../shared/models/pycode-a/prompts.jsonl --count 50 \\
+        --new-tokens 32 --out bench/results/inflated
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from specinfer.checkpoint import load_tokenizer
+from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.models.interface import CausalLM
+from specinfer.models.loading import load_backend
+
+PAPER_TREE = "1,1,3,1,1,1,1,1"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration to run. ``method``: hf-incremental, hf-assisted, incremental, sequence,
+    tree or merged; ``expansion``: widths per depth (ours); ``ssms``: indices of the SSMs."""
+
+    method: str
+    batch: int
+    temperature: float
+    expansion: str = ""
+    ssms: tuple[int, ...] = (0,)
+
+    @property
+    def label(self) -> str:
+        tree = f" <{self.expansion}>" if self.expansion else ""
+        ssms = f" x{len(self.ssms)} SSMs" if self.method == "merged" else ""
+        return f"{self.method}{tree}{ssms}"
+
+    @property
+    def nodes(self) -> int:
+        """Most tree nodes per SSM, the root included (1 without speculation)."""
+        return ExpansionConfig.parse(self.expansion).max_nodes if self.expansion else 1
+
+
+@dataclass
+class Run:
+    case: Case
+    seconds: float = 0.0
+    tokens: int = 0
+    llm_steps: int = 0  # LLM forward passes per request, summed over requests (prefill included)
+    tree_nodes: int = 0  # verified nodes, summed over steps (ours)
+    latencies: list[float] = field(default_factory=list)  # seconds per token
+    decode_seconds: float = 0.0  # wall time after the first step of each round
+    decode_tokens: int = 0  # tokens committed after the first step
+
+    def add_round(self, start: float, end: float, emissions: Sequence[Sequence[tuple[float, int]]]) -> None:
+        """Account one round of concurrent requests (their emissions: (time, tokens))."""
+        firsts = [e[0] for e in emissions if e]
+        self.seconds += end - start
+        self.decode_seconds += end - max(t for t, _ in firsts)
+        self.decode_tokens += sum(n for e in emissions for _, n in e) - sum(n for _, n in firsts)
+        for e in emissions:
+            self.latencies += token_latencies(start, e)
+
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def row(self, baseline: Run | None, batch_baseline: Run | None) -> dict:
+        tps = self.tokens / self.seconds
+        dtps = self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
+        lat = sorted(self.latencies)
+        return {
+            "label": self.case.label,
+            "method": self.case.method,
+            "batch": self.case.batch,
+            "temperature": self.case.temperature,
+            "expansion": self.case.expansion,
+            "ssms": len(self.case.ssms),
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "llm_steps": self.llm_steps,
+            "tokens_per_step": round(self.tokens / max(1, self.llm_steps), 3),
+            "mean_tree_size": round(self.tree_nodes / self.llm_steps, 2) if self.tree_nodes else 1.0,
+            "tokens_per_second": round(tps, 3),
+            "decode_tokens_per_second": round(dtps, 3),
+            "speedup_vs_hf_incremental": round(tps / (baseline.tokens / baseline.seconds), 3) if baseline else None,
+            "decode_speedup_vs_hf_incremental": round(dtps / (baseline.decode_tokens / baseline.decode_seconds), 3) if baseline else None,
+            "speedup_vs_incremental_same_batch": round(tps / (batch_baseline.tokens / batch_baseline.seconds), 3) if batch_baseline else None,
+            "latency_p50_ms": round(1000 * percentile(lat, 50), 1),
+            "latency_p99_ms": round(1000 * percentile(lat, 99), 1),
+        }
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return float("nan")
+    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+def token_latencies(start: float, emissions: Sequence[tuple[float, int]]) -> list[float]:
+    """Per-token latency of one request from its emissions (time, number of tokens)."""
+    out, last = [], start
+    for t, n in emissions:
+        if n:
+            out += [(t - last) / n] * n
+            last = t
+    return out
+
+
+class _Timing(BaseStreamer):
+    """transformers streamer that timestamps every group of new tokens (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.emissions: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.emissions.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, ssm, seed: int, progress: tqdm) -> Run:
+    """transformers generate, one prompt at a time; EOS does not stop generation."""
+    calls = [0]
+    hook = llm.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    sampling = {"do_sample": True, "temperature": case.temperature, "top_k": 0, "top_p": 1.0} if case.temperature > 0 else {"do_sample": False}
+    config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **sampling)
+    run = Run(case)
+    try:
+        with torch.inference_mode():
+            for i, ids in enumerate(prompts):
+                torch.manual_seed(seed + i)
+                streamer = _Timing()
+                start = time.perf_counter()
+                out = llm.generate(
+                    torch.tensor([list(ids)]), generation_config=config, streamer=streamer, assistant_model=ssm if case.method == "hf-assisted" else None
+                )
+                run.add_round(start, time.perf_counter(), [streamer.emissions])
+                tokens = out[0, len(ids) :].tolist()
+                run.tokens += len(tokens)
+                run.outputs.append(tokens)
+                progress.update(1)
+    finally:
+        hook.remove()
+    run.llm_steps = calls[0]
+    return run
+
+
+def run_ours(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm) -> Run:
+    """Our in-process engine, prompts in rounds of ``case.batch`` concurrent requests."""
+    spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
+    run = Run(case)
+    for first in range(0, len(prompts), case.batch):
+        chunk = prompts[first : first + case.batch]
+        requests = [
+            GenerationRequest(
+                f"{case.label}-{case.batch}-{case.temperature}-{first + i}",
+                tuple(p),
+                new_tokens,
+                SamplingParams(temperature=case.temperature, seed=seed + first + i),
+                spec,
+                ignore_eos=True,
+            )
+            for i, p in enumerate(chunk)
+        ]
+        emissions: dict[str, list[tuple[float, int]]] = {r.request_id: [] for r in requests}
+        seen = dict.fromkeys(emissions, 0)
+        done = {}
+        start = time.perf_counter()
+        for r in requests:
+            engine.add(r)
+        while engine.has_work:
+            finished = engine.step()
+            now = time.perf_counter()
+            for result in [*engine.running(), *finished]:
+                n = len(result.output_tokens)
+                emissions[result.request_id].append((now, n - seen[result.request_id]))
+                seen[result.request_id] = n
+            for result in finished:
+                done[result.request_id] = result
+                progress.update(1)
+        run.add_round(start, time.perf_counter(), [emissions[r.request_id] for r in requests])
+        for r in requests:
+            result = done[r.request_id]
+            run.tokens += len(result.output_tokens)
+            run.llm_steps += len(result.steps)
+            run.tree_nodes += sum(s.tree_size for s in result.steps)
+            run.outputs.append(list(result.output_tokens))
+    return run
+
+
+def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
+    trees = [t for t in args.trees.split(";") if t]
+    depth = len(ExpansionConfig.parse(trees[0] if trees else PAPER_TREE).widths)
+    chain = ",".join(["1"] * depth)
+    cases = []
+    for temp in temperatures:
+        if not args.skip_hf:
+            cases += [Case("hf-incremental", 1, temp), Case("hf-assisted", 1, temp)]
+        for batch in batches:
+            if not args.no_incremental:
+                cases.append(Case("incremental", batch, temp))
+            cases.append(Case("sequence", batch, temp, chain))
+            cases += [Case("tree", batch, temp, t) for t in trees]
+            if num_ssms >= 2:
+                cases.append(Case("merged", batch, temp, args.merged_tree or trees[0], tuple(range(num_ssms))))
+    return cases
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = [
+        ("label", "method"),
+        ("batch", "batch"),
+        ("temperature", "temp"),
+        ("mean_tree_size", "mean tree size"),
+        ("tokens_per_step", "tokens / LLM step"),
+        ("tokens_per_second", "tokens/s"),
+        ("speedup_vs_hf_incremental", "speedup vs (a)"),
+        ("decode_tokens_per_second", "decode tokens/s"),
+        ("decode_speedup_vs_hf_incremental", "decode speedup vs (a)"),
+        ("speedup_vs_incremental_same_batch", "speedup vs ours incremental, same batch"),
+        ("latency_p50_ms", "per-token p50 ms"),
+        ("latency_p99_ms", "per-token p99 ms"),
+        ("greedy_equals_hf", "greedy output = (a)"),
+    ]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        cells = []
+        for key, _ in cols:
+            v = r.get(key)
+            cells.append("" if v is None else f"{v:g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for temp in sorted({r["temperature"] for r in rows}):
+        ours = [r for r in rows if r["temperature"] == temp and r["batch"] == 1 and r["method"] != "hf-assisted"]
+        pts = sorted((r["mean_tree_size"], r["tokens_per_step"], r["label"]) for r in ours)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"temperature {temp:g}")
+        for x, y, label in pts:
+            ax.annotate(label.replace("tree ", ""), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("mean token-tree size (nodes per verify step)")
+    ax.set_ylabel("tokens per LLM step")
+    ax.set_title("Tokens per LLM step vs tree size (batch 1)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "tokens_per_step_vs_tree_size.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label in dict.fromkeys(r["label"] for r in rows if r["method"] not in ("hf-incremental", "hf-assisted", "incremental")):
+        for temp in sorted({r["temperature"] for r in rows}):
+            pts = sorted(
+                (r["batch"], r["speedup_vs_incremental_same_batch"])
+                for r in rows
+                if r["label"] == label and r["temperature"] == temp and r["speedup_vs_incremental_same_batch"] is not None
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label}, T={temp:g}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("tokens/s over our incremental decoding")
+    ax.set_title("Speedup vs batch size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(out / "speedup_vs_batch_size.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def load_prompts(path: Path, tokenizer_dir: Path, count: int, max_tokens: int) -> list[tuple[int, ...]]:
+    tok = load_tokenizer(tokenizer_dir)
+    lines = path.read_text().splitlines()[:count]
+    prompts = [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    return [p[-max_tokens:] for p in prompts] if max_tokens > 0 else prompts
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llm", type=Path, required=True)
+    ap.add_argument("--ssm", type=Path, action="append", required=True, help="an SSM checkpoint; repeat for merged trees")
+    ap.add_argument("--prompts", type=Path, required=True, help="JSON lines with a 'text' field")
+    ap.add_argument("--count", type=int, default=50, help="prompts to run")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--trees", default=PAPER_TREE, help="our expansion trees, ';'-separated (the first also sets the sequence depth)")
+    ap.add_argument("--tuned", type=Path, default=None, help="a tuner result (bench/tune.py --out): its pick is added to --trees")
+    ap.add_argument("--merged-tree", default="", help="expansion of each SSM in the merged runs (default: the first tree)")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--batch", default="1,8", help="batch sizes of our runs (transformers runs batch 1)")
+    ap.add_argument("--skip-hf", action="store_true", help="only our runs")
+    ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/compare"))
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.tuned is not None:
+        pick = json.loads(args.tuned.read_text())["pick"]["expansion"]
+        if pick not in args.trees.split(";"):
+            args.trees = f"{args.trees};{pick}"
+    prompts = load_prompts(args.prompts, args.llm, args.count, args.max_prompt_tokens)
+    cases = build_cases(args, len(args.ssm))
+    batches = max((c.batch for c in cases), default=1)
+    print(f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), {len(cases)} runs")
+
+    hf_llm = hf_ssm = None
+    if any(c.method.startswith("hf-") for c in cases):
+        hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=torch.float32).eval()
+        hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=torch.float32).eval()
+    llm: CausalLM = load_backend(args.llm, "llm", backend="native", kv_cache_bytes=_kv_bytes(args.llm, batches, len(prompts[0]) + args.new_tokens))
+    ssms = [load_backend(p, f"ssm[{i}]", backend="native") for i, p in enumerate(args.ssm)]
+    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b)) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
+
+    # warm-up (lazy initialisation, allocator, thread pools), not timed
+    with tqdm(total=0, disable=True) as quiet:
+        warm = [Case(c.method, 1, c.temperature, c.expansion, c.ssms) for c in cases if c.batch == 1][:8]
+        for case in warm:
+            if case.method.startswith("hf-"):
+                run_hf(case, prompts[:1], 4, hf_llm, hf_ssm, args.seed, quiet)
+            elif 1 in engines:
+                run_ours(case, prompts[:1], 4, engines[1], args.seed, quiet)
+
+    runs: list[Run] = []
+    with tqdm(total=len(cases) * len(prompts), unit="request", file=sys.stderr) as progress:
+        for case in cases:
+            progress.set_description(f"{case.label} b={case.batch} T={case.temperature:g}")
+            if case.method.startswith("hf-"):
+                runs.append(run_hf(case, prompts, args.new_tokens, hf_llm, hf_ssm, args.seed, progress))
+            else:
+                runs.append(run_ours(case, prompts, args.new_tokens, engines[case.batch], args.seed, progress))
+
+    rows = summarise(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "llm": str(args.llm),
+        "ssms": [str(s) for s in args.ssm],
+        "prompts": str(args.prompts),
+        "count": len(prompts),
+        "new_tokens": args.new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+    }
+    (args.out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    table = markdown(rows)
+    (args.out / "compare.md").write_text(table + "\n")
+    print(table)
+    for path in plot(rows, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def summarise(runs: list[Run]) -> list[dict]:
+    """Table rows; speedups against (a) at the same temperature and our incremental decoding at the same batch."""
+    rows = []
+    for run in runs:
+        c = run.case
+        base = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature), None)
+        batch_base = next((r for r in runs if r.case.method == "incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch), None)
+        row = run.row(base, batch_base)
+        if c.temperature == 0 and base is not None:
+            row["greedy_equals_hf"] = f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}"
+        rows.append(row)
+    return rows
+
+
+def _kv_bytes(llm_dir: Path, batch: int, tokens: int) -> int:
+    """A KV budget with ``batch`` slots (untouched pool pages cost no memory: see KVPool)."""
+    from specinfer.models.native import ModelSpec
+    from specinfer.models.native.kv_pool import KVPool
+
+    spec = ModelSpec.from_dir(llm_dir)
+    return KVPool.bytes_per_token(spec, torch.float32) * (spec.positions_limit + 256) * batch
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Prometheus metrics of a service process, served on their own HTTP port (``/metrics``).
+
+Every service has a :class:`ServiceMetrics`: its own registry (no process-global state, so tests
+can run several services in one process), gRPC handling time and outcome by method (a server
+interceptor), and the metrics of its role (:class:`SchedulerMetrics` for the request manager,
+:class:`ModelMetrics` for the SSM workers and the LLM verifier). Metric names start with
+``specinfer_``; docs/metrics.md lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# seconds: from sub-millisecond RPCs (Release, health) to multi-second verify steps of a big LLM
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# tokens accepted per verify step: 0 .. a deep tree's depth
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+# tree nodes per verify step, root included
+TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+# requests per batched call
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServiceMetrics:
+    """The registry of one service and the metrics every service has."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.grpc_seconds = Histogram(
+            "specinfer_grpc_server_handling_seconds",
+            "Time to handle a gRPC call (streams: until the last message), by method and status code",
+            ["service", "method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.grpc_started = Counter("specinfer_grpc_server_started", "gRPC calls started, by method", ["service", "method"], registry=self.registry)
+        self._http: ThreadingHTTPServer | None = None
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        return _TimingInterceptor(self)
+
+    def observe_call(self, method: str, code: grpc.StatusCode | None, seconds: float) -> None:
+        name = (code or grpc.StatusCode.OK).name
+        self.grpc_seconds.labels(self.service, method, name).observe(seconds)
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _status(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode | None:
+    """The call's final status: what the handler set or aborted with; UNKNOWN for an uncaught error."""
+    code = context.code()
+    if isinstance(code, int) and not isinstance(code, grpc.StatusCode):  # grpc.aio may hand back the raw integer
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    if code is None and error is not None:  # CancelledError: the client went away or its deadline passed
+        return grpc.StatusCode.CANCELLED if isinstance(error, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
+    return code
+
+
+class _TimingInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every call by method; unary and server-streaming handlers (all ours)."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        metrics = self.metrics
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                metrics.grpc_started.labels(metrics.service, method).inc()
+                started, error = time.perf_counter(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                metrics.grpc_started.labels(metrics.service, method).inc()
+                started, error = time.perf_counter(), None
+                try:
+                    async for message in inner_stream(request, context):
+                        yield message
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+        return handler  # other shapes (none of ours) pass through untimed
+
+
+class SchedulerMetrics:
+    """The request manager's serving loop: requests, tokens, steps, batches, queue."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("specinfer_requests", "Finished requests by outcome (finish reason)", ["outcome"], registry=registry)
+        self.generated_tokens = Counter("specinfer_generated_tokens", "Tokens committed to request outputs", registry=registry)
+        self.admitted = Counter("specinfer_requests_admitted", "Requests admitted to the queue (refusals: see the gRPC metrics' code)", registry=registry)
+        self.prompt_tokens = Counter("specinfer_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
+        self.llm_steps = Counter("specinfer_llm_steps", "Per-request LLM verify steps (a batched call of B requests counts B)", registry=registry)
+        self.iterations = Counter("specinfer_iterations", "Batched iterations (one verify call each)", registry=registry)
+        self.accepted_tokens = Histogram(
+            "specinfer_accepted_tokens_per_step", "Tree tokens accepted per request per step (no bonus)", buckets=ACCEPTED_BUCKETS, registry=registry
+        )
+        self.tree_size = Histogram("specinfer_tree_size", "Token tree nodes per request per step (root included)", buckets=TREE_BUCKETS, registry=registry)
+        self.batch_size = Histogram("specinfer_batch_size", "Running requests per iteration", buckets=BATCH_BUCKETS, registry=registry)
+        self.iteration_seconds = Histogram(
+            "specinfer_iteration_seconds", "Wall time of one iteration (drafting, verification, commit)", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.speculate_seconds = Histogram("specinfer_speculate_seconds", "Drafting part of an iteration", buckets=LATENCY_BUCKETS, registry=registry)
+        self.verify_seconds = Histogram("specinfer_verify_seconds", "Verification part of an iteration", buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_depth = Gauge("specinfer_queue_depth", "Requests waiting for a batch slot", registry=registry)
+        self.running = Gauge("specinfer_running_requests", "Requests in the running batch", registry=registry)
+        self.ssm_failures = Counter("specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry)
+        self.verifier_failures = Counter("specinfer_verifier_call_failures", "Failed verify calls (requests wait and retry)", registry=registry)
+
+
+class ModelMetrics:
+    """A model service (SSM worker or LLM verifier): batched model calls and their size."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.calls = Counter("specinfer_model_calls", "Batched model calls, by model", ["role", "model"], registry=registry)
+        self.batch_size = Histogram("specinfer_model_batch_size", "Requests per model call", ["role", "model"], buckets=BATCH_BUCKETS, registry=registry)
+        self.tree_nodes = Counter("specinfer_model_tree_nodes", "Tree nodes drafted (SSM) or verified (LLM)", ["role", "model"], registry=registry)
+        self.cache_misses = Counter("specinfer_context_cache_misses", "Items whose context had to be resent", ["role", "model"], registry=registry)
+        self.call_seconds = Histogram("specinfer_model_call_seconds", "Batched model call time", ["role", "model"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests_held = Gauge("specinfer_requests_held", "Requests whose context and KV cache the service holds", ["role"], registry=registry)
+        self.role = role
+
+    def observe(self, model: str, requests: int, nodes: int, misses: int, seconds: float, held: int) -> None:
+        labels = (self.role, model)
+        self.calls.labels(*labels).inc()
+        self.batch_size.labels(*labels).observe(requests)
+        self.tree_nodes.labels(*labels).inc(nodes)
+        self.cache_misses.labels(*labels).inc(misses)
+        self.call_seconds.labels(*labels).observe(seconds)
+        self.requests_held.labels(self.role).set(held)

@@ -1,0 +1,45 @@
+"""Tree-configuration tuner: pick the static expansion with the highest expected tokens/s for a
+model pair on this hardware (the paper leaves this choice to the user).
+
+``specinfer tune`` measures (1) where the LLM's greedy tokens rank among the SSM's predictions,
+which fixes the tokens per step of every expansion exactly (:mod:`specinfer.tuning.model`), and
+(2) the time of verify and draft passes by tree size (:mod:`specinfer.tuning.measure`); it then
+searches every expansion up to a depth, width and node budget. The result is a JSON file; with
+``--install`` it is also written as ``specinfer-tuning.json`` into the SSM's checkpoint folder,
+where ``--expansion auto`` (the CLI's default) finds it: the pick becomes the pair's default.
+Anywhere an expansion is read, ``@PATH`` names such a file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from specinfer.core import InvalidArgument
+
+TUNING_FILE = "specinfer-tuning.json"
+PAPER_EXPANSION = "1,1,3,1,1,1,1,1"
+
+
+def read_pick(path: str | Path, field: str = "expansion") -> str:
+    """The expansion a tuning file picked."""
+    try:
+        return str(json.loads(Path(path).read_text())["pick"]["expansion"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(field, f"cannot read a tuning result from {path}: {exc}") from exc
+
+
+def resolve_expansion(text: str, ssm_dirs: Sequence[str | Path] = (), field: str = "expansion") -> str:
+    """``auto``: the pick of the first SSM folder's tuning file, else the paper's tree;
+    ``@PATH``: the pick of that tuning file; anything else is returned as given."""
+    text = text.strip()
+    if text.startswith("@"):
+        return read_pick(text[1:], field)
+    if text.lower() == "auto":
+        for d in ssm_dirs:
+            f = Path(d) / TUNING_FILE
+            if f.is_file():
+                return read_pick(f, field)
+        return PAPER_EXPANSION
+    return text
