@@ -25,12 +25,14 @@ class NativeModel:
         self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
         self.attention_impl = attention_impl
-        if spec.arch == "opt":  # only OPT names its activation (Llama blocks are SwiGLU); transformers takes seconds to import
+        # only OPT names its activation (Llama blocks are SwiGLU); transformers, which knows every
+        # name, takes seconds to import, so the usual one is taken from torch
+        if spec.arch == "opt" and spec.activation != "relu":
             from transformers.activations import ACT2FN
 
             self.act = ACT2FN[spec.activation]
         else:
-            self.act = F.silu
+            self.act = F.relu if spec.arch == "opt" else F.silu
 
     def forward(
         self,

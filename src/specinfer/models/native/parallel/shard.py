@@ -71,12 +71,17 @@ def shard_weights(spec: ModelSpec, weights: ModelWeights, layout: ParallelLayout
     vocab = layout.vocab_range(spec.vocab_size)
     empty = weights.embed[:0]  # [0, word_embed_dim]: a stage without the table
     first, last = layout.is_first_stage, layout.is_last_stage
+    embed = _rows(weights.embed, vocab.start, vocab.stop) if first else empty
+    if last and weights.lm_head is weights.embed and first:
+        lm_head = embed  # tied embeddings stay one tensor
+    else:
+        lm_head = _rows(weights.lm_head, vocab.start, vocab.stop) if last else empty
     return ModelWeights(
-        embed=_rows(weights.embed, vocab.start, vocab.stop) if first else empty,
+        embed=embed,
         layers=layers,
         final_norm_w=weights.final_norm_w if last else None,
         final_norm_b=weights.final_norm_b if last else None,
-        lm_head=_rows(weights.lm_head, vocab.start, vocab.stop) if last else empty,
+        lm_head=lm_head,
         positions=weights.positions if first else None,
         project_in=weights.project_in if first else None,
         project_out=weights.project_out if last else None,
