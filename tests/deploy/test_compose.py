@@ -166,6 +166,8 @@ def local_command(name: str, variables: dict[str, str], replace: dict[str, str])
     env.update(service["environment"])
     if image.service != "request-manager":
         env.update(TEST_OVERRIDES)
+    assert env["SPECINFER_METRICS_PORT"] == "9464"
+    env["SPECINFER_METRICS_PORT"] = "0"  # containers each have their own 9464; processes on one host do not
     for old, new in replace.items():
         env = {k: v.replace(old, new) for k, v in env.items()}
     script = Path(sys.executable).parent / image.stage.entrypoint[0]

@@ -129,7 +129,9 @@ def test_selectors_match_the_pods(name):
         assert selected(selector), policy["metadata"]["name"]
         for rule in policy["spec"].get("ingress", []):
             for peer in rule.get("from", []):
-                assert selected(peer["podSelector"]["matchLabels"]), policy["metadata"]["name"]
+                assert "podSelector" in peer or "namespaceSelector" in peer, policy["metadata"]["name"]
+                if "podSelector" in peer:  # a peer in this namespace must be one of our pods
+                    assert selected(peer["podSelector"]["matchLabels"]), policy["metadata"]["name"]
     for hpa in by_kind(objects, "HorizontalPodAutoscaler").values():
         target = hpa["spec"]["scaleTargetRef"]
         assert target["kind"] == "Deployment" and target["name"] in workloads
@@ -138,9 +140,13 @@ def test_selectors_match_the_pods(name):
     assert by_kind(objects, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
 
 
+METRICS_PORT = 9464
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_ports_agree(name):
-    """Container port = SPECINFER_PORT = the port of every probe, Service and NetworkPolicy."""
+    """Container port = SPECINFER_PORT = the port of every probe, Service and NetworkPolicy; the
+    metrics port = SPECINFER_METRICS_PORT = the scrape annotation = its NetworkPolicy's port."""
     objects = rendered(name)
     seen = set()
     for workload, container in containers(objects):
@@ -149,8 +155,10 @@ def test_ports_agree(name):
             continue
         seen.add(service)
         port = PORTS[service]
-        assert [p["containerPort"] for p in container["ports"]] == [port]
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": port, "metrics": METRICS_PORT}
         assert environment(objects, container)["SPECINFER_PORT"] == str(port)
+        assert environment(objects, container)["SPECINFER_METRICS_PORT"] == str(METRICS_PORT)
+        assert workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port}, (service, probe)
         assert images()[image_key(container["image"])].stage.expose == [port]
@@ -166,7 +174,7 @@ def test_ports_agree(name):
             for p in by_kind(objects, "NetworkPolicy").values()
             if p["spec"]["podSelector"].get("matchLabels") and matches(p["spec"]["podSelector"]["matchLabels"], labels)
         ]
-        assert [[q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]] for p in policies] == [[port]]
+        assert sorted([q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]] for p in policies) == sorted([[port], [METRICS_PORT]])
     assert seen == set(SERVICES)
 
 
@@ -234,6 +242,10 @@ def test_only_the_request_manager_reaches_the_internal_services(name):
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
     public = policies.pop("request-manager-public-api")
     assert public["spec"]["ingress"] == [{"ports": [{"port": PORTS["request-manager"], "protocol": "TCP"}]}]  # from anywhere
+    metrics = policies.pop("metrics-from-monitoring")  # the metrics port only, from one other namespace
+    assert metrics["spec"]["ingress"] == [
+        {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}
+    ]
     assert {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in policies.values()} == {"ssm-worker", "llm-verifier", "redis"}
     for policy in policies.values():
         peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
