@@ -280,7 +280,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     paths = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for temp in sorted({r["temperature"] for r in rows}):
-        ours = [r for r in rows if r["temperature"] == temp and r["batch"] == 1 and r["method"] != "hf-assisted"]
+        ours = [r for r in rows if r["temperature"] == temp and r["batch"] == 1 and r["method"] not in ("hf-assisted", "hf-incremental")]
         pts = sorted((r["mean_tree_size"], r["tokens_per_step"], r["label"]) for r in ours)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"temperature {temp:g}")
         for x, y, label in pts:
