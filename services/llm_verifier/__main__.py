@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from specinfer.core import InvalidArgument
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        # settings first: a bad TLS or token setting fails before minutes of model loading
+        security = server_security(args, (internal_token(args),))
         servicer = load_servicer(args)
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
@@ -48,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm = servicer.llm
     log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
     # the model loads before the server starts, so health turns SERVING only once it can verify
-    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file, security=security))
     return 0
 
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from specinfer.core import InvalidArgument
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
@@ -38,13 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        # settings first: a bad TLS or token setting fails before minutes of model loading
+        security = server_security(args, (internal_token(args),))
         servicer = load_servicer(args)
     except InvalidArgument as exc:
         log.error("bad settings", extra={"error": str(exc)})
         return 2
     log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
     # models load before the server starts, so health turns SERVING only once they can draft
-    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file))
+    asyncio.run(serve(ServerConfig(args.host, args.port, args.grace_seconds), [SERVICE_NAME], servicer.register, args.port_file, security=security))
     return 0
 
 

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from specinfer.serving.security import ServerSecurity
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -57,12 +59,21 @@ Register = Callable[[grpc.aio.Server], None]
 
 
 class Service:
-    """A running gRPC server with health and reflection."""
+    """A running gRPC server with health and reflection. ``credentials``: a TLS port (None:
+    plaintext); ``interceptors`` run on every call (e.g. the bearer-token check)."""
 
-    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Sequence[str],
+        register: Register,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
         self.config = config
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
+            interceptors=list(interceptors),
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -70,14 +81,15 @@ class Service:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-            ]
+            ],
         )
         register(self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
 
@@ -130,9 +142,12 @@ async def serve(
     register: Register,
     port_file: str | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    security: ServerSecurity | None = None,
 ) -> None:
     """Build the server inside the running event loop (grpc.aio binds to it) and serve until
-    SIGTERM/SIGINT; ``port_file`` gets the bound port once the server accepts calls."""
-    service = Service(config, service_names, register)
+    SIGTERM/SIGINT; ``port_file`` gets the bound port once the server accepts calls;
+    ``security``: TLS and bearer tokens of the port (None: plaintext, open)."""
+    security = security or ServerSecurity()
+    service = Service(config, service_names, register, credentials=security.tls.credentials(), interceptors=security.interceptors())
     ready = (lambda port: write_port_file(port_file, port)) if port_file else None
     await run_service(service, on_stop, ready)
