@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from grpc_health.v1 import health_pb2
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
-from specinfer.core import InvalidArgument
+from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
@@ -70,6 +70,12 @@ async def serve(cfg: RequestManagerConfig) -> None:
         llm_name=info.model,
         eos_token_id=eos,
     )
+    if limits.default_expansion:
+        nodes = 1 + len(limits.default_ssms) * (ExpansionConfig(limits.default_expansion).max_nodes - 1)
+        if nodes > cfg.max_tree_nodes:
+            raise SystemExit(
+                f"the default tree (--expansion with {len(limits.default_ssms)} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}"
+            )
     servicer = SpecInferServicer(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
     await servicer.recover()
     loop_task = asyncio.get_running_loop().create_task(scheduler.run())

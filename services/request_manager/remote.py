@@ -117,6 +117,16 @@ async def _call_with_context(send, calls, tracker: _ContextTracker):
 
 DNS_REFRESH_SECONDS = 30.0  # how often SsmWorkers re-resolves its dns: targets
 PROBE_SECONDS = 1.0  # how often a worker taken out is health-checked
+# keepalive pings find a dead peer on an idle connection (the servers permit pings every 10 s);
+# reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a restarted worker or verifier
+# is back in seconds, and calls to it fail fast until it is
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
 # statuses that say the call was wrong, not the worker: they do not take the worker out
 CALLER_FAULTS = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
@@ -241,7 +251,7 @@ class SsmWorkers:
         if self.uses_dns:
             log.info("SSM workers resolved", extra={"targets": self.targets, "addresses": addresses})
         for address in (a for a in addresses if a not in self._stubs):
-            channel = self.auth.aio_channel(address)
+            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
             info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
                 internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata
             )
@@ -273,7 +283,7 @@ class SsmWorkers:
             return
         joined = []
         for address in (a for a in found if a not in self._stubs):
-            channel = self.auth.aio_channel(address)
+            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
             try:
                 info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
                     internal_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.auth.metadata
@@ -426,7 +436,7 @@ class Verifier:
         self.address = address
         self.timeout = timeout
         self.auth = auth or ClientAuth()
-        self._channel = self.auth.aio_channel(address)
+        self._channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
         self._stub = internal_pb2_grpc.LlmVerifierStub(self._channel)
         self._tracker = _ContextTracker()
 

@@ -4,6 +4,8 @@ request finishes with exactly transformers' greedy output."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 
 import grpc
 import pytest
@@ -109,6 +111,24 @@ def test_ssm_worker_killed_then_all_then_back(stack, model_pair, greedy):
     assert "SSM worker back in service" in _log(stack, "request-manager")
     stack.process("ssm-worker-1").popen.wait()
     stack.respawn("ssm-worker-1")  # the next tests start request managers that want both workers
+
+
+def test_slow_ssm_worker_is_taken_out_and_comes_back(stack, model_pair, greedy):
+    """SIGSTOP an SSM worker (alive, connected, silent): its Speculate calls miss the deadline
+    (--ssm-failure-seconds), its requests move on; after SIGCONT the health probe brings it back."""
+    prompts = model_pair.prompts[32 : 32 + 4]
+    worker = stack.process("ssm-worker-0")
+    back = lambda: _log(stack, "request-manager").count("SSM worker back in service")  # noqa: E731
+    wait_until(lambda: back() >= 2, 60, "both workers of the first test back")
+    back_before, taken_out_before = back(), _log(stack, "request-manager").count("SSM worker taken out")
+    try:
+        results = _run_streams(stack, prompts, "ssm-stop", lambda client: os.kill(worker.popen.pid, signal.SIGSTOP))
+    finally:
+        os.kill(worker.popen.pid, signal.SIGCONT)
+    _check(results, prompts, greedy)
+    log = _log(stack, "request-manager")
+    assert log.count("SSM worker taken out") > taken_out_before and "DEADLINE_EXCEEDED" in log
+    wait_until(lambda: back() > back_before, 60, "the stopped worker back")
 
 
 def test_verifier_killed_and_restarted(stack, model_pair, greedy):
