@@ -147,6 +147,18 @@ def test_random_requests_get_a_stream_or_a_clear_status(stack, client, bystander
         assert 1 <= messages[-1].finished.usage.completion_tokens <= request.max_new_tokens
 
 
+@settings(max_examples=60, deadline=None)
+@given(request_id=st.one_of(st.text(max_size=40), st.integers(0, 1_000_000).map(lambda n: "q" * n)), method=st.sampled_from(["get", "cancel"]))
+def test_random_request_ids_get_an_answer_or_a_clear_status(client, bystander, request_id, method):
+    try:
+        if method == "get":
+            client.get_request(request_id)
+        else:
+            client.cancel(request_id)
+    except grpc.RpcError as exc:
+        _assert_clear(exc)
+
+
 def _raw_generate(address: str, payload: bytes, timeout: float = 60):
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
         call = channel.unary_stream(
