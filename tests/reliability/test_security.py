@@ -115,15 +115,6 @@ def test_internal_services_refuse_calls_without_the_internal_token(secure_stack,
         assert internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=10, metadata=good.metadata).models
 
 
-def test_no_secret_in_logs_or_help(secure_stack, certs):
-    """Run last in the module: the logs then hold start-up, calls and refusals."""
-    logs = {p.name: (secure_stack.workdir / f"{p.name}.log").read_text(errors="replace") for p in secure_stack.processes}
-    assert all(logs.values())
-    for name, text in logs.items():
-        for secret in (AUTH_TOKEN, INTERNAL_TOKEN, certs.server_key.read_text().splitlines()[1], certs.client_key.read_text().splitlines()[1]):
-            assert secret not in text, f"a secret is in the log of {name}"
-
-
 def test_help_does_not_print_tokens(monkeypatch):
     from specinfer.request_manager.config import RequestManagerConfig
 
@@ -153,3 +144,34 @@ def test_redis_acl_user(tmp_path):
         for username, password in [(None, "acl-secret"), ("specinfer", "wrong"), (None, None)]:
             with pytest.raises(redis.exceptions.RedisError):
                 asyncio.run(ping(username, password))
+
+
+def test_health_probe_and_cli_take_the_tls_files_and_token(secure_stack, certs, model_pair, tmp_path):
+    """The container health probe and ``specinfer generate --server`` reach a TLS + token stack
+    with the settings, and fail without them."""
+    import os
+    import subprocess
+    import sys
+
+    from specinfer.serving.healthcheck import main as probe
+
+    tls = ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert), "--tls-client-key", str(certs.client_key)]
+    assert probe([secure_stack.address, *tls]) == 0
+    assert probe([secure_stack.address, "--timeout", "2"]) == 1  # plaintext probe of a TLS port
+    token_file = tmp_path / "token"
+    token_file.write_text(AUTH_TOKEN + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECINFER_")}
+    base = [sys.executable, "-m", "specinfer.cli", "generate", "--server", secure_stack.address, "--max-new-tokens", "4"]
+    ok = subprocess.run([*base, *tls, "--auth-token-file", str(token_file), "def main():"], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0 and "4 tokens" in ok.stdout, ok.stderr
+    refused = subprocess.run([*base, *tls, "def main():"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+def test_no_secret_in_logs(secure_stack, certs):
+    """Run last in the module: the logs then hold start-up, calls and refusals."""
+    logs = {p.name: (secure_stack.workdir / f"{p.name}.log").read_text(errors="replace") for p in secure_stack.processes}
+    assert all(logs.values())
+    for name, text in logs.items():
+        for secret in (AUTH_TOKEN, INTERNAL_TOKEN, certs.server_key.read_text().splitlines()[1], certs.client_key.read_text().splitlines()[1]):
+            assert secret not in text, f"a secret is in the log of {name}"
