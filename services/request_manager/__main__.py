@@ -98,7 +98,14 @@ async def serve(cfg: RequestManagerConfig) -> None:
         interceptors=[*cfg.security.interceptors(), BadMessageInterceptor()],
     )
     if workers is not None:
-        workers.on_change = lambda: asyncio.get_running_loop().create_task(report_speculation(service, workers))
+        reports: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
+
+        def on_change() -> None:
+            task = asyncio.get_running_loop().create_task(report_speculation(service, workers))
+            reports.add(task)
+            task.add_done_callback(reports.discard)
+
+        workers.on_change = on_change
         await report_speculation(service, workers)
     ready = (lambda port: write_port_file(cfg.port_file, port)) if cfg.port_file else None
     await run_service(service, on_stop, ready)
