@@ -24,9 +24,10 @@ from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.models.loading import DTYPES, check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import load_model
+from specinfer.serving.security import ServerSecurity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
 log = logging.getLogger("specinfer.llm_verifier")
@@ -98,7 +99,7 @@ def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:
     return 0
 
 
-def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics) -> int:
+def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics, security: ServerSecurity) -> int:
     """Rank 0: start the other ranks (spawned launch), load its shard, serve, watch the ranks."""
     children = spawn_ranks(launch, argv) if launch.spawn else []
     name, path = llm_path(args)
@@ -125,6 +126,7 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
             on_stop,
             metrics=metrics,
             watch=lambda: watch_ranks(children, driver),
+            security=security,
         )
     )
     if code == 0:
@@ -141,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        # settings first: a bad TLS or token setting fails before minutes of model loading
+        security = server_security(args, (internal_token(args),))
         metrics = ServiceMetrics(SERVICE_NAME)
         launch = plan_parallel(args, os.environ)
         if launch is None:
@@ -151,11 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch is not None:
         if args.torch_threads > 0:
             torch.set_num_threads(args.torch_threads)
-        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv, metrics)
+        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv, metrics, security)
     llm = servicer.llm
     log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
     # the model loads before the server starts, so health turns SERVING only once it can verify
-    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics))
+    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
     return 0
 
 

@@ -7,34 +7,42 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from grpc_health.v1 import health_pb2
+
 from specinfer.checkpoint import eos_token_id, load_tokenizer
+from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import ApiLimits, SpecInferServicer
 from specinfer.request_manager.store import RequestStore
+from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
-from specinfer.serving.server import serve as serve_grpc
-from specinfer.serving.server import setup_logging
+from specinfer.serving.server import Service, run_service, setup_logging, write_port_file
 from specinfer.v1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
+
+# health service name saying whether speculation runs at full strength (see report_speculation)
+SPECULATION_HEALTH = "specinfer.request_manager.Speculation"
 
 
 async def serve(cfg: RequestManagerConfig) -> None:
     embedded = None
     if cfg.redis_url:
         redis_url = cfg.redis_url
+    elif cfg.redis_username:
+        raise SystemExit("--redis-username needs --redis-url: the embedded Redis has only its default user")
     else:
         embedded = EmbeddedRedis(cfg.state_dir, appendonly=True, password=cfg.redis_password or None).start()
         redis_url = embedded.url
-    client = connect(redis_url, password=cfg.redis_password or None)
+    client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None)
     store = RequestStore(client, finished_ttl_s=cfg.result_ttl_seconds)
     await store.ping()
-    verifier = Verifier(cfg.verifier, cfg.rpc_timeout_seconds)
+    verifier = Verifier(cfg.verifier, cfg.rpc_timeout_seconds, cfg.internal)
     info = await verifier.info()
-    workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds) if cfg.ssm_workers else None
+    workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds, cfg.internal, cfg.ssm_failure_seconds) if cfg.ssm_workers else None
     ssm_names: tuple[str, ...] = ()
     if workers is not None:
         await workers.discover()
@@ -61,9 +69,17 @@ async def serve(cfg: RequestManagerConfig) -> None:
         default_ssms=cfg.default_ssms or ssm_names,
         ssm_names=ssm_names,
         draft_support=cfg.draft_support,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_tree_nodes=cfg.max_tree_nodes,
         llm_name=info.model,
         eos_token_id=eos,
     )
+    if limits.default_expansion:
+        nodes = 1 + len(limits.default_ssms) * (ExpansionConfig(limits.default_expansion).max_nodes - 1)
+        if nodes > cfg.max_tree_nodes:
+            raise SystemExit(
+                f"the default tree (--expansion with {len(limits.default_ssms)} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}"
+            )
     servicer = SpecInferServicer(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
     await servicer.recover()
     loop_task = asyncio.get_running_loop().create_task(scheduler.run())
@@ -78,18 +94,47 @@ async def serve(cfg: RequestManagerConfig) -> None:
         if embedded is not None:
             embedded.close()
 
-    await serve_grpc(
+    service = Service(
         cfg.server,
         [api_name],
         lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
-        cfg.port_file or None,
-        on_stop,
-        metrics,
+        credentials=cfg.security.tls.credentials(),
+        interceptors=[*cfg.security.interceptors(), BadMessageInterceptor()],
+        metrics=metrics,
     )
+    if workers is not None:
+        reports: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
+
+        def on_change() -> None:
+            task = asyncio.get_running_loop().create_task(report_speculation(service, workers, scheduler_metrics))
+            reports.add(task)
+            task.add_done_callback(reports.discard)
+
+        workers.on_change = on_change
+        await report_speculation(service, workers, scheduler_metrics)
+    ready = (lambda port: write_port_file(cfg.port_file, port)) if cfg.port_file else None
+    await run_service(service, on_stop, ready)
+    if workers is not None:
+        workers.on_change = None
+
+
+async def report_speculation(service: Service, workers: SsmWorkers, metrics: SchedulerMetrics) -> None:
+    """Health of SPECULATION_HEALTH: SERVING while every SSM has a live worker, NOT_SERVING while
+    some SSM has none and its requests decode incrementally (the service as a whole stays SERVING);
+    the same in the metrics (live workers per SSM)."""
+    for name in workers.models:
+        metrics.ssm_workers_live.labels(name).set(len(workers.live_workers(name)))
+    degraded = any(not workers.live_workers(name) for name in workers.models)
+    status = health_pb2.HealthCheckResponse.NOT_SERVING if degraded else health_pb2.HealthCheckResponse.SERVING
+    await service.health.set(SPECULATION_HEALTH, status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = RequestManagerConfig.from_args(argv)
+    try:
+        cfg = RequestManagerConfig.from_args(argv)
+    except InvalidArgument as exc:
+        print(f"specinfer-request-manager: {exc}", file=sys.stderr)
+        return 2
     setup_logging(cfg.log_level)
     asyncio.run(serve(cfg))
     return 0

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from specinfer.core import ExpansionConfig
-from specinfer.serving.config import add_server_settings, add_setting, split_list
+from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
+from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
 from specinfer.tuning import resolve_expansion
 
@@ -19,7 +20,8 @@ class RequestManagerConfig:
     port: int
     port_file: str
     redis_url: str  # empty: start an embedded Redis under state_dir
-    redis_password: str
+    redis_password: str = field(repr=False)
+    redis_username: str
     state_dir: str
     ssm_workers: tuple[str, ...]
     verifier: str
@@ -35,6 +37,11 @@ class RequestManagerConfig:
     rpc_timeout_seconds: float
     grace_seconds: float
     log_level: str
+    max_prompt_tokens: int
+    max_tree_nodes: int
+    security: ServerSecurity  # the public port: TLS and the --auth-token clients must send
+    internal: ClientAuth  # calls to workers and verifier: TLS and the --internal-token
+    ssm_failure_seconds: float
     server: ServerConfig  # where it listens (gRPC and metrics), from the same settings as host/port
 
     @staticmethod
@@ -42,7 +49,8 @@ class RequestManagerConfig:
         p = argparse.ArgumentParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
         add_server_settings(p, default_port=50051)
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
-        add_setting(p, "--redis-password", str, "", "Redis password")
+        add_setting(p, "--redis-password", str, "", "Redis password", secret=True)
+        add_setting(p, "--redis-username", str, "", "Redis ACL user name (empty: the default user)")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
@@ -56,11 +64,21 @@ class RequestManagerConfig:
         add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner)")
         add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
         add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
+        add_setting(p, "--max-prompt-tokens", int, 8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
+        add_setting(p, "--max-tree-nodes", int, 64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
+        add_setting(p, "--ssm-failure-seconds", float, 10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy")
+        add_setting(p, "--auth-token", str, "", "bearer token clients of the public API must send (empty: none)", secret=True)
+        add_setting(p, "--auth-token-file", str, "", "file holding --auth-token")
+        add_client_tls_settings(p)
         return p
 
     @staticmethod
     def from_args(argv: Sequence[str] | None = None) -> RequestManagerConfig:
         a = RequestManagerConfig.parser().parse_args(argv)
+        try:
+            auth_token = read_token(a.auth_token, a.auth_token_file, "auth-token")
+        except ValueError as exc:
+            raise InvalidArgument("auth-token", str(exc)) from None
         expansion = () if a.expansion.strip().lower() in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
         return RequestManagerConfig(
             host=a.host,
@@ -68,6 +86,7 @@ class RequestManagerConfig:
             port_file=a.port_file or "",
             redis_url=a.redis_url,
             redis_password=a.redis_password,
+            redis_username=a.redis_username,
             state_dir=a.state_dir,
             ssm_workers=tuple(split_list(a.ssm_workers)),
             verifier=a.verifier,
@@ -83,5 +102,10 @@ class RequestManagerConfig:
             rpc_timeout_seconds=a.rpc_timeout_seconds,
             grace_seconds=a.grace_seconds,
             log_level=a.log_level,
+            max_prompt_tokens=a.max_prompt_tokens,
+            max_tree_nodes=a.max_tree_nodes,
+            security=server_security(a, (auth_token,)),
+            internal=client_auth(a, internal_token(a)),
+            ssm_failure_seconds=a.ssm_failure_seconds,
             server=ServerConfig.from_args(a),
         )

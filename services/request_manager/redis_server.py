@@ -277,9 +277,10 @@ class EmbeddedRedis:
                 self.socket_path.unlink()
 
 
-def connect(url: str, password: str | None = None, **kwargs: Any) -> redis.asyncio.Redis:
+def connect(url: str, password: str | None = None, username: str | None = None, **kwargs: Any) -> redis.asyncio.Redis:
     """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://`` or ``unix://``), replies as bytes.
+    ``username``: a Redis ACL user (None: the default user, authenticated by ``password`` alone).
 
     The client connects lazily: errors (refused connection, wrong password) surface on the first command.
     """
-    return redis.asyncio.from_url(url, password=password, decode_responses=False, **kwargs)
+    return redis.asyncio.from_url(url, password=password, username=username, decode_responses=False, **kwargs)

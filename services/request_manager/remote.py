@@ -12,13 +12,15 @@ import contextlib
 import logging
 import socket
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
+from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
@@ -114,6 +116,21 @@ async def _call_with_context(send, calls, tracker: _ContextTracker):
 # channel per address (see :meth:`SsmWorkers.worker_for`).
 
 DNS_REFRESH_SECONDS = 30.0  # how often SsmWorkers re-resolves its dns: targets
+PROBE_SECONDS = 1.0  # how often a worker taken out is health-checked
+# keepalive pings find a dead peer on an idle connection (the servers permit pings every 10 s);
+# reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a restarted worker or verifier
+# is back in seconds, and calls to it fail fast until it is
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+# statuses that say the call was wrong, not the worker: they do not take the worker out
+CALLER_FAULTS = frozenset(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
 
 
 @dataclass(frozen=True)
@@ -149,14 +166,33 @@ class SsmWorkers:
     ``targets`` are ``host:port`` addresses or ``dns:///host:port`` names; a name stands for all
     its addresses, looked up by :meth:`discover` and again every ``refresh_seconds``
     (:meth:`refresh`), so workers that scale up or move are found without a restart.
+
+    Failover: a Speculate call that fails or takes longer than ``speculate_timeout`` takes its
+    worker out (:meth:`live_count` drops); its requests move to the other workers serving the SSM
+    (stable hashing over the live ones), which rebuild their caches from the full context. A
+    background probe brings the worker back once its health is SERVING. With no live worker for
+    an SSM, its requests draft nothing: verification of the root alone is incremental decoding.
     """
 
-    def __init__(self, targets: Sequence[str], timeout: float, refresh_seconds: float = DNS_REFRESH_SECONDS) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        timeout: float,
+        auth: ClientAuth | None = None,
+        speculate_timeout: float | None = None,
+        refresh_seconds: float = DNS_REFRESH_SECONDS,
+        probe_seconds: float = PROBE_SECONDS,
+    ) -> None:
         if not targets:
             raise ValueError("no SSM worker addresses")
         self.targets = list(targets)
         self._dns = [DnsTarget.parse(t) for t in self.targets]  # bad dns: targets fail here, at start-up
         self.timeout = timeout
+        self.auth = auth or ClientAuth()
+        self.speculate_timeout = speculate_timeout or timeout
+        self.probe_seconds = probe_seconds
+        self._down: dict[str, asyncio.Task] = {}  # worker taken out -> its health probe
+        self.on_change: Callable[[], object] | None = None  # called when a worker is taken out or back
         self.refresh_seconds = refresh_seconds
         self.addresses: list[str] = []  # the workers, in the order of the stable hashing
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -215,8 +251,10 @@ class SsmWorkers:
         if self.uses_dns:
             log.info("SSM workers resolved", extra={"targets": self.targets, "addresses": addresses})
         for address in (a for a in addresses if a not in self._stubs):
-            channel = grpc.aio.insecure_channel(address)
-            info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True)
+            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
+            info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
+                internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata
+            )
             self._join(address, channel, info)
         self._index()
         if self.uses_dns and self.refresh_seconds > 0 and self._refresher is None:
@@ -245,9 +283,11 @@ class SsmWorkers:
             return
         joined = []
         for address in (a for a in found if a not in self._stubs):
-            channel = grpc.aio.insecure_channel(address)
+            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
             try:
-                info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=self.timeout)
+                info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
+                    internal_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.auth.metadata
+                )
                 self._join(address, channel, info)
                 joined.append(address)
             except (grpc.aio.AioRpcError, ValueError) as exc:
@@ -257,6 +297,9 @@ class SsmWorkers:
         closing = [self._channels.pop(a) for a in gone]
         for address in gone:
             del self._stubs[address], self._trackers[address], self._served[address]
+            probe = self._down.pop(address, None)
+            if probe is not None:
+                probe.cancel()
         self.addresses = [a for a in self.addresses if a not in gone]
         self._index()
         if joined or gone:
@@ -264,19 +307,81 @@ class SsmWorkers:
         for channel in closing:  # calls in flight on a removed worker may finish
             await channel.close(grace=self.timeout)
 
-    def worker_for(self, request_id: str, ssm: str) -> str:
-        """The worker that drafts ``request_id`` with ``ssm``: stable hashing over the workers
-        serving it, so a request keeps hitting the worker that holds its cache."""
-        serving = self.models[ssm]
+    def live_workers(self, ssm: str) -> list[str]:
+        """The workers serving ``ssm`` that are not taken out."""
+        return [a for a in self.models.get(ssm, ()) if a not in self._down]
+
+    def live_count(self) -> int:
+        """How many workers are in service (a hook for health and metrics)."""
+        return sum(1 for a in self.addresses if a not in self._down)
+
+    def worker_for(self, request_id: str, ssm: str) -> str | None:
+        """The worker that drafts ``request_id`` with ``ssm``: stable hashing over the live workers
+        serving it, so a request keeps hitting the worker that holds its cache. None: none is live."""
+        serving = self.live_workers(ssm)
+        if not serving:
+            return None
         return serving[zlib.crc32(f"{request_id}/{ssm}".encode()) % len(serving)]
 
     async def speculate(self, ssm: str, calls: Sequence[DraftCall]) -> dict[str, DraftTree]:
-        by_worker: dict[str, list[DraftCall]] = {}
-        for c in calls:
-            by_worker.setdefault(self.worker_for(c.request_id, ssm), []).append(c)
-        # stubs and trackers are taken now: a refresh may drop a worker while its call runs
-        parts = await asyncio.gather(*(self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()))
-        return {rid: tree for part in parts for rid, tree in part.items()}
+        """Draft trees of ``calls`` by request ID. Requests whose worker fails move to another live
+        worker within this call; requests left without one are missing from the result (their
+        tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
+        out: dict[str, DraftTree] = {}
+        pending = list(calls)
+        while pending:
+            by_worker: dict[str, list[DraftCall]] = {}
+            for c in pending:
+                address = self.worker_for(c.request_id, ssm)
+                if address is not None:
+                    by_worker.setdefault(address, []).append(c)
+            if not by_worker:
+                break  # no worker left for this SSM: the remaining requests verify their root alone
+            # stubs and trackers are taken now: a refresh may drop a worker while its call runs
+            jobs = [self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()]
+            pending = []
+            for (address, cs), part in zip(by_worker.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
+                if isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
+                    self.take_out(address, part)
+                    pending += cs  # to another live worker, if any
+                elif isinstance(part, BaseException):
+                    raise part
+                else:
+                    out.update(part)
+        return out
+
+    def take_out(self, address: str, error: BaseException) -> None:
+        """Stop sending work to ``address`` until a health probe finds it SERVING again."""
+        if address in self._down or address not in self._stubs:
+            return
+        self._down[address] = asyncio.get_running_loop().create_task(self._probe(address))
+        left = {name: len(self.live_workers(name)) for name in self.models}
+        log.warning(
+            "SSM worker taken out; its requests move to the others",
+            extra={"address": address, "error": repr(error), "live_workers": self.live_count(), "live_per_ssm": left},
+        )
+        for name, count in left.items():
+            if count == 0:
+                log.warning("no SSM worker left for an SSM: its requests fall back to incremental decoding", extra={"ssm": name})
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _probe(self, address: str) -> None:
+        stub = health_pb2_grpc.HealthStub(self._channels[address])
+        while True:
+            await asyncio.sleep(self.probe_seconds)
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_seconds, metadata=self.auth.metadata)
+            except grpc.aio.AioRpcError:
+                continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        # it may have restarted: assume it knows no context (a kept one costs a cache-miss round)
+        self._trackers[address].reset()
+        del self._down[address]
+        log.info("SSM worker back in service", extra={"address": address, "live_workers": self.live_count()})
+        if self.on_change is not None:
+            self.on_change()
 
     async def _speculate_on(
         self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: _ContextTracker, ssm: str, calls: Sequence[DraftCall]
@@ -294,7 +399,7 @@ class SsmWorkers:
                     step=c.step,
                     stream=c.stream,
                 )
-            response = await stub.Speculate(request, timeout=self.timeout)
+            response = await stub.Speculate(request, timeout=self.speculate_timeout, metadata=self.auth.metadata)
             return response.results
 
         results = await _call_with_context(send, calls, tracker)
@@ -302,14 +407,19 @@ class SsmWorkers:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         # the workers as they are now: a refresh may change them while the calls run
-        for stub, tracker in [(self._stubs[a], self._trackers[a]) for a in self.addresses]:
+        for address, stub, tracker in [(a, self._stubs[a], self._trackers[a]) for a in self.addresses]:
             ids = [r for r in request_ids if r in tracker]
             for r in ids:
                 tracker.forget(r)
-            if ids:
-                await stub.Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout)
+            if ids and address not in self._down:
+                try:
+                    await stub.Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata)
+                except grpc.aio.AioRpcError as exc:  # a cache left behind is only memory: the worker frees it when it restarts
+                    log.info("release failed", extra={"address": address, "code": str(exc.code())})
 
     async def close(self) -> None:
+        for probe in self._down.values():
+            probe.cancel()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -319,22 +429,26 @@ class SsmWorkers:
 
 
 class Verifier:
-    def __init__(self, address: str, timeout: float) -> None:
+    """The LLM verifier. Calls carry ``timeout`` (the deadline of internal calls) and the
+    credentials of ``auth``."""
+
+    def __init__(self, address: str, timeout: float, auth: ClientAuth | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self.auth = auth or ClientAuth()
+        self._channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
         self._stub = internal_pb2_grpc.LlmVerifierStub(self._channel)
         self._tracker = _ContextTracker()
 
     async def info(self) -> internal_pb2.LlmInfo:
-        return await self._stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, wait_for_ready=True)
+        return await self._stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata)
 
     async def verify(self, calls: Sequence[VerifyCall]) -> dict[str, Verdict]:
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
             for c, ctx in zip(pending, contexts, strict=True):
                 request.items.add(context=ctx, tree=wire.draft_to_proto(c.draft), sampling=wire.sampling_to_proto(c.sampling), seed=c.seed, step=c.step)
-            response = await self._stub.Verify(request, timeout=self.timeout)
+            response = await self._stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
             return response.results
 
         results = await _call_with_context(send, calls, self._tracker)
@@ -348,7 +462,7 @@ class Verifier:
         for r in request_ids:
             self._tracker.forget(r)
         if request_ids:
-            await self._stub.Release(internal_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout)
+            await self._stub.Release(internal_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout, metadata=self.auth.metadata)
 
     async def close(self) -> None:
         await self._channel.close()

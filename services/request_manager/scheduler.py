@@ -41,7 +41,8 @@ class SchedulerConfig:
     ssm_names: tuple[str, ...]
     eos_token_id: int | None
     owner: str = "default"
-    verifier_backoff_seconds: float = 0.5
+    verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
+    verifier_backoff_max_seconds: float = 8.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
+        self.verifier_failures = 0  # failed verifier calls in a row (a hook for health and metrics)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -223,13 +225,19 @@ class Scheduler:
         try:
             verdicts = await self.verifier.verify(calls)
         except grpc.aio.AioRpcError as exc:
-            # the verifier is down or restarting: requests wait, caches are rebuilt when it is back
-            log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details()})
+            # the verifier is down or restarting: requests wait (nothing was committed), caches are
+            # rebuilt from the committed tokens when it is back (the contexts go out whole)
+            self.verifier_failures += 1
+            wait = min(self.config.verifier_backoff_max_seconds, self.config.verifier_backoff_seconds * 2 ** (self.verifier_failures - 1))
+            log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details(), "retry_in_s": wait})
             m.verifier_failures.inc()
             self.verifier.lost_caches()
-            await asyncio.sleep(self.config.verifier_backoff_seconds)
+            await asyncio.sleep(wait)
             return
         verified = time.perf_counter()
+        if self.verifier_failures:
+            log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
+            self.verifier_failures = 0
         for live in batch:
             if live.request_id in self._active:
                 await self._commit(live, drafts[live.request_id], verdicts[live.request_id])

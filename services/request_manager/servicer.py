@@ -27,6 +27,14 @@ from specinfer.v1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
 
+# Bounds of the fields not tied to a setting: enough for any real use, small enough that a
+# hostile message cannot make validation, Redis records or stop-string matching expensive.
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+CHARS_PER_PROMPT_TOKEN = 32  # a text prompt longer than max_prompt_tokens * this is refused before tokenizing
+
 FINISH_REASONS = {
     "length": api_pb2.FINISH_REASON_LENGTH,
     "eos": api_pb2.FINISH_REASON_EOS,
@@ -49,6 +57,8 @@ class ApiLimits:
     draft_support: int
     llm_name: str
     eos_token_id: int | None
+    max_prompt_tokens: int = 8192
+    max_tree_nodes: int = 64  # of the merged tree, root included
 
 
 def finish_to_proto(finish: Finish) -> api_pb2.Finished:
@@ -126,6 +136,12 @@ def event_to_proto(request_id: str, event: StreamEvent) -> api_pb2.GenerateRespo
     return msg
 
 
+async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) -> None:
+    """A request ID longer than any the server gives or accepts names no request: refuse it before Redis sees it."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: must be at most {MAX_REQUEST_ID_CHARS} characters")
+
+
 class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
     def __init__(self, scheduler: Scheduler, store: RequestStore, limits: ApiLimits, tokenizer: Tokenizer | None, owner: str) -> None:
         self.scheduler = scheduler
@@ -138,16 +154,24 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
 
     def _prompt(self, msg: api_pb2.GenerateRequest) -> tuple[int, ...]:
         which = msg.WhichOneof("prompt")
+        most = self.limits.max_prompt_tokens
         if which == "text":
             if not msg.text:
                 raise InvalidArgument("prompt.text", "must not be empty")
             if self.tokenizer is None:
                 raise InvalidArgument("prompt.text", "this server has no tokenizer; send prompt.token_ids")
-            return tuple(self.tokenizer.encode(msg.text).ids)
+            if len(msg.text) > most * CHARS_PER_PROMPT_TOKEN:
+                raise InvalidArgument("prompt.text", f"{len(msg.text)} characters is too long (the limit is {most} tokens)")
+            ids = tuple(self.tokenizer.encode(msg.text).ids)
+            if len(ids) > most:
+                raise InvalidArgument("prompt.text", f"{len(ids)} tokens; at most {most}")
+            return ids
         if which == "token_ids":
             ids = tuple(msg.token_ids.ids)
             if not ids:
                 raise InvalidArgument("prompt.token_ids", "must not be empty")
+            if len(ids) > most:
+                raise InvalidArgument("prompt.token_ids", f"{len(ids)} tokens; at most {most}")
             bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
             if bad:
                 raise InvalidArgument("prompt.token_ids", f"token IDs must be in [0, {self.limits.vocab_size}), got {bad[:5]}")
@@ -160,7 +184,12 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
         widths = tuple(msg.expansion) or self.limits.default_expansion
         if not widths:
             return None
+        most = self.limits.max_tree_nodes
+        if len(widths) >= most:  # checked first: the node count of a deep tree is a huge number
+            raise InvalidArgument("speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer")
         expansion = wire.expansion_from_proto(widths)
+        if len(msg.ssms) > len(self.limits.ssm_names):
+            raise InvalidArgument("speculation.ssms", f"lists {len(msg.ssms)} SSMs; the server has {len(self.limits.ssm_names)}")
         names = tuple(msg.ssms) or self.limits.default_ssms
         unknown = [n for n in names if n not in self.limits.ssm_names]
         if unknown:
@@ -169,10 +198,21 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             raise InvalidArgument("speculation.ssms", "lists an SSM twice")
         if not names:
             raise InvalidArgument("speculation.ssms", "no SSM is available; set speculation.disabled")
+        nodes = 1 + len(names) * (expansion.max_nodes - 1)  # merged trees share at least the root
+        if nodes > most:
+            raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {most}")
         return SpeculationConfig(expansion, tuple(self.limits.ssm_names.index(n) for n in names), self.limits.draft_support)
 
     def build(self, msg: api_pb2.GenerateRequest, deadline: float | None) -> Live:
         """A validated :class:`Live` request from the wire message."""
+        if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
+        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument("stop_token_ids", f"{len(msg.stop_token_ids)} IDs; at most {MAX_STOP_TOKEN_IDS}")
+        if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in msg.stop):
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not s for s in msg.stop):
+            raise InvalidArgument("stop", "an empty stop string would stop at once")
         prompt = self._prompt(msg)
         if msg.max_new_tokens <= 0:
             raise InvalidArgument("max_new_tokens", "must be > 0")
@@ -187,8 +227,6 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             raise InvalidArgument("stop", "stop strings need a tokenizer, which this server lacks; use stop_token_ids")
         sampling = wire.sampling_from_proto(msg.sampling)
         request_id = msg.request_id or uuid.uuid4().hex
-        if len(request_id) > 128:
-            raise InvalidArgument("request_id", "must be at most 128 characters")
         request = GenerationRequest(
             request_id=request_id,
             prompt_tokens=prompt,
@@ -263,6 +301,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required with resume_from")
+        await _check_request_id(rid, context)
         live = self.scheduler.get(rid)
         offset = request.resume_from
         if live is not None and live.finished is None:
@@ -292,10 +331,12 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
         yield msg
 
     async def Cancel(self, request: api_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> api_pb2.CancelResponse:
+        await _check_request_id(request.request_id, context)
         return api_pb2.CancelResponse(cancelled=self.scheduler.cancel(request.request_id))
 
     async def GetRequest(self, request: api_pb2.GetRequestRequest, context: grpc.aio.ServicerContext) -> api_pb2.RequestState:
         rid = request.request_id
+        await _check_request_id(rid, context)
         live = self.scheduler.get(rid)
         snapshot = await self.store.get(rid)
         if snapshot is None:

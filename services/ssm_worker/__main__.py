@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from specinfer.core import InvalidArgument
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, parse_named_paths
+from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
@@ -39,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        # settings first: a bad TLS or token setting fails before minutes of model loading
+        security = server_security(args, (internal_token(args),))
         metrics = ServiceMetrics(SERVICE_NAME)
         servicer = load_servicer(args, ModelMetrics(metrics.registry, "ssm"))
     except InvalidArgument as exc:
@@ -46,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
     # models load before the server starts, so health turns SERVING only once they can draft
-    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics))
+    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
     return 0
 
 

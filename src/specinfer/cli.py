@@ -124,7 +124,46 @@ def _demo_models() -> tuple[Path, Path, str]:
     return cache / "llm", cache / "ssm", f"tiny random pair in {cache} (no trained pair found; its text is noise)"
 
 
+def _add_client_security_flags(p: argparse.ArgumentParser) -> None:
+    """How to reach a request manager that requires TLS or a bearer token (flags or SPECINFER_* variables)."""
+    from specinfer.serving.config import add_setting
+
+    add_setting(p, "--tls-ca", default="", help="PEM CA of the server: connect with TLS")
+    add_setting(p, "--tls-client-cert", default="", help="PEM client certificate (mTLS)")
+    add_setting(p, "--tls-client-key", default="", help="PEM key of --tls-client-cert")
+    add_setting(p, "--auth-token", default="", secret=True, help="bearer token of the public API (prefer the variable or the file: argv is visible)")
+    add_setting(p, "--auth-token-file", default="", help="file holding --auth-token")
+
+
+def _client_auth(args: argparse.Namespace):
+    from specinfer.serving.security import ClientAuth, ClientTls, read_token
+
+    try:
+        auth = ClientAuth(
+            ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key), read_token(args.auth_token, args.auth_token_file, "auth-token")
+        )
+        auth.tls.credentials()
+    except ValueError as exc:
+        raise InvalidArgument("tls", str(exc)) from None
+    return auth
+
+
+def _stack_security(args: argparse.Namespace):
+    """``specinfer up``: the server files, and the client side the launcher and the request manager use."""
+    from specinfer.launcher import StackSecurity
+    from specinfer.serving.security import read_token
+
+    try:
+        auth_token = read_token(args.auth_token, args.auth_token_file, "auth-token")
+        internal = read_token(args.internal_token, args.internal_token_file, "internal-token")
+        return StackSecurity(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.tls_client_cert, args.tls_client_key, auth_token, internal)
+    except ValueError as exc:
+        raise InvalidArgument("tls", str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from specinfer.serving.config import add_setting
+
     parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
@@ -132,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--llm", help="Hugging Face checkpoint folder of the LLM (in-process generation)")
     gen.add_argument("--ssm", action="append", default=[], help="checkpoint folder of an SSM (repeat for several: trees are merged)")
     _add_generation_flags(gen)
+    _add_client_security_flags(gen)
     gen.add_argument("prompt", nargs="+", help="prompt text(s); several are generated as one batch")
     up = sub.add_parser("up", help="start Redis, the request manager, SSM workers and the verifier as local processes")
     up.add_argument("--llm", help="LLM checkpoint folder (default: the demo pair)")
@@ -141,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     up.add_argument("--expansion", default="auto", help="default tree of the request manager (as for generate)")
+    _add_client_security_flags(up)
+    add_setting(up, "--tls-cert", default="", help="PEM certificate (valid for 127.0.0.1) every process serves TLS with")
+    add_setting(up, "--tls-key", default="", help="PEM key of --tls-cert")
+    add_setting(up, "--tls-client-ca", default="", help="PEM CA: every port requires client certificates it signed (mTLS)")
+    add_setting(up, "--internal-token", default="", secret=True, help="bearer token between the services")
+    add_setting(up, "--internal-token-file", default="", help="file holding --internal-token")
     add_tune_parser(sub)
     demo = sub.add_parser("demo", help="start the local stack with the demo model pair and stream a few generations through gRPC")
     _add_generation_flags(demo)
@@ -154,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             llm, ssms = (Path(args.llm), tuple(Path(s) for s in args.ssm)) if args.llm else _demo_models()[:2]
             if not isinstance(ssms, tuple):
                 ssms = (ssms,)
-            cfg = StackConfig(llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, resolve_expansion(args.expansion, ssms))
+            cfg = StackConfig(
+                llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, resolve_expansion(args.expansion, ssms), security=_stack_security(args)
+            )
             return run_up(cfg)
         if args.command == "tune":
             return tune_main(args)
@@ -201,13 +249,14 @@ def _demo_stack(args: argparse.Namespace, llm: Path, ssm: Path, prompts: list[st
 
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream each prompt's text from a running request manager."""
+    auth = _client_auth(args)
     for prompt in args.prompt:
-        if _stream(args.server, args, prompt) != 0:
+        if _stream(args.server, args, prompt, auth) != 0:
             return 2
     return 0
 
 
-def _stream(address: str, args: argparse.Namespace, prompt: str) -> int:
+def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> int:
     """Stream one generation's text to stdout; 0 on success, 2 on an RPC error."""
     import grpc
 
@@ -224,7 +273,7 @@ def _stream(address: str, args: argparse.Namespace, prompt: str) -> int:
         expansion=() if args.no_speculation or args.expansion == "auto" else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation,
     )
-    with Client(address) as client:
+    with Client(address, auth=auth) as client:
         try:
             for msg in client.stream(request):
                 print(msg.text, end="", flush=True)

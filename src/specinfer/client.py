@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
+from specinfer.serving.security import ClientAuth
 from specinfer.v1 import api_pb2, api_pb2_grpc
 
 
@@ -21,12 +20,15 @@ class Completion:
 
 
 class Client:
-    """Blocking client; ``address`` is ``host:port``."""
+    """Blocking client; ``address`` is ``host:port``; ``auth``: TLS files and the bearer token
+    (``--auth-token`` of the request manager) to send, when the server requires them."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, timeout: float | None = None, auth: ClientAuth | None = None) -> None:
+        self.auth = auth or ClientAuth()
+        self.channel = self.auth.channel(address)
         self.stub = api_pb2_grpc.SpecInferStub(self.channel)
         self.timeout = timeout
+        self.metadata = self.auth.metadata
 
     def close(self) -> None:
         self.channel.close()
@@ -70,8 +72,12 @@ class Client:
             msg.token_ids.ids.extend(prompt)
         return msg
 
+    def resume(self, request_id: str, offset: int) -> Iterator[api_pb2.GenerateResponse]:
+        """Reattach to a request: its tokens from ``offset`` on, then new ones until it finishes."""
+        return self.stream(api_pb2.GenerateRequest(request_id=request_id, resume_from=offset))
+
     def stream(self, request: api_pb2.GenerateRequest) -> Iterator[api_pb2.GenerateResponse]:
-        return self.stub.Generate(request, timeout=self.timeout)
+        return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
 
     def generate(self, request: api_pb2.GenerateRequest) -> Completion:
         out = Completion()
@@ -84,10 +90,10 @@ class Client:
         return out
 
     def cancel(self, request_id: str) -> bool:
-        return self.stub.Cancel(api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout).cancelled
+        return self.stub.Cancel(api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata).cancelled
 
     def get_request(self, request_id: str) -> api_pb2.RequestState:
-        return self.stub.GetRequest(api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout)
+        return self.stub.GetRequest(api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata)
 
     def model_info(self) -> api_pb2.ModelInfo:
-        return self.stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -18,6 +18,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specinfer.serving.healthcheck import check
+from specinfer.serving.security import ClientAuth, ClientTls
+
+
+@dataclass(frozen=True)
+class StackSecurity:
+    """TLS files and tokens of a local stack. ``cert``/``key``: every port serves TLS (a
+    certificate valid for 127.0.0.1); ``ca``: what the request manager and the launcher trust;
+    ``client_ca``: every port requires client certificates (mTLS), which the request manager and
+    the launcher present (``client_cert``/``client_key``). ``auth_token``: the public API's bearer
+    token; ``internal_token``: the one between services. All reach the processes through
+    SPECINFER_* environment variables, never the command line (which ``ps`` shows)."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    client_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    auth_token: str = field(default="", repr=False)
+    internal_token: str = field(default="", repr=False)
+
+    @property
+    def client_tls(self) -> ClientTls:
+        return ClientTls.from_files(self.ca, self.client_cert, self.client_key)
+
+    def client_auth(self) -> ClientAuth:
+        """How a client of the public API reaches this stack."""
+        return ClientAuth(self.client_tls, self.auth_token)
+
+    def env(self, request_manager: bool) -> dict[str, str]:
+        """The environment of one process: server TLS and the internal token for all; the calling
+        side and the public token for the request manager."""
+        out = {
+            "SPECINFER_TLS_CERT": self.cert,
+            "SPECINFER_TLS_KEY": self.key,
+            "SPECINFER_TLS_CLIENT_CA": self.client_ca,
+            "SPECINFER_INTERNAL_TOKEN": self.internal_token,
+        }
+        if request_manager:
+            out |= {
+                "SPECINFER_TLS_CA": self.ca,
+                "SPECINFER_TLS_CLIENT_CERT": self.client_cert,
+                "SPECINFER_TLS_CLIENT_KEY": self.client_key,
+                "SPECINFER_AUTH_TOKEN": self.auth_token,
+            }
+        return {k: v for k, v in out.items() if v}
 
 
 @dataclass(frozen=True)
@@ -35,6 +81,7 @@ class StackConfig:
     rm_args: tuple[str, ...] = ()  # further request-manager flags
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
     verifier_args: tuple[str, ...] = ()  # further flags of the verifier only (e.g. --tensor-parallel 2)
+    security: StackSecurity = field(default_factory=StackSecurity)
 
 
 @dataclass
@@ -46,10 +93,10 @@ class Process:
     metrics_address: str = ""  # host:port of its Prometheus /metrics endpoint
 
 
-def wait_serving(address: str, timeout: float) -> None:
+def wait_serving(address: str, timeout: float, tls: ClientTls | None = None) -> None:
     """Block until ``address`` answers a health check with SERVING."""
     deadline = time.monotonic() + timeout
-    while check(address, timeout=2) != "SERVING":
+    while check(address, timeout=2, tls=tls) != "SERVING":
         if time.monotonic() > deadline:
             raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
         time.sleep(0.1)
@@ -66,8 +113,9 @@ class Stack:
     def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float) -> Process:
         port_file = self.workdir / f"{name}.port"
         env = dict(os.environ)
+        env.update(self.config.security.env(request_manager=module == "specinfer.request_manager"))
         env.update(self.config.extra_env)
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process; a respawn appends)
         metrics_file = self.workdir / f"{name}.metrics-port"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
@@ -81,7 +129,7 @@ class Stack:
                 raise TimeoutError(f"{name} did not start in {timeout:.0f} s; log: {self.workdir / (name + '.log')}")
             time.sleep(0.05)
         proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
-        wait_serving(proc.address, max(1.0, deadline - time.monotonic()))
+        wait_serving(proc.address, max(1.0, deadline - time.monotonic()), self.config.security.client_tls)
         proc.metrics_address = f"127.0.0.1:{metrics_file.read_text().strip()}"  # written before health turns SERVING
         return proc
 
@@ -116,6 +164,23 @@ class Stack:
         ]
         self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
         return self
+
+    def respawn(self, name: str, timeout: float = 120.0) -> Process:
+        """Start the exited process ``name`` again with its command, on the same port (callers
+        keep their address); for fault tests that kill a process and bring it back."""
+        old = self.process(name)
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        args = list(old.popen.args)
+        module = args[args.index("-m") + 1]
+        rest = args[args.index("--port-file") + 2 :]
+        port = old.address.rpartition(":")[2]
+        old.port_file.unlink(missing_ok=True)
+        self.processes.remove(old)
+        proc = self._spawn(name, module, [*rest, "--port", port], timeout)  # the last --port wins
+        self.processes.remove(proc)
+        self.processes.insert(0 if name == "llm-verifier" else len(self.processes) - 1, proc)
+        return proc
 
     def spawn_request_manager(self, name: str, args: Sequence[str], timeout: float = 60.0) -> Process:
         """Another request manager on the same verifier and workers (e.g. with other limits)."""

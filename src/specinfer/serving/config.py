@@ -11,6 +11,7 @@ import argparse
 import os
 
 from specinfer.core import InvalidArgument
+from specinfer.serving.security import ClientAuth, ClientTls, ServerSecurity, ServerTls, read_token
 
 ENV_PREFIX = "SPECINFER_"
 
@@ -25,13 +26,15 @@ def _flag_type(kind):
     return kind
 
 
-def add_setting(parser: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "") -> None:
-    """Add ``--flag`` (type ``kind``) whose default is its environment variable when set."""
+def add_setting(parser: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "", secret: bool = False) -> None:
+    """Add ``--flag`` (type ``kind``) whose default is its environment variable when set.
+    ``secret``: ``--help`` says whether it is set, never the value (it may come from the environment)."""
     env = env_name(flag)
     convert = _flag_type(kind)
     raw = os.environ.get(env)
     value = convert(raw) if raw is not None else default
-    parser.add_argument(flag, type=convert, default=value, help=f"{help} [env {env}; default {value!r}]")
+    shown = ("set" if value else "not set") if secret else repr(value)
+    parser.add_argument(flag, type=convert, default=value, help=f"{help} [env {env}; default {shown}]")
 
 
 def split_list(text: str | None) -> list[str]:
@@ -47,6 +50,46 @@ def add_server_settings(parser: argparse.ArgumentParser, default_port: int = 0) 
     add_setting(parser, "--grace-seconds", float, 10.0, help="on SIGTERM, how long in-flight calls may finish")
     add_setting(parser, "--metrics-port", int, -1, help="HTTP port of the Prometheus /metrics endpoint (-1: none; 0: pick a free one)")
     add_setting(parser, "--metrics-port-file", default=None, help="write the bound metrics port to this file (for launchers and tests)")
+    add_setting(parser, "--tls-cert", default="", help="PEM certificate chain: serve TLS (with --tls-key)")
+    add_setting(parser, "--tls-key", default="", help="PEM private key of --tls-cert")
+    add_setting(parser, "--tls-client-ca", default="", help="PEM CA: require client certificates it signed (mTLS)")
+    add_setting(parser, "--internal-token", default="", secret=True, help="bearer token of the calls between services (workers and verifier require it)")
+    add_setting(parser, "--internal-token-file", default="", help="file holding --internal-token")
+
+
+def add_client_tls_settings(parser: argparse.ArgumentParser) -> None:
+    """How a service calls others over TLS (the request manager calls workers and verifier)."""
+    add_setting(parser, "--tls-ca", default="", help="PEM CA of the services called (any of the three --tls-* flags: call with TLS)")
+    add_setting(parser, "--tls-client-cert", default="", help="PEM client certificate for mTLS")
+    add_setting(parser, "--tls-client-key", default="", help="PEM private key of --tls-client-cert")
+
+
+def internal_token(args: argparse.Namespace) -> str:
+    """The token of the calls between services (empty: none), checked while parsing settings."""
+    try:
+        return read_token(args.internal_token, args.internal_token_file, "internal-token")
+    except ValueError as exc:
+        raise InvalidArgument("internal-token", str(exc)) from None
+
+
+def client_auth(args: argparse.Namespace, token: str) -> ClientAuth:
+    """How this service calls others: the ``--tls-ca``/``--tls-client-*`` settings and ``token``."""
+    try:
+        auth = ClientAuth(ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key), token)
+        auth.tls.credentials()  # unreadable files fail now, with the setting's name
+        return auth
+    except ValueError as exc:
+        raise InvalidArgument("tls", str(exc)) from None
+
+
+def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> ServerSecurity:
+    """The port's TLS from the ``--tls-*`` server settings; ``tokens``: the bearer tokens it accepts."""
+    try:
+        security = ServerSecurity(ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca), tuple(t for t in tokens if t))
+        security.tls.credentials()  # unreadable files fail now, with the setting's name
+        return security
+    except ValueError as exc:
+        raise InvalidArgument("tls", str(exc)) from None
 
 
 def add_model_settings(parser: argparse.ArgumentParser) -> None:

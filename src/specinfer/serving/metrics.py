@@ -144,6 +144,9 @@ class SchedulerMetrics:
         self.running = Gauge("specinfer_running_requests", "Requests in the running batch", registry=registry)
         self.ssm_failures = Counter("specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry)
         self.verifier_failures = Counter("specinfer_verifier_call_failures", "Failed verify calls (requests wait and retry)", registry=registry)
+        self.ssm_workers_live = Gauge(
+            "specinfer_ssm_workers_live", "Workers in service per SSM (0: its requests decode incrementally)", ["ssm"], registry=registry
+        )
 
 
 class ModelMetrics:

@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.serving.metrics import ServiceMetrics
+from specinfer.serving.security import ServerSecurity
 
 MAX_MESSAGE_BYTES = 64 << 20
 FAILED_LINGER_SECONDS = 1.0  # after a failure, how long health answers NOT_SERVING before the server stops
@@ -72,15 +73,25 @@ Register = Callable[[grpc.aio.Server], None]
 
 
 class Service:
-    """A running gRPC server with health and reflection."""
+    """A running gRPC server with health and reflection. ``credentials``: a TLS port (None:
+    plaintext); ``interceptors`` run on every call (e.g. the bearer-token check), after the
+    metrics interceptor, which times every call, refused ones included."""
 
-    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Sequence[str],
+        register: Register,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.config = config
         self.service_names = list(service_names)
         self.metrics = metrics or ServiceMetrics(service_names[0] if service_names else "")
         self.metrics_port: int | None = None
         self.server = grpc.aio.server(
-            interceptors=[self.metrics.interceptor()],
+            interceptors=[self.metrics.interceptor(), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -95,7 +106,8 @@ class Service:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
 
@@ -182,10 +194,13 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     metrics: ServiceMetrics | None = None,
     watch: Watch | None = None,
+    security: ServerSecurity | None = None,
 ) -> int:
     """Build the server inside the running event loop (grpc.aio binds to it) and serve until
     SIGTERM/SIGINT (returns 0) or until ``watch`` reports a failure (returns 1; see
-    :func:`run_service`); ``port_file`` gets the bound port once the server accepts calls."""
-    service = Service(config, service_names, register, metrics)
+    :func:`run_service`); ``port_file`` gets the bound port once the server accepts calls;
+    ``security``: TLS and bearer tokens of the port (None: plaintext, open)."""
+    security = security or ServerSecurity()
+    service = Service(config, service_names, register, security.tls.credentials(), security.interceptors(), metrics)
     ready = (lambda port: write_port_file(port_file, port)) if port_file else None
     return await run_service(service, on_stop, ready, watch)

@@ -1,0 +1,206 @@
+"""Soak: many concurrent streams against the local stack for a fixed time.
+
+Starts ``specinfer up``'s stack (LLM verifier, SSM workers, request manager with embedded Redis)
+and runs ``--streams`` client threads, each generating greedy requests back to back for
+``--seconds``. A request refused with RESOURCE_EXHAUSTED (the deliberate load protection: queue
+bound) is counted and retried after a short pause; every other error is counted by status. While
+it runs, the RSS of every process (Redis included) is sampled. Reports errors by status,
+per-token latency (time between stream messages divided by the tokens they carry; p50/p99) and
+time to first token, throughput, and RSS at the start, the peak and the end per process.
+
+    python bench/soak.py --streams 64 --seconds 60 --json soak.json
+
+Exit code 1 when an error other than RESOURCE_EXHAUSTED happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from specinfer.client import Client
+from specinfer.launcher import Stack, StackConfig
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PAIR = REPO.parent / "shared/models/pycode-a"
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid`` (psutil when installed, else /proc); None once it is gone."""
+    try:
+        import psutil
+
+        try:
+            return psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            return None
+    except ImportError:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the request manager's embedded redis-server)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Totals:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: int = 0
+    tokens: int = 0
+    errors: collections.Counter = field(default_factory=collections.Counter)
+    per_token: list[float] = field(default_factory=list)
+    first_token: list[float] = field(default_factory=list)
+
+
+def stream_loop(address: str, prompts: list[list[int]], index: int, args, stop_at: float, totals: Totals) -> None:
+    with Client(address, timeout=args.request_timeout) as client:
+        k = index
+        while time.monotonic() < stop_at:
+            prompt = prompts[k % len(prompts)]
+            k += args.streams
+            request = Client.request(prompt, args.new_tokens, ignore_eos=True)
+            started = last = time.monotonic()
+            lat, first, count = [], None, 0
+            try:
+                for msg in client.stream(request):
+                    now = time.monotonic()
+                    if msg.token_ids:
+                        if first is None:
+                            first = now - started
+                        lat += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
+                        count += len(msg.token_ids)
+                        last = now
+            except grpc.RpcError as exc:
+                with totals.lock:
+                    totals.errors[exc.code().name] += 1
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    time.sleep(args.retry_pause)
+                continue
+            with totals.lock:
+                totals.requests += 1
+                totals.tokens += count
+                totals.per_token += lat[1:]  # the first token's wait is time to first token, below
+                if first is not None:
+                    totals.first_token.append(first)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llm", type=Path, default=DEFAULT_PAIR / "llm")
+    p.add_argument("--ssm", type=Path, default=DEFAULT_PAIR / "ssm")
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PAIR / "prompts.jsonl", help="JSON lines with 'text' (tokenized with the LLM's tokenizer)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-queue", type=int, default=16, help="below streams - max_batch, so some requests meet RESOURCE_EXHAUSTED")
+    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    p.add_argument("--retry-pause", type=float, default=0.2)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--sample-seconds", type=float, default=2.0)
+    p.add_argument("--json", type=Path, default=None, help="write the summary here too")
+    args = p.parse_args()
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(args.llm / "tokenizer.json"))
+    prompts = [tok.encode(json.loads(line)["text"]).ids[:256] for line in args.prompts.read_text().splitlines()[:200]]
+    state = Path(tempfile.mkdtemp(prefix="specinfer-soak-"))
+    cfg = StackConfig(
+        llm=args.llm,
+        ssms=(args.ssm,),
+        workers=args.workers,
+        port=0,
+        state_dir=state,
+        expansion=args.expansion,
+        rm_args=("--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)),
+    )
+    with Stack(cfg) as stack:
+        pids = {p.name: p.popen.pid for p in stack.processes}
+        for child in child_pids(pids["request-manager"]):
+            pids["redis-server"] = child
+        samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+        totals = Totals()
+        start = time.monotonic()
+        stop_at = start + args.seconds
+        threads = [threading.Thread(target=stream_loop, args=(stack.address, prompts, i, args, stop_at, totals), daemon=True) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            now = time.monotonic() - start
+            for name, pid in pids.items():
+                rss = rss_bytes(pid)
+                if rss is not None:
+                    samples[name].append((now, rss))
+            time.sleep(args.sample_seconds)
+        elapsed = time.monotonic() - start
+        alive = {p.name: p.popen.poll() is None for p in stack.processes}
+
+    mib = 1 << 20
+    memory = {
+        name: {
+            "start_mib": round(s[0][1] / mib, 1),
+            "mid_mib": round(s[len(s) // 2][1] / mib, 1),
+            "peak_mib": round(max(r for _, r in s) / mib, 1),
+            "end_mib": round(s[-1][1] / mib, 1),
+            "samples": len(s),
+        }
+        for name, s in samples.items()
+        if s
+    }
+    unexpected = {k: v for k, v in totals.errors.items() if k != "RESOURCE_EXHAUSTED"}
+    summary = {
+        "streams": args.streams,
+        "seconds": round(elapsed, 1),
+        "requests_finished": totals.requests,
+        "tokens": totals.tokens,
+        "tokens_per_s": round(totals.tokens / elapsed, 1),
+        "errors": dict(totals.errors),
+        "unexpected_errors": sum(unexpected.values()),
+        "per_token_ms": {
+            "p50": round(1000 * pct(totals.per_token, 50), 1),
+            "p99": round(1000 * pct(totals.per_token, 99), 1),
+            "mean": round(1000 * statistics.fmean(totals.per_token), 1) if totals.per_token else None,
+        },
+        "first_token_ms": {"p50": round(1000 * pct(totals.first_token, 50), 1), "p99": round(1000 * pct(totals.first_token, 99), 1)},
+        "memory": memory,
+        "processes_alive_at_end": alive,
+        "cpu_count": os.cpu_count(),
+    }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 1 if unexpected or not all(alive.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""Transport security and bearer tokens for every gRPC port.
+
+Server side, a service with ``--tls-cert``/``--tls-key`` listens with TLS; with ``--tls-client-ca``
+as well it requires client certificates signed by that CA (mTLS). A bearer token (the request
+manager's ``--auth-token`` for the public API, every service's ``--internal-token`` for calls
+between services) makes the server refuse calls without ``authorization: Bearer <token>`` with
+UNAUTHENTICATED. ``grpc.health.v1.Health`` stays open: load balancers, container and Kubernetes
+probes check health without credentials, and health reveals nothing but SERVING/NOT_SERVING.
+Reflection is not open: it describes the API, which callers without the token need not see.
+
+Client side (request manager -> workers and verifier, :class:`specinfer.client.Client` -> request
+manager, health probes) ``--tls-ca`` trusts the servers' CA and ``--tls-client-cert``/``--tls-client-key``
+present a client certificate. Secrets are never logged: the dataclasses hide them in ``repr``.
+
+This module imports only grpc (no numpy, no torch): the health probe uses it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+AUTHORIZATION = "authorization"
+# methods callable without a token (see the module docstring for why)
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
+
+
+def read_token(token: str, token_file: str, what: str) -> str:
+    """The token given directly or in a file (first line, stripped); empty: no token. Giving both is an error."""
+    if token and token_file:
+        raise ValueError(f"{what}: give the token or the token file, not both")
+    if token_file:
+        token = _read(token_file, f"{what}-file").decode().strip()
+        if not token:
+            raise ValueError(f"{what}-file: {token_file!r} is empty")
+    return token
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """Files of a TLS server: certificate chain and key (PEM); ``client_ca`` set: mTLS."""
+
+    cert: str = ""
+    key: str = ""
+    client_ca: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls-cert and tls-key go together")
+        if self.client_ca and not self.cert:
+            raise ValueError("tls-client-ca (mTLS) needs tls-cert and tls-key")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """Server credentials, or None for a plaintext port."""
+        if not self.enabled:
+            return None
+        pair = (_read(self.key, "tls-key"), _read(self.cert, "tls-cert"))
+        if self.client_ca:
+            return grpc.ssl_server_credentials([pair], root_certificates=_read(self.client_ca, "tls-client-ca"), require_client_auth=True)
+        return grpc.ssl_server_credentials([pair])
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """Files of a TLS client: the CA that signed the servers (empty: the system's roots) and an
+    optional client certificate and key for mTLS. ``enabled`` False: plaintext channels."""
+
+    enabled: bool = False
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls-client-cert and tls-client-key go together")
+
+    @staticmethod
+    def from_files(ca: str = "", cert: str = "", key: str = "") -> ClientTls:
+        """TLS when any file is given, plaintext otherwise."""
+        return ClientTls(bool(ca or cert or key), ca, cert, key)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.enabled:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "tls-ca") if self.ca else None,
+            private_key=_read(self.key, "tls-client-key") if self.key else None,
+            certificate_chain=_read(self.cert, "tls-client-cert") if self.cert else None,
+        )
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How a client reaches a server: TLS files and the bearer token it sends (empty: none)."""
+
+    tls: ClientTls = field(default_factory=ClientTls)
+    token: str = field(default="", repr=False)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata to send with every call."""
+        return ((AUTHORIZATION, f"Bearer {self.token}"),) if self.token else ()
+
+    def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+        """A blocking channel to ``address``, TLS when configured."""
+        creds = self.tls.credentials()
+        return grpc.secure_channel(address, creds, options=list(options)) if creds else grpc.insecure_channel(address, options=list(options))
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to ``address``, TLS when configured."""
+        creds = self.tls.credentials()
+        return grpc.aio.secure_channel(address, creds, options=list(options)) if creds else grpc.aio.insecure_channel(address, options=list(options))
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED without reading the request."""
+
+    async def unary(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover (abort raises); makes this an async generator
+
+    ignore: Callable[[bytes], None] = lambda _raw: None  # noqa: E731 (the payload of a refused call is never parsed)
+    serialize = handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=ignore, response_serializer=serialize)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=ignore, response_serializer=serialize)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=ignore, response_serializer=serialize)
+    return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=ignore, response_serializer=serialize)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but health checks unless it carries ``authorization: Bearer <one of tokens>``."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        if not tokens or not all(tokens):
+            raise ValueError("BearerTokenInterceptor needs non-empty tokens")
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
+
+    def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        given = [v if isinstance(v, bytes) else v.encode() for k, v in (metadata or ()) if k == AUTHORIZATION]
+        # compare_digest against every token, without stopping early: timing reveals nothing
+        return len(given) == 1 and sum(hmac.compare_digest(given[0], want) for want in self._expected) > 0
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES) or self.allows(handler_call_details.invocation_metadata):
+            return handler
+        return _deny(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What a service's port requires: TLS files and the bearer tokens it accepts (any of them)."""
+
+    tls: ServerTls = field(default_factory=ServerTls)
+    tokens: tuple[str, ...] = field(default=(), repr=False)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [BearerTokenInterceptor(self.tokens)] if self.tokens else []
+
+
+def env_or(name: str, default: str = "") -> str:
+    """``SPECINFER_<name>`` from the environment (for the health probe, which has no settings parser)."""
+    return os.environ.get(f"SPECINFER_{name}", default)

@@ -1,0 +1,55 @@
+"""Shared pieces of the fault, load and security tests: transformers' greedy outputs and stream helpers."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer.client import Client
+from specinfer.v1 import api_pb2
+
+
+@pytest.fixture(scope="session")
+def greedy(model_pair):
+    """``greedy(prompt, n)``: transformers' greedy continuation of ``n`` tokens, EOS ignored (as
+    the requests of these tests ask: their length then does not depend on the model)."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def run(prompt, n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in cache:
+            with torch.inference_mode():
+                out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            cache[key] = out[0, len(prompt) :].tolist()
+        return cache[key]
+
+    return run
+
+
+def tokens_of(messages: list[api_pb2.GenerateResponse]) -> list[int]:
+    """The stream's tokens, checking that offsets leave no gap and repeat nothing."""
+    out: list[int] = []
+    for m in messages:
+        assert m.offset == len(out), f"offset {m.offset} after {len(out)} tokens"
+        out.extend(m.token_ids)
+    return out
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def progress(client: Client, request_id: str) -> int:
+    """Committed output tokens of a request (0 while unknown)."""
+    try:
+        return len(client.get_request(request_id).output_token_ids)
+    except grpc.RpcError:
+        return 0

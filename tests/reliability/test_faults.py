@@ -1,0 +1,192 @@
+"""kill -9 of an SSM worker, of the LLM verifier, of the request manager, while streams run: every
+request finishes with exactly transformers' greedy output."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specinfer.client import Client
+from specinfer.launcher import Stack, StackConfig
+from specinfer.request_manager.__main__ import SPECULATION_HEALTH
+from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.v1 import api_pb2
+
+from .conftest import progress, tokens_of, wait_until
+
+pytestmark = pytest.mark.reliability
+
+STREAMS = 8
+NEW_TOKENS = 64  # long enough that every stream is mid-way when the process dies (asserted)
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, tmp_path_factory):
+    """Two SSM workers serving the same SSM (a request moves between them), short failure deadlines."""
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm,),
+        workers=2,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        expansion="1,1,3,1,1,1,1,1",
+        threads=1,
+        rm_args=("--max-batch", "16", "--ssm-failure-seconds", "5", "--rpc-timeout-seconds", "30"),
+    )
+    s = Stack(cfg).start()
+    try:
+        yield s
+    finally:
+        s.stop()  # processes killed on purpose exit with -9: no clean-shutdown check here
+
+
+def _speculation_health(stack: Stack) -> int:
+    with grpc.insecure_channel(stack.address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SPECULATION_HEALTH), timeout=10).status
+
+
+def _run_streams(stack: Stack, prompts, prefix: str, fault) -> list[list[api_pb2.GenerateResponse]]:
+    """Start one stream per prompt, call ``fault(client)`` once every stream has committed
+    tokens, and return each stream's messages."""
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r)
+            for p, r in zip(prompts, ids, strict=True)
+        ]
+        wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
+        assert all(progress(client, r) < NEW_TOKENS for r in ids), "a stream finished before the fault: make NEW_TOKENS larger"
+        fault(client)
+        return [f.result(timeout=600) for f in futures]
+
+
+def _check(results, prompts, greedy) -> None:
+    for i, (messages, prompt) in enumerate(zip(results, prompts, strict=True)):
+        assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, f"stream {i}: {messages[-1].finished}"
+        assert tokens_of(messages) == greedy(prompt, NEW_TOKENS), f"stream {i} differs from transformers"
+
+
+def _log(stack: Stack, name: str) -> str:
+    return (stack.workdir / f"{name}.log").read_text(errors="replace")
+
+
+def test_ssm_worker_killed_then_all_then_back(stack, model_pair, greedy):
+    """kill -9 one of two SSM workers while 8 streams run: its requests move to the other; then
+    kill the other too: requests decode incrementally (health says so); bring one back: speculation resumes."""
+    prompts = model_pair.prompts[:STREAMS]
+    assert _speculation_health(stack) == health_pb2.HealthCheckResponse.SERVING
+
+    def kill_worker_1(client):
+        stack.process("ssm-worker-1").popen.kill()
+
+    results = _run_streams(stack, prompts, "ssm-kill", kill_worker_1)
+    _check(results, prompts, greedy)
+    assert "SSM worker taken out" in _log(stack, "request-manager")
+    assert _speculation_health(stack) == health_pb2.HealthCheckResponse.SERVING  # worker 0 still serves the SSM
+    assert all(m[-1].finished.usage.mean_tree_size > 1 for m in results)
+
+    def kill_worker_0(client):
+        stack.process("ssm-worker-0").popen.kill()
+
+    prompts = model_pair.prompts[STREAMS : STREAMS + 4]
+    results = _run_streams(stack, prompts, "ssm-none", kill_worker_0)
+    _check(results, prompts, greedy)
+    assert "no SSM worker left" in _log(stack, "request-manager")
+    assert _speculation_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with Client(stack.address, timeout=120) as client:
+        after = client.generate(Client.request(prompts[0], 8, ignore_eos=True))
+    assert after.token_ids == greedy(prompts[0], 8) and after.finished.usage.mean_tree_size == 1  # incremental decoding
+
+    stack.process("ssm-worker-0").popen.wait()
+    stack.respawn("ssm-worker-0")
+    wait_until(lambda: _speculation_health(stack) == health_pb2.HealthCheckResponse.SERVING, 60, "speculation back")
+    with Client(stack.address, timeout=120) as client:
+        back = client.generate(Client.request(prompts[1], 16, ignore_eos=True))
+    assert back.token_ids == greedy(prompts[1], 16) and back.finished.usage.mean_tree_size > 1
+    assert "SSM worker back in service" in _log(stack, "request-manager")
+    stack.process("ssm-worker-1").popen.wait()
+    stack.respawn("ssm-worker-1")  # the next tests start request managers that want both workers
+
+
+def test_slow_ssm_worker_is_taken_out_and_comes_back(stack, model_pair, greedy):
+    """SIGSTOP an SSM worker (alive, connected, silent): its Speculate calls miss the deadline
+    (--ssm-failure-seconds), its requests move on; after SIGCONT the health probe brings it back."""
+    prompts = model_pair.prompts[32 : 32 + 4]
+    worker = stack.process("ssm-worker-0")
+    back = lambda: _log(stack, "request-manager").count("SSM worker back in service")  # noqa: E731
+    wait_until(lambda: back() >= 2, 60, "both workers of the first test back")
+    back_before, taken_out_before = back(), _log(stack, "request-manager").count("SSM worker taken out")
+    try:
+        results = _run_streams(stack, prompts, "ssm-stop", lambda client: os.kill(worker.popen.pid, signal.SIGSTOP))
+    finally:
+        os.kill(worker.popen.pid, signal.SIGCONT)
+    _check(results, prompts, greedy)
+    log = _log(stack, "request-manager")
+    assert log.count("SSM worker taken out") > taken_out_before and "DEADLINE_EXCEEDED" in log
+    wait_until(lambda: back() > back_before, 60, "the stopped worker back")
+
+
+def test_verifier_killed_and_restarted(stack, model_pair, greedy):
+    """kill -9 the verifier while 8 streams run, start it again on the same port: the requests wait,
+    then resume with KV caches rebuilt from their committed tokens."""
+    prompts = model_pair.prompts[16 : 16 + STREAMS]
+
+    def kill_and_restart(client):
+        verifier = stack.process("llm-verifier")
+        verifier.popen.kill()
+        verifier.popen.wait()
+        before = [progress(client, f"verifier-kill-{i}") for i in range(STREAMS)]
+        stack.respawn("llm-verifier")
+        assert all(b < NEW_TOKENS for b in before)
+
+    results = _run_streams(stack, prompts, "verifier-kill", kill_and_restart)
+    _check(results, prompts, greedy)
+    assert "verifier call failed; retrying" in _log(stack, "request-manager")
+    assert "verifier answers again" in _log(stack, "request-manager")
+
+
+def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_pair, greedy, tmp_path):
+    """kill -9 the request manager while 8 streams run, start it again on the same Redis: every
+    request is recovered, and each client, resuming from the offset it had reached, gets exactly
+    the remaining tokens (no gap, no duplicate). (tests/e2e/test_stack.py resumes one from 0.)"""
+    prompts = model_pair.prompts[24 : 24 + STREAMS]
+    ids = [f"rm-kill-{i}" for i in range(STREAMS)]
+    with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
+        args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16"]
+        first = stack.spawn_request_manager("rm-kill-1", args)
+
+        def consume(client: Client, prompt, rid: str) -> list[int]:
+            seen: list[int] = []
+            try:
+                for m in client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True)):
+                    assert m.offset == len(seen)
+                    seen.extend(m.token_ids)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            return seen
+
+        with Client(first.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+            futures = [pool.submit(consume, client, p, r) for p, r in zip(prompts, ids, strict=True)]
+            wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
+            first.popen.kill()
+            first.popen.wait()
+            stack.processes.remove(first)
+            seen = [f.result(timeout=60) for f in futures]
+        assert all(len(s) < NEW_TOKENS for s in seen), "a stream finished before the kill"
+        second = stack.spawn_request_manager("rm-kill-2", args)
+        assert '"resumed requests from Redis", "count": 8' in _log(stack, "rm-kill-2")
+        with Client(second.address, timeout=600) as client:
+            for prompt, rid, got in zip(prompts, ids, seen, strict=True):
+                messages = list(client.resume(rid, len(got)))
+                assert messages[0].offset == len(got)
+                rest = []
+                for m in messages:
+                    assert m.offset == len(got) + len(rest), "gap or duplicate after reattaching"
+                    rest.extend(m.token_ids)
+                assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH
+                assert got + rest == greedy(prompt, NEW_TOKENS), rid
