@@ -238,7 +238,8 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
         for batch in batches:
             if not args.no_incremental:
                 cases.append(Case("incremental", batch, temp))
-            cases.append(Case("sequence", batch, temp, chain))
+            if not args.no_sequence:
+                cases.append(Case("sequence", batch, temp, chain))
             cases += [Case("tree", batch, temp, t) for t in trees]
             if num_ssms >= 2:
                 cases.append(Case("merged", batch, temp, args.merged_tree or trees[0], tuple(range(num_ssms))))
@@ -341,6 +342,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", default="1,8", help="batch sizes of our runs (transformers runs batch 1)")
     ap.add_argument("--skip-hf", action="store_true", help="only our runs")
     ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
+    ap.add_argument("--no-sequence", action="store_true", help="skip our sequence speculation")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

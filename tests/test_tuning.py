@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig,
 from specinfer.models.loading import load_backend
 from specinfer.tuning import PAPER_EXPANSION, TUNING_FILE, resolve_expansion
 from specinfer.tuning.measure import greedy_continuations, ssm_ranks
-from specinfer.tuning.model import CostModel, configs, frontier_sizes, hit_table, mean_tokens_per_step, num_nodes, search, tokens_per_step, walk
+from specinfer.tuning.model import CostModel, configs, frontier_sizes, hit_table, mean_tokens_per_step, nondecreasing, num_nodes, search, tokens_per_step, walk
 
 ranks_st = st.lists(st.integers(0, 5), min_size=1, max_size=60).map(lambda xs: np.array(xs, dtype=np.int64))
 widths_st = st.lists(st.integers(1, 4), min_size=1, max_size=6)
@@ -70,6 +71,20 @@ def test_config_enumeration_respects_the_budget():
     assert len(found) == sum(num_nodes([x + 1 for x in w]) <= 12 for w in brute)
     assert num_nodes(ExpansionConfig.parse(PAPER_EXPANSION).widths) == ExpansionConfig.parse(PAPER_EXPANSION).max_nodes == 21
     assert frontier_sizes((1, 1, 3, 1)) == [1, 1, 1, 3]
+
+
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=30))
+def test_nondecreasing_fit(values):
+    fit = nondecreasing(values)
+    assert len(fit) == len(values)
+    assert all(a <= b + 1e-9 for a, b in itertools.pairwise(fit))
+    assert sum(fit) == pytest.approx(sum(values))  # pooling keeps block means
+    if values == sorted(values):
+        assert fit == pytest.approx(values)
+
+
+def test_nondecreasing_by_hand():
+    assert nondecreasing([0.33, 0.58, 0.52, 0.74, 0.75]) == pytest.approx([0.33, 0.55, 0.55, 0.74, 0.75])
 
 
 def test_cost_model_interpolates_and_extrapolates():

@@ -157,6 +157,7 @@ def test_metrics_move_as_requests_complete(stack, model_pair):
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="OK") == len(prompts)
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="INVALID_ARGUMENT") == 1
     assert total(after[0], "specinfer_queue_depth") == 0
+    assert total(after[0], "specinfer_ssm_workers_live", ssm="ssm0") == total(after[0], "specinfer_ssm_workers_live", ssm="ssm1") == len(workers)
     assert delta(1, "specinfer_model_calls_total", role="llm") >= steps / len(prompts)
     assert delta(1, "specinfer_grpc_server_handling_seconds_count", method="Verify", code="OK") >= steps / len(prompts)
     nodes = "specinfer_model_tree_nodes_total"

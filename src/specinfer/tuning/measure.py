@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ import torch
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.interface import CausalLM, TreeForward
-from specinfer.tuning.model import CostModel
+from specinfer.tuning.model import CostModel, nondecreasing
 
 # a wide tree makes the LLM's greedy continuations cheap to produce (the output is the LLM's own)
 CONTINUATION_TREE = ExpansionConfig((2, 2, 2, 1, 1, 1))
@@ -44,29 +44,27 @@ def ssm_ranks(ssm: CausalLM, prompt: Sequence[int], continuation: Sequence[int])
     return (logits > own).sum(dim=1).cpu().numpy().astype(np.int64)  # tokens strictly more likely
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def pass_seconds(model: CausalLM, contexts: Sequence[Sequence[int]], sizes: Sequence[int], reps: int) -> dict[int, float]:
     """Median seconds of one batched ``forward_tree`` with ``n`` new nodes per request (a chain;
-    the shape does not change the cost) on top of cached contexts, for each ``n`` in ``sizes``."""
+    the shape does not change the cost) on top of cached contexts, for each ``n`` in ``sizes``.
+    Sizes are timed round-robin, so a slow spell of the machine spreads over all of them instead
+    of skewing one; the medians are then made non-decreasing in ``n``."""
     ids = [f"tune-cost-{i}" for i in range(len(contexts))]
     model.forward_tree([TreeForward(rid, list(c), [], []) for rid, c in zip(ids, contexts, strict=True)])  # prefill once
-    out = {}
-    for n in sizes:
-        batch = [TreeForward(rid, list(c), [int(c[-1])] * n, list(range(-1, n - 1))) for rid, c in zip(ids, contexts, strict=True)]
-        out[n] = _median_seconds(lambda b=batch: model.forward_tree(b), reps)
+    batches = {n: [TreeForward(rid, list(c), [int(c[-1])] * n, list(range(-1, n - 1))) for rid, c in zip(ids, contexts, strict=True)] for n in sizes}
+    for batch in batches.values():  # warm-up
+        model.forward_tree(batch)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n, batch in batches.items():
+            start = time.perf_counter()
+            model.forward_tree(batch)
+            times[n].append(time.perf_counter() - start)
     for rid in ids:
         model.release(rid)
-    return out
+    ordered = sorted(sizes)
+    return dict(zip(ordered, nondecreasing([statistics.median(times[n]) for n in ordered]), strict=True))
 
 
 def engine_step_seconds(llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence[int]], widths: Sequence[int], steps: int) -> float:

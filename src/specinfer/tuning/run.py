@@ -31,7 +31,7 @@ class TuneConfig:
     max_depth: int = 8
     max_width: int = 4
     max_nodes: int = 64
-    reps: int = 3
+    reps: int = 7
     threads: int = 0
     out: Path = Path("specinfer-tuning.json")
     install: bool = False
@@ -129,7 +129,7 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--max-depth", type=int, default=8)
     p.add_argument("--max-width", type=int, default=4)
     p.add_argument("--max-nodes", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per measured size")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="specinfer-tuning.json")
     p.add_argument("--install", action="store_true", help=f"also write {TUNING_FILE} into the SSM folder (the pair's default from then on)")
