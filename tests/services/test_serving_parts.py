@@ -98,7 +98,10 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
                 assert not ok.cache_miss
                 # a failure inside the backend (here: more tree nodes than a nearly full slot has
                 # rows for) is INTERNAL, and the service goes on
-                wide = internal_pb2.DraftTree(tokens=list(range(300)), parents=[-1] + [0] * 299)
+                # 300 nodes of depth <= 2 with valid IDs for any vocabulary >= 151 (a trie: no
+                # parent has the same token twice): the root, 150 children, 149 grandchildren
+                tokens = [5] + list(range(150)) + list(range(149))
+                wide = internal_pb2.DraftTree(tokens=tokens, parents=[-1] + [0] * 150 + [1] * 149)
                 long_context = [7] * (llm.max_positions - 10)
                 too_big = internal_pb2.VerifyItem(context=wire.context_to_proto("b", long_context, 0), tree=wide)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
