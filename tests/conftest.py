@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,3 +70,13 @@ def model_pair(tmp_path_factory) -> ModelPair:
     ssm2 = tmp / "ssm2"
     truncated_copy(big, 2).save_pretrained(ssm2)
     return ModelPair(llm, ssm, ssm2, _prompt_ids(llm, trained), trained)
+
+
+@pytest.fixture
+def restore_logging():
+    """main() installs its JSON log handler on the root logger; put pytest's back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

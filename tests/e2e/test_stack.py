@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
@@ -223,13 +223,6 @@ def _status(client: Client, request_id: str) -> int | None:
         raise
 
 
-def _wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_bad_requests_do_not_disturb_good_ones(stack, model_pair, expected):
     """Good streams running while a stream of bad requests is refused still match transformers."""
     bad = [Client.request([], 8), Client.request([10**6], 8), Client.request([5], 0), Client.request([5], 8, expansion=(0,))]
@@ -256,7 +249,7 @@ def test_full_queue_and_cancellation(stack, model_pair):
         stream_a = client.stream(Client.request(prompt, long_tokens, ignore_eos=True, request_id="long-a"))
         assert next(stream_a).request_id == "long-a"  # A holds the only batch slot
         fut_b = pool.submit(client.generate, Client.request(prompt, 4, request_id="short-b"))
-        _wait_until(lambda: _status(client, "short-b") == api_pb2.REQUEST_STATUS_QUEUED)
+        wait_until(lambda: _status(client, "short-b") == api_pb2.REQUEST_STATUS_QUEUED)
         with pytest.raises(grpc.RpcError) as err:
             client.generate(Client.request(prompt, 4, request_id="refused-c"))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -284,7 +277,7 @@ def test_deadline_is_honoured(stack, model_pair):
             client.generate(Client.request(prompt, long_tokens, ignore_eos=True, request_id="deadline-a"))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     with Client(stack.address, timeout=30) as client:
-        _wait_until(lambda: client.get_request("deadline-a").status == api_pb2.REQUEST_STATUS_FINISHED, timeout=30)
+        wait_until(lambda: client.get_request("deadline-a").status == api_pb2.REQUEST_STATUS_FINISHED, timeout=30)
         state = client.get_request("deadline-a")
         assert state.finished.reason == api_pb2.FINISH_REASON_CANCELLED
         assert len(state.output_token_ids) < long_tokens

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 import os
 import signal
 import socket
@@ -214,16 +213,6 @@ def test_joined_launch_verifies_and_stops_cleanly(model_pair, tmp_path):
             rank1.kill()
         rank1.wait()
         log.close()
-
-
-@pytest.fixture
-def restore_logging():
-    """main() installs its JSON log handler on the root logger; put pytest's back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def _llm_with(tmp_path: Path, model_pair, **changes) -> Path:

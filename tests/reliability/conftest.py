@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import torch
@@ -38,13 +36,6 @@ def tokens_of(messages: list[api_pb2.GenerateResponse]) -> list[int]:
         assert m.offset == len(out), f"offset {m.offset} after {len(out)} tokens"
         out.extend(m.token_ids)
     return out
-
-
-def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
-        time.sleep(0.05)
 
 
 def progress(client: Client, request_id: str) -> int:

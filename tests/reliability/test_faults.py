@@ -10,6 +10,7 @@ import signal
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
 from specinfer.launcher import Stack, StackConfig
@@ -17,7 +18,7 @@ from specinfer.request_manager.__main__ import SPECULATION_HEALTH
 from specinfer.request_manager.redis_server import EmbeddedRedis
 from specinfer.v1 import api_pb2
 
-from .conftest import progress, tokens_of, wait_until
+from .conftest import progress, tokens_of
 
 pytestmark = pytest.mark.reliability
 

@@ -174,3 +174,11 @@ def running_service(command: Sequence[str], name: str | None = None, **kwargs) -
     """One service; see :func:`running_services` for the keyword arguments."""
     with running_services([command], [name] if name else None, **kwargs) as (svc,):
         yield svc
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``predicate`` every 50 ms; fail the test when it is still false after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
+        time.sleep(0.05)

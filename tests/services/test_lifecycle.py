@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import grpc
@@ -56,16 +55,6 @@ def test_sigterm_drains_and_exits_zero(model_pair, tmp_path):
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert svc.process.wait(timeout=grace + 10) == 0
         assert time.monotonic() - started < grace + 5
-
-
-@pytest.fixture
-def restore_logging():
-    """main() installs its JSON log handler on the root logger; put pytest's back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.mark.parametrize(

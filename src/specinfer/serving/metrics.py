@@ -10,9 +10,10 @@ interceptor), and the metrics of its role (:class:`SchedulerMetrics` for the req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 
 import grpc
@@ -80,41 +81,40 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
 
+    @contextlib.contextmanager
+    def _timed(self, method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+        """Count the call, and time it to its end with its final status (also when it raises)."""
+        metrics = self.metrics
+        metrics.grpc_started.labels(metrics.service, method).inc()
+        started, error = time.perf_counter(), None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
+
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
-        metrics = self.metrics
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request, context):
-                metrics.grpc_started.labels(metrics.service, method).inc()
-                started, error = time.perf_counter(), None
-                try:
+                with self._timed(method, context):
                     return await inner(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                metrics.grpc_started.labels(metrics.service, method).inc()
-                started, error = time.perf_counter(), None
-                try:
+                with self._timed(method, context):
                     async for message in inner_stream(request, context):
                         yield message
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
 
             return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
         return handler  # other shapes (none of ours) pass through untimed

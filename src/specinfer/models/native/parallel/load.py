@@ -40,25 +40,28 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     return model, rows, slots
 
 
-def load_driver(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> tuple[NativeBackend, DriverRunner]:
-    """Rank 0: joins the group, loads its shard; returns the backend to serve and its runner
-    (``runner.shutdown()`` stops the other ranks; ``runner.failure`` says whether the group broke)."""
+def _join_and_load(
+    path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous
+) -> tuple[ModelSpec, torch.device, tuple[StageModel, int, int]]:
+    """What every rank does first: check the layout, join the process groups, load its stage's
+    shard. Returns (the model's spec, the device, (stage model, KV rows per slot, slots))."""
     path = Path(path)
     spec = ModelSpec.from_dir(path)
     check_layout(spec, layout.tp, layout.pp)
     device = torch.device(options.device)
     groups = init_groups(layout, rendezvous, device)
-    model, rows, slots = _stage(path, spec, options, groups)
+    return spec, device, _stage(path, spec, options, groups)
+
+
+def load_driver(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> tuple[NativeBackend, DriverRunner]:
+    """Rank 0: joins the group, loads its shard; returns the backend to serve and its runner
+    (``runner.shutdown()`` stops the other ranks; ``runner.failure`` says whether the group broke)."""
+    spec, device, (model, rows, slots) = _join_and_load(path, options, layout, rendezvous)
     runner = DriverRunner(model, RecordingPool(model.spec, options.dtype, device, rows, slots), device)
     return NativeBackend(spec, runner, options), runner
 
 
 def run_rank(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> None:
     """Every rank but 0: join the group, load the shard, replay rank 0's operations until shutdown."""
-    path = Path(path)
-    spec = ModelSpec.from_dir(path)
-    check_layout(spec, layout.tp, layout.pp)
-    device = torch.device(options.device)
-    groups = init_groups(layout, rendezvous, device)
-    model, rows, slots = _stage(path, spec, options, groups)
+    _, device, (model, rows, slots) = _join_and_load(path, options, layout, rendezvous)
     serve_rank(model, KVPool(model.spec, options.dtype, device, rows, slots), device)
