@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
-from specinfer.request_manager.records import RequestRecord, RequestSnapshot
+from specinfer.request_manager.records import RequestRecord, RequestSnapshot, validate_id
 from specinfer.request_manager.scheduler import Finish, Live, QueueFull, Scheduler, StepTotals, StreamEvent, Usage
 from specinfer.request_manager.store import RequestExistsError, RequestStore
 from specinfer.request_manager.text import TextStream
@@ -140,6 +140,11 @@ async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) 
     """A request ID longer than any the server gives or accepts names no request: refuse it before Redis sees it."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: must be at most {MAX_REQUEST_ID_CHARS} characters")
+    if request_id:
+        try:
+            validate_id(request_id, "request_id")  # the store's rule for IDs inside Redis keys
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
 
 
 class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
@@ -227,6 +232,10 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             raise InvalidArgument("stop", "stop strings need a tokenizer, which this server lacks; use stop_token_ids")
         sampling = wire.sampling_from_proto(msg.sampling)
         request_id = msg.request_id or uuid.uuid4().hex
+        try:
+            validate_id(request_id, "request_id")  # the store's rule for IDs inside Redis keys
+        except ValueError as exc:
+            raise InvalidArgument("request_id", str(exc)) from None
         request = GenerationRequest(
             request_id=request_id,
             prompt_tokens=prompt,

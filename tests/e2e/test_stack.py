@@ -203,6 +203,8 @@ def test_client_from_proto_files_alone(stack, model_pair, expected, tmp_path):
         ({"prompt": [5], "expansion": (1, 0, 2)}, "speculation.expansion"),
         ({"prompt": [5], "ssms": ("nope",)}, "speculation.ssms"),
         ({"prompt": [5], "stop_token_ids": (-3,)}, "stop_token_ids"),
+        ({"prompt": [5], "request_id": "a\x0cb"}, "request_id"),  # IDs go into Redis keys: no control characters
+        ({"prompt": [5], "request_id": "x{y}"}, "request_id"),  # nor braces (they would move the key's hash tag)
     ],
 )
 def test_bad_input_names_the_field(stack, kwargs, field):
