@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.training.run import add_training_parsers, training_main
 from specinfer.tuning import resolve_expansion
 from specinfer.tuning.run import add_tune_parser, tune_main
 
@@ -106,13 +107,13 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     print(f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps ({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s", file=out)
 
 
+BUNDLED_PAIR = Path(__file__).resolve().parents[2] / "models/demo"  # trained by `specinfer train-demo`, committed
+
+
 def _demo_models() -> tuple[Path, Path, str]:
-    """The trained pair next to the checkout if present, else a tiny random pair built once."""
-    candidates = [
-        os.environ.get("SPECINFER_DEMO_MODELS", ""),
-        Path(__file__).resolve().parents[3] / "shared/models/pycode-a",
-        Path.cwd().parent / "shared/models/pycode-a",
-    ]
+    """The pair in ``SPECINFER_DEMO_MODELS`` if set, else the bundled demo pair of this checkout,
+    else (an install without the checkout) a tiny random pair built once."""
+    candidates = [os.environ.get("SPECINFER_DEMO_MODELS", ""), BUNDLED_PAIR]
     for c in candidates:
         if c and (Path(c) / "llm/config.json").is_file() and (Path(c) / "ssm/config.json").is_file():
             return Path(c) / "llm", Path(c) / "ssm", f"trained pair in {c}"
@@ -188,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_setting(up, "--internal-token", default="", secret=True, help="bearer token between the services")
     add_setting(up, "--internal-token-file", default="", help="file holding --internal-token")
     add_tune_parser(sub)
+    add_training_parsers(sub)
     demo = sub.add_parser("demo", help="start the local stack with the demo model pair and stream a few generations through gRPC")
     _add_generation_flags(demo)
     demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
@@ -206,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_up(cfg)
         if args.command == "tune":
             return tune_main(args)
+        if args.command in ("train-ssm", "boost-tune", "train-demo"):
+            return training_main(args)
         if args.command == "generate" and args.server:
             return _generate_remote(args)
         if args.command == "generate":

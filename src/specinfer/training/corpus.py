@@ -1,0 +1,122 @@
+"""Local text corpora: finding files, training a tokenizer, encoding, cutting batches and prompts.
+
+Pure functions of their inputs (file contents, seeds); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2; "</s>" also separates files
+TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "lib-dynload"})
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library folder (its ``.py`` sources are the demo corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_files(paths: Iterable[str | Path], suffixes: Sequence[str] = (".py",), tests: bool = False) -> list[Path]:
+    """Files under ``paths`` (files are taken as given; folders are walked for ``suffixes``),
+    sorted, so the same paths give the same corpus. ``tests``: walk only test folders
+    (``test``/``tests``/...) instead of leaving them out."""
+    out: set[Path] = set()
+    for p in map(Path, paths):
+        if p.is_file():
+            out.add(p)
+            continue
+        if not p.is_dir():
+            raise FileNotFoundError(f"corpus path {p} does not exist")
+        for root, dirs, files in os.walk(p):
+            dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith((".", "config-")))
+            in_tests = any(part in TEST_DIRS for part in Path(root).relative_to(p).parts)
+            if not tests:
+                dirs[:] = [d for d in dirs if d not in TEST_DIRS]
+            out.update(Path(root) / f for f in files if f.endswith(tuple(suffixes)) and (in_tests or not tests))
+    return sorted(out)
+
+
+def read_texts(files: Sequence[Path], max_bytes: int = 0) -> list[str]:
+    """Each file's text (undecodable bytes replaced); ``max_bytes`` > 0 stops once that much is read."""
+    texts, total = [], 0
+    for f in files:
+        text = f.read_bytes().decode("utf-8", errors="replace")
+        if not text.strip():
+            continue
+        texts.append(text)
+        total += len(text)
+        if max_bytes and total >= max_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with ``<s>``, ``</s>``, ``<unk>`` as ids 0, 1, 2 (text in, text out)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode(tokenizer: Tokenizer, texts: Sequence[str], eos_token_id: int) -> torch.Tensor:
+    """All texts as one stream of token IDs with EOS after each.  # [num_tokens] int64"""
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(list(texts)):
+        ids.extend(enc.ids)
+        ids.append(eos_token_id)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def split_stream(stream: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and validation parts: the last ``val_fraction`` of the stream is held out."""
+    cut = len(stream) - int(len(stream) * val_fraction)
+    return stream[:cut], stream[cut:]
+
+
+def random_windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` windows of ``length`` tokens at random offsets.  # [count, length]"""
+    if len(stream) <= length:
+        raise ValueError(f"the corpus has {len(stream)} tokens, fewer than one window of {length}")
+    starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of one training step: batches depend on (seed, step) only, so a resumed
+    run draws exactly the batches the uninterrupted run would have."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def code_prompts(texts: Sequence[str], count: int, seed: int, min_lines: int = 6, max_lines: int = 16) -> list[str]:
+    """``count`` fragments of ``min_lines``-``max_lines`` whole lines cut from ``texts`` at random
+    (non-blank start), for held-out prompt sets."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [t.splitlines(keepends=True) for t in texts if len(t.splitlines()) > max_lines]
+    if not docs:
+        raise ValueError(f"no text has more than {max_lines} lines to cut prompts from")
+    prompts: list[str] = []
+    tries = 0
+    while len(prompts) < count and tries < count * 50:
+        tries += 1
+        lines = docs[int(torch.randint(len(docs), (1,), generator=g))]
+        n = int(torch.randint(min_lines, max_lines + 1, (1,), generator=g))
+        start = int(torch.randint(0, len(lines) - n, (1,), generator=g))
+        chunk = lines[start : start + n]
+        if not chunk[0].strip() or sum(bool(x.strip()) for x in chunk) < min_lines // 2:
+            continue
+        prompts.append("".join(chunk))
+    return prompts
