@@ -130,7 +130,7 @@ def test_models_are_mounted_read_only():
         assert service["volumes"] == [{"type": "bind", "source": "/srv/models", "target": "/models", "read_only": True}]
         paths = [v for k, v in service["environment"].items() if k in ("SPECINFER_SSM", "SPECINFER_LLM", "SPECINFER_MODEL_DIR")]
         assert paths and all("/models/" in p for p in paths)
-    assert compose()["services"]["ssm-worker"]["volumes"][0]["source"] == "./models"
+    assert compose()["services"]["ssm-worker"]["volumes"][0]["source"] == "./models/demo"
 
 
 @pytest.mark.parametrize("variables", [{}, {"SPECINFER_REDIS_PASSWORD": "s3cret"}])
