@@ -98,12 +98,14 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     )
 
 
-def run_demo(cfg: DemoConfig, log=sys.stderr) -> dict:
+def run_demo(cfg: DemoConfig, log=None) -> dict:
+    log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     from specinfer.training.corpus import source_files
     from specinfer.training.distill import train
     from specinfer.training.run import (
         BOOST_REPORT,
         BoostConfig,
+        StudentSource,
         TrainSsmConfig,
         copy_checkpoint,
         corpus_tokens,
@@ -144,21 +146,19 @@ def run_demo(cfg: DemoConfig, log=sys.stderr) -> dict:
     base = work / "ssm-base"
     if not (base / "training.json").is_file():
         with times.stage("ssm_base"):
-            run_train_ssm(TrainSsmConfig(llm_dir, cfg.corpus, base, cfg.ssm, config=_shape(cfg.ssm_arch), max_corpus_bytes=cfg.max_corpus_bytes), log)
+            source = StudentSource(llm_dir, cfg.corpus, config=_shape(cfg.ssm_arch), max_corpus_bytes=cfg.max_corpus_bytes)
+            run_train_ssm(TrainSsmConfig(source, base, cfg.ssm), log)
 
     boost = BoostConfig(
-        llm_dir,
+        StudentSource(llm_dir, cfg.corpus, init=base, max_corpus_bytes=cfg.max_corpus_bytes),
         cfg.ssms,
-        cfg.corpus,
         work / "boost",
         cfg.boost,
-        init=base,
         samples=cfg.samples,
         heldout_samples=cfg.heldout_samples,
         prompt_tokens=cfg.prompt_tokens,
         continuation_tokens=cfg.continuation_tokens,
         cover_tokens=cfg.cover_tokens,
-        max_corpus_bytes=cfg.max_corpus_bytes,
     )
     if not (work / "boost" / BOOST_REPORT).is_file():
         with times.stage("boost"):

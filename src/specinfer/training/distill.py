@@ -145,13 +145,14 @@ def train(
     tokenizer_dir: Path | None,
     val_batches: list[Batch] | None = None,
     desc: str = "train",
-    log=sys.stderr,
+    log=None,
 ) -> dict:
     """Train ``student`` for ``settings.steps`` steps (resuming from the newest checkpoint under
     ``out`` if there is one) and write the final model to ``out``; returns the report, also
     written to ``out/training.json``."""
     from tqdm import tqdm
 
+    log = log or sys.stderr
     settings.validate()
     if teacher is None and settings.kd_weight > 0:
         raise ValueError("distillation (kd_weight > 0) needs a teacher")

@@ -139,29 +139,49 @@ def val_windows(stream, seq_len: int, count: int = 16, seed: int = 12345):
 
 
 @dataclass(frozen=True)
-class TrainSsmConfig:
-    """``specinfer train-ssm``: distil an SSM (``init`` or a new ``config`` shape) toward ``llm``."""
+class StudentSource:
+    """What an SSM is trained from: the teacher ``llm`` (its tokenizer encodes the corpus), the
+    starting point (the checkpoint ``init`` or a new Llama of shape ``config``: exactly one), and
+    the ``corpus`` (at most ``max_corpus_bytes`` of it read; 0: all)."""
 
     llm: Path
     corpus: tuple[Path, ...]
-    out: Path
-    settings: TrainSettings
     init: Path | None = None
     config: str = ""
     max_corpus_bytes: int = 0
+
+    def validate(self) -> None:
+        if (self.init is None) == (not self.config):
+            raise InvalidArgument("init", "give exactly one of --init DIR and --config SHAPE")
+
+    def load(self):
+        """(teacher, student) as float32 models."""
+        from specinfer.models.loading import check_checkpoint
+
+        check_checkpoint(self.llm, "llm")
+        llm = load_model(self.llm)
+        return llm, student_from(self.init, self.config, llm)
+
+    def tokens(self, val_fraction: float, log):
+        return corpus_tokens(self.llm, self.corpus, self.max_corpus_bytes, val_fraction, log)
+
+
+@dataclass(frozen=True)
+class TrainSsmConfig:
+    """``specinfer train-ssm``: distil an SSM toward its source's LLM."""
+
+    source: StudentSource
+    out: Path
+    settings: TrainSettings
     val_fraction: float = 0.02
 
 
-def run_train_ssm(cfg: TrainSsmConfig, log=sys.stderr) -> dict:
-    from specinfer.models.loading import check_checkpoint
-
+def run_train_ssm(cfg: TrainSsmConfig, log=None) -> dict:
+    log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     cfg.settings.validate()
-    if (cfg.init is None) == (not cfg.config):
-        raise InvalidArgument("init", "give exactly one of --init DIR and --config SHAPE")
-    check_checkpoint(cfg.llm, "llm")
-    llm = load_model(cfg.llm)
-    student = student_from(cfg.init, cfg.config, llm)
-    train_stream, val_stream = corpus_tokens(cfg.llm, cfg.corpus, cfg.max_corpus_bytes, cfg.val_fraction, log)
+    cfg.source.validate()
+    llm, student = cfg.source.load()
+    train_stream, val_stream = cfg.source.tokens(cfg.val_fraction, log)
     s = cfg.settings
     from specinfer.training.distill import train
 
@@ -171,7 +191,7 @@ def run_train_ssm(cfg: TrainSsmConfig, log=sys.stderr) -> dict:
         window_batches(train_stream, s.batch_size, s.seq_len, s.seed),
         s,
         cfg.out,
-        cfg.llm,
+        cfg.source.llm,
         val_windows(val_stream, s.seq_len),
         desc="train-ssm",
         log=log,
@@ -190,19 +210,15 @@ class BoostConfig:
     ``heldout_samples`` from the corpus's held-out tail, each ``prompt_tokens`` of corpus and the
     LLM's ``continuation_tokens`` greedy tokens; covered = the first ``cover_tokens`` predicted."""
 
-    llm: Path
+    source: StudentSource
     ssms: int
-    corpus: tuple[Path, ...]
     out: Path
     settings: TrainSettings
-    init: Path | None = None
-    config: str = ""
     samples: int = 8192
     heldout_samples: int = 256
     prompt_tokens: int = 48
     continuation_tokens: int = 16
     cover_tokens: int = 4
-    max_corpus_bytes: int = 0
     val_fraction: float = 0.05
 
     def validate(self) -> None:
@@ -211,8 +227,7 @@ class BoostConfig:
                 raise InvalidArgument(name.replace("_", "-"), "must be > 0")
         if self.cover_tokens > self.continuation_tokens:
             raise InvalidArgument("cover-tokens", "must be <= --continuation-tokens")
-        if (self.init is None) == (not self.config):
-            raise InvalidArgument("init", "give exactly one of --init DIR and --config SHAPE")
+        self.source.validate()
         self.settings.validate()
 
 
@@ -229,7 +244,7 @@ def _make_samples(cfg: BoostConfig, llm, log):
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         return Samples(saved["prompts"], saved["continuations"]), Samples(saved["heldout_prompts"], saved["heldout_continuations"])
-    train_stream, val_stream = corpus_tokens(cfg.llm, cfg.corpus, cfg.max_corpus_bytes, cfg.val_fraction, log)
+    train_stream, val_stream = cfg.source.tokens(cfg.val_fraction, log)
     g = torch.Generator().manual_seed(cfg.settings.seed)
     prompts = random_windows(train_stream, cfg.samples, cfg.prompt_tokens, g)
     held = random_windows(val_stream, cfg.heldout_samples, cfg.prompt_tokens, g) if cfg.heldout_samples else prompts[:0]
@@ -242,19 +257,18 @@ def _make_samples(cfg: BoostConfig, llm, log):
     return Samples(prompts, cont), Samples(held, held_cont)
 
 
-def run_boost(cfg: BoostConfig, log=sys.stderr) -> dict:
+def run_boost(cfg: BoostConfig, log=None) -> dict:
     """Boost-tune ``cfg.ssms`` SSMs into ``out/ssm-0`` ... and write ``out/boost_report.json``.
     Resumable: finished SSMs are kept, an unfinished one resumes from its last checkpoint."""
+    log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     import torch
 
-    from specinfer.models.loading import check_checkpoint
     from specinfer.training.boost import coverage_summary, covered, greedy_matches, subset_batches, uncovered
     from specinfer.training.distill import resolve_device, train
 
     cfg.validate()
-    check_checkpoint(cfg.llm, "llm")
     started = time.monotonic()
-    llm = load_model(cfg.llm)
+    llm, _ = cfg.source.load()
     device = resolve_device(cfg.settings.device)
     samples, heldout = _make_samples(cfg, llm, log)
     train_matches, held_matches, rounds = [], [], []
@@ -270,9 +284,9 @@ def run_boost(cfg: BoostConfig, log=sys.stderr) -> dict:
             missed = f"those SSMs 0..{k - 1} missed" if k else "all"
             print(f"boost-tune: SSM {k} trains on {len(idx)} of {len(samples)} samples ({missed})", file=log, flush=True)
             s = replace(cfg.settings, seed=cfg.settings.seed + k)
-            student = student_from(cfg.init, cfg.config, llm)
+            student = student_from(cfg.source.init, cfg.source.config, llm)
             report = train(
-                student, llm if s.kd_weight > 0 else None, subset_batches(samples, idx, s.batch_size, s.seed), s, out, cfg.llm, desc=f"ssm-{k}", log=log
+                student, llm if s.kd_weight > 0 else None, subset_batches(samples, idx, s.batch_size, s.seed), s, out, cfg.source.llm, desc=f"ssm-{k}", log=log
             )
             rounds.append({"ssm": k, "trained_on": idx.tolist(), "training": report})
         # coverage of the checkpoint as written (in its saved dtype), not of the in-memory copy
@@ -283,7 +297,7 @@ def run_boost(cfg: BoostConfig, log=sys.stderr) -> dict:
         if not done.is_file():
             done.write_text(json.dumps(rounds[k]) + "\n")
     report = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "settings"} | {"corpus": [str(p) for p in cfg.corpus]},
+        "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "settings"}, default=str)),
         "settings": asdict(cfg.settings),
         "seconds": round(time.monotonic() - started, 1),
         "ssms": [{"ssm": r["ssm"], "path": str(cfg.out / f"ssm-{r['ssm']}"), "trained_on_samples": len(r["trained_on"])} for r in rounds],
@@ -361,31 +375,27 @@ def add_training_parsers(sub) -> None:
 
 
 def training_main(args: argparse.Namespace) -> int:
-    corpus = tuple(Path(c) for c in getattr(args, "corpus", ()) or ())
-    if args.command == "train-ssm":
-        run_train_ssm(TrainSsmConfig(Path(args.llm), corpus, Path(args.out), settings_from(args), args.init, args.config, args.max_corpus_bytes))
-        return 0
-    if args.command == "boost-tune":
-        cfg = BoostConfig(
-            Path(args.llm),
-            args.ssms,
-            corpus,
-            Path(args.out),
-            settings_from(args),
-            args.init,
-            args.config,
-            args.samples,
-            args.heldout_samples,
-            args.prompt_tokens,
-            args.continuation_tokens,
-            args.cover_tokens,
-            args.max_corpus_bytes,
-        )
-        run_boost(cfg)
-        return 0
-    from specinfer.training.demo import demo_config, run_demo
+    if args.command == "train-demo":
+        from specinfer.training.demo import demo_config, run_demo
 
-    run_demo(demo_config(args))
+        run_demo(demo_config(args))
+        return 0
+    source = StudentSource(Path(args.llm), tuple(Path(c) for c in args.corpus), args.init, args.config, args.max_corpus_bytes)
+    if args.command == "train-ssm":
+        run_train_ssm(TrainSsmConfig(source, Path(args.out), settings_from(args)))
+        return 0
+    cfg = BoostConfig(
+        source,
+        args.ssms,
+        Path(args.out),
+        settings_from(args),
+        args.samples,
+        args.heldout_samples,
+        args.prompt_tokens,
+        args.continuation_tokens,
+        args.cover_tokens,
+    )
+    run_boost(cfg)
     return 0
 
 

@@ -53,7 +53,8 @@ def _prompts(cfg: TuneConfig) -> list[tuple[int, ...]]:
     return [tuple(tok.encode(json.loads(line)["text"]).ids) for line in chosen]
 
 
-def run_tune(cfg: TuneConfig, log=sys.stderr) -> dict:
+def run_tune(cfg: TuneConfig, log=None) -> dict:
+    log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     import torch
 
     from specinfer.models.loading import load_backend
