@@ -50,7 +50,7 @@ class DemoConfig:
 
 
 def add_demo_parser(sub) -> None:
-    d = sub.add_parser("train-demo", help="train the demo LLM + boost-tuned SSMs from a local corpus (about 30 min on 2 CPU cores)")
+    d = sub.add_parser("train-demo", help="train the demo LLM + boost-tuned SSMs from a local corpus (about 32 min on 2 CPU cores)")
     d.add_argument("--out", default="models/demo", help="where the pair goes (default models/demo)")
     d.add_argument("--corpus", nargs="*", default=None, help="text files or folders (default: this Python's standard library)")
     d.add_argument("--prompt-source", nargs="*", default=None, help="where held-out prompts are cut from (default: the standard library's test folders)")
