@@ -64,7 +64,7 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--ssms", type=int, default=3, help="boost-tuned SSMs")
     d.add_argument("--boost-steps", type=int, default=300, help="steps per boost-tuned SSM")
     d.add_argument("--samples", type=int, default=8192, help="boost-tuning samples (corpus prompts + LLM continuations)")
-    d.add_argument("--cover-tokens", type=int, default=4, help="a sample is covered when an SSM predicts this many leading continuation tokens")
+    d.add_argument("--cover-tokens", type=int, default=1, help="a sample is covered when an SSM predicts this many leading continuation tokens")
     d.add_argument("--heldout-samples", type=int, default=256)
     d.add_argument("--prompts", type=int, default=200, help="held-out prompts written to prompts.jsonl")
     d.add_argument("--max-corpus-bytes", type=int, default=0)

@@ -218,7 +218,7 @@ class BoostConfig:
     heldout_samples: int = 256
     prompt_tokens: int = 48
     continuation_tokens: int = 16
-    cover_tokens: int = 4
+    cover_tokens: int = 1
     val_fraction: float = 0.05
 
     def validate(self) -> None:
@@ -367,7 +367,13 @@ def add_training_parsers(sub) -> None:
     b.add_argument("--heldout-samples", type=int, default=256, help="samples from the corpus's held-out tail, for the report")
     b.add_argument("--prompt-tokens", type=int, default=48)
     b.add_argument("--continuation-tokens", type=int, default=16)
-    b.add_argument("--cover-tokens", type=int, default=4, help="a sample is covered when an SSM predicts this many leading continuation tokens")
+    b.add_argument(
+        "--cover-tokens",
+        type=int,
+        default=1,
+        help="a sample is covered when an SSM predicts this many leading continuation tokens "
+        "(1: later SSMs learn where the earlier ones miss the next token: the merged tree's first depths)",
+    )
     add_settings_flags(b, steps=300, batch=32, seq=None, lr=1e-3, kd=0.5)
     from specinfer.training.demo import add_demo_parser
 
