@@ -32,7 +32,7 @@ from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import load_backend
 from specinfer.tuning.measure import greedy_continuations, ssm_ranks
-from specinfer.tuning.model import configs, hit_table, mean_tokens_per_step, num_nodes, tokens_per_step
+from specinfer.tuning.model import CostModel, num_nodes, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import load_prompts
@@ -58,14 +58,20 @@ def parse_case(text: str) -> Case:
     return Case(f"{kind}: {' + '.join(ssms)} <{','.join(map(str, w))}>", ssms, tuple(w))
 
 
-def best_single(llm, ssm, prompts, new_tokens: int, max_nodes: int, max_depth: int = 8, max_width: int = 4) -> tuple[tuple[int, ...], float]:
-    """The tree of at most ``max_nodes`` nodes with the most greedy tokens per step for ``ssm`` on ``prompts``."""
+# every step costs the same, so the tuner's search ranks trees by tokens per step alone
+EQUAL_STEP_COST = CostModel(verify={1: 1.0}, draft={1: 0.0})
+
+
+def greedy_ranks(llm, ssm, prompts, new_tokens: int) -> list:
+    """The SSM's rank of each of the LLM's greedy tokens, per prompt (the tuner's measurement)."""
     conts = greedy_continuations(llm, ssm, prompts, new_tokens)
-    ranks = [ssm_ranks(ssm, p, c) for p, c in zip(prompts, conts, strict=True)]
-    hits = hit_table(ranks, max_depth, max_width)
-    scored = sorted(configs(max_depth, max_width, max_nodes), key=lambda w: -mean_tokens_per_step(hits, w))[:40]
-    exact = max(scored, key=lambda w: tokens_per_step(ranks, w))
-    return tuple(exact), tokens_per_step(ranks, exact)
+    return [ssm_ranks(ssm, p, c) for p, c in zip(prompts, conts, strict=True)]
+
+
+def best_single(ranks: list, max_nodes: int, max_depth: int = 8, max_width: int = 4) -> tuple[tuple[int, ...], float]:
+    """The tree of at most ``max_nodes`` nodes with the most greedy tokens per step for these ranks."""
+    best = search(ranks, EQUAL_STEP_COST, max_depth, max_width, max_nodes)[0]
+    return best.widths, best.tokens_per_step
 
 
 def run_case(engine: SpeculativeEngine, index: dict[str, int], case: Case, prompts, new_tokens: int, temperature: float, seed: int, batch: int) -> dict:
@@ -158,10 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in range(1, count + 1):
             index[f"{name}#{k}"] = len(backends)
             backends.append(load_backend(paths[name], f"{name}#{k}"))
-    picked = []
+    picked, ranks = [], {}
     for spec in args.best_single:
         name, nodes = spec.split(":")
-        widths, est = best_single(llm, backends[index[f"{name}#1"]], select, args.new_tokens, int(nodes))
+        if name not in ranks:  # one measurement per SSM serves every budget
+            ranks[name] = greedy_ranks(llm, backends[index[f"{name}#1"]], select, args.new_tokens)
+        widths, est = best_single(ranks[name], int(nodes))
         case = Case(f"single, best at <= {nodes} nodes: {name} <{','.join(map(str, widths))}>", (name,), widths)
         picked.append({"ssm": name, "max_nodes": int(nodes), "widths": list(widths), "nodes": num_nodes(widths), "selection_tokens_per_step": round(est, 3)})
         print(f"best single tree for {name} within {nodes} nodes (on prompts {args.select_offset}..): {widths}, {num_nodes(widths)} nodes", file=sys.stderr)

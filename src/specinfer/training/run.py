@@ -154,13 +154,16 @@ class StudentSource:
         if (self.init is None) == (not self.config):
             raise InvalidArgument("init", "give exactly one of --init DIR and --config SHAPE")
 
-    def load(self):
-        """(teacher, student) as float32 models."""
+    def teacher(self):
+        """The LLM as a float32 model."""
         from specinfer.models.loading import check_checkpoint
 
         check_checkpoint(self.llm, "llm")
-        llm = load_model(self.llm)
-        return llm, student_from(self.init, self.config, llm)
+        return load_model(self.llm)
+
+    def student(self, llm):
+        """A fresh copy of the starting point (every call loads or builds it anew)."""
+        return student_from(self.init, self.config, llm)
 
     def tokens(self, val_fraction: float, log):
         return corpus_tokens(self.llm, self.corpus, self.max_corpus_bytes, val_fraction, log)
@@ -180,7 +183,8 @@ def run_train_ssm(cfg: TrainSsmConfig, log=None) -> dict:
     log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     cfg.settings.validate()
     cfg.source.validate()
-    llm, student = cfg.source.load()
+    llm = cfg.source.teacher()
+    student = cfg.source.student(llm)
     train_stream, val_stream = cfg.source.tokens(cfg.val_fraction, log)
     s = cfg.settings
     from specinfer.training.distill import train
@@ -268,7 +272,7 @@ def run_boost(cfg: BoostConfig, log=None) -> dict:
 
     cfg.validate()
     started = time.monotonic()
-    llm, _ = cfg.source.load()
+    llm = cfg.source.teacher()
     device = resolve_device(cfg.settings.device)
     samples, heldout = _make_samples(cfg, llm, log)
     train_matches, held_matches, rounds = [], [], []
@@ -284,7 +288,7 @@ def run_boost(cfg: BoostConfig, log=None) -> dict:
             missed = f"those SSMs 0..{k - 1} missed" if k else "all"
             print(f"boost-tune: SSM {k} trains on {len(idx)} of {len(samples)} samples ({missed})", file=log, flush=True)
             s = replace(cfg.settings, seed=cfg.settings.seed + k)
-            student = student_from(cfg.source.init, cfg.source.config, llm)
+            student = cfg.source.student(llm)
             report = train(
                 student, llm if s.kd_weight > 0 else None, subset_batches(samples, idx, s.batch_size, s.seed), s, out, cfg.source.llm, desc=f"ssm-{k}", log=log
             )
