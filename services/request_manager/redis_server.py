@@ -107,6 +107,10 @@ class EmbeddedRedis:
         extra_config: Sequence[str] = (),
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
+        self.socket_path = self.state_dir / "redis.sock"
+        self.data_dir = self.state_dir / "data"
+        self.log_path = self.state_dir / "redis.log"
+        self.config_path = self.state_dir / "redis.conf"
         self.executable = find_redis_server(executable)
         self.appendonly = appendonly
         self.appendfsync: AppendFsync = appendfsync
@@ -116,24 +120,6 @@ class EmbeddedRedis:
         self.transport: Literal["unix", "tcp"] = self._pick_transport(transport, port)
         self.port = port
         self._process: subprocess.Popen[bytes] | None = None
-
-    # -- paths ------------------------------------------------------------------------------------
-
-    @property
-    def socket_path(self) -> Path:
-        return self.state_dir / "redis.sock"
-
-    @property
-    def data_dir(self) -> Path:
-        return self.state_dir / "data"
-
-    @property
-    def log_path(self) -> Path:
-        return self.state_dir / "redis.log"
-
-    @property
-    def config_path(self) -> Path:
-        return self.state_dir / "redis.conf"
 
     @property
     def url(self) -> str:
