@@ -77,8 +77,6 @@ def test_create_append_get_finish_round_trip(open_store):
             assert snap.stats == StepStats(0, 0, 0)
             assert snap.finish_reason is None and snap.error is None and not snap.is_finished
 
-            assert await store.mark_running("r1")
-            assert not await store.mark_running("r1")  # already running
             assert await store.append_tokens("r1", [10, 11, 12], StepStats(1, 2, 5)) == 3
             assert await store.append_tokens("r1", [INT32_MAX, INT32_MIN], StepStats(1, 1, 4)) == 5
             assert await store.append_tokens("r1", [], StepStats(1, 0, 1)) == 5  # a step that commits nothing
@@ -139,8 +137,6 @@ def test_finished_request_expires_after_ttl(open_store):
             assert (await store.get("r1")).output_tokens == (1, 2)
             await asyncio.sleep(0.3)
             assert await store.get("r1") is None
-            with pytest.raises(RequestNotFoundError):
-                await store.tokens_from("r1", 0)
 
     run(body)
 
@@ -165,82 +161,46 @@ def test_active_lists_unfinished_requests_oldest_first(open_store):
     run(body)
 
 
-def test_claim_moves_a_request_and_fences_the_old_owner(open_store):
+def test_writes_of_another_owner_are_refused(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("r1", owner="rm-0"))
-            await store.append_tokens("r1", [1], owner="rm-0")
+            assert await store.append_tokens("r1", [1], owner="rm-0") == 1
 
-            assert await store.claim("r1", "rm-1", expected_owner="rm-0")
-            assert await store.active("rm-0") == []
-            assert await store.active("rm-1") == ["r1"]
-            assert (await store.get("r1")).owner == "rm-1"
-            # A second replica racing for the same dead owner's request loses, and changes nothing.
-            assert not await store.claim("r1", "rm-2", expected_owner="rm-0")
-            assert await store.active("rm-2") == []
-            assert not await store.client.sismember(store.keys.active("rm-2"), "r1")
-
-            # The old owner's writes are refused; the new owner's go through.
+            # Another replica's writes are refused and change nothing; the owner's go through.
             with pytest.raises(OwnershipError) as info:
-                await store.append_tokens("r1", [2], owner="rm-0")
-            assert info.value.actual == "rm-1"
+                await store.append_tokens("r1", [2], owner="rm-1")
+            assert info.value.actual == "rm-0"
             with pytest.raises(OwnershipError):
-                await store.finish("r1", "cancelled", owner="rm-0")
-            assert await store.append_tokens("r1", [2], owner="rm-1") == 2
-            assert await store.claim("r1", "rm-1")  # claiming what one owns is a no-op success
-            assert await store.active("rm-1") == ["r1"]
+                await store.finish("r1", "cancelled", owner="rm-1")
+            assert (await store.get("r1")).output_tokens == (1,)
+            assert await store.active("rm-0") == ["r1"] and await store.active("rm-1") == []
+            assert await store.append_tokens("r1", [2], owner="rm-0") == 2
 
-            await store.finish("r1", "eos", owner="rm-1")
-            assert not await store.claim("r1", "rm-0")  # finished requests are not claimed
-            assert not await store.claim("r1", "rm-1")  # not even by their last owner
-            assert not await store.claim("missing", "rm-0")
-            assert await store.active("rm-0") == [] and await store.active("rm-1") == []
+            await store.finish("r1", "eos", owner="rm-0")
+            assert await store.active("rm-0") == []
             assert await store.client.scard(store.keys.active("rm-0")) == 0
             assert await store.client.scard(store.keys.active("rm-1")) == 0
 
     run(body)
 
 
-def test_stale_index_entries_are_skipped_and_pruned(open_store):
+def test_stale_index_entries_are_skipped(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("live", owner="rm-0"))
             await store.create(record("done", owner="rm-0"))
             await store.create(record("moved", owner="rm-1"))
             await store.finish("done", "eos")
-            # What crashes between the two steps of create/finish/claim could leave behind:
+            # What crashes between the two steps of create/finish could leave behind:
             await store.client.sadd(store.keys.active("rm-0"), "ghost", "done", "moved")
 
             assert await store.active("rm-0") == ["live"]
-            assert await store.prune_stale("rm-0") == 3
-            members = await store.client.smembers(store.keys.active("rm-0"))
-            assert members == {b"live"}
-            assert await store.prune_stale("rm-0") == 0
 
     run(body)
 
 
 # -- reads and writes at offsets ----------------------------------------------------------------
-
-
-def test_tokens_from_offsets(open_store):
-    async def body() -> None:
-        async with open_store() as store:
-            await store.create(record("r1"))
-            assert await store.tokens_from("r1") == ()
-            await store.append_tokens("r1", [10, 11, 12])
-            await store.append_tokens("r1", [13, 14])
-            assert await store.tokens_from("r1", 0) == (10, 11, 12, 13, 14)
-            assert await store.tokens_from("r1", 2) == (12, 13, 14)
-            assert await store.tokens_from("r1", 4) == (14,)
-            assert await store.tokens_from("r1", 5) == ()
-            assert await store.tokens_from("r1", 99) == ()
-            with pytest.raises(ValueError):
-                await store.tokens_from("r1", -1)
-            with pytest.raises(RequestNotFoundError):
-                await store.tokens_from("missing", 0)
-
-    run(body)
 
 
 def test_append_at_offset_rejects_gaps_and_absorbs_retries(open_store):
@@ -301,14 +261,10 @@ def test_writes_to_missing_or_finished_requests_are_refused(open_store):
                 await store.append_tokens("missing", [1])
             with pytest.raises(RequestNotFoundError):
                 await store.finish("missing", "eos")
-            with pytest.raises(RequestNotFoundError):
-                await store.mark_running("missing")
             await store.create(record("r1"))
             await store.finish("r1", "cancelled")
             with pytest.raises(RequestFinishedError):
                 await store.append_tokens("r1", [1])
-            with pytest.raises(RequestFinishedError):
-                await store.mark_running("r1")
             assert (await store.get("r1")).output_tokens == ()
             with pytest.raises(ValueError):
                 await store.finish("r1", "bored")  # not a FinishReason
