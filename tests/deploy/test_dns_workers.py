@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
+from specinfer.request_manager.discovery import DnsTarget
 from specinfer.request_manager.redis_server import free_tcp_port
-from specinfer.request_manager.remote import DnsTarget, SsmWorkers
+from specinfer.request_manager.remote import SsmWorkers
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 VOCAB = 259

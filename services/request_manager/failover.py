@@ -1,0 +1,77 @@
+"""How the request manager notices a failed callee and finds it back.
+
+A call that fails for a reason that is not the caller's (any status but ``CALLER_FAULTS``) *takes out*
+its SSM worker: no more work goes to it, and :class:`HealthProbes` checks its gRPC health every
+``PROBE_SECONDS`` until it is SERVING again, then puts it back. Meanwhile its requests draft on the
+other workers serving the same SSM (:class:`.worker_pool.WorkerPool`). The channels' keepalive and
+reconnect settings (``CHANNEL_OPTIONS``) make a dead peer show up as a failed call and a restarted one
+reachable again within seconds, for the workers and the verifier alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PROBE_SECONDS = 1.0  # how often a worker taken out is health-checked
+# keepalive pings find a dead peer on an idle connection (the servers permit pings every 10 s);
+# reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a restarted worker or verifier
+# is back in seconds, and calls to it fail fast until it is
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+# statuses that say the call was wrong, not the worker: they do not take the worker out
+CALLER_FAULTS = frozenset(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
+
+
+class HealthProbes:
+    """The workers taken out, each with the task that probes its health.
+
+    ``on_serving(address)`` runs when a probe finds its worker SERVING, after the worker is back.
+    """
+
+    def __init__(self, probe_seconds: float, metadata: Sequence[tuple[str, str]], on_serving: Callable[[str], None]) -> None:
+        self.probe_seconds = probe_seconds
+        self._metadata = metadata
+        self._on_serving = on_serving
+        self._probes: dict[str, asyncio.Task] = {}  # worker taken out -> its health probe
+
+    def __contains__(self, address: str) -> bool:
+        """Whether ``address`` is taken out."""
+        return address in self._probes
+
+    def take_out(self, address: str, channel: grpc.aio.Channel) -> None:
+        """Start probing ``address`` (taken out until the probe finds it SERVING)."""
+        self._probes[address] = asyncio.get_running_loop().create_task(self._probe(address, channel))
+
+    def forget(self, address: str) -> None:
+        """Stop probing a worker that left (no-op for one that is in service)."""
+        probe = self._probes.pop(address, None)
+        if probe is not None:
+            probe.cancel()
+
+    def close(self) -> None:
+        for probe in self._probes.values():
+            probe.cancel()
+
+    async def _probe(self, address: str, channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            await asyncio.sleep(self.probe_seconds)
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_seconds, metadata=self._metadata)
+            except grpc.aio.AioRpcError:
+                continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        del self._probes[address]
+        self._on_serving(address)
