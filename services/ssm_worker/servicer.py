@@ -59,23 +59,12 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     async def Speculate(self, request: internal_pb2.SpeculateRequest, context: grpc.aio.ServicerContext) -> internal_pb2.SpeculateResponse:
         started = time.monotonic()
         runner = self._runner(request.ssm)
-        items = list(request.items)
-        updates = [wire.context_from_proto(item.context, self.vocab_size, f"items[{i}].context") for i, item in enumerate(items)]
-        contexts = self._contexts.resolve_all(updates)
-        # every item is validated, misses included, before anything is stored or computed
-        limit = runner.model.max_positions
-        pairs = enumerate(zip(items, contexts, strict=True))
-        jobs = [wire.draft_job_from_proto(item, ctx or [], self.vocab_size, limit, f"items[{i}]") for i, (item, ctx) in pairs]
-        self._contexts.store_all(updates, contexts)
-        live = [job for job, ctx in zip(jobs, contexts, strict=True) if ctx is not None]
-        drafted = await runner.call(draft_trees, live) if live else []
+        call = self._contexts.admit(request.items, self.vocab_size, runner.model.max_positions, wire.draft_job_from_proto)
+        drafted = await runner.call(draft_trees, call.jobs) if call.jobs else []
         seconds = time.monotonic() - started
-        self.metrics.observe(request.ssm, len(live), sum(len(d.tree) for d in drafted), len(items) - len(live), seconds, len(self._contexts))
-        trees = iter(drafted)
-        response = internal_pb2.SpeculateResponse(
-            results=[wire.speculate_result_to_proto(u.request_id, None if ctx is None else next(trees)) for u, ctx in zip(updates, contexts, strict=True)]
-        )
-        log.debug("speculate", extra={"ssm": request.ssm, "items": len(items), "misses": len(items) - len(live), "seconds": round(seconds, 4)})
+        self.metrics.observe(request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts))
+        response = internal_pb2.SpeculateResponse(results=call.results(drafted, wire.speculate_result_to_proto))
+        log.debug("speculate", extra={"ssm": request.ssm, "items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 
     @rpc_errors

@@ -107,15 +107,19 @@ def greedy_streams(stack: Stack, prompts: list[list[int]], expected: list[list[i
             assert messages[-1].finished.usage.mean_tree_size > 1  # speculation really ran through the parallel verifier
 
 
-def _prefill_forever(address: str, context: list[int], outcome: list[grpc.StatusCode]) -> None:
-    """Prefill calls, each a new request, until one fails; its status goes to ``outcome``."""
+def _verify_forever(address: str, context: list[int], outcome: list[grpc.StatusCode]) -> None:
+    """Verify calls of the root alone, each a new request, until one fails; its status goes to ``outcome``."""
     with grpc.insecure_channel(address) as channel:
         stub = internal_pb2_grpc.LlmVerifierStub(channel)
         for n in range(10_000):
             rid = f"hammer-{n}"
-            item = internal_pb2.PrefillItem(context=wire.context_to_proto(rid, context, 0))
+            item = internal_pb2.VerifyItem(
+                context=wire.context_to_proto(rid, context[:-1], 0),
+                tree=wire.draft_to_proto(DraftTree(TokenTree.root_only(context[-1]))),
+                sampling=wire.sampling_to_proto(SamplingParams()),
+            )
             try:
-                stub.Prefill(internal_pb2.PrefillRequest(items=[item]), timeout=FAIL_WITHIN_SECONDS)
+                stub.Verify(internal_pb2.VerifyRequest(items=[item]), timeout=FAIL_WITHIN_SECONDS)
                 stub.Release(internal_pb2.ReleaseRequest(request_ids=[rid]), timeout=FAIL_WITHIN_SECONDS)
             except grpc.RpcError as exc:
                 outcome.append(exc.code())
@@ -138,7 +142,7 @@ def test_killed_rank_ends_the_service(model_pair, tmp_path, victim):
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             outcome: list[grpc.StatusCode] = []
-            hammer = threading.Thread(target=_prefill_forever, args=(address, model_pair.prompts[0][:100], outcome), daemon=True)
+            hammer = threading.Thread(target=_verify_forever, args=(address, model_pair.prompts[0][:100], outcome), daemon=True)
             hammer.start()
             time.sleep(1.0)  # calls are running
             assert hammer.is_alive() and not outcome, f"calls failed before any rank was killed: {outcome}\n{svc.log_tail()}"

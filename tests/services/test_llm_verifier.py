@@ -100,32 +100,6 @@ def test_verify_matches_verify_trees(services, local, model_pair, sampling):
     release(services.llm_stub, [j.request_id for j in jobs])
 
 
-def test_prefill_then_verify(services, local, model_pair):
-    """Chunked prefill brings the cache up to the context; Verify then sends no context tokens."""
-    stub = services.llm_stub
-    (job,) = drafted_jobs(local, model_pair, GREEDY, "prefill", count=1)
-    ctx, rid = job.context, job.request_id
-    half = len(ctx) // 2
-    first = stub.Prefill(internal_pb2.PrefillRequest(items=[internal_pb2.PrefillItem(context=wire.context_to_proto(rid, ctx[:half], 0))]), timeout=30)
-    assert list(first.cache_misses) == []
-    unknown = fresh_id("prefill-unknown")
-    second = stub.Prefill(
-        internal_pb2.PrefillRequest(
-            items=[
-                internal_pb2.PrefillItem(context=internal_pb2.Context(request_id=rid, offset=half, tokens=ctx[half:])),
-                internal_pb2.PrefillItem(context=internal_pb2.Context(request_id=unknown, offset=4, tokens=[1, 2])),
-            ]
-        ),
-        timeout=30,
-    )
-    assert list(second.cache_misses) == [unknown]
-    (result,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 40, 0, offset=len(ctx))]), timeout=30).results
-    assert not result.cache_miss
-    (want,) = verify_trees(local[0], [job])
-    assert (tuple(result.accepted_tokens), result.bonus_token) == (want.accepted_tokens, want.bonus_token)
-    release(stub, [rid])
-
-
 def test_verify_cache_miss_protocol(services, local, model_pair):
     stub = services.llm_stub
     (job,) = drafted_jobs(local, model_pair, GREEDY, "vmiss", count=1)

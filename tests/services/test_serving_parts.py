@@ -1,5 +1,5 @@
 """The shared pieces of the model services, in process: context protocol, settings, empty
-forwards (Prefill) and the status a full KV pool or a backend failure maps to."""
+forwards (a prefill) and the status a full KV pool or a backend failure maps to."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_parse_named_paths():
 
 @pytest.mark.parametrize("backend", ["native", "reference"])
 def test_forward_without_nodes_prefills(model_pair, backend):
-    """A forward with no tree nodes (Prefill) computes the context only; later trees see it."""
+    """A forward with no tree nodes (a prefill) computes the context only; later trees see it."""
     prompt = model_pair.prompts[1]
     warm = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)
     cold = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)

@@ -10,9 +10,35 @@ the protocol needs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from specinfer.wire import ContextUpdate, check_distinct_requests
+from specinfer.wire import ContextUpdate, check_distinct_requests, context_from_proto
+
+Job = TypeVar("Job")
+Output = TypeVar("Output")
+Message = TypeVar("Message")
+
+
+@dataclass(frozen=True)
+class AdmittedCall(Generic[Job]):
+    """The items of one call after the context protocol: ``hits[i]`` says whether item ``i``'s context
+    was resolved; ``jobs`` are the work of the hits, in call order (a miss gets no work)."""
+
+    request_ids: tuple[str, ...]
+    hits: tuple[bool, ...]
+    jobs: list[Job]
+
+    @property
+    def misses(self) -> int:
+        return len(self.hits) - len(self.jobs)
+
+    def results(self, outputs: Sequence[Output], to_proto: Callable[[str, Output | None], Message]) -> list[Message]:
+        """One result per item: ``to_proto(request_id, output)`` with the hits' ``outputs`` in order,
+        ``to_proto(request_id, None)`` (a cache miss) for the others."""
+        hit_outputs = iter(outputs)
+        return [to_proto(rid, next(hit_outputs) if hit else None) for rid, hit in zip(self.request_ids, self.hits, strict=True)]
 
 
 class ContextStore:
@@ -52,3 +78,17 @@ class ContextStore:
 
     def __len__(self) -> int:
         return len(self._known)
+
+    def admit(
+        self, items: Sequence[Any], vocab_size: int, max_positions: int, job_from_proto: Callable[[Any, list[int], int, int, str], Job]
+    ) -> AdmittedCall[Job]:
+        """Resolve the contexts of a call's ``items`` (messages with a ``context`` field) and build each
+        one's job with ``job_from_proto(item, context, vocab_size, max_positions, field)``. Every item
+        is validated, misses included, before any context is stored: an invalid call changes nothing."""
+        updates = [context_from_proto(item.context, vocab_size, f"items[{i}].context") for i, item in enumerate(items)]
+        contexts = self.resolve_all(updates)
+        pairs = enumerate(zip(items, contexts, strict=True))
+        jobs = [job_from_proto(item, ctx or [], vocab_size, max_positions, f"items[{i}]") for i, (item, ctx) in pairs]
+        self.store_all(updates, contexts)
+        hits = tuple(ctx is not None for ctx in contexts)
+        return AdmittedCall(tuple(u.request_id for u in updates), hits, [job for job, hit in zip(jobs, hits, strict=True) if hit])

@@ -143,24 +143,6 @@ class VerifyResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
-class PrefillItem(_message.Message):
-    __slots__ = ("context",)
-    CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    context: Context
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ...) -> None: ...
-
-class PrefillRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
-
-class PrefillResponse(_message.Message):
-    __slots__ = ("cache_misses",)
-    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
-    cache_misses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, cache_misses: _Optional[_Iterable[str]] = ...) -> None: ...
-
 class LlmInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

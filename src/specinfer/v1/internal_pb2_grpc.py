@@ -199,11 +199,6 @@ class LlmVerifierStub:
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/specinfer.v1.LlmVerifier/Prefill',
-                request_serializer=specinfer_dot_v1_dot_internal__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=specinfer_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specinfer.v1.LlmVerifier/Release',
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.ReleaseRequest.SerializeToString,
@@ -221,13 +216,6 @@ class LlmVerifierServicer:
 
     def Verify(self, request, context):
         """One LLM forward pass over every tree of the batch, then verification per request.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Prefill(self, request, context):
-        """Computes the KV cache of contexts ahead of verification (chunked prefill).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,11 +240,6 @@ def add_LlmVerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.SerializeToString,
-            ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=specinfer_dot_v1_dot_internal__pb2.PrefillRequest.FromString,
-                    response_serializer=specinfer_dot_v1_dot_internal__pb2.PrefillResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -296,33 +279,6 @@ class LlmVerifier:
             '/specinfer.v1.LlmVerifier/Verify',
             specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
             specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specinfer.v1.LlmVerifier/Prefill',
-            specinfer_dot_v1_dot_internal__pb2.PrefillRequest.SerializeToString,
-            specinfer_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
