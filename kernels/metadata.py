@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specinfer.core.tree import ancestor_matrix, validate_parents
+
 BITS_PER_WORD = 32
 
 
@@ -96,32 +98,6 @@ class TreeAttentionMetadata:
 def is_chain(parents: Sequence[int]) -> bool:
     """True iff ``parents == [-1, 0, 1, ..., n-2]`` (every node's parent is the node before it)."""
     return all(int(p) == i - 1 for i, p in enumerate(parents))
-
-
-def validate_parents(parents: Sequence[int]) -> None:
-    """Raise ``ValueError`` unless ``parents`` is a non-empty tree with ``parents[0] == -1`` and ``0 <= parents[i] < i``."""
-    if len(parents) == 0:
-        raise ValueError("a token tree needs at least the root node")
-    if int(parents[0]) != -1:
-        raise ValueError("parents[0] must be -1 (node 0 is the root)")
-    for i in range(1, len(parents)):
-        if not 0 <= int(parents[i]) < i:
-            raise ValueError(f"parents[{i}] = {parents[i]} must be in [0, {i})")
-
-
-def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """``anc[i, j]`` is True iff node j is node i or an ancestor of i.  # [n, n] bool
-
-    One forward pass: parents precede children, so a node's row is its parent's row plus itself.
-    """
-    n = len(parents)
-    anc = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        p = int(parents[i])
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    return anc
 
 
 def pack_bits(mask: np.ndarray, num_words: int) -> np.ndarray:

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .metadata import TreeAttentionMetadata, ancestor_matrix, is_chain
+from specinfer.core.tree import ancestor_matrix
+
+from .metadata import TreeAttentionMetadata, is_chain
 
 
 def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

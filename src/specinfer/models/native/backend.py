@@ -20,7 +20,7 @@ from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.spec import ModelSpec
-from specinfer.models.native.step import LocalRunner, PackedStep, StepRunner
+from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
 from specinfer.models.native.weights import build_weights, read_state_dict
 
 
@@ -136,60 +136,24 @@ class NativeBackend:
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         if not batch:
             return []
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        seg_parents: list[list[int]] = []
-        seg_prefix: list[int] = []
-        seg_starts: list[int] = []
-        seg_queries: list[int] = []
-        logit_rows: list[int] = []
-        plans = []
+        requests, plans = [], []
         for item in batch:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
-            start = cache.storage.start
             if lc + m > self.slot_len or lp + n > self.pool.slot_len - lc - m:
                 raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, its slot holds {self.pool.slot_len}")
-            if m:
-                seg_parents.append(list(range(-1, m - 1)))
-                seg_prefix.append(lc)
-                seg_starts.append(start)
-                seg_queries.append(m)
-                tokens.extend(chain)
-                positions.extend(range(lc, lc + m))
-                rows.extend(range(start + lc, start + lc + m))
-            if n:
-                parents = cache.pending_parents + [int(p) for p in item.parents]
-                if any(p < 0 for p in parents[1:]):
-                    raise ValueError("only the first pending node may attach to the context (parent -1)")
-                seg_parents.append(parents)
-                seg_prefix.append(lc + m)
-                seg_starts.append(start)
-                seg_queries.append(n)
-                logit_rows.extend(range(len(tokens), len(tokens) + n))
-                tokens.extend(int(t) for t in item.tokens)
-                positions.extend(d + lc + m for d in cache.node_depths(item.parents))
-                rows.extend(range(start + lc + m + lp, start + lc + m + lp + n))
-            plans.append((item, cache, chain, n))
-        if not tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
-            return [torch.empty(0, self.vocab_size, device=self.device) for _ in plans]
-        step = PackedStep(
-            tuple(tokens),
-            tuple(positions),
-            tuple(rows),
-            tuple(tuple(p) for p in seg_parents),
-            tuple(seg_prefix),
-            tuple(seg_starts),
-            tuple(seg_queries),
-            tuple(logit_rows),
-        )
+            requests.append(StepRequest(cache.storage.start, lc, chain, item.tokens, cache.node_parents(item.parents)))
+            plans.append((item, cache, chain))
+        step = PackedStep.from_trees(requests)
+        if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch]
         logits = self.runner.run(step)  # [sum n, vocab]
         out, offset = [], 0
-        for item, cache, chain, n in plans:
+        for item, cache, chain in plans:
             cache.record_context(chain)
             cache.record_pending(item.tokens, item.parents)
+            n = len(item.tokens)
             out.append(logits[offset : offset + n])
             offset += n
         return out
