@@ -41,6 +41,17 @@ def _tiny_configs():
         "opt-project": OPTConfig(
             vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32
         ),
+        # LayerNorm after each sublayer and no final norm, like opt-350m
+        "opt-post-norm": OPTConfig(
+            vocab_size=97,
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
+        ),
     }
 
 
