@@ -8,7 +8,6 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,26 +51,24 @@ def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     return rows, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * rows)
 
 
-def rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
+def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """RoPE inverse frequencies on ``device``  # [head_dim / 2] float32
+    and the cos/sin scale of the checkpoint at ``path``; ``(None, 1.0)`` for OPT (learned positions)."""
     if spec.arch == "opt":
         return None, 1.0
-    cfg = json.loads((path / "config.json").read_text())
-    rope, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
-    if (rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default") == "default":
-        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
-        return inv, 1.0
-    # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
-    # of a parallel verifier pays it at start-up)
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if spec.rope_type != "default":
+        # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
+        # of a parallel verifier pays it at start-up)
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = AutoConfig.from_pretrained(str(path))
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type == "default":
-        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
-        return inv, 1.0
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv.float(), float(scale)
+        config = AutoConfig.from_pretrained(str(path))
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type != "default":
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            return inv.float().to(device), float(scale)
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+    return inv.to(device), 1.0
 
 
 class NativeBackend:
@@ -84,38 +81,21 @@ class NativeBackend:
         self.runner = runner
         self.options = options
         self.device = torch.device(options.device)
-        self.slot_len = slot_len(spec, options)
+        self.pool: KVPool = runner.pool
+        self.vocab_size = spec.vocab_size
+        self.max_positions = slot_len(spec, options)
+        self.max_requests = self.pool.num_slots  # concurrent requests the KV pool holds
         self._caches: dict[str, RequestCache] = {}
-
-    @property
-    def pool(self) -> KVPool:
-        return self.runner.pool
 
     @classmethod
     def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
         path = Path(path)
         spec = ModelSpec.from_dir(path)
-        weights = build_weights(spec, read_state_dict(path), options.dtype, torch.device(options.device))
-        inv_freq, scale = rope_tables(spec, path)
-        if inv_freq is not None:
-            inv_freq = inv_freq.to(options.device)
-        model = NativeModel(spec, weights, inv_freq, scale, options.attention)
         device = torch.device(options.device)
+        weights = build_weights(spec, read_state_dict(path), options.dtype, device)
+        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention)
         rows, slots = pool_slots(spec, options)
         return cls(spec, LocalRunner(model, KVPool(spec, options.dtype, device, rows, slots), device), options)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.spec.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.slot_len
-
-    @property
-    def max_requests(self) -> int:
-        """Concurrent requests the KV pool holds."""
-        return self.pool.num_slots
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)
@@ -141,7 +121,7 @@ class NativeBackend:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
-            if lc + m > self.slot_len or lp + n > self.pool.slot_len - lc - m:
+            if lc + m > self.max_positions or lp + n > self.pool.slot_len - lc - m:
                 raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, its slot holds {self.pool.slot_len}")
             requests.append(StepRequest(cache.storage.start, lc, chain, item.tokens, cache.node_parents(item.parents)))
             plans.append((item, cache, chain))
