@@ -5,6 +5,8 @@ tokens of every request of the batch as one packed row list, their positions and
 the tree-attention segments (:func:`specinfer.kernels.build_tree_metadata`'s inputs) and the
 rows whose logits are wanted. It holds Python ints only, so a distributed driver can ship it to
 the other ranks (:mod:`specinfer.models.native.parallel`) and each rebuilds the same tensors.
+:meth:`PackedStep.from_trees` packs one from a :class:`StepRequest` per request; it is pure, so
+tests build steps without a backend.
 """
 
 from __future__ import annotations
