@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specinfer.core.tree import ancestor_matrix, validate_parents
+
 BITS_PER_WORD = 32
 
 
@@ -55,38 +57,20 @@ class TreeAttentionMetadata:
     anc_row_start: torch.Tensor  # [B] int32, anc_bits row of node 0, -1 for chains
     anc_bits: torch.Tensor  # [num_bit_rows, num_words] int32, packed ancestor relation of non-chain trees
     parents: tuple[tuple[int, ...], ...]  # host copy of each request's parent array
+    q_starts: tuple[int, ...]  # host copy of q_start
+    tree_lens: tuple[int, ...]  # host copy of tree_len
     prefix_lens: tuple[int, ...]  # host copy of prefix_len
     kv_starts: tuple[int, ...]  # host copy of kv_start
     is_chain: tuple[bool, ...]  # request b's tree is a chain (plain causal mask, no bit rows)
     num_queries: tuple[int, ...]  # queries of request b: its last num_queries[b] tree nodes
+    batch_size: int  # B, requests
+    total_nodes: int  # tree nodes of all requests (keys/values in the cache)
+    total_queries: int  # rows of q and of the output (== total_nodes unless num_queries was given)
     max_tree_len: int  # max over requests of tree_len
     max_queries: int  # max over requests of num_queries (launch grid)
     max_prefix_len: int  # max over requests of prefix_len (split heuristic)
     num_words: int  # int32 words per anc_bits row
     _dense_masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.parents)
-
-    @property
-    def tree_lens(self) -> tuple[int, ...]:
-        return tuple(len(p) for p in self.parents)
-
-    @property
-    def q_starts(self) -> tuple[int, ...]:
-        """Host copy of ``q_start`` (B + 1 entries)."""
-        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.num_queries)]))
-
-    @property
-    def total_nodes(self) -> int:
-        """Tree nodes of all requests (keys/values in the cache)."""
-        return sum(self.tree_lens)
-
-    @property
-    def total_queries(self) -> int:
-        """Rows of q and of the output (== total_nodes unless num_queries was given)."""
-        return sum(self.num_queries)
 
     @property
     def device(self) -> torch.device:
@@ -96,32 +80,6 @@ class TreeAttentionMetadata:
 def is_chain(parents: Sequence[int]) -> bool:
     """True iff ``parents == [-1, 0, 1, ..., n-2]`` (every node's parent is the node before it)."""
     return all(int(p) == i - 1 for i, p in enumerate(parents))
-
-
-def validate_parents(parents: Sequence[int]) -> None:
-    """Raise ``ValueError`` unless ``parents`` is a non-empty tree with ``parents[0] == -1`` and ``0 <= parents[i] < i``."""
-    if len(parents) == 0:
-        raise ValueError("a token tree needs at least the root node")
-    if int(parents[0]) != -1:
-        raise ValueError("parents[0] must be -1 (node 0 is the root)")
-    for i in range(1, len(parents)):
-        if not 0 <= int(parents[i]) < i:
-            raise ValueError(f"parents[{i}] = {parents[i]} must be in [0, {i})")
-
-
-def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """``anc[i, j]`` is True iff node j is node i or an ancestor of i.  # [n, n] bool
-
-    One forward pass: parents precede children, so a node's row is its parent's row plus itself.
-    """
-    n = len(parents)
-    anc = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        p = int(parents[i])
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    return anc
 
 
 def pack_bits(mask: np.ndarray, num_words: int) -> np.ndarray:
@@ -183,7 +141,7 @@ def build_tree_metadata(
     if min(prefix) < 0 or min(starts) < 0:
         raise ValueError("prefix lengths and kv starts must be non-negative")
 
-    tree_lens = [len(ps) for ps in parents]
+    tree_lens = tuple(len(ps) for ps in parents)
     queries = tuple(tree_lens) if num_queries is None else tuple(int(x) for x in num_queries)
     if len(queries) != batch:
         raise ValueError(f"got {batch} trees and {len(queries)} query counts")
@@ -205,9 +163,8 @@ def build_tree_metadata(
         rows += len(ps)
     bits = np.concatenate(blocks) if blocks else np.zeros((1, 1), dtype=np.int32)  # [num_bit_rows, num_words]
 
-    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits = _to_device(
-        [np.concatenate([[0], np.cumsum(queries)]), starts, prefix, tree_lens, row_start, bits], device
-    )
+    q_starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(queries)]))
+    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits = _to_device([q_starts, starts, prefix, tree_lens, row_start, bits], device)
     return TreeAttentionMetadata(
         q_start=q_start,
         kv_start=kv_start,
@@ -216,10 +173,15 @@ def build_tree_metadata(
         anc_row_start=anc_row_start,
         anc_bits=anc_bits,
         parents=parents,
+        q_starts=q_starts,
+        tree_lens=tree_lens,
         prefix_lens=prefix,
         kv_starts=starts,
         is_chain=chain,
         num_queries=queries,
+        batch_size=batch,
+        total_nodes=sum(tree_lens),
+        total_queries=sum(queries),
         max_tree_len=max(tree_lens),
         max_queries=max(queries),
         max_prefix_len=max(prefix),

@@ -1,7 +1,8 @@
 """PyTorch tree attention: the fp32 reference (test oracle) and the SDPA-with-explicit-mask path.
 
-Both loop over requests and materialise each request's dense ``[num_queries, prefix_len + tree_len]`` mask from its
-*parent array* (not from the packed ``anc_bits`` the kernel reads), so they check the bit packing too.
+Both take and return what :func:`specinfer.kernels.tree_attention` does (shapes there). Both loop over requests and
+materialise each request's dense ``[num_queries, prefix_len + tree_len]`` mask from its *parent array* (not from the
+packed ``anc_bits`` the kernel reads), so they check the bit packing too.
 See :mod:`specinfer.kernels.metadata` for the terms and layouts.
 """
 
@@ -13,7 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .metadata import TreeAttentionMetadata, ancestor_matrix, is_chain
+from specinfer.core.tree import ancestor_matrix
+
+from .metadata import TreeAttentionMetadata, is_chain
 
 
 def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -62,12 +65,8 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def tree_attention_ref(
-    q: torch.Tensor,  # [total_nodes, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    meta: TreeAttentionMetadata,
-    sm_scale: float | None = None,
-) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None
+) -> torch.Tensor:
     """Reference tree attention: per request, dense fp32 ``softmax(q k^T * scale + mask) v``. Slow and obvious."""
     group = _check_shapes(q, k_cache, v_cache, meta)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
@@ -96,12 +95,8 @@ def _cached_additive_mask(meta: TreeAttentionMetadata, b: int, device: torch.dev
 
 
 def tree_attention_sdpa(
-    q: torch.Tensor,  # [total_nodes, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    meta: TreeAttentionMetadata,
-    sm_scale: float | None = None,
-) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None
+) -> torch.Tensor:
     """Tree attention through ``F.scaled_dot_product_attention`` with an explicit boolean mask per request.
 
     The "SDPA with explicit mask" baseline and the CPU path of :func:`tree_attention`. A chain without prefix

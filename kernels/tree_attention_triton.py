@@ -26,13 +26,12 @@ Each writes a normalised partial output and its log-sum-exp, and :func:`_combine
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import Forced, choose_config
 from .metadata import TreeAttentionMetadata
 from .tree_attention_ref import _check_shapes
 
@@ -255,87 +254,17 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tile sizes and split count of one launch (chosen by :func:`choose_config` unless given)."""
-
-    block_m: int
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-
-
-@cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_tiles(meta: TreeAttentionMetadata, group: int, block_m: int) -> int:
-    """Programs that do work for one KV head (early-exit programs of the padded grid not counted)."""
-    return sum(-(-(n * group) // block_m) for n in meta.num_queries)
-
-
-def choose_config(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    meta: TreeAttentionMetadata,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-) -> LaunchConfig:
-    """Heuristic launch configuration; any of ``block_m``, ``block_n``, ``num_splits`` can be forced.
-
-    ``block_m`` follows the packed rows (``max_queries * group``) of the largest request: 16/32 for small verify steps
-    so little of a tile is padding, 64 for larger trees, 128 for prefill-sized chains. Warps and stages were picked
-    so that the sm_90 build neither spills registers nor exceeds shared memory (checked with ptxas resource usage).
-    fp32 (a correctness path: exact ``ieee`` dots on CUDA cores) uses small tiles to limit spilling.
-    Splits are only used on a GPU, to give about one program per SM when tiles x KV heads are fewer, while keeping
-    at least 4 key blocks per split.
-    """
-    group = q.shape[1] // k_cache.shape[1]
-    head_dim = q.shape[2]
-    rows = meta.max_queries * group
-    fp32 = q.dtype == torch.float32
-    if block_m is None:
-        block_m = 16 if fp32 or rows <= 16 else 32 if rows <= 32 else 64 if rows < 1024 else 128
-    if block_n is None:
-        block_n = 32 if fp32 or head_dim > 128 else 64
-    if num_splits is None:
-        num_splits = 1
-        if q.is_cuda:
-            programs = _num_tiles(meta, group, block_m) * k_cache.shape[1]
-            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            if programs < sms:
-                num_splits = max(1, min(-(-sms // programs), meta.max_prefix_len // (4 * block_n), 32))
-                num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two: NUM_SPLITS is constexpr, few variants to JIT
-    num_warps = 8 if block_m >= 128 or (block_m == 64 and head_dim > 64) else 4
-    num_stages = 2 if fp32 or head_dim > 128 or (block_m == 16 and head_dim > 64) else 3
-    return LaunchConfig(block_m, block_n, num_splits, num_warps, num_stages)
-
-
 def tree_attention_triton(
-    q: torch.Tensor,  # [total_queries, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    meta: TreeAttentionMetadata,
-    sm_scale: float | None = None,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
-    """Run the fused tree-attention kernel (see the module docstring).
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None, forced: Forced | None = None
+) -> torch.Tensor:
+    """Run the fused tree-attention kernel (see the module docstring); arguments and result as :func:`specinfer.kernels.tree_attention`.
 
-    ``block_m`` (16/32/64/128), ``block_n`` (16/32/64) and ``num_splits`` (>= 1) override :func:`choose_config`,
-    for tests and tuning. q, k_cache and v_cache must share one dtype (fp16/bf16/fp32; fp32/fp16 under the
+    ``forced`` overrides :func:`choose_config`. q, k_cache and v_cache must share one dtype (fp16/bf16/fp32; fp32/fp16 under the
     interpreter) and be contiguous in head_dim; any other strides work (e.g. q as a view of a fused qkv output).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if block_m not in (None, 16, 32, 64, 128) or block_n not in (None, 16, 32, 64) or (num_splits is not None and num_splits < 1):
-        raise ValueError(f"unsupported launch override block_m={block_m} block_n={block_n} num_splits={num_splits}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
@@ -343,7 +272,7 @@ def tree_attention_triton(
             raise ValueError(f"{name} is on {t.device} but the metadata is on {meta.device}")
     head_dim = q.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    cfg = choose_config(q, k_cache, meta, block_m, block_n, num_splits)
+    cfg = choose_config(q, k_cache, meta, forced)
     block_d = max(16, triton.next_power_of_2(head_dim))
     total, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[1]
     out = torch.empty_like(q)

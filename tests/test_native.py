@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTCo
 
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import KVCacheFull, NativeBackend, NativeOptions
+from specinfer.models.native.step import PackedStep, StepRequest
 
 TOL = 1e-4
 
@@ -40,6 +41,17 @@ def _tiny_configs():
         ),
         "opt-project": OPTConfig(
             vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32
+        ),
+        # LayerNorm after each sublayer and no final norm, like opt-350m
+        "opt-post-norm": OPTConfig(
+            vocab_size=97,
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
         ),
     }
 
@@ -118,6 +130,35 @@ def test_incremental_expansion_and_cache_rebuild(checkpoint):
     assert _rel(out, _hf_last_logits(hf, [new_ctx + [4]])) < TOL
     adopted = native.forward_tree([TreeForward("a", ctx + [41], [50], [-1])])[0]
     assert _rel(adopted, _hf_last_logits(hf, [ctx + [41, 50]])) < TOL
+
+
+def test_packed_step_layout():
+    """Request a: 3 cached context tokens, a chain of 2, 2 pending nodes, 2 new ones; request b: a new tree only."""
+    step = PackedStep.from_trees(
+        [
+            StepRequest(kv_start=100, cached=3, chain=[7, 8], tokens=[5, 6], parents=[-1, 0, 1, 0]),
+            StepRequest(kv_start=0, cached=4, chain=[], tokens=[1, 2, 3], parents=[-1, 0, 0]),
+        ]
+    )
+    assert step.tokens == (7, 8, 5, 6, 1, 2, 3)
+    assert step.positions == (3, 4, 7, 6, 4, 5, 5)  # chain after the cached context; nodes at context + depth
+    assert step.cache_rows == (103, 104, 107, 108, 4, 5, 6)  # new nodes behind the pending ones
+    assert step.seg_parents == ((-1, 0), (-1, 0, 1, 0), (-1, 0, 0))
+    assert (step.seg_prefix, step.seg_starts, step.seg_queries) == ((3, 5, 4), (100, 100, 0), (2, 2, 3))
+    assert step.logit_rows == (2, 3, 4, 5, 6)
+    with pytest.raises(ValueError, match="only the first"):
+        PackedStep.from_trees([StepRequest(kv_start=0, cached=1, chain=[], tokens=[1, 2], parents=[-1, -1])])
+
+
+def test_packed_step_runs_without_the_backend(checkpoint):
+    """A prefill chain and a tree on top of it in one packed step, run by the backend's runner
+    directly: the tree's logits are transformers'."""
+    path, hf = checkpoint
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    context, tokens, parents = list(range(3, 20)), [20, 21, 22, 23], [-1, 0, 0, 2]
+    step = PackedStep.from_trees([StepRequest(kv_start=native.pool.slot_len, cached=0, chain=context, tokens=tokens, parents=parents)])
+    logits = native.runner.run(step)
+    assert _rel(logits, _hf_last_logits(hf, _node_sequences(TreeForward("x", context, tokens, parents)))) < TOL
 
 
 def test_kv_budget_is_enforced(checkpoint):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specinfer.core import ExpansionConfig, TokenTree, TreeBuilder, merge_drafts, merge_trees
+from specinfer.core import ExpansionConfig, TokenTree, TreeBuilder, ancestor_matrix, merge_drafts, merge_trees, node_depths, validate_parents
 
 
 @st.composite
@@ -43,6 +43,17 @@ def test_ancestor_mask_is_the_ancestor_relation(tree):
     for i in range(len(tree)):
         for j in range(len(tree)):
             assert mask[i, j] == _is_ancestor(tree, j, i)
+
+
+def test_parent_array_functions_take_forests():
+    """A forest (several -1 parents: pending nodes plus new ones of a backend's cache) has depths and an ancestor
+    relation per tree; only ``validate_parents`` insists on a single root."""
+    parents = [-1, 0, -1, 2, 1]
+    assert node_depths(parents).tolist() == [0, 1, 0, 1, 2]
+    assert ancestor_matrix(parents).astype(int).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [1, 1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="parents\\[2\\]"):
+        validate_parents(parents)
+    validate_parents([-1, 0, 0, 2])
 
 
 @given(trees())

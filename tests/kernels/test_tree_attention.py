@@ -26,6 +26,7 @@ from specinfer.kernels import (
     tree_attention_ref,
     tree_attention_sdpa,
 )
+from specinfer.kernels.launch import Forced, choose_config
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -131,10 +132,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def run_triton(batch: Batch, **kwargs) -> torch.Tensor:
+def run_triton(batch: Batch, forced: Forced | None = None, sm_scale: float | None = None) -> torch.Tensor:
     from specinfer.kernels.tree_attention_triton import tree_attention_triton
 
-    return tree_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, **kwargs)
+    return tree_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, forced)
 
 
 def check_against_ref(batch: Batch, out: torch.Tensor, tol: float, what: str) -> None:
@@ -373,7 +374,7 @@ def test_triton_tile_sizes_and_splits(seed: int, device: torch.device, block_m: 
     trees = [random_tree(rng, int(rng.integers(65, 110))), chain(45), star(33), [-1], branches(rng, 20)]
     prefix = [int(rng.integers(0, 301)), 0, int(rng.integers(0, 40)), int(rng.integers(0, 301)), 3]
     batch = make_batch(rng, trees, prefix, 2, 2, 64, torch.float32, device)
-    out = run_triton(batch, block_m=block_m, block_n=block_n, num_splits=num_splits)
+    out = run_triton(batch, Forced(block_m, block_n, num_splits))
     check_against_ref(batch, out, FP32_TOL, f"seed={seed} block_m={block_m} block_n={block_n} num_splits={num_splits}")
 
 
@@ -390,7 +391,7 @@ def test_triton_chain_is_causal_attention(seed: int, device: torch.device, num_s
     meta = build_tree_metadata([chain(n)], [prefix], [0], device)
     from specinfer.kernels.tree_attention_triton import tree_attention_triton
 
-    out = tree_attention_triton(q_full[prefix:].to(device), k.to(device), v.to(device), meta, num_splits=num_splits)
+    out = tree_attention_triton(q_full[prefix:].to(device), k.to(device), v.to(device), meta, forced=Forced(num_splits=num_splits))
     err = rel_err(out.cpu(), causal_attention(q_full, k, v)[prefix:])
     assert err < FP32_TOL, f"seed={seed} prefix={prefix} n={n} num_splits={num_splits}: {err:.3g}"
 
@@ -404,7 +405,7 @@ def test_triton_partial_queries(seed: int, device: torch.device, num_splits: int
     prefix = [int(rng.integers(0, 301)) for _ in trees]
     nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
     batch = make_batch(rng, trees, prefix, 2, 2, 64, torch.float32, device, num_queries=nq)
-    out = run_triton(batch, num_splits=num_splits)
+    out = run_triton(batch, Forced(num_splits=num_splits))
     check_against_ref(batch, out, FP32_TOL, f"seed={seed} num_queries={nq} num_splits={num_splits}")
 
 
@@ -460,8 +461,6 @@ def test_gpu_large_batch(seed: int, dtype: torch.dtype, tol: float, group: int, 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_single_request_long_prefix_uses_splits(seed: int, dtype: torch.dtype) -> None:
-    from specinfer.kernels.tree_attention_triton import choose_config
-
     rng = np.random.default_rng(seed)
     batch = make_batch(rng, [random_tree(rng, 32)], [8000], 8, 4, 128, dtype, torch.device("cuda"))
     assert choose_config(batch.q, batch.k_cache, batch.meta).num_splits > 1
@@ -490,6 +489,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specinfer.kernels import build_tree_metadata
 from specinfer.kernels import tree_attention_triton as m
+from specinfer.kernels.launch import Forced, choose_config
 
 kernel = m._tree_attn_fwd_kernel
 assert not triton.knobs.runtime.interpret
@@ -503,7 +503,7 @@ for cap, dtype, tname, head_dim, (tree_len, group) in CASES:
     meta = build_tree_metadata([list(range(-1, tree_len - 1))], [4096], [0], "cpu")
     q = torch.empty(tree_len, 8 * group, head_dim, dtype=dtype)
     k = torch.empty(1, 8, head_dim, dtype=dtype)
-    cfg = m.choose_config(q, k, meta, num_splits=1 + (tree_len == 8) * 3)
+    cfg = choose_config(q, k, meta, Forced(num_splits=1 + (tree_len == 8) * 3))
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       NUM_SPLITS=cfg.num_splits, EVEN_D=True, DOT_PRECISION="ieee" if tname == "fp32" else "tf32")
     sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 6 + ["fp32"] + ["i32"] * 11))

@@ -12,7 +12,7 @@ from specinfer.core.sampling import (
     sparsify,
     top_k_tokens,
 )
-from specinfer.core.tree import TokenTree
+from specinfer.core.tree import TokenTree, ancestor_matrix, node_depths, validate_parents
 from specinfer.core.verify import VerifyResult, verify_greedy, verify_stochastic
 
 __all__ = [
@@ -25,14 +25,17 @@ __all__ = [
     "TokenTree",
     "TreeBuilder",
     "VerifyResult",
+    "ancestor_matrix",
     "combine_drafts",
     "draw_without_replacement",
     "merge_drafts",
     "merge_trees",
+    "node_depths",
     "process_logits",
     "sample",
     "sparsify",
     "top_k_tokens",
+    "validate_parents",
     "verify_greedy",
     "verify_stochastic",
 ]

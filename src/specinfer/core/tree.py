@@ -25,6 +25,45 @@ from functools import cached_property
 import numpy as np
 
 
+def validate_parents(parents: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``parents`` is a tree: non-empty, ``parents[0] == -1`` and ``0 <= parents[i] < i``."""
+    if len(parents) == 0:
+        raise ValueError("a token tree needs at least the root node")
+    if int(parents[0]) != -1:
+        raise ValueError("parents[0] must be -1 (node 0 is the root)")
+    for i in range(1, len(parents)):
+        if not 0 <= int(parents[i]) < i:
+            raise ValueError(f"parents[{i}] = {parents[i]} must be in [0, {i})")
+
+
+def node_depths(parents: Sequence[int]) -> np.ndarray:
+    """``depths[i]``: edges from node i up to a node whose parent is -1 (a root).  # [n] int64
+
+    One forward pass (``parents[i] < i``); a parent array with several roots (a forest) is fine.
+    """
+    depths = [0] * len(parents)  # a list: element access is several times cheaper than on an array
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depths[i] = depths[p] + 1
+    return np.array(depths, dtype=np.int64)
+
+
+def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
+    """``anc[i, j]`` is True iff node j is node i or an ancestor of i.  # [n, n] bool
+
+    The topology-aware mask of tree attention, the one home of its formula: the kernel metadata bit-packs it,
+    the backends turn it into tensors. One forward pass (``parents[i] < i``): a node's row is its parent's row
+    plus itself. A parent array with several roots (a forest) is fine.
+    """
+    n = len(parents)
+    anc = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
+
+
 @dataclass(frozen=True, eq=False)
 class TokenTree:
     """A speculated token tree; see the module docstring for the invariants."""
@@ -33,21 +72,14 @@ class TokenTree:
     parents: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
-        if n == 0:
-            raise ValueError("a token tree needs at least the root node")
-        if len(self.parents) != n:
+        if len(self.parents) != len(self.tokens):
             raise ValueError("tokens and parents differ in length")
-        if self.parents[0] != -1:
-            raise ValueError("parents[0] must be -1 (node 0 is the root)")
+        validate_parents(self.parents)
         seen: set[tuple[int, int]] = set()
-        for i in range(1, n):
-            p = self.parents[i]
-            if not 0 <= p < i:
-                raise ValueError(f"parents[{i}] = {p} must be in [0, {i})")
-            key = (p, self.tokens[i])
+        for i in range(1, len(self)):
+            key = (self.parents[i], self.tokens[i])
             if key in seen:
-                raise ValueError(f"node {p} has two children with token {self.tokens[i]}")
+                raise ValueError(f"node {self.parents[i]} has two children with token {self.tokens[i]}")
             seen.add(key)
 
     @staticmethod
@@ -73,10 +105,7 @@ class TokenTree:
     @cached_property
     def depths(self) -> np.ndarray:
         """``depths[i]``: edges from the root to node i.  # [n] int64"""
-        d = np.zeros(len(self), dtype=np.int64)
-        for i in range(1, len(self)):
-            d[i] = d[self.parents[i]] + 1
-        return d
+        return node_depths(self.parents)
 
     def positions(self, root_position: int) -> np.ndarray:
         """Sequence positions of the nodes when the root sits at ``root_position``.  # [n]"""
@@ -97,14 +126,7 @@ class TokenTree:
         This is the topology-aware causal mask of tree attention: a node attends to the
         committed prefix, its ancestors and itself.
         """
-        n = len(self)
-        mask = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+        return ancestor_matrix(self.parents)
 
     @cached_property
     def dfs_order(self) -> tuple[int, ...]:

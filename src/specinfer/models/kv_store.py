@@ -36,8 +36,7 @@ class RequestCache:
         self.storage = storage
         self.context_tokens: list[int] = []
         self.pending_tokens: list[int] = []
-        self.pending_parents: list[int] = []
-        self.pending_depths: list[int] = []
+        self.pending_parents: list[int] = []  # -1: attached to the context; j: pending node j
 
     @property
     def context_len(self) -> int:
@@ -79,7 +78,6 @@ class RequestCache:
         self.storage.clear_pending()
         self.pending_tokens.clear()
         self.pending_parents.clear()
-        self.pending_depths.clear()
 
     def _matching_path(self, continuation: list[int]) -> list[int]:
         children: dict[tuple[int, int], int] = {}
@@ -98,34 +96,18 @@ class RequestCache:
         self.context_tokens.extend(int(t) for t in tokens)
 
     def record_pending(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
-        self.pending_depths.extend(self.node_depths(parents))
         self.pending_tokens.extend(int(t) for t in tokens)
         self.pending_parents.extend(int(p) for p in parents)
 
-    def node_depths(self, parents: Sequence[int]) -> list[int]:
-        """Depths (0 = right after the context) of new nodes with these parents."""
-        depths = list(self.pending_depths)
-        out = []
-        for p in parents:
-            if not -1 <= p < len(depths):
-                raise ValueError(f"parent {p} does not name a pending or earlier node")
-            d = 0 if p < 0 else depths[p] + 1
-            depths.append(d)
-            out.append(d)
-        return out
-
-    def ancestors(self, parents: Sequence[int]) -> list[list[int]]:
-        """For each new node, the pending/new node indices it attends to (itself included)."""
-        all_parents = self.pending_parents + list(parents)
-        memo: dict[int, list[int]] = {}
-
-        def anc(j: int) -> list[int]:
-            if j not in memo:
-                p = all_parents[j]
-                memo[j] = ([] if p < 0 else anc(p)) + [j]
-            return memo[j]
-
-        return [anc(len(self.pending_parents) + i) for i in range(len(parents))]
+    def node_parents(self, parents: Sequence[int]) -> list[int]:
+        """The parent array of the pending nodes followed by new nodes with ``parents``; its depths
+        (:func:`specinfer.core.node_depths`, 0 = right after the context) give positions and its
+        :func:`specinfer.core.ancestor_matrix` the attention mask."""
+        nodes = self.pending_parents + [int(p) for p in parents]
+        for i in range(self.pending_len, len(nodes)):
+            if not -1 <= nodes[i] < i:
+                raise ValueError(f"parent {nodes[i]} does not name a pending or earlier node")
+        return nodes
 
 
 class _Buffer:

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from specinfer.core.tree import ancestor_matrix, node_depths
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import BufferStorage, RequestCache
 
@@ -131,14 +132,15 @@ class ReferenceBackend:
         m, n = len(chain), len(item.tokens)
         off = q_max - m - n
         ctx_len = lc + m  # == len(item.context)
-        depths = cache.node_depths(item.parents)
-        ancestors = cache.ancestors(item.parents)
+        nodes = cache.node_parents(item.parents)  # pending nodes, then the new ones
+        depths = torch.from_numpy(node_depths(nodes))  # [lp + n]
+        ancestors = torch.from_numpy(ancestor_matrix(nodes)[lp:])  # [n, lp + n] bool
 
         input_ids[b, off:] = torch.tensor(list(chain) + list(item.tokens), dtype=torch.long)
         positions[b, off : off + m] = torch.arange(lc, ctx_len)
-        positions[b, off + m :] = torch.tensor(depths, dtype=torch.long) + ctx_len
+        positions[b, off + m :] = depths[lp:] + ctx_len
         key_pos[b, :lc] = torch.arange(lc)
-        key_pos[b, lc : lc + lp] = torch.tensor(cache.pending_depths, dtype=torch.long) + lc
+        key_pos[b, lc : lc + lp] = depths[:lp] + lc
         key_pos[b, p_max:] = positions[b]
 
         for i in range(off):  # padding rows attend to themselves only, so they stay finite
@@ -147,11 +149,9 @@ class ReferenceBackend:
         chain_cols = p_max + off
         allowed[b, off : off + m, chain_cols : chain_cols + m] = torch.ones(m, m, dtype=torch.bool).tril()
         allowed[b, off + m :, chain_cols : chain_cols + m] = True
-        for k, anc in enumerate(ancestors):
-            row = off + m + k
-            for a in anc:
-                col = lc + a if a < lp else chain_cols + m + (a - lp)
-                allowed[b, row, col] = True
+        # new nodes see their pending ancestors (cached behind the context) and their new ones (behind the chain)
+        allowed[b, off + m :, lc : lc + lp] = ancestors[:, :lp]
+        allowed[b, off + m :, chain_cols + m :] = ancestors[:, lp:]
         return _Row(cache, list(chain), off, lc + lp)
 
     def _attention_mask(self, allowed, positions, key_pos):

@@ -8,7 +8,6 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.spec import ModelSpec
-from specinfer.models.native.step import LocalRunner, PackedStep, StepRunner
+from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
 from specinfer.models.native.weights import build_weights, read_state_dict
 
 
@@ -52,26 +51,24 @@ def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     return rows, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * rows)
 
 
-def rope_tables(spec: ModelSpec, path: Path) -> tuple[torch.Tensor | None, float]:
+def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torch.Tensor | None, float]:
+    """RoPE inverse frequencies on ``device``  # [head_dim / 2] float32
+    and the cos/sin scale of the checkpoint at ``path``; ``(None, 1.0)`` for OPT (learned positions)."""
     if spec.arch == "opt":
         return None, 1.0
-    cfg = json.loads((path / "config.json").read_text())
-    rope, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
-    if (rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default") == "default":
-        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
-        return inv, 1.0
-    # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
-    # of a parallel verifier pays it at start-up)
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if spec.rope_type != "default":
+        # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
+        # of a parallel verifier pays it at start-up)
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = AutoConfig.from_pretrained(str(path))
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type == "default":
-        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
-        return inv, 1.0
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv.float(), float(scale)
+        config = AutoConfig.from_pretrained(str(path))
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type != "default":
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            return inv.float().to(device), float(scale)
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+    return inv.to(device), 1.0
 
 
 class NativeBackend:
@@ -84,38 +81,21 @@ class NativeBackend:
         self.runner = runner
         self.options = options
         self.device = torch.device(options.device)
-        self.slot_len = slot_len(spec, options)
+        self.pool: KVPool = runner.pool
+        self.vocab_size = spec.vocab_size
+        self.max_positions = slot_len(spec, options)
+        self.max_requests = self.pool.num_slots  # concurrent requests the KV pool holds
         self._caches: dict[str, RequestCache] = {}
-
-    @property
-    def pool(self) -> KVPool:
-        return self.runner.pool
 
     @classmethod
     def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
         path = Path(path)
         spec = ModelSpec.from_dir(path)
-        weights = build_weights(spec, read_state_dict(path), options.dtype, torch.device(options.device))
-        inv_freq, scale = rope_tables(spec, path)
-        if inv_freq is not None:
-            inv_freq = inv_freq.to(options.device)
-        model = NativeModel(spec, weights, inv_freq, scale, options.attention)
         device = torch.device(options.device)
+        weights = build_weights(spec, read_state_dict(path), options.dtype, device)
+        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention)
         rows, slots = pool_slots(spec, options)
         return cls(spec, LocalRunner(model, KVPool(spec, options.dtype, device, rows, slots), device), options)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.spec.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.slot_len
-
-    @property
-    def max_requests(self) -> int:
-        """Concurrent requests the KV pool holds."""
-        return self.pool.num_slots
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)
@@ -136,60 +116,24 @@ class NativeBackend:
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         if not batch:
             return []
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        seg_parents: list[list[int]] = []
-        seg_prefix: list[int] = []
-        seg_starts: list[int] = []
-        seg_queries: list[int] = []
-        logit_rows: list[int] = []
-        plans = []
+        requests, plans = [], []
         for item in batch:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
-            start = cache.storage.start
-            if lc + m > self.slot_len or lp + n > self.pool.slot_len - lc - m:
+            if lc + m > self.max_positions or lp + n > self.pool.slot_len - lc - m:
                 raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, its slot holds {self.pool.slot_len}")
-            if m:
-                seg_parents.append(list(range(-1, m - 1)))
-                seg_prefix.append(lc)
-                seg_starts.append(start)
-                seg_queries.append(m)
-                tokens.extend(chain)
-                positions.extend(range(lc, lc + m))
-                rows.extend(range(start + lc, start + lc + m))
-            if n:
-                parents = cache.pending_parents + [int(p) for p in item.parents]
-                if any(p < 0 for p in parents[1:]):
-                    raise ValueError("only the first pending node may attach to the context (parent -1)")
-                seg_parents.append(parents)
-                seg_prefix.append(lc + m)
-                seg_starts.append(start)
-                seg_queries.append(n)
-                logit_rows.extend(range(len(tokens), len(tokens) + n))
-                tokens.extend(int(t) for t in item.tokens)
-                positions.extend(d + lc + m for d in cache.node_depths(item.parents))
-                rows.extend(range(start + lc + m + lp, start + lc + m + lp + n))
-            plans.append((item, cache, chain, n))
-        if not tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
-            return [torch.empty(0, self.vocab_size, device=self.device) for _ in plans]
-        step = PackedStep(
-            tuple(tokens),
-            tuple(positions),
-            tuple(rows),
-            tuple(tuple(p) for p in seg_parents),
-            tuple(seg_prefix),
-            tuple(seg_starts),
-            tuple(seg_queries),
-            tuple(logit_rows),
-        )
+            requests.append(StepRequest(cache.storage.start, lc, chain, item.tokens, cache.node_parents(item.parents)))
+            plans.append((item, cache, chain))
+        step = PackedStep.from_trees(requests)
+        if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch]
         logits = self.runner.run(step)  # [sum n, vocab]
         out, offset = [], 0
-        for item, cache, chain, n in plans:
+        for item, cache, chain in plans:
             cache.record_context(chain)
             cache.record_pending(item.tokens, item.parents)
+            n = len(item.tokens)
             out.append(logits[offset : offset + n])
             offset += n
         return out

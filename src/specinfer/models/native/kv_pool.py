@@ -34,10 +34,6 @@ class KVPool:
     def bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
         return 2 * spec.layers * spec.kv_heads * spec.head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def allocate(self) -> int:
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots ({self.slot_len} tokens each) are in use")

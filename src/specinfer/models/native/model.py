@@ -19,20 +19,32 @@ OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 
 
 class NativeModel:
+    """The forward pass. The architecture's blocks (embedding extras, decoder layer, final norm)
+    are picked once here, so the per-layer path runs no architecture branch."""
+
     def __init__(self, spec: ModelSpec, weights: ModelWeights, inv_freq: torch.Tensor | None, rope_scale: float, attention_impl: str) -> None:
         self.spec = spec
         self.w = weights
         self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
         self.attention_impl = attention_impl
-        # only OPT names its activation (Llama blocks are SwiGLU); transformers, which knows every
-        # name, takes seconds to import, so the usual one is taken from torch
-        if spec.arch == "opt" and spec.activation != "relu":
-            from transformers.activations import ACT2FN
+        self._dims = (spec.hidden_size,)  # normalized shape of every norm
+        if spec.arch == "opt":
+            # transformers, which knows every activation name, takes seconds to import: only
+            # for an unusual one
+            if spec.activation == "relu":
+                self.act = F.relu
+            else:
+                from transformers.activations import ACT2FN
 
-            self.act = ACT2FN[spec.activation]
+                self.act = ACT2FN[spec.activation]
+            self._embed_extra = self._opt_embed_extra
+            self._layer = self._opt_pre_norm_layer if spec.layer_norm_before else self._opt_post_norm_layer
+            self._final = self._opt_final
         else:
-            self.act = F.relu if spec.arch == "opt" else F.silu
+            self._embed_extra = self._no_embed_extra
+            self._layer = self._llama_layer
+            self._final = self._llama_final
 
     def forward(
         self,
@@ -49,33 +61,18 @@ class NativeModel:
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         """Token (and for OPT, position) embeddings of the packed tokens."""
-        spec, w = self.spec, self.w
-        h = self._embed_tokens(tokens)  # [T, word_embed_dim]
-        if spec.arch == "opt":
-            if w.project_in is not None:
-                h = F.linear(h, w.project_in)
-            h = h + F.embedding(positions + OPT_POSITION_OFFSET, w.positions)
-        return h
+        return self._embed_extra(self._embed_tokens(tokens), positions)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: KVPool) -> torch.Tensor:
         """Every decoder layer of ``self.w`` over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
-        rope = None if self.spec.arch == "opt" else self._rope(positions, h.dtype)
+        rope = None if self.inv_freq is None else self._rope(positions, h.dtype)  # once per step, shared by every layer
         for i, layer in enumerate(self.w.layers):
             h = self._layer(i, layer, h, rope, cache_rows, meta, pool)
         return h
 
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]."""
-        spec, w = self.spec, self.w
-        h = h[logit_rows]  # [N, hidden]
-        if spec.arch == "opt":
-            if w.final_norm_w is not None or w.final_norm_b is not None:
-                h = F.layer_norm(h, (spec.hidden_size,), w.final_norm_w, w.final_norm_b, spec.norm_eps)
-            if w.project_out is not None:
-                h = F.linear(h, w.project_out)
-        else:
-            h = F.rms_norm(h, (spec.hidden_size,), w.final_norm_w, spec.norm_eps)
-        return self._lm_head(h).float()
+        return self._lm_head(self._final(h[logit_rows])).float()
 
     # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the
     # whole vocabulary and full-width row-parallel layers, so nothing is communicated.
@@ -89,6 +86,8 @@ class NativeModel:
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""
         return x
+
+    # Shared by both families.
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
@@ -119,22 +118,43 @@ class NativeModel:
         out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
         return self._reduce(F.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
-    def _layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        spec = self.spec
-        if spec.arch == "opt":
-            dims = (spec.hidden_size,)
-            before = spec.layer_norm_before
-            x = F.layer_norm(h, dims, layer.norm1_w, layer.norm1_b, spec.norm_eps) if before else h
-            h = h + self._attention(i, layer, x, rope, cache_rows, meta, pool)
-            if not before:
-                h = F.layer_norm(h, dims, layer.norm1_w, layer.norm1_b, spec.norm_eps)
-            x = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps) if before else h
-            h = h + self._reduce(F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
-            if not before:
-                h = F.layer_norm(h, dims, layer.norm2_w, layer.norm2_b, spec.norm_eps)
-            return h
-        dims = (spec.hidden_size,)
-        h = h + self._attention(i, layer, F.rms_norm(h, dims, layer.norm1_w, spec.norm_eps), rope, cache_rows, meta, pool)
-        gate_up = F.linear(F.rms_norm(h, dims, layer.norm2_w, spec.norm_eps), layer.up_w)  # [T, 2 * intermediate]
+    # Llama family: RoPE, RMSNorm before each sublayer, SwiGLU MLP.
+
+    def _no_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def _llama_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
+        eps = self.spec.norm_eps
+        h = h + self._attention(i, layer, F.rms_norm(h, self._dims, layer.norm1_w, eps), rope, cache_rows, meta, pool)
+        gate_up = F.linear(F.rms_norm(h, self._dims, layer.norm2_w, eps), layer.up_w)  # [T, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         return h + self._reduce(F.linear(F.silu(gate) * up, layer.down_w))
+
+    def _llama_final(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, self._dims, self.w.final_norm_w, self.spec.norm_eps)
+
+    # OPT: learned positions, LayerNorm before (most sizes) or after (opt-350m) each sublayer, fc1/act/fc2 MLP.
+
+    def _opt_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.w.project_in is not None:
+            h = F.linear(h, self.w.project_in)
+        return h + F.embedding(positions + OPT_POSITION_OFFSET, self.w.positions)
+
+    def _layer_norm(self, h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.layer_norm(h, self._dims, weight, bias, self.spec.norm_eps)
+
+    def _opt_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
+
+    def _opt_pre_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
+        h = h + self._attention(i, layer, self._layer_norm(h, layer.norm1_w, layer.norm1_b), rope, cache_rows, meta, pool)
+        return h + self._opt_mlp(layer, self._layer_norm(h, layer.norm2_w, layer.norm2_b))
+
+    def _opt_post_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
+        h = self._layer_norm(h + self._attention(i, layer, h, rope, cache_rows, meta, pool), layer.norm1_w, layer.norm1_b)
+        return self._layer_norm(h + self._opt_mlp(layer, h), layer.norm2_w, layer.norm2_b)
+
+    def _opt_final(self, h: torch.Tensor) -> torch.Tensor:
+        if self.w.final_norm_w is not None or self.w.final_norm_b is not None:
+            h = self._layer_norm(h, self.w.final_norm_w, self.w.final_norm_b)
+        return h if self.w.project_out is None else F.linear(h, self.w.project_out)

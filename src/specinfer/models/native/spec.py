@@ -32,10 +32,10 @@ class ModelSpec:
     qkv_bias: bool
     rope_theta: float
     sliding_window: int | None
+    rope_type: str = "default"  # Llama family: "default" or a scaled RoPE transformers computes (llama3, yarn, ...)
     # OPT only
     layer_norm_before: bool = True
     final_layer_norm: bool = True
-    word_embed_dim: int = 0
     activation: str = "silu"
 
     @staticmethod
@@ -47,57 +47,30 @@ class ModelSpec:
         arch = cfg.get("model_type")
         if arch not in SUPPORTED:
             raise UnsupportedModel(f"model_type {arch!r} is not one of {SUPPORTED}")
+        opt = arch == "opt"
+        rope_type = "default" if opt else _llama_rope_type(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        if arch == "opt":
-            return ModelSpec(
-                arch=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                layers=int(cfg["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=heads,
-                head_dim=hidden // heads,
-                intermediate_size=int(cfg["ffn_dim"]),
-                max_positions=int(cfg["max_position_embeddings"]),
-                norm_eps=1e-5,
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                qkv_bias=bool(cfg.get("enable_bias", True)),
-                rope_theta=0.0,
-                sliding_window=None,
-                layer_norm_before=bool(cfg.get("do_layer_norm_before", True)),
-                final_layer_norm=bool(cfg.get("do_layer_norm_before", True)) and not cfg.get("_remove_final_layer_norm", False),
-                word_embed_dim=int(cfg.get("word_embed_proj_dim") or hidden),
-                activation=str(cfg.get("activation_function", "relu")),
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"hidden_act {cfg.get('hidden_act')!r} (native Llama blocks use SwiGLU)")
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type == "dynamic":
-            raise UnsupportedModel("dynamic NTK RoPE changes with the sequence length")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        layer_types = cfg.get("layer_types")
-        if sliding and layer_types and "sliding_attention" not in layer_types:
-            sliding = None
-        if sliding and layer_types and "full_attention" in layer_types:
-            raise UnsupportedModel("mixed sliding/full attention layers")
+        before = bool(cfg.get("do_layer_norm_before", True))  # OPT only
         return ModelSpec(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             layers=int(cfg["num_hidden_layers"]),
             heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_positions=int(cfg.get("max_position_embeddings", 2048)),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            sliding_window=int(sliding) if sliding else None,
+            kv_heads=heads if opt else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=hidden // heads if opt else int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["ffn_dim"] if opt else cfg["intermediate_size"]),
+            max_positions=int(cfg["max_position_embeddings"] if opt else cfg.get("max_position_embeddings", 2048)),
+            norm_eps=1e-5 if opt else float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", opt)),  # OPT ties by default, Llama does not
+            qkv_bias=bool(cfg.get("enable_bias", True)) if opt else arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_theta=0.0 if opt else float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            sliding_window=None if opt else _sliding_window(cfg),
+            rope_type=rope_type,
+            layer_norm_before=before if opt else True,
+            final_layer_norm=before and not cfg.get("_remove_final_layer_norm", False) if opt else True,
+            activation=str(cfg.get("activation_function", "relu")) if opt else "silu",
         )
 
     @property
@@ -105,3 +78,26 @@ class ModelSpec:
         """Longest sequence the native runtime runs: without a sliding-window kernel, a
         sliding-window model is exact only up to its window."""
         return min(self.max_positions, self.sliding_window) if self.sliding_window else self.max_positions
+
+
+def _llama_rope_type(cfg: dict) -> str:
+    """The RoPE variant of a Llama-family config; raises :class:`UnsupportedModel` for what the native blocks cannot run."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {cfg.get('hidden_act')!r} (native Llama blocks use SwiGLU)")
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "dynamic":
+        raise UnsupportedModel("dynamic NTK RoPE changes with the sequence length")
+    return rope_type
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """The attention window of a Llama-family config (None: full attention)."""
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    layer_types = cfg.get("layer_types")
+    if sliding and layer_types and "sliding_attention" not in layer_types:
+        sliding = None
+    if sliding and layer_types and "full_attention" in layer_types:
+        raise UnsupportedModel("mixed sliding/full attention layers")
+    return int(sliding) if sliding else None

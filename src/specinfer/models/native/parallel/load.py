@@ -34,8 +34,7 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     shard = shard_weights(spec, full, layout)
     del full
     weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
-    inv_freq, scale = rope_tables(spec, path)
-    model = StageModel(shard_spec(spec, layout), weights, None if inv_freq is None else inv_freq.to(device), scale, options.attention, spec.vocab_size, groups)
+    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups)
     rows, slots = pool_slots(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
     return model, rows, slots
 

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specinfer.models.native.parallel.layout import ParallelLayout
@@ -49,15 +51,12 @@ def _shard_layer(spec: ModelSpec, layer: LayerWeights, layout: ParallelLayout) -
         gate, up = layer.up_w.chunk(2, dim=0)  # [intermediate, hidden] each
         up_w, up_b = torch.cat([gate[r * ffn : (r + 1) * ffn], up[r * ffn : (r + 1) * ffn]]).contiguous(), None
     keep_bias = r == 0
-    return LayerWeights(
+    return dataclasses.replace(  # the norms stay whole on every rank
+        layer,
         qkv_w=layer.qkv_w[qkv].contiguous(),
         qkv_b=None if layer.qkv_b is None else layer.qkv_b[qkv].contiguous(),
         o_w=layer.o_w[:, r * width : (r + 1) * width].contiguous(),
         o_b=layer.o_b if keep_bias else None,
-        norm1_w=layer.norm1_w,
-        norm1_b=layer.norm1_b,
-        norm2_w=layer.norm2_w,
-        norm2_b=layer.norm2_b,
         up_w=up_w,
         up_b=up_b,
         down_w=layer.down_w[:, r * ffn : (r + 1) * ffn].contiguous(),
