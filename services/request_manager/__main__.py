@@ -11,11 +11,13 @@ from grpc_health.v1 import health_pb2
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.request_manager.admission import ApiLimits, merged_tree_nodes
 from specinfer.request_manager.config import RequestManagerConfig
+from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
-from specinfer.request_manager.servicer import ApiLimits, SpecInferServicer
+from specinfer.request_manager.servicer import SpecInferServicer
 from specinfer.request_manager.store import RequestStore
 from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
@@ -75,13 +77,14 @@ async def serve(cfg: RequestManagerConfig) -> None:
         eos_token_id=eos,
     )
     if limits.default_expansion:
-        nodes = 1 + len(limits.default_ssms) * (ExpansionConfig(limits.default_expansion).max_nodes - 1)
+        nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))
         if nodes > cfg.max_tree_nodes:
             raise SystemExit(
                 f"the default tree (--expansion with {len(limits.default_ssms)} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}"
             )
-    servicer = SpecInferServicer(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
-    await servicer.recover()
+    requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
+    await requests.recover()
+    servicer = SpecInferServicer(requests)
     loop_task = asyncio.get_running_loop().create_task(scheduler.run())
 
     async def on_stop() -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
+from specinfer.core.errors import check_token_ids
 from specinfer.v1 import api_pb2, internal_pb2
 
 if TYPE_CHECKING:
@@ -98,18 +99,10 @@ class ContextUpdate:
     tokens: tuple[int, ...]
 
 
-def token_ids(values: Sequence[int], vocab_size: int, field: str) -> tuple[int, ...]:
-    """Token IDs checked against the vocabulary: a bad one would index past the embedding table."""
-    for i, t in enumerate(values):
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(field, f"token ID {t} (position {i}) is outside the vocabulary [0, {vocab_size})")
-    return tuple(int(t) for t in values)
-
-
 def context_from_proto(msg: internal_pb2.Context, vocab_size: int, field: str = "context") -> ContextUpdate:
     if not msg.request_id:
         raise InvalidArgument(f"{field}.request_id", "must not be empty")
-    return ContextUpdate(msg.request_id, int(msg.offset), token_ids(msg.tokens, vocab_size, f"{field}.tokens"))
+    return ContextUpdate(msg.request_id, int(msg.offset), check_token_ids(f"{field}.tokens", msg.tokens, vocab_size))
 
 
 def check_distinct_requests(updates: Sequence[ContextUpdate], field: str = "items") -> None:
@@ -134,7 +127,7 @@ def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int
     from specinfer.engine.engine import step_rng
     from specinfer.engine.steps import DraftJob
 
-    (root,) = token_ids([item.root_token], vocab_size, f"{field}.root_token")
+    (root,) = check_token_ids(f"{field}.root_token", [item.root_token], vocab_size)
     expansion = expansion_from_proto(item.expansion, f"{field}.expansion")
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
     check_positions(len(context), expansion.depth, max_positions, f"{field}.context.tokens")
@@ -145,13 +138,13 @@ def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int
 
 def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) -> None:
     """Token IDs in range and, under sampling, the draft distributions verification divides by."""
-    token_ids(draft.tree.tokens, vocab_size, f"{field}.tokens")
+    check_token_ids(f"{field}.tokens", draft.tree.tokens, vocab_size)
     if greedy:
         return
     for i, g in enumerate(draft.groups):
         if g.q is None:
             raise InvalidArgument(f"{field}.groups[{i}]", "sampling needs the draft distribution (q_tokens, q_probs)")
-        token_ids(g.q.tokens.tolist(), vocab_size, f"{field}.groups[{i}].q_tokens")
+        check_token_ids(f"{field}.groups[{i}].q_tokens", g.q.tokens.tolist(), vocab_size)
         if len(set(g.q.tokens.tolist())) != len(g.q.tokens):
             raise InvalidArgument(f"{field}.groups[{i}].q_tokens", "must be distinct")
         if any(g.q.prob_of(draft.tree.tokens[c]) <= 0 for c in g.children):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specinfer.core import DraftTree, InvalidArgument, TokenTree, combine_drafts
+from specinfer.core.errors import check_token_ids
 from specinfer.core.requests import GenerationRequest, GenerationResult, StepStats, commit_tokens
 from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
 from specinfer.models.interface import CausalLM
@@ -84,12 +85,8 @@ class SpeculativeEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         vocab = self.llm.vocab_size
-        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument("prompt_tokens", f"token IDs must be in [0, {vocab}), got {bad[:5]}")
-        bad_stop = [t for t in request.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise InvalidArgument("stop_token_ids", f"token IDs must be in [0, {vocab}), got {bad_stop[:5]}")
+        check_token_ids("prompt_tokens", request.prompt_tokens, vocab)
+        check_token_ids("stop_token_ids", request.stop_token_ids, vocab)
         limit = self.llm.max_positions
         if len(request.prompt_tokens) + request.max_new_tokens > limit:
             raise InvalidArgument(

@@ -1,44 +1,88 @@
-"""Mapping exceptions of servicer methods onto gRPC statuses."""
+"""Mapping exceptions of servicer methods onto gRPC statuses: the one place where that happens."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 
-from specinfer.core import InvalidArgument
-from specinfer.models.native.kv_pool import KVCacheFull
-from specinfer.models.native.parallel.driver import RankFailure
+from specinfer.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger("specinfer.rpc")
 
-Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+
+# The status of each domain error; their messages ("field: message") go to the client as they are.
+STATUSES: dict[type[Exception], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the caller may retry later
+}
+
+# Errors of the torch-side model code, named rather than imported: the request manager runs without
+# torch, and an exception whose module was never imported cannot have been raised.
+MODEL_STATUSES: tuple[tuple[str, str, grpc.StatusCode], ...] = (
+    # a full KV pool: the caller may retry with fewer requests
+    ("specinfer.models.native.kv_pool", "KVCacheFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # a failed rank of a parallel model: the service is going down; another replica may answer
+    ("specinfer.models.native.parallel.driver", "RankFailure", grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    """The status an exception of a servicer method ends its call with (INTERNAL: a bug)."""
+    for cls, code in STATUSES.items():
+        if isinstance(exc, cls):
+            return code
+    for module_name, class_name, code in MODEL_STATUSES:
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(exc, getattr(module, class_name)):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: Callable[..., Any], exc: Exception) -> None:
+    code = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("call failed", extra={"method": method.__name__})
+        await context.abort(code, f"{type(exc).__name__}: {exc}")
+    await context.abort(code, str(exc))
 
 
 def rpc_errors(method: Handler) -> Handler:
-    """Wrap a servicer method so that exceptions become statuses and never reach gRPC's own
-    handler: :class:`InvalidArgument` -> INVALID_ARGUMENT ("field: message"), a full KV pool ->
-    RESOURCE_EXHAUSTED (the caller may retry with fewer requests), a failed rank of a parallel
-    model -> UNAVAILABLE (the service is going down; another replica may answer), anything else -> INTERNAL
-    (logged with its traceback)."""
+    """Wrap a servicer method (a coroutine, or an async generator for a streaming RPC) so that exceptions
+    become statuses (:func:`status_of`) and never reach gRPC's own handler; an unexpected one is logged
+    with its traceback. A method may still abort with a status of its own choosing."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self, request, context: grpc.aio.ServicerContext):
+            responses = method(self, request, context)
+            try:
+                async for response in responses:
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort(context, method, exc)
+            finally:
+                await responses.aclose()  # at once, not when collected: the method's cleanup frees resources
+
+        return stream  # type: ignore[return-value]
 
     @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+    async def unary(self, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:
-            raise  # the method aborted with a status of its own choosing
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except KVCacheFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except RankFailure as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise
         except Exception as exc:
-            log.exception("call failed", extra={"method": method.__name__})
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _abort(context, method, exc)
 
-    return wrapper  # type: ignore[return-value]
+    return unary  # type: ignore[return-value]

@@ -1,0 +1,168 @@
+"""Admission: what the public API accepts, and the validated :class:`Live` request a ``GenerateRequest`` becomes.
+
+Pure functions (no I/O): every refusal is an :class:`InvalidArgument` naming the field, which
+``rpc_errors`` turns into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from specinfer import wire
+from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.errors import check_token_ids
+from specinfer.core.requests import GenerationRequest, SpeculationConfig
+from specinfer.request_manager.records import validate_id
+from specinfer.request_manager.scheduler import Live
+from specinfer.request_manager.text import TextStream
+from specinfer.v1 import api_pb2
+
+# Bounds of the fields not tied to a setting: enough for any real use, small enough that a
+# hostile message cannot make validation, Redis records or stop-string matching expensive.
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+CHARS_PER_PROMPT_TOKEN = 32  # a text prompt longer than max_prompt_tokens * this is refused before tokenizing
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """What the public API accepts and defaults to."""
+
+    vocab_size: int
+    max_positions: int
+    max_new_tokens: int
+    default_expansion: tuple[int, ...]  # empty: no speculation by default
+    default_ssms: tuple[str, ...]
+    ssm_names: tuple[str, ...]
+    draft_support: int
+    llm_name: str
+    eos_token_id: int | None
+    max_prompt_tokens: int = 8192
+    max_tree_nodes: int = 64  # of the merged tree, root included
+
+
+def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
+    """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the root."""
+    return 1 + num_ssms * (expansion.max_nodes - 1)
+
+
+def check_request_id(request_id: str) -> str:
+    """``request_id``, or :class:`InvalidArgument` when it cannot name a request: longer than any the server
+    gives or accepts, or against the store's rule for IDs inside Redis keys. An empty ID passes: it names no
+    request, and a caller that needs one says so."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
+    if request_id:
+        try:
+            validate_id(request_id, "request_id")
+        except ValueError as exc:
+            raise InvalidArgument("request_id", str(exc)) from None
+    return request_id
+
+
+def resume_request_id(msg: api_pb2.GenerateRequest) -> str:
+    """The ID of the request a ``resume_from`` message reattaches to."""
+    if not msg.request_id:
+        raise InvalidArgument("request_id", "required with resume_from")
+    return check_request_id(msg.request_id)
+
+
+def prompt_tokens(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The prompt as token IDs, from ``prompt.text`` (tokenized) or ``prompt.token_ids``."""
+    which = msg.WhichOneof("prompt")
+    most = limits.max_prompt_tokens
+    if which == "text":
+        if not msg.text:
+            raise InvalidArgument("prompt.text", "must not be empty")
+        if tokenizer is None:
+            raise InvalidArgument("prompt.text", "this server has no tokenizer; send prompt.token_ids")
+        if len(msg.text) > most * CHARS_PER_PROMPT_TOKEN:
+            raise InvalidArgument("prompt.text", f"{len(msg.text)} characters is too long (the limit is {most} tokens)")
+        ids = tuple(tokenizer.encode(msg.text).ids)
+        if len(ids) > most:
+            raise InvalidArgument("prompt.text", f"{len(ids)} tokens; at most {most}")
+        return ids
+    if which == "token_ids":
+        ids = tuple(msg.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("prompt.token_ids", "must not be empty")
+        if len(ids) > most:
+            raise InvalidArgument("prompt.token_ids", f"{len(ids)} tokens; at most {most}")
+        return check_token_ids("prompt.token_ids", ids, limits.vocab_size)
+    raise InvalidArgument("prompt", "set prompt.text or prompt.token_ids")
+
+
+def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> SpeculationConfig | None:
+    """The request's speculation (None: incremental decoding), the server's defaults filling what is unset."""
+    if msg.disabled:
+        return None
+    widths = tuple(msg.expansion) or limits.default_expansion
+    if not widths:
+        return None
+    most = limits.max_tree_nodes
+    if len(widths) >= most:  # checked first: the node count of a deep tree is a huge number
+        raise InvalidArgument("speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer")
+    expansion = wire.expansion_from_proto(widths)
+    if len(msg.ssms) > len(limits.ssm_names):
+        raise InvalidArgument("speculation.ssms", f"lists {len(msg.ssms)} SSMs; the server has {len(limits.ssm_names)}")
+    names = tuple(msg.ssms) or limits.default_ssms
+    unknown = [n for n in names if n not in limits.ssm_names]
+    if unknown:
+        raise InvalidArgument("speculation.ssms", f"unknown SSM {unknown[0]!r} (have: {', '.join(limits.ssm_names) or 'none'})")
+    if len(set(names)) != len(names):
+        raise InvalidArgument("speculation.ssms", "lists an SSM twice")
+    if not names:
+        raise InvalidArgument("speculation.ssms", "no SSM is available; set speculation.disabled")
+    nodes = merged_tree_nodes(expansion, len(names))
+    if nodes > most:
+        raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {most}")
+    return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support)
+
+
+def _check_stops(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None) -> None:
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument("stop_token_ids", f"{len(msg.stop_token_ids)} IDs; at most {MAX_STOP_TOKEN_IDS}")
+    if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in msg.stop):
+        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters")
+    if any(not s for s in msg.stop):
+        raise InvalidArgument("stop", "an empty stop string would stop at once")
+    check_token_ids("stop_token_ids", msg.stop_token_ids, limits.vocab_size)
+    if msg.stop and tokenizer is None:
+        raise InvalidArgument("stop", "stop strings need a tokenizer, which this server lacks; use stop_token_ids")
+
+
+def _check_length(prompt: tuple[int, ...], max_new_tokens: int, limits: ApiLimits) -> None:
+    if max_new_tokens <= 0:
+        raise InvalidArgument("max_new_tokens", "must be > 0")
+    if max_new_tokens > limits.max_new_tokens:
+        raise InvalidArgument("max_new_tokens", f"must be at most {limits.max_new_tokens}, got {max_new_tokens}")
+    if len(prompt) + max_new_tokens > limits.max_positions:
+        raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens exceeds the model's {limits.max_positions} positions")
+
+
+def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None) -> Live:
+    """A validated :class:`Live` request from the wire message (``deadline``: ``time.monotonic()`` after which it is
+    abandoned; None: never). A request without an ID gets a random one, a sampling request without a seed a random seed."""
+    request_id = check_request_id(msg.request_id or uuid.uuid4().hex)
+    _check_stops(msg, limits, tokenizer)  # bounded before the prompt is tokenized
+    prompt = prompt_tokens(msg, limits, tokenizer)
+    _check_length(prompt, msg.max_new_tokens, limits)
+    sampling = wire.sampling_from_proto(msg.sampling)
+    request = GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=prompt,
+        max_new_tokens=int(msg.max_new_tokens),
+        sampling=sampling,
+        speculation=speculation(msg.speculation, limits),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    text = TextStream(tokenizer, tuple(msg.stop)) if tokenizer is not None else None
+    return Live(request, seed, tuple(msg.stop), text, deadline)

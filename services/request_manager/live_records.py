@@ -1,0 +1,78 @@
+"""The mapping between a :class:`Live` request and its Redis record (:mod:`specinfer.request_manager.records`).
+
+``live_params`` writes what a record keeps besides the prompt, ``live_from_snapshot`` reads an unfinished
+record back into a request to resume, ``snapshot_finish`` reads a record's final state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.requests import GenerationRequest, SpeculationConfig
+from specinfer.request_manager.admission import ApiLimits
+from specinfer.request_manager.records import RequestRecord, RequestSnapshot
+from specinfer.request_manager.scheduler import Finish, Live, StepTotals, Usage
+from specinfer.request_manager.text import TextStream
+
+
+def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
+    """Everything but the prompt, as JSON for the store (enough to resume the request)."""
+    req = live.request
+    spec = req.speculation
+    return {
+        "sampling": {"temperature": req.sampling.temperature, "top_p": req.sampling.top_p, "top_k": req.sampling.top_k, "seed": req.sampling.seed},
+        "seed": live.seed,
+        "max_new_tokens": req.max_new_tokens,
+        "stop_token_ids": list(req.stop_token_ids),
+        "stop": list(live.stop_strings),
+        "ignore_eos": req.ignore_eos,
+        "speculation": None if spec is None else {"expansion": list(spec.expansion.widths), "ssms": [ssm_names[i] for i in spec.ssms]},
+    }
+
+
+def live_record(live: Live, ssm_names: tuple[str, ...], owner: str) -> RequestRecord:
+    """The record a new request is stored as, owned by replica ``owner``."""
+    return RequestRecord(live.request_id, live.request.prompt_tokens, live_params(live, ssm_names), owner)
+
+
+def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: Tokenizer | None) -> Live:
+    """The inverse of :func:`live_params`: an unfinished request found in Redis, ready to resume
+    where its committed tokens end. SSMs the workers no longer serve are dropped from its tree."""
+    params = snapshot.params
+    spec = None
+    if params.get("speculation"):
+        names = [n for n in params["speculation"]["ssms"] if n in limits.ssm_names]
+        if names:
+            spec = SpeculationConfig(
+                ExpansionConfig(tuple(params["speculation"]["expansion"])), tuple(limits.ssm_names.index(n) for n in names), limits.draft_support
+            )
+    request = GenerationRequest(
+        request_id=snapshot.request_id,
+        prompt_tokens=tuple(snapshot.prompt_tokens),
+        max_new_tokens=int(params["max_new_tokens"]),
+        sampling=SamplingParams(**params["sampling"]),
+        speculation=spec,
+        stop_token_ids=tuple(params["stop_token_ids"]),
+        ignore_eos=bool(params["ignore_eos"]),
+    )
+    stop = tuple(params["stop"])
+    text = TextStream(tokenizer, stop) if tokenizer is not None else None
+    live = Live(request, int(params["seed"]), stop, text)
+    live.output = list(snapshot.output_tokens)
+    if text is not None:
+        text.update(live.output)  # already streamed before the restart
+    stats = snapshot.stats
+    live.steps = StepTotals(stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
+    return live
+
+
+def snapshot_finish(snapshot: RequestSnapshot) -> Finish | None:
+    """The final state of a stored request, or None while it runs."""
+    if snapshot.finish_reason is None:
+        return None
+    stats = snapshot.stats
+    usage = Usage.from_totals(len(snapshot.prompt_tokens), len(snapshot.output_tokens), stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
+    return Finish(snapshot.finish_reason.value, usage, snapshot.error or "")
