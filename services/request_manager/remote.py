@@ -19,36 +19,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer import wire
-from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
+from specinfer.core import DraftTree
+from specinfer.core.iteration import DraftSpec as DraftCall  # one request's share of a Speculate call
+from specinfer.core.iteration import VerifySpec as VerifyCall  # one request's share of a Verify call
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("specinfer.request_manager")
-
-
-@dataclass(frozen=True)
-class DraftCall:
-    """One request's share of a Speculate call."""
-
-    request_id: str
-    context: Sequence[int]
-    root_token: int
-    expansion: ExpansionConfig
-    sampling: SamplingParams
-    draft_support: int
-    seed: int
-    step: int
-    stream: int
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    request_id: str
-    context: Sequence[int]
-    draft: DraftTree
-    sampling: SamplingParams
-    seed: int
-    step: int
 
 
 @dataclass(frozen=True)
@@ -57,10 +34,6 @@ class Verdict:
 
     accepted_tokens: tuple[int, ...]
     bonus_token: int
-
-    @property
-    def new_tokens(self) -> tuple[int, ...]:
-        return self.accepted_tokens + (self.bonus_token,)
 
 
 class _ContextTracker:
