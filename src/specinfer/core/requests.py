@@ -1,4 +1,4 @@
-"""Generation requests, results and per-step statistics (pure data, shared by the engine and the services)."""
+"""Generation requests, results and step statistics (pure data, shared by the engine and the services)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,8 @@ class StepStats:
 
 @dataclass
 class GenerationResult:
+    """A request's output so far and its ``steps``: one :class:`StepStats` per verify step."""
+
     request_id: str
     prompt_tokens: tuple[int, ...]
     output_tokens: list[int] = field(default_factory=list)
