@@ -81,7 +81,7 @@ def always_accept_verify(llm, jobs):
             u = tree.children[u][0]
             path.append(u)
         p = process_logits(node_logits[u].numpy(), job.sampling)
-        results.append(VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path), int(job.rng.choice(p.size, p=p))))
+        results.append(VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path), int(job.rng().choice(p.size, p=p))))
     return results
 
 

@@ -6,7 +6,6 @@ Pure functions (no I/O): every refusal is an :class:`InvalidArgument` naming the
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from tokenizers import Tokenizer
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.errors import check_token_ids
+from specinfer.core.iteration import request_seed
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.records import validate_id
 from specinfer.request_manager.scheduler import Live
@@ -163,6 +163,6 @@ def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Token
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
     )
-    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    seed = request_seed(sampling)
     text = TextStream(tokenizer, tuple(msg.stop)) if tokenizer is not None else None
     return Live(request, seed, tuple(msg.stop), text, deadline)

@@ -14,7 +14,7 @@ from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
-from specinfer.request_manager.scheduler import Finish, Live, StepTotals, Usage
+from specinfer.request_manager.scheduler import Finish, Live, Usage
 from specinfer.request_manager.text import TextStream
 
 
@@ -64,8 +64,7 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     live.output = list(snapshot.output_tokens)
     if text is not None:
         text.update(live.output)  # already streamed before the restart
-    stats = snapshot.stats
-    live.steps = StepTotals(stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
+    live.stats = snapshot.stats
     return live
 
 
@@ -73,6 +72,5 @@ def snapshot_finish(snapshot: RequestSnapshot) -> Finish | None:
     """The final state of a stored request, or None while it runs."""
     if snapshot.finish_reason is None:
         return None
-    stats = snapshot.stats
-    usage = Usage.from_totals(len(snapshot.prompt_tokens), len(snapshot.output_tokens), stats.llm_steps, stats.accepted_tokens, stats.tree_nodes)
+    usage = Usage.of(len(snapshot.prompt_tokens), len(snapshot.output_tokens), snapshot.stats)
     return Finish(snapshot.finish_reason.value, usage, snapshot.error or "")

@@ -22,7 +22,9 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from specinfer.core.requests import StepStats
 
 TOKEN_BYTES = 4
 """Bytes per stored token ID (little-endian int32)."""
@@ -47,39 +49,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """Counters of one or more LLM verify steps (an increment in ``append_tokens``, totals in a snapshot)."""
-
-    llm_steps: int = 1
-    accepted_tokens: int = 0
-    tree_nodes: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("llm_steps", "accepted_tokens", "tree_nodes"):
-            value = getattr(self, name)
-            # bool is an int subclass; a flag passed here is a caller bug, not a count.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"StepStats.{name} must be a non-negative int, got {value!r}")
-
-    @classmethod
-    def of(cls, step: StepStats | VerifyStep) -> StepStats:
-        """These counters for one verify step described by ``specinfer.core.requests.StepStats`` (or itself)."""
-        if isinstance(step, StepStats):
-            return step
-        return cls(llm_steps=1, accepted_tokens=step.accepted, tree_nodes=step.tree_size)
-
-
-class VerifyStep(Protocol):
-    """What the store reads of ``specinfer.core.requests.StepStats`` (not imported: the store needs no core)."""
-
-    @property
-    def tree_size(self) -> int: ...
-
-    @property
-    def accepted(self) -> int: ...
 
 
 @dataclass(frozen=True)

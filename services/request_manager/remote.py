@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import grpc
 
 from specinfer import wire
-from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
+from specinfer.core import DraftTree
+from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
@@ -28,40 +29,11 @@ log = logging.getLogger("specinfer.request_manager")
 
 
 @dataclass(frozen=True)
-class DraftCall:
-    """One request's share of a Speculate call."""
-
-    request_id: str
-    context: Sequence[int]
-    root_token: int
-    expansion: ExpansionConfig
-    sampling: SamplingParams
-    draft_support: int
-    seed: int
-    step: int
-    stream: int
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    request_id: str
-    context: Sequence[int]
-    draft: DraftTree
-    sampling: SamplingParams
-    seed: int
-    step: int
-
-
-@dataclass(frozen=True)
 class Verdict:
     """What the verifier decided: accepted tree tokens and the bonus token."""
 
     accepted_tokens: tuple[int, ...]
     bonus_token: int
-
-    @property
-    def new_tokens(self) -> tuple[int, ...]:
-        return self.accepted_tokens + (self.bonus_token,)
 
 
 class SsmWorkers(WorkerPool):
@@ -81,14 +53,14 @@ class SsmWorkers(WorkerPool):
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
         self.speculate_timeout = speculate_timeout or timeout
 
-    async def speculate(self, ssm: str, calls: Sequence[DraftCall]) -> dict[str, DraftTree]:
+    async def speculate(self, ssm: str, calls: Sequence[DraftSpec]) -> dict[str, DraftTree]:
         """Draft trees of ``calls`` by request ID. Requests whose worker fails move to another live
         worker within this call; requests left without one are missing from the result (their
         tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
         out: dict[str, DraftTree] = {}
         pending = list(calls)
         while pending:
-            by_worker: dict[str, list[DraftCall]] = {}
+            by_worker: dict[str, list[DraftSpec]] = {}
             for c in pending:
                 address = self.worker_for(c.request_id, ssm)
                 if address is not None:
@@ -108,7 +80,7 @@ class SsmWorkers(WorkerPool):
                     out.update(part)
         return out
 
-    async def _speculate_on(self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftCall]) -> dict[str, DraftTree]:
+    async def _speculate_on(self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]) -> dict[str, DraftTree]:
         async def send(pending, contexts):
             request = internal_pb2.SpeculateRequest(ssm=ssm)
             for c, ctx in zip(pending, contexts, strict=True):
@@ -156,7 +128,7 @@ class Verifier:
     async def info(self) -> internal_pb2.LlmInfo:
         return await self._stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata)
 
-    async def verify(self, calls: Sequence[VerifyCall]) -> dict[str, Verdict]:
+    async def verify(self, calls: Sequence[VerifySpec]) -> dict[str, Verdict]:
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
             for c, ctx in zip(pending, contexts, strict=True):

@@ -3,7 +3,9 @@
 Each iteration admits waiting requests (up to ``max_batch`` running), drops cancelled or
 expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
 has the verifier check every tree in one call, and commits: tokens are persisted in Redis
-*before* they are published to the client streams.
+*before* they are published to the client streams. The bookkeeping of an iteration (which jobs,
+which random streams, what to commit) is :mod:`specinfer.core.iteration`, shared with the
+in-process engine; the scheduler drives it through remote calls.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.core import DraftTree, combine_drafts
-from specinfer.core.requests import GenerationRequest, StepStats, commit_tokens
-from specinfer.request_manager.remote import DraftCall, SsmWorkers, Verdict, Verifier, VerifyCall
+from specinfer.core import DraftTree
+from specinfer.core.iteration import Running, draft_specs, verify_specs
+from specinfer.core.requests import StepStats
+from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
@@ -34,7 +37,7 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``max_batch``: most running requests per iteration; ``max_queue``: most waiting ones;
-    ``ssm_names``: the SSMs in a fixed order (a request's random stream for SSM i is 1 + i)."""
+    ``ssm_names``: the SSMs in a fixed order (SSM i drafts on a request's ``draft_stream(i)``)."""
 
     max_batch: int
     max_queue: int
@@ -55,23 +58,10 @@ class Usage:
     mean_tree_size: float
 
     @staticmethod
-    def from_totals(prompt_tokens: int, completion_tokens: int, llm_steps: int, accepted: int, tree_nodes: int) -> Usage:
-        n = max(1, llm_steps)
-        return Usage(prompt_tokens, completion_tokens, llm_steps, accepted / n, completion_tokens / n, tree_nodes / n)
-
-
-@dataclass
-class StepTotals:
-    """What a request's verify steps add up to (what Redis keeps of them, too)."""
-
-    llm_steps: int = 0
-    accepted: int = 0
-    tree_nodes: int = 0
-
-    def add(self, step: StepStats) -> None:
-        self.llm_steps += 1
-        self.accepted += step.accepted
-        self.tree_nodes += step.tree_size
+    def of(prompt_tokens: int, completion_tokens: int, stats: StepStats) -> Usage:
+        """The usage of a request with ``stats``, the totals of its verify steps."""
+        n = max(1, stats.llm_steps)
+        return Usage(prompt_tokens, completion_tokens, stats.llm_steps, stats.accepted / n, completion_tokens / n, stats.tree_size / n)
 
 
 @dataclass(frozen=True)
@@ -92,35 +82,18 @@ class StreamEvent:
 
 
 @dataclass
-class Live:
+class Live(Running):
     """A request the scheduler is running (the Redis record is the durable copy)."""
 
-    request: GenerationRequest
-    seed: int
     stop_strings: tuple[str, ...] = ()
     text: TextStream | None = None
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
-    output: list[int] = field(default_factory=list)
-    steps: StepTotals = field(default_factory=StepTotals)  # llm_steps also indexes each step's random stream
     subscribers: list[asyncio.Queue] = field(default_factory=list)
     stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
     finished: Finish | None = None
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def committed(self) -> list[int]:
-        return list(self.request.prompt_tokens) + self.output
-
-    @property
-    def remaining(self) -> int:
-        return self.request.max_new_tokens - len(self.output)
-
     def usage(self) -> Usage:
-        t = self.steps
-        return Usage.from_totals(len(self.request.prompt_tokens), len(self.output), t.llm_steps, t.accepted, t.tree_nodes)
+        return Usage.of(len(self.request.prompt_tokens), len(self.output), self.stats)
 
     def publish(self, event: StreamEvent) -> None:
         for q in self.subscribers:
@@ -219,9 +192,8 @@ class Scheduler:
             return
         self.iterations += 1
         started = time.perf_counter()
-        drafts = await self._speculate(batch)
+        calls = verify_specs(batch, await self._speculate(batch))
         drafted = time.perf_counter()
-        calls = [VerifyCall(lv.request_id, lv.committed[:-1], drafts[lv.request_id], lv.request.sampling, lv.seed, lv.steps.llm_steps) for lv in batch]
         try:
             verdicts = await self.verifier.verify(calls)
         except grpc.aio.AioRpcError as exc:
@@ -238,30 +210,21 @@ class Scheduler:
         if self.verifier_failures:
             log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
             self.verifier_failures = 0
-        for live in batch:
+        for live, call in zip(batch, calls, strict=True):
             if live.request_id in self._active:
-                await self._commit(live, drafts[live.request_id], verdicts[live.request_id])
+                await self._commit(live, call.draft, verdicts[live.request_id])
         m.iterations.inc()
         m.batch_size.observe(len(batch))
         m.speculate_seconds.observe(drafted - started)
         m.verify_seconds.observe(verified - drafted)
         m.iteration_seconds.observe(time.perf_counter() - started)
 
-    async def _speculate(self, batch: Sequence[Live]) -> dict[str, DraftTree]:
-        per_request: dict[str, list[DraftTree]] = {lv.request_id: [] for lv in batch}
+    async def _speculate(self, batch: Sequence[Live]) -> dict[str, list[DraftTree]]:
+        """Every SSM drafts for the requests that name it: their trees by request ID, in SSM order."""
+        drafted: dict[str, list[DraftTree]] = {lv.request_id: [] for lv in batch}
         tasks, names = [], []
         for index, name in enumerate(self.config.ssm_names):
-            calls = []
-            for lv in batch:
-                spec = lv.request.speculation
-                expansion = spec.expansion_for(index, lv.remaining) if spec else None
-                if expansion is not None:
-                    context = lv.committed
-                    calls.append(
-                        DraftCall(
-                            lv.request_id, context[:-1], context[-1], expansion, lv.request.sampling, spec.draft_support, lv.seed, lv.steps.llm_steps, 1 + index
-                        )
-                    )
+            calls = draft_specs(batch, index)
             if calls and self.workers is not None:
                 tasks.append(self.workers.speculate(name, calls))
                 names.append(name)
@@ -272,34 +235,30 @@ class Scheduler:
                 self.metrics.ssm_failures.labels(name).inc()
                 continue
             for rid, tree in result.items():
-                per_request[rid].append(tree)
-        return {lv.request_id: combine_drafts(lv.committed[-1], per_request[lv.request_id]) for lv in batch}
+                drafted[rid].append(tree)
+        return drafted
 
     async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
-        req = live.request
-        eos = None if req.ignore_eos else self.config.eos_token_id
-        tokens, reason = commit_tokens(verdict.new_tokens, live.remaining, eos, frozenset(req.stop_token_ids))
+        outcome = live.outcome(draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id)
         delta = ""
         if live.text is not None:
-            delta, stopped = live.text.update(live.output + list(tokens))
+            delta, stopped = live.text.update(live.output + list(outcome.tokens))
             if stopped:
-                tokens = self._cut_at_stop(live, tokens)
-                reason = "stop"
-        stats = StepStats(len(draft.tree), len(verdict.accepted_tokens), verdict.bonus_token, len(tokens))
+                outcome = outcome.stopped_at(len(self._cut_at_stop(live, outcome.tokens)))
+        tokens, stats = outcome.tokens, outcome.stats
         offset = len(live.output)
         # durable before anyone sees it; the offset makes a retried append idempotent
         await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
-        live.output.extend(tokens)
-        live.steps.add(stats)
+        live.commit(outcome)
         m = self.metrics
         m.llm_steps.inc()
         m.generated_tokens.inc(len(tokens))
         m.accepted_tokens.observe(stats.accepted)
         m.tree_size.observe(stats.tree_size)
-        if reason is None:
+        if outcome.finish_reason is None:
             live.publish(StreamEvent(offset, tokens, delta))
         else:
-            await self._finish(live, reason, StreamEvent(offset, tokens, delta))
+            await self._finish(live, outcome.finish_reason, StreamEvent(offset, tokens, delta))
 
     @staticmethod
     def _cut_at_stop(live: Live, tokens: tuple[int, ...]) -> tuple[int, ...]:

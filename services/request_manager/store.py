@@ -22,7 +22,6 @@ from .records import (
     RequestSnapshot,
     RequestStatus,
     StepStats,
-    VerifyStep,
     pack_tokens,
     params_json,
     unpack_tokens,
@@ -120,29 +119,29 @@ class RequestStore:
         self,
         request_id: str,
         tokens: Sequence[int],
-        step_stats: StepStats | VerifyStep | None = None,
+        step_stats: StepStats | None = None,
         *,
         owner: str | None = None,
         offset: int | None = None,
     ) -> int:
         """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step.
 
-        ``step_stats`` may also be a ``specinfer.core.requests.StepStats`` (one step: its ``accepted`` and
-        ``tree_size`` are added). Returns the output length after the append. A queued request becomes
-        running. ``owner``, when given, fences a replica that no longer owns the request (OwnershipError).
+        Its ``llm_steps``, ``accepted`` and ``tree_size`` are added (a snapshot's ``committed`` is its output's
+        length). Returns the output length after the append. A queued request becomes running.
+        ``owner``, when given, fences a replica that no longer owns the request (OwnershipError).
         ``offset``, when given, is the output length the caller expects before ``tokens``: a mismatch raises
         OffsetConflictError, except that a retry of an append Redis already applied (the tokens already end
         the output at that offset) is recognized and not applied twice, so a timed-out append can be retried
         safely (a retried append of zero tokens cannot be recognized and counts its step again).
         """
-        stats = StepStats.of(step_stats) if step_stats is not None else StepStats()
+        stats = step_stats if step_stats is not None else StepStats()
         if offset is not None and offset < 0:
             raise ValueError("offset must be >= 0")
         args = [
             pack_tokens(tokens),
             stats.llm_steps,
-            stats.accepted_tokens,
-            stats.tree_nodes,
+            stats.accepted,
+            stats.tree_size,
             repr(self._clock()),
             owner or "",
             -1 if offset is None else offset,
@@ -220,16 +219,17 @@ def _snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -
         return int(meta.get(field.encode(), b"0"))
 
     reason = text("reason")
+    output = unpack_tokens(packed)
     return RequestSnapshot(
         request_id=request_id,
         owner=text("owner") or "",
         status=RequestStatus(text("status")),
         params=json.loads(meta.get(b"params", b"{}")),
         prompt_tokens=unpack_tokens(meta.get(b"prompt")),
-        output_tokens=unpack_tokens(packed),
+        output_tokens=output,
         finish_reason=FinishReason(reason) if reason else None,
         error=text("error"),
-        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes")),
+        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output)),
         created=float(text("created") or 0),
         updated=float(text("updated") or 0),
     )

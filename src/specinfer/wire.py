@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
 from specinfer.core.errors import check_token_ids
+from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.v1 import api_pb2, internal_pb2
-
-if TYPE_CHECKING:
-    from specinfer.engine.steps import DraftJob, VerifyJob
 
 
 def _prefixed(field: str, fn):
@@ -120,20 +117,15 @@ def check_positions(context_len: int, depth: int, max_positions: int, field: str
         raise InvalidArgument(field, f"context of {context_len} tokens plus a tree of depth {depth} exceeds the model's {max_positions} positions")
 
 
-def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> DraftJob:
-    """A :class:`DraftJob` on ``context`` (the request's full context, resolved by the caller)
-    with its random stream ``step_rng(seed, step, stream)``; the tree must fit the model's positions."""
-    # imported here: the engine pulls in torch, which the request manager (a wire user) does without
-    from specinfer.engine.engine import step_rng
-    from specinfer.engine.steps import DraftJob
-
+def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> DraftSpec:
+    """A :class:`DraftSpec` on ``context`` (the request's full context, resolved by the caller)
+    with the random stream the item names; the tree must fit the model's positions."""
     (root,) = check_token_ids(f"{field}.root_token", [item.root_token], vocab_size)
     expansion = expansion_from_proto(item.expansion, f"{field}.expansion")
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
     check_positions(len(context), expansion.depth, max_positions, f"{field}.context.tokens")
     support = int(item.draft_support) or DEFAULT_DRAFT_SUPPORT
-    rng = step_rng(int(item.seed), int(item.step), int(item.stream))
-    return DraftJob(item.context.request_id, list(context), root, expansion, sampling, support, rng)
+    return DraftSpec(item.context.request_id, list(context), root, expansion, sampling, support, int(item.seed), int(item.step), int(item.stream))
 
 
 def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) -> None:
@@ -155,18 +147,14 @@ def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) ->
             raise InvalidArgument(f"{field}.groups", f"node {node} has children but no draft group")
 
 
-def verify_job_from_proto(item: internal_pb2.VerifyItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> VerifyJob:
-    """A :class:`VerifyJob` on ``context`` (resolved by the caller) with the verifier's random
+def verify_job_from_proto(item: internal_pb2.VerifyItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> VerifySpec:
+    """A :class:`VerifySpec` on ``context`` (resolved by the caller) with the verifier's random
     stream of the step; the tree must fit the model's positions."""
-    from specinfer.engine.engine import VERIFY_STREAM, step_rng
-    from specinfer.engine.steps import VerifyJob
-
     draft = draft_from_proto(item.tree, f"{field}.tree")
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
     _check_draft(draft, sampling.greedy, vocab_size, f"{field}.tree")
     check_positions(len(context), int(draft.tree.depths.max()), max_positions, f"{field}.context.tokens")
-    rng = step_rng(int(item.seed), int(item.step), VERIFY_STREAM)
-    return VerifyJob(item.context.request_id, list(context), draft, sampling, rng)
+    return VerifySpec(item.context.request_id, list(context), draft, sampling, int(item.seed), int(item.step))
 
 
 def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> internal_pb2.SpeculateResult:

@@ -12,7 +12,6 @@ import redis.exceptions
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specinfer.core.requests import StepStats as CoreStepStats
 from specinfer.request_manager.records import (
     INT32_MAX,
     INT32_MIN,
@@ -77,14 +76,14 @@ def test_create_append_get_finish_round_trip(open_store):
             assert snap.stats == StepStats(0, 0, 0)
             assert snap.finish_reason is None and snap.error is None and not snap.is_finished
 
-            assert await store.append_tokens("r1", [10, 11, 12], StepStats(1, 2, 5)) == 3
-            assert await store.append_tokens("r1", [INT32_MAX, INT32_MIN], StepStats(1, 1, 4)) == 5
+            assert await store.append_tokens("r1", [10, 11, 12], StepStats(1, 2, 5, 3)) == 3
+            assert await store.append_tokens("r1", [INT32_MAX, INT32_MIN], StepStats(1, 1, 4, 2)) == 5
             assert await store.append_tokens("r1", [], StepStats(1, 0, 1)) == 5  # a step that commits nothing
 
             snap = await store.get("r1")
             assert snap.status is RequestStatus.RUNNING
             assert snap.output_tokens == (10, 11, 12, INT32_MAX, INT32_MIN)
-            assert snap.stats == StepStats(llm_steps=3, accepted_tokens=3, tree_nodes=10)
+            assert snap.stats == StepStats(llm_steps=3, accepted=3, tree_size=10, committed=5)
             assert snap.created == 1000.0 and snap.updated > snap.created
 
             assert await store.finish("r1", FinishReason.ERROR, "verifier unreachable")
@@ -96,16 +95,15 @@ def test_create_append_get_finish_round_trip(open_store):
     run(body)
 
 
-def test_first_append_starts_a_queued_request_and_accepts_core_step_stats(open_store):
+def test_first_append_starts_a_queued_request_and_counts_its_step(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("r1"))
-            # specinfer.core's per-step record: tree_size and accepted are what the store counts.
-            await store.append_tokens("r1", [4, 5], CoreStepStats(tree_size=6, accepted=1, bonus_token=5, committed=2))
+            await store.append_tokens("r1", [4, 5], StepStats(accepted=1, tree_size=6, committed=2))  # one step
             await store.append_tokens("r1", [6])  # default: one LLM step, nothing else counted
             snap = await store.get("r1")
             assert snap.status is RequestStatus.RUNNING
-            assert snap.stats == StepStats(llm_steps=2, accepted_tokens=1, tree_nodes=6)
+            assert snap.stats == StepStats(llm_steps=2, accepted=1, tree_size=6, committed=3)
 
     run(body)
 
@@ -207,11 +205,11 @@ def test_append_at_offset_rejects_gaps_and_absorbs_retries(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("r1"))
-            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3), offset=0) == 2
+            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0) == 2
             # A retry of an append that Redis already applied (e.g. its reply was lost) is not applied twice.
-            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3), offset=0) == 2
+            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0) == 2
             snap = await store.get("r1")
-            assert snap.output_tokens == (1, 2) and snap.stats == StepStats(1, 1, 3)
+            assert snap.output_tokens == (1, 2) and snap.stats == StepStats(1, 1, 3, 2)
 
             with pytest.raises(OffsetConflictError) as info:
                 await store.append_tokens("r1", [9], offset=5)  # a gap: steps were lost
@@ -306,7 +304,7 @@ def test_concurrent_appends_to_many_requests(open_store):
     async def drive(store: RequestStore, rid: str, base: int) -> None:
         # One request's steps are sequential (as in the scheduler); requests interleave freely.
         for step in range(n_steps):
-            await store.append_tokens(rid, [base + 2 * step, base + 2 * step + 1], StepStats(1, 1, 3))
+            await store.append_tokens(rid, [base + 2 * step, base + 2 * step + 1], StepStats(1, 1, 3, 2))
 
     async def body() -> None:
         async with open_store() as a, open_store() as b:
@@ -317,7 +315,7 @@ def test_concurrent_appends_to_many_requests(open_store):
             for i, rid in enumerate(ids):
                 snap = await a.get(rid)
                 assert snap.output_tokens == tuple(range(1000 * i, 1000 * i + 2 * n_steps))
-                assert snap.stats == StepStats(n_steps, n_steps, 3 * n_steps)
+                assert snap.stats == StepStats(n_steps, n_steps, 3 * n_steps, 2 * n_steps)
 
     run(body)
 
@@ -363,12 +361,12 @@ def test_data_survives_a_new_client_connection(open_store):
     async def write() -> None:
         async with open_store() as store:
             await store.create(record("r1", owner="rm-0"))
-            await store.append_tokens("r1", [4, 5, 6], StepStats(1, 2, 4))
+            await store.append_tokens("r1", [4, 5, 6], StepStats(1, 2, 4, 3))
 
     async def read() -> None:
         async with open_store() as store:  # a new pool in a new event loop: nothing cached client-side
             snap = await store.get("r1")
-            assert snap.output_tokens == (4, 5, 6) and snap.stats == StepStats(1, 2, 4)
+            assert snap.output_tokens == (4, 5, 6) and snap.stats == StepStats(1, 2, 4, 3)
             assert await store.active("rm-0") == ["r1"]
 
     run(write)
@@ -380,7 +378,7 @@ async def _write_history(url: str) -> None:
     store = RequestStore(client, prefix="durable")
     try:
         await store.create(record("open", owner="rm-0"))
-        await store.append_tokens("open", [1, 2, 3], StepStats(1, 2, 4))
+        await store.append_tokens("open", [1, 2, 3], StepStats(1, 2, 4, 3))
         await store.create(record("done", owner="rm-0"))
         await store.append_tokens("done", [9])
         await store.finish("done", "eos")
@@ -393,7 +391,7 @@ async def _check_history(url: str) -> None:
     store = RequestStore(client, prefix="durable")
     try:
         snap = await store.get("open")
-        assert snap is not None and snap.output_tokens == (1, 2, 3) and snap.stats == StepStats(1, 2, 4)
+        assert snap is not None and snap.output_tokens == (1, 2, 3) and snap.stats == StepStats(1, 2, 4, 3)
         assert await store.active("rm-0") == ["open"]  # what a restarted request manager resumes
         done = await store.get("done")
         assert done.finish_reason is FinishReason.EOS and done.output_tokens == (9,)

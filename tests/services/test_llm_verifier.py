@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
-from specinfer.engine.engine import VERIFY_STREAM, step_rng
-from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
+from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
+from specinfer.engine.steps import draft_trees, verify_trees
 from specinfer.models.loading import load_backend
 from specinfer.v1 import internal_pb2
 
@@ -41,22 +41,22 @@ def local(local_models):
             model.release(rid)
 
 
-def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count: int = 3) -> list[VerifyJob]:
+def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count: int = 3) -> list[VerifySpec]:
     """Verify jobs on trees the SSM drafted for the first prompts (fresh request IDs)."""
     ssm = local[1]
     prompts = model_pair.prompts[:count]
     ids = [fresh_id(prefix) for _ in prompts]
     drafts = draft_trees(
-        ssm, [DraftJob(rid, p[:-1], p[-1], ExpansionConfig((2, 2, 1)), sampling, 32, step_rng(7, 0, 1)) for rid, p in zip(ids, prompts, strict=True)]
+        ssm, [DraftSpec(rid, p[:-1], p[-1], ExpansionConfig((2, 2, 1)), sampling, 32, 7, 0, draft_stream(0)) for rid, p in zip(ids, prompts, strict=True)]
     )
     jobs = []
     for i, (rid, p, d) in enumerate(zip(ids, prompts, drafts, strict=True)):
-        # the verifier's generator of step i: (seed 40 + i, step i, VERIFY_STREAM), as verify_item(job, 40 + i, i) asks
-        jobs.append(VerifyJob(rid, list(p[:-1]), d, sampling, step_rng(40 + i, i, VERIFY_STREAM)))
+        # the verifier's stream of step i: (seed 40 + i, step i), as verify_item(job, 40 + i, i) asks
+        jobs.append(VerifySpec(rid, list(p[:-1]), d, sampling, 40 + i, i))
     return jobs
 
 
-def verify_item(job: VerifyJob, seed: int, step: int, offset: int = 0) -> internal_pb2.VerifyItem:
+def verify_item(job: VerifySpec, seed: int, step: int, offset: int = 0) -> internal_pb2.VerifyItem:
     return internal_pb2.VerifyItem(
         context=wire.context_to_proto(job.request_id, job.context, offset),
         tree=wire.draft_to_proto(job.draft),
@@ -82,7 +82,7 @@ def greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 def test_verify_matches_verify_trees(services, local, model_pair, sampling):
     jobs = drafted_jobs(local, model_pair, sampling, "verify")
-    # the service derives each job's generator from (seed, step, VERIFY_STREAM), as drafted_jobs did
+    # the service derives each job's generator from (seed, step) and the verifier's stream, as drafted_jobs did
     request = internal_pb2.VerifyRequest(items=[verify_item(j, 40 + i, i) for i, j in enumerate(jobs)])
     response = services.llm_stub.Verify(request, timeout=60)
     want = verify_trees(local[0], jobs)
@@ -109,7 +109,7 @@ def test_verify_cache_miss_protocol(services, local, model_pair):
     assert not hit.cache_miss
     # the next step sends only the newly committed tokens
     committed = [*job.context, job.draft.tree.tokens[0], *hit.accepted_tokens]
-    nxt = VerifyJob(job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.rng)
+    nxt = VerifySpec(job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.seed, job.step)
     (hit2,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context))]), timeout=30).results
     assert not hit2.cache_miss
     release(stub, [job.request_id])

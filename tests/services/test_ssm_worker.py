@@ -11,8 +11,8 @@ import pytest
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
-from specinfer.engine.engine import step_rng
-from specinfer.engine.steps import DraftJob, draft_trees
+from specinfer.core.iteration import DraftSpec
+from specinfer.engine.steps import draft_trees
 from specinfer.models.loading import load_backend
 from specinfer.v1 import internal_pb2
 
@@ -53,9 +53,10 @@ class Draft:
             stream=self.stream,
         )
 
-    def job(self) -> DraftJob:
-        rng = step_rng(self.seed, self.step, self.stream)
-        return DraftJob(self.request_id, self.context, self.root, ExpansionConfig(self.widths), self.sampling, self.draft_support or 32, rng)
+    def job(self) -> DraftSpec:
+        return DraftSpec(
+            self.request_id, self.context, self.root, ExpansionConfig(self.widths), self.sampling, self.draft_support or 32, self.seed, self.step, self.stream
+        )
 
 
 def speculate(stub, ssm: str, drafts: list[Draft], offsets: list[int] | None = None) -> internal_pb2.SpeculateResponse:

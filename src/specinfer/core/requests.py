@@ -1,4 +1,4 @@
-"""Generation requests, results and per-step statistics (pure data, shared by the engine and the services)."""
+"""Generation requests, results and step statistics (pure data, shared by the engine and the services)."""
 
 from __future__ import annotations
 
@@ -61,18 +61,35 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class StepStats:
-    """One LLM verify step of one request: tree size (nodes incl. the root), accepted tokens
-    (tree tokens the LLM agreed with), the bonus token, and how many tokens were committed
-    (accepted + bonus, fewer when a stop condition cut the step short)."""
+    """Counters of LLM verify steps of one request: one step (``llm_steps`` 1, the default) or
+    the totals of several (their sum, ``a + b``).
 
-    tree_size: int
-    accepted: int
-    bonus_token: int
-    committed: int
+    ``accepted``: tree tokens the LLM agreed with (the bonus token not counted); ``tree_size``:
+    nodes of the verified trees, roots included; ``committed``: tokens appended to the output
+    (accepted + bonus, fewer when a stop condition cut a step short). The request store keeps
+    the first three as the ``llm_steps``, ``accepted_tokens`` and ``tree_nodes`` of a request.
+    """
+
+    llm_steps: int = 1
+    accepted: int = 0
+    tree_size: int = 0
+    committed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("llm_steps", "accepted", "tree_size", "committed"):
+            value = getattr(self, name)
+            # bool is an int subclass; a flag passed here is a caller bug, not a count.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"StepStats.{name} must be a non-negative int, got {value!r}")
+
+    def __add__(self, other: StepStats) -> StepStats:
+        return StepStats(self.llm_steps + other.llm_steps, self.accepted + other.accepted, self.tree_size + other.tree_size, self.committed + other.committed)
 
 
 @dataclass
 class GenerationResult:
+    """A request's output so far and its ``steps``: one :class:`StepStats` per verify step."""
+
     request_id: str
     prompt_tokens: tuple[int, ...]
     output_tokens: list[int] = field(default_factory=list)
@@ -91,19 +108,3 @@ class GenerationResult:
     @property
     def mean_accepted(self) -> float:
         return sum(s.accepted for s in self.steps) / max(1, len(self.steps))
-
-
-def commit_tokens(new_tokens: tuple[int, ...], remaining: int, eos_token_id: int | None, stop_token_ids: frozenset[int]) -> tuple[tuple[int, ...], str | None]:
-    """The prefix of a step's tokens (accepted + bonus) to commit, and the finish reason if the
-    request ends with them: ``eos`` / ``stop`` include the stopping token, ``length`` cuts at
-    ``remaining`` tokens."""
-    out = []
-    for token in new_tokens:
-        out.append(token)
-        if token == eos_token_id:
-            return tuple(out), "eos"
-        if token in stop_token_ids:
-            return tuple(out), "stop"
-        if len(out) >= remaining:
-            return tuple(out), "length"
-    return tuple(out), None

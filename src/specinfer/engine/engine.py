@@ -8,8 +8,11 @@ Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
    or multi-step speculative sampling per request;
 3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
 
-Requests can be added between steps (continuous batching); KV caches live in the backends and
-follow the committed tokens automatically (see :mod:`specinfer.models.interface`).
+The bookkeeping of an iteration (which jobs, which random streams, what to commit) is
+:mod:`specinfer.core.iteration`, shared with the request manager's scheduler; the engine drives
+it by calling its models directly. Requests can be added between steps (continuous batching);
+KV caches live in the backends and follow the committed tokens automatically (see
+:mod:`specinfer.models.interface`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from specinfer.core import DraftTree, InvalidArgument, TokenTree, combine_drafts
+from specinfer.core import DraftTree, InvalidArgument
 from specinfer.core.errors import check_token_ids
-from specinfer.core.requests import GenerationRequest, GenerationResult, StepStats, commit_tokens
-from specinfer.engine.steps import DraftJob, VerifyJob, draft_trees, verify_trees
+from specinfer.core.iteration import Running, draft_specs, request_seed, verify_specs
+from specinfer.core.requests import GenerationRequest, GenerationResult
+from specinfer.engine.steps import draft_trees, verify_trees
 from specinfer.models.interface import CausalLM
 
 
@@ -35,34 +37,13 @@ class EngineConfig:
     eos_token_id: int | None = None
 
 
-VERIFY_STREAM = 0  # random stream IDs within a step: 0 verifies, 1 + i drafts with SSM i
-
-
-def step_rng(seed: int, step: int, stream: int) -> np.random.Generator:
-    """The random stream of one role in one verify step of a request.
-
-    Derived from (request seed, step, role) alone, so the same seed gives the same output in
-    process and through the services, whichever worker drafts or verifies a step.
-    """
-    return np.random.default_rng([seed, step, stream])
-
-
-class _Active:
-    """Mutable state of one running request."""
+class _Active(Running):
+    """A running request and the result its steps extend."""
 
     def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        self.committed = list(request.prompt_tokens)
-        self.result = GenerationResult(request.request_id, request.prompt_tokens)
-        seed = request.sampling.seed
-        self.seed = int(np.random.SeedSequence().entropy % (1 << 63)) if seed is None else seed
-
-    def rng(self, stream: int) -> np.random.Generator:
-        return step_rng(self.seed, len(self.result.steps), stream)
-
-    @property
-    def remaining(self) -> int:
-        return self.request.max_new_tokens - len(self.result.output_tokens)
+        super().__init__(request, request_seed(request.sampling))
+        # the result holds the running output itself: it shows each step's tokens as they come
+        self.result = GenerationResult(request.request_id, request.prompt_tokens, self.output)
 
 
 class SpeculativeEngine:
@@ -148,42 +129,27 @@ class SpeculativeEngine:
         states = list(self._active.values())
         if not states:
             return []
-        drafts = self._speculate(states)
-        jobs = [VerifyJob(s.request.request_id, s.committed[:-1], d, s.request.sampling, s.rng(VERIFY_STREAM)) for s, d in zip(states, drafts, strict=True)]
+        jobs = verify_specs(states, self._speculate(states))
         finished = []
-        for state, draft, result in zip(states, drafts, verify_trees(self.llm, jobs), strict=True):
-            if self._commit(state, draft.tree, result):
+        for state, job, verdict in zip(states, jobs, verify_trees(self.llm, jobs), strict=True):
+            outcome = state.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id)
+            state.commit(outcome)
+            state.result.steps.append(outcome.stats)
+            state.result.finish_reason = outcome.finish_reason
+            if outcome.finish_reason is not None:
                 finished.append(state.result)
-                del self._active[state.request.request_id]
-                self._release(state.request.request_id)
+                del self._active[state.request_id]
+                self._release(state.request_id)
         return finished
 
-    def _speculate(self, states: list[_Active]) -> list[DraftTree]:
-        """Every SSM drafts for the requests that name it; several trees per request merge."""
-        per_request: list[list[DraftTree]] = [[] for _ in states]
+    def _speculate(self, states: list[_Active]) -> dict[str, list[DraftTree]]:
+        """Every SSM drafts for the requests that name it: their trees by request ID, in SSM order."""
+        drafted: dict[str, list[DraftTree]] = {s.request_id: [] for s in states}
         for ssm_index, ssm in enumerate(self.ssms):
-            jobs, owners = [], []
-            for i, s in enumerate(states):
-                spec = s.request.speculation
-                expansion = spec.expansion_for(ssm_index, s.remaining) if spec else None
-                if expansion is not None:
-                    rng = s.rng(1 + ssm_index)
-                    jobs.append(DraftJob(s.request.request_id, s.committed[:-1], s.committed[-1], expansion, s.request.sampling, spec.draft_support, rng))
-                    owners.append(i)
-            for i, tree in zip(owners, draft_trees(ssm, jobs) if jobs else [], strict=True):
-                per_request[i].append(tree)
-        return [combine_drafts(s.committed[-1], trees) for s, trees in zip(states, per_request, strict=True)]
-
-    def _commit(self, state: _Active, tree: TokenTree, result) -> bool:
-        """Append the step's tokens; True when the request is finished."""
-        req = state.request
-        eos = None if req.ignore_eos else self.config.eos_token_id
-        tokens, reason = commit_tokens(result.new_tokens, state.remaining, eos, frozenset(req.stop_token_ids))
-        state.committed.extend(tokens)
-        state.result.output_tokens.extend(tokens)
-        state.result.steps.append(StepStats(len(tree), result.num_accepted, result.bonus_token, len(tokens)))
-        state.result.finish_reason = reason
-        return reason is not None
+            jobs = draft_specs(states, ssm_index)
+            for job, tree in zip(jobs, draft_trees(ssm, jobs) if jobs else [], strict=True):
+                drafted[job.request_id].append(tree)
+        return drafted
 
     def _release(self, request_id: str) -> None:
         self.llm.release(request_id)

@@ -5,22 +5,19 @@
 - :func:`verify_trees`: one batched LLM forward over every tree, then greedy verification or
   multi-step speculative sampling per job (the LLM verifier's ``Verify``).
 
-Randomness comes from the job's own generator, so the caller decides the stream (see
-:func:`specinfer.engine.engine.step_rng`).
+Jobs are :class:`~specinfer.core.iteration.DraftSpec` / :class:`~specinfer.core.iteration.VerifySpec`;
+each draws from the random stream its spec names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specinfer.core import (
     DraftTree,
-    ExpansionConfig,
-    SamplingParams,
     TreeBuilder,
     VerifyResult,
     draw_without_replacement,
@@ -30,47 +27,23 @@ from specinfer.core import (
     verify_greedy,
     verify_stochastic,
 )
+from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.models.interface import CausalLM, TreeForward
 
 
-@dataclass(frozen=True)
-class DraftJob:
-    """Draft one tree rooted at ``context``'s successor ``root_token``.
-
-    ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
-    draft distribution under sampling.
-    """
-
-    request_id: str
-    context: Sequence[int]
-    root_token: int
-    expansion: ExpansionConfig
-    sampling: SamplingParams
-    draft_support: int
-    rng: np.random.Generator
-
-
-@dataclass(frozen=True)
-class VerifyJob:
-    request_id: str
-    context: Sequence[int]
-    draft: DraftTree
-    sampling: SamplingParams
-    rng: np.random.Generator
-
-
-def propose_children(logits: torch.Tensor, width: int, job: DraftJob) -> tuple[list[int], object]:
+def propose_children(logits: torch.Tensor, width: int, job: DraftSpec, rng: np.random.Generator) -> tuple[list[int], object]:
     """Children of one node: top-k under greedy decoding; under sampling, drawn without
-    replacement from the sparse processed distribution q, which is returned with them."""
+    replacement (from ``rng``) from the sparse processed distribution q, which is returned with them."""
     if job.sampling.greedy:
         return top_k_tokens(logits.numpy(), width), None
     q = sparsify(process_logits(logits.numpy(), job.sampling), job.draft_support)
-    return draw_without_replacement(q, width, job.rng), q
+    return draw_without_replacement(q, width, rng), q
 
 
-def draft_trees(ssm: CausalLM, jobs: Sequence[DraftJob]) -> list[DraftTree]:
+def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec]) -> list[DraftTree]:
     """One draft tree per job, in job order."""
     builders = {i: TreeBuilder(job.root_token, job.expansion) for i, job in enumerate(jobs)}
+    rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
     out: dict[int, DraftTree] = {}
     while builders:
         order = list(builders)
@@ -80,14 +53,14 @@ def draft_trees(ssm: CausalLM, jobs: Sequence[DraftJob]) -> list[DraftTree]:
             items.append(TreeForward(jobs[i].request_id, jobs[i].context, builders[i].tokens_of(frontier), builders[i].parents_of(frontier)))
         for i, node_logits in zip(order, ssm.forward_tree(items), strict=True):
             b = builders[i]
-            b.expand([propose_children(row, b.width(), jobs[i]) for row in node_logits])
+            b.expand([propose_children(row, b.width(), jobs[i], rngs[i]) for row in node_logits])
             if b.done:
                 out[i] = b.build()
                 del builders[i]
     return [out[i] for i in range(len(jobs))]
 
 
-def verify_trees(llm: CausalLM, jobs: Sequence[VerifyJob]) -> list[VerifyResult]:
+def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
     """Accepted path and bonus token per job, in job order."""
     logits = llm.forward_tree([TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs])
     results = []
@@ -96,5 +69,5 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifyJob]) -> list[VerifyResult]
             results.append(verify_greedy(job.draft.tree, node_logits.argmax(dim=-1).numpy()))
         else:
             target = lambda node, lg=node_logits, params=job.sampling: process_logits(lg[node].numpy(), params)  # noqa: E731
-            results.append(verify_stochastic(job.draft, target, job.rng))
+            results.append(verify_stochastic(job.draft, target, job.rng()))
     return results

@@ -1,0 +1,183 @@
+"""One continuous-batching iteration, as the bookkeeping both drivers share.
+
+A *driver* runs iterations over its batch of :class:`Running` requests: the in-process engine
+(:class:`specinfer.engine.SpeculativeEngine`, models called locally) and the request manager's
+scheduler (SSM workers and the LLM verifier called remotely). One iteration:
+
+1. *speculate*: for every SSM i, :func:`draft_specs` lists its draft jobs (one per request whose
+   speculation names SSM i); the driver drafts them, in SSM order;
+2. *verify*: :func:`verify_specs` merges each request's trees into its verify job; the driver
+   verifies them all in one batch;
+3. *commit*: :meth:`Running.outcome` turns a verdict into the tokens to commit, the finish reason
+   and the step's :class:`StepStats`; the driver persists or publishes them as it must, then
+   :meth:`Running.commit` applies them.
+
+Random streams: every job draws from its own generator, ``step_rng(seed, step, stream)`` (the
+request's seed, its verify steps so far, the job's role: :data:`VERIFY_STREAM` or
+:func:`draft_stream`), so a seeded request gives the same output in process and through the
+services, whichever worker drafts or verifies a step.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from specinfer.core.drafts import DraftTree, ExpansionConfig
+from specinfer.core.merge import combine_drafts
+from specinfer.core.requests import GenerationRequest, StepStats
+from specinfer.core.sampling import SamplingParams
+
+VERIFY_STREAM = 0  # the verifier's stream; SSM i drafts on draft_stream(i)
+
+
+def draft_stream(ssm_index: int) -> int:
+    """The random stream SSM ``ssm_index`` (its place in the driver's SSM order) drafts on."""
+    return 1 + ssm_index
+
+
+def step_rng(seed: int, step: int, stream: int) -> np.random.Generator:
+    """The generator of one role (``stream``) in verify step ``step`` of a request."""
+    return np.random.default_rng([seed, step, stream])
+
+
+def request_seed(sampling: SamplingParams) -> int:
+    """The request's own seed, or a fresh random one: every request has one for its streams."""
+    return sampling.seed if sampling.seed is not None else secrets.randbits(63)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """One SSM draft job: grow a tree rooted at ``context``'s successor ``root_token``.
+
+    ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
+    draft distribution under sampling. The job draws from ``step_rng(seed, step, stream)``.
+    """
+
+    request_id: str
+    context: Sequence[int]
+    root_token: int
+    expansion: ExpansionConfig
+    sampling: SamplingParams
+    draft_support: int
+    seed: int
+    step: int
+    stream: int
+
+    def rng(self) -> np.random.Generator:
+        """A fresh generator of this job's stream (one per job: each draw advances it)."""
+        return step_rng(self.seed, self.step, self.stream)
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """One verify job: check ``draft`` (rooted at the last committed token) after ``context``
+    (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``."""
+
+    request_id: str
+    context: Sequence[int]
+    draft: DraftTree
+    sampling: SamplingParams
+    seed: int
+    step: int
+
+    def rng(self) -> np.random.Generator:
+        return step_rng(self.seed, self.step, VERIFY_STREAM)
+
+
+def commit_tokens(new_tokens: Sequence[int], remaining: int, eos_token_id: int | None, stop_token_ids: frozenset[int]) -> tuple[tuple[int, ...], str | None]:
+    """The prefix of a step's tokens (accepted + bonus) to commit, and the finish reason if the
+    request ends with them: ``eos`` / ``stop`` include the stopping token, ``length`` cuts at
+    ``remaining`` tokens."""
+    out = []
+    for token in new_tokens:
+        out.append(token)
+        if token == eos_token_id:
+            return tuple(out), "eos"
+        if token in stop_token_ids:
+            return tuple(out), "stop"
+        if len(out) >= remaining:
+            return tuple(out), "length"
+    return tuple(out), None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verify step appends to a request: ``tokens``, ``finish_reason`` (None: the
+    request goes on) and the step's ``stats``."""
+
+    tokens: tuple[int, ...]
+    finish_reason: str | None
+    stats: StepStats
+
+    def stopped_at(self, count: int) -> StepOutcome:
+        """The step cut after ``count`` tokens by a stop condition the core does not see (a stop string)."""
+        return StepOutcome(self.tokens[:count], "stop", replace(self.stats, committed=count))
+
+
+@dataclass(eq=False)
+class Running:
+    """A request between iterations: its ``seed``, committed ``output`` and step totals ``stats``
+    (``stats.llm_steps`` also numbers the next step's random streams)."""
+
+    request: GenerationRequest
+    seed: int
+    output: list[int] = field(default_factory=list, kw_only=True)
+    stats: StepStats = field(default=StepStats(llm_steps=0), kw_only=True)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def committed(self) -> list[int]:
+        """Prompt and output: the last one roots the next tree, the rest is its context."""
+        return [*self.request.prompt_tokens, *self.output]
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.output)
+
+    def outcome(self, draft: DraftTree, accepted_tokens: Sequence[int], bonus_token: int, eos_token_id: int | None) -> StepOutcome:
+        """The step that verified ``draft`` (accepting ``accepted_tokens``, then ``bonus_token``);
+        ``eos_token_id`` ends the request unless it ignores EOS."""
+        req = self.request
+        eos = None if req.ignore_eos else eos_token_id
+        tokens, reason = commit_tokens((*accepted_tokens, bonus_token), self.remaining, eos, frozenset(req.stop_token_ids))
+        return StepOutcome(tokens, reason, StepStats(accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens)))
+
+    def commit(self, outcome: StepOutcome) -> None:
+        self.output.extend(outcome.tokens)
+        self.stats += outcome.stats
+
+
+def draft_specs(batch: Sequence[Running], ssm_index: int) -> list[DraftSpec]:
+    """SSM ``ssm_index``'s draft jobs this iteration, in batch order: one per request whose
+    speculation names it and that has tokens left to draft (see ``SpeculationConfig.expansion_for``)."""
+    specs = []
+    for r in batch:
+        speculation = r.request.speculation
+        expansion = speculation.expansion_for(ssm_index, r.remaining) if speculation else None
+        if expansion is not None:
+            context = r.committed
+            step = r.stats.llm_steps
+            specs.append(
+                DraftSpec(
+                    r.request_id, context[:-1], context[-1], expansion, r.request.sampling, speculation.draft_support, r.seed, step, draft_stream(ssm_index)
+                )
+            )
+    return specs
+
+
+def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftTree]]) -> list[VerifySpec]:
+    """The verify job of every request in ``batch``, in order: the trees ``drafted`` for it (by
+    request ID, in SSM order) merged, or its root alone when none was."""
+    specs = []
+    for r in batch:
+        context = r.committed
+        draft = combine_drafts(context[-1], drafted.get(r.request_id, ()))
+        specs.append(VerifySpec(r.request_id, context[:-1], draft, r.request.sampling, r.seed, r.stats.llm_steps))
+    return specs
