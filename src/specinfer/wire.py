@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.v1 import api_pb2, internal_pb2
 
 if TYPE_CHECKING:
@@ -85,8 +86,6 @@ def context_to_proto(request_id: str, context: Sequence[int], offset: int) -> in
 
 
 # -- service side: validation of what SsmWorker / LlmVerifier receive --------------------------
-
-DEFAULT_DRAFT_SUPPORT = 32  # draft_support 0 (unset): the same default as SpeculationConfig.draft_support
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument
-from specinfer.tuning import PAPER_EXPANSION, TUNING_FILE
+from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.tuning import TUNING_FILE
 from specinfer.tuning.model import Candidate, evaluate, search
 
 
