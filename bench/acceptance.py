@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import eos_token_id
 from specinfer.models.reference import ReferenceBackend
@@ -28,7 +29,7 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--configs", default="1,1,1,1,1,1,1,1;1,1,3,1,1,1,1,1;4,2,2,1,1,1,1,1")
+    ap.add_argument("--configs", default=f"1,1,1,1,1,1,1,1;{PAPER_EXPANSION};4,2,2,1,1,1,1,1")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.launcher import Stack, StackConfig
 from specinfer.models.loading import eos_token_id, load_backend
@@ -100,7 +101,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--expansion", default=PAPER_EXPANSION)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-bytes", type=float, default=8e9)
