@@ -10,12 +10,11 @@ pair and prompt set, all prompts as one batch.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
+from compare import load_prompts
 
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
@@ -36,9 +35,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    tok = Tokenizer.from_file(str(args.pair / "llm/tokenizer.json"))
-    lines = (args.pair / "prompts.jsonl").read_text().splitlines()[: args.prompts]
-    prompts = [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    prompts = load_prompts(args.pair / "prompts.jsonl", args.pair / "llm", args.prompts, 0)
     engine = SpeculativeEngine(
         ReferenceBackend.load(args.pair / "llm"), [ReferenceBackend.load(args.pair / "ssm")], EngineConfig(eos_token_id=eos_token_id(args.pair / "llm"))
     )
