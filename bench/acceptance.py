@@ -10,14 +10,14 @@ pair and prompt set, all prompts as one batch.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
+from compare import load_prompts
 
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import eos_token_id
 from specinfer.models.reference import ReferenceBackend
@@ -28,16 +28,14 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--configs", default="1,1,1,1,1,1,1,1;1,1,3,1,1,1,1,1;4,2,2,1,1,1,1,1")
+    ap.add_argument("--configs", default=f"1,1,1,1,1,1,1,1;{PAPER_EXPANSION};4,2,2,1,1,1,1,1")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    tok = Tokenizer.from_file(str(args.pair / "llm/tokenizer.json"))
-    lines = (args.pair / "prompts.jsonl").read_text().splitlines()[: args.prompts]
-    prompts = [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    prompts = load_prompts(args.pair / "prompts.jsonl", args.pair / "llm", args.prompts, 0)
     engine = SpeculativeEngine(
         ReferenceBackend.load(args.pair / "llm"), [ReferenceBackend.load(args.pair / "ssm")], EngineConfig(eos_token_id=eos_token_id(args.pair / "llm"))
     )

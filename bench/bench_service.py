@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import statistics
 import tempfile
 import time
@@ -22,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
+from compare import load_prompts
 
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.launcher import Stack, StackConfig
 from specinfer.models.loading import eos_token_id, load_backend
@@ -40,7 +40,7 @@ class Run:
     per_token: list[float] = field(default_factory=list)  # seconds per generated token, per request
 
 
-def in_process(args, rounds: list[list[list[int]]], batch: int) -> Run:
+def in_process(args, rounds: list[list[tuple[int, ...]]], batch: int) -> Run:
     torch.set_num_threads(args.threads)
     llm = load_backend(args.llm, "llm", backend=args.backend, kv_cache_bytes=int(args.kv_cache_bytes))
     ssm = load_backend(args.ssm, "ssm", backend=args.backend)
@@ -60,7 +60,7 @@ def in_process(args, rounds: list[list[list[int]]], batch: int) -> Run:
     return run
 
 
-def through_services(args, rounds: list[list[list[int]]], batch: int) -> Run:
+def through_services(args, rounds: list[list[tuple[int, ...]]], batch: int) -> Run:
     cfg = StackConfig(
         llm=Path(args.llm),
         ssms=(Path(args.ssm),),
@@ -75,7 +75,7 @@ def through_services(args, rounds: list[list[list[int]]], batch: int) -> Run:
     run = Run()
     with Stack(cfg) as stack, Client(stack.address, timeout=3600) as client:
 
-        def one(prompt: list[int]) -> tuple[int, int, float]:
+        def one(prompt: tuple[int, ...]) -> tuple[int, int, float]:
             req = Client.request(prompt, args.new_tokens, expansion=ExpansionConfig.parse(args.expansion).widths, ignore_eos=True)
             t0 = time.perf_counter()
             done = client.generate(req)
@@ -100,14 +100,12 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--expansion", default=PAPER_EXPANSION)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-bytes", type=float, default=8e9)
     args = ap.parse_args()
-    tok = Tokenizer.from_file(str(Path(args.llm) / "tokenizer.json"))
-    lines = Path(args.prompts).read_text().splitlines()[: args.count]
-    prompts = [tok.encode(json.loads(line)["text"]).ids for line in lines]
+    prompts = load_prompts(Path(args.prompts), Path(args.llm), args.count, 0)
     print(f"LLM {args.llm}, SSM {args.ssm}, {len(prompts)} prompts x {args.new_tokens} tokens, tree <{args.expansion}>, greedy, {args.threads} threads")
     print()
     print("| batch | path | seconds | tokens/s | mean per-token latency ms | LLM steps (sum over requests) | service overhead ms / iteration |")

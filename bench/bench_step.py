@@ -16,6 +16,7 @@ import time
 import torch
 
 from specinfer.core import ExpansionConfig, TokenTree
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
 
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--llm", required=True)
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--prefix", default="128,512")
-    ap.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--expansion", default=PAPER_EXPANSION)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -42,11 +42,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
-
-PAPER_TREE = "1,1,3,1,1,1,1,1"
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,7 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     trees = [t for t in args.trees.split(";") if t]
-    depth = len(ExpansionConfig.parse(trees[0] if trees else PAPER_TREE).widths)
+    depth = len(ExpansionConfig.parse(trees[0] if trees else PAPER_EXPANSION).widths)
     chain = ",".join(["1"] * depth)
     cases = []
     for temp in temperatures:
@@ -335,7 +334,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=Path, required=True, help="JSON lines with a 'text' field")
     ap.add_argument("--count", type=int, default=50, help="prompts to run")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--trees", default=PAPER_TREE, help="our expansion trees, ';'-separated (the first also sets the sequence depth)")
+    ap.add_argument("--trees", default=PAPER_EXPANSION, help="our expansion trees, ';'-separated (the first also sets the sequence depth)")
     ap.add_argument("--tuned", type=Path, default=None, help="a tuner result (bench/tune.py --out): its pick is added to --trees")
     ap.add_argument("--merged-tree", default="", help="expansion of each SSM in the merged runs (default: the first tree)")
     ap.add_argument("--temperatures", default="0,1")

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from specinfer.client import Client
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +123,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=16, help="below streams - max_batch, so some requests meet RESOURCE_EXHAUSTED")
-    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1")
+    p.add_argument("--expansion", default=PAPER_EXPANSION)
     p.add_argument("--retry-pause", type=float, default=0.2)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--sample-seconds", type=float, default=2.0)

@@ -1,4 +1,9 @@
-"""Shared fixtures: the trained pair from ../shared when present, else tiny random models."""
+"""Shared fixtures: the trained pair from ../shared when present, else tiny random models.
+
+The tests of the pure core (``specinfer.core``) need no torch, and this file keeps it so: torch
+is optional here and everything built on it (transformers, the models) is imported inside the
+fixtures that use it. ``tests/test_torch_free.py`` runs those tests where ``import torch`` fails.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-HAS_CUDA = torch.cuda.is_available()
+try:
+    import torch
+except ImportError:  # only the pure core's tests can run then
+    torch = None
+
+HAS_CUDA = torch is not None and torch.cuda.is_available()
 if not HAS_CUDA:
     # Triton reads this when it is imported (transformers imports it), so set it first: without
     # a GPU, kernels run under the Triton interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from specinfer.models.tiny import TinySpec, build_tiny_pair, truncated_copy  # noqa: E402
-
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if torch is not None:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,6 +58,8 @@ def _prompt_ids(llm: Path, trained: bool) -> list[list[int]]:
         tok = Tokenizer.from_file(str(llm / "tokenizer.json"))
         lines = (llm.parent / "prompts.jsonl").read_text().splitlines()
         return [tok.encode(json.loads(line)["text"]).ids for line in lines]
+    import torch
+
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(3, 259, (int(n),), generator=gen).tolist() for n in torch.randint(4, 60, (40,), generator=gen)]
 
@@ -58,7 +67,10 @@ def _prompt_ids(llm: Path, trained: bool) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def model_pair(tmp_path_factory) -> ModelPair:
     """LLM, SSM and a second SSM (the LLM cut to its first layers), with prompts."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from specinfer.models.tiny import TinySpec, build_tiny_pair, truncated_copy
 
     tmp = tmp_path_factory.mktemp("pair")
     if (SHARED_PAIR / "llm/config.json").is_file():

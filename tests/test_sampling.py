@@ -24,6 +24,7 @@ def test_temperature_top_k_top_p():
     assert np.allclose(hot, np.sqrt([0.5, 0.25, 0.15, 0.1]) / np.sqrt([0.5, 0.25, 0.15, 0.1]).sum())
 
 
+@pytest.mark.slow
 def test_sparsify_and_draw_without_replacement_distribution():
     probs = np.array([0.4, 0.3, 0.2, 0.1, 0.0])
     q = sparsify(probs, 3)

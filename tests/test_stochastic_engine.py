@@ -96,6 +96,7 @@ def _engine(models):
     return SpeculativeEngine(ReferenceBackend(llm), [ReferenceBackend(a), ReferenceBackend(b)], EngineConfig(max_batch=2500))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_llm_sampling(models, case):
     params, spec = CASES[case]
@@ -105,6 +106,7 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
     assert pvalue > 0.001, f"p-value {pvalue}"
 
 
+@pytest.mark.slow
 def test_always_accepting_verifier_fails(models, monkeypatch):
     monkeypatch.setattr(engine_module, "verify_trees", always_accept_verify)
     params, spec = CASES["one-ssm-width-3"]

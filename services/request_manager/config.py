@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, PAPER_EXPANSION
 from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
 from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
@@ -55,9 +56,9 @@ class RequestManagerConfig:
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
-        add_setting(p, "--expansion", str, "1,1,3,1,1,1,1,1", "default tree (widths per depth); @FILE: a `specinfer tune` result; 'none': no speculation")
+        add_setting(p, "--expansion", str, PAPER_EXPANSION, "default tree (widths per depth); @FILE: a `specinfer tune` result; 'none': no speculation")
         add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
-        add_setting(p, "--draft-support", int, 32, "most tokens of a sparse draft distribution")
+        add_setting(p, "--draft-support", int, DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
         add_setting(p, "--max-batch", int, 32, "most requests per iteration")
         add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
         add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.training.run import add_training_parsers, training_main
 from specinfer.tuning import resolve_expansion
 from specinfer.tuning.run import add_tune_parser, tune_main
@@ -35,7 +36,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expansion",
         default="auto",
-        help="widths per depth, e.g. 1,1,3,1,1,1,1,1; @FILE: a `specinfer tune` result; auto (default): the SSM's installed tuning, else the paper's tree",
+        help=f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; auto (default): the SSM's installed tuning, else the paper's tree",
     )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.v1 import api_pb2, internal_pb2
@@ -83,8 +84,6 @@ def context_to_proto(request_id: str, context: Sequence[int], offset: int) -> in
 
 
 # -- service side: validation of what SsmWorker / LlmVerifier receive --------------------------
-
-DEFAULT_DRAFT_SUPPORT = 32  # draft_support 0 (unset): the same default as SpeculationConfig.draft_support
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from specinfer.models.tiny import TinySpec, build_tiny_pair
 from specinfer.training.boost import Samples, covered, greedy_matches, matched_prefix, subset_batches, uncovered
 from specinfer.training.corpus import source_files, stdlib_dir
 from specinfer.training.distill import TrainSettings, distill_loss, latest_checkpoint, lr_at, train
-from specinfer.training.run import load_model, window_batches
+from specinfer.training.sources import load_model, window_batches
 
 CORPUS = stdlib_dir() / "json"  # a few small stdlib files, present in every CPython
 
@@ -132,7 +132,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny, tmp_path):
     """Interrupted after its step-6 checkpoint, a rerun resumes there and ends with the same
     weights as an uninterrupted run."""
     llm, ssm = tiny
-    from specinfer.training.run import corpus_tokens
+    from specinfer.training.sources import corpus_tokens
 
     stream, _ = corpus_tokens(llm, (CORPUS,), 0, 0.05, log=None or __import__("io").StringIO())
     s = TrainSettings(steps=10, batch_size=4, seq_len=16, lr=5e-3, warmup=2, kd_weight=0.5, checkpoint_every=3, keep_checkpoints=2)

@@ -18,6 +18,9 @@ from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import TokenTree
 
+PAPER_EXPANSION = "1,1,3,1,1,1,1,1"  # the paper's static tree (21 nodes): the default expansion where no tuning is installed
+DEFAULT_DRAFT_SUPPORT = 32  # most tokens of a sparse draft distribution q, unless a request or a flag says otherwise
+
 
 @dataclass(frozen=True)
 class DraftGroup:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specinfer.core.drafts import ExpansionConfig
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, ExpansionConfig
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SamplingParams
 
@@ -19,7 +19,7 @@ class SpeculationConfig:
 
     expansion: ExpansionConfig
     ssms: tuple[int, ...] = (0,)
-    draft_support: int = 32
+    draft_support: int = DEFAULT_DRAFT_SUPPORT
 
     def __post_init__(self) -> None:
         if not self.ssms:

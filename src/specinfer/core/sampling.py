@@ -107,22 +107,22 @@ def sparsify(probs: np.ndarray, max_support: int) -> SparseDist:
     return SparseDist(top.astype(np.int64), p / p.sum())
 
 
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn from ``probs``, nonnegative weights renormalised here.  # [V]"""
+    p = np.asarray(probs, dtype=np.float64)
+    return int(rng.choice(p.size, p=p / p.sum()))
+
+
 def draw_without_replacement(q: SparseDist, k: int, rng: np.random.Generator) -> list[int]:
     """Up to ``k`` distinct tokens; the i-th is drawn from ``q`` renormalised over the tokens
     not drawn before it (the order matters: verification tries them in this order)."""
-    remaining = q.probs.copy()
+    remaining = q.probs.copy()  # [support] q's mass on the tokens not drawn yet
     out: list[int] = []
     for _ in range(min(k, int(np.count_nonzero(remaining)))):
-        idx = int(rng.choice(remaining.size, p=remaining / remaining.sum()))
+        idx = sample(remaining, rng)
         out.append(int(q.tokens[idx]))
         remaining[idx] = 0.0
     return out
-
-
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a dense distribution."""
-    p = np.asarray(probs, dtype=np.float64)
-    return int(rng.choice(p.size, p=p / p.sum()))
 
 
 def top_k_tokens(logits: np.ndarray, k: int) -> list[int]:

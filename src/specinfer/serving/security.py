@@ -48,6 +48,12 @@ def read_token(token: str, token_file: str, what: str) -> str:
     return token
 
 
+def _check_pair(cert: str, key: str, names: str) -> None:
+    """A certificate and its private key are given together or not at all."""
+    if bool(cert) != bool(key):
+        raise ValueError(f"{names} go together")
+
+
 @dataclass(frozen=True)
 class ServerTls:
     """Files of a TLS server: certificate chain and key (PEM); ``client_ca`` set: mTLS."""
@@ -57,8 +63,7 @@ class ServerTls:
     client_ca: str = ""
 
     def __post_init__(self) -> None:
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("tls-cert and tls-key go together")
+        _check_pair(self.cert, self.key, "tls-cert and tls-key")
         if self.client_ca and not self.cert:
             raise ValueError("tls-client-ca (mTLS) needs tls-cert and tls-key")
 
@@ -87,8 +92,7 @@ class ClientTls:
     key: str = ""
 
     def __post_init__(self) -> None:
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("tls-client-cert and tls-client-key go together")
+        _check_pair(self.cert, self.key, "tls-client-cert and tls-client-key")
 
     @staticmethod
     def from_files(ca: str = "", cert: str = "", key: str = "") -> ClientTls:

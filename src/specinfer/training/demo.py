@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -22,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from specinfer.training.distill import TrainSettings
-from specinfer.training.run import ArchSpec
+from specinfer.training.jobs import BOOST_REPORT, BoostConfig, TrainSsmConfig, run_boost, run_train_ssm
+from specinfer.training.sources import ArchSpec, StudentSource, corpus_tokens, new_llama, val_windows, window_batches
 
 WORK = "_work"
 
@@ -102,19 +104,6 @@ def run_demo(cfg: DemoConfig, log=None) -> dict:
     log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     from specinfer.training.corpus import source_files
     from specinfer.training.distill import train
-    from specinfer.training.run import (
-        BOOST_REPORT,
-        BoostConfig,
-        StudentSource,
-        TrainSsmConfig,
-        copy_checkpoint,
-        corpus_tokens,
-        new_llama,
-        run_boost,
-        run_train_ssm,
-        val_windows,
-        window_batches,
-    )
 
     work = cfg.out / WORK
     work.mkdir(parents=True, exist_ok=True)
@@ -166,7 +155,7 @@ def run_demo(cfg: DemoConfig, log=None) -> dict:
     boost_report = json.loads((work / "boost" / BOOST_REPORT).read_text())
 
     for k in range(cfg.ssms):
-        copy_checkpoint(work / "boost" / f"ssm-{k}", cfg.out / ("ssm" if k == 0 else f"ssm-{k}"))
+        _copy_checkpoint(work / "boost" / f"ssm-{k}", cfg.out / ("ssm" if k == 0 else f"ssm-{k}"))
     _write_prompts(cfg, log)
     report = {
         "recipe": "specinfer train-demo",
@@ -201,6 +190,15 @@ class _StageTimes:
 
 def _shape(a: ArchSpec) -> str:
     return ",".join(f"{k}={v}" for k, v in asdict(a).items())
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    """Replace ``dst`` by the model files of ``src`` (no training state)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix in (".json", ".safetensors"):
+            shutil.copyfile(f, dst / f.name)
 
 
 def _training_summary(folder: Path) -> dict:

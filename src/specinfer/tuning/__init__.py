@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specinfer.core import InvalidArgument
+from specinfer.core.drafts import PAPER_EXPANSION
 
 TUNING_FILE = "specinfer-tuning.json"
-PAPER_EXPANSION = "1,1,3,1,1,1,1,1"
 
 
 def read_pick(path: str | Path, field: str = "expansion") -> str:

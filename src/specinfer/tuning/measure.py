@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.tuning.model import CostModel, nondecreasing
@@ -85,7 +86,12 @@ def engine_step_seconds(llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence
 
 
 def cost_model(
-    llm: CausalLM, ssm: CausalLM, contexts: Sequence[Sequence[int]], max_nodes: int, reps: int, calibrate: Sequence[int] = (1, 1, 3, 1, 1, 1, 1, 1)
+    llm: CausalLM,
+    ssm: CausalLM,
+    contexts: Sequence[Sequence[int]],
+    max_nodes: int,
+    reps: int,
+    calibrate: Sequence[int] = ExpansionConfig.parse(PAPER_EXPANSION).widths,
 ) -> CostModel:
     """Verify and draft pass times at powers of two up to ``max_nodes`` per request (batch =
     ``len(contexts)``), plus a per-step overhead calibrated on one real engine step."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument
-from specinfer.tuning import PAPER_EXPANSION, TUNING_FILE
+from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.tuning import TUNING_FILE
 from specinfer.tuning.model import Candidate, evaluate, search
 
 
@@ -125,11 +126,11 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--acceptance-llm", default=None, help="a model with the LLM's logits that is cheaper to run (e.g. before inflation)")
     p.add_argument("--count", type=int, default=30, help="calibration prompts")
     p.add_argument("--offset", type=int, default=100, help="first calibration prompt (keep them apart from benchmark prompts)")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="the LLM's greedy tokens per calibration prompt (where the SSM's ranks are measured)")
     p.add_argument("--batch", type=int, default=1, help="batch size to tune for")
-    p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--max-width", type=int, default=4)
-    p.add_argument("--max-nodes", type=int, default=64)
+    p.add_argument("--max-depth", type=int, default=8, help="deepest tree searched")
+    p.add_argument("--max-width", type=int, default=4, help="most children per node searched")
+    p.add_argument("--max-nodes", type=int, default=64, help="largest tree searched (nodes, the root included)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="specinfer-tuning.json")

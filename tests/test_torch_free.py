@@ -1,0 +1,45 @@
+"""The pure core (``specinfer.core``) needs no torch: its tests collect and pass in a Python where
+``import torch`` fails.
+
+A pytest plugin put on ``PYTHONPATH`` installs an import hook before any conftest or test module
+is imported: every ``import torch`` (or of a submodule) then raises ModuleNotFoundError, as where
+torch is not installed. (``sys.modules["torch"] = None`` would not do: libraries such as SciPy
+probe ``sys.modules["torch"]`` for tensor types and break on the None.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE_TESTS = ("tests/test_tree.py", "tests/test_verify.py", "tests/test_sampling.py")  # the tests of specinfer.core
+NO_TORCH_PLUGIN = """
+import sys
+
+
+class HideTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, HideTorch())
+"""
+
+
+@pytest.mark.slow
+def test_core_tests_pass_without_torch(tmp_path):
+    (tmp_path / "no_torch.py").write_text(NO_TORCH_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    blocked = subprocess.run([sys.executable, "-c", "import no_torch, torch"], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "ModuleNotFoundError" in blocked.stderr, blocked.stderr
+    cmd = [sys.executable, "-m", "pytest", "-p", "no_torch", "-p", "no:cacheprovider", "-q", *CORE_TESTS]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-4000:]
