@@ -16,11 +16,12 @@ from transformers import AutoModelForCausalLM
 from specinfer.checkpoint import load_tokenizer
 from specinfer.cli import BUNDLED_PAIR
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import load_backend
 
 MODELS = ("llm", "ssm", "ssm-1", "ssm-2")
-PAPER_TREE = ExpansionConfig.parse("1,1,3,1,1,1,1,1")
+PAPER_TREE = ExpansionConfig.parse(PAPER_EXPANSION)
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef read_config(path):\n    "]
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_PAIR / "llm/config.json").is_file(), reason="models/demo is not in this checkout")
@@ -83,7 +84,7 @@ def test_services_merge_three_ssms(greedy_reference, tmp_path):
         workers=1,
         port=0,
         state_dir=tmp_path,
-        expansion="1,1,3,1,1,1,1,1",
+        expansion=PAPER_EXPANSION,
         threads=1,
     )
     with Stack(cfg) as stack, Client(stack.address) as client:

@@ -117,6 +117,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_mss_matches_llm_sampling(case):
     params, salts, widths = CASES[case]
@@ -124,12 +125,14 @@ def test_mss_matches_llm_sampling(case):
     assert chi_square_pvalue(counts, _exact(params, 2)) > 0.001
 
 
+@pytest.mark.slow
 def test_mss_with_truncated_drafts_is_still_exact():
     params, salts, widths = SamplingParams(temperature=1.0), ("ssm-a",), (2, 2)
     counts = _generate(verify_stochastic, params, 2, 20000, salts, widths, seed=99, support=3)
     assert chi_square_pvalue(counts, _exact(params, 2)) > 0.001
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", [always_accept, forget_residual])
 def test_a_wrong_verifier_fails_the_same_test(wrong):
     params, salts, widths = CASES["width3"]

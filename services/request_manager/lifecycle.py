@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from specinfer.core.errors import AlreadyExists, NotFound, ResourceExhausted
+from specinfer.core.errors import AlreadyExists, NotFound
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.live_records import live_from_snapshot, live_record, snapshot_finish
 from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-from specinfer.request_manager.scheduler import Finish, Live, QueueFull, Scheduler, StreamEvent
+from specinfer.request_manager.scheduler import Finish, Live, Scheduler, StreamEvent
 from specinfer.request_manager.store import RequestExistsError, RequestStore
 
 log = logging.getLogger("specinfer.request_manager")
@@ -57,8 +57,6 @@ class Requests:
             self.scheduler.check_room()
             await self.store.create(live_record(live, self.limits.ssm_names, self.owner))
             await self.scheduler.submit(live)
-        except QueueFull as exc:
-            raise ResourceExhausted(str(exc)) from None
         except RequestExistsError as exc:
             raise AlreadyExists("request_id", str(exc)) from None
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specinfer.core import DraftTree
+from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
@@ -30,7 +31,7 @@ from specinfer.serving.metrics import SchedulerMetrics
 log = logging.getLogger("specinfer.request_manager")
 
 
-class QueueFull(Exception):
+class QueueFull(ResourceExhausted):
     """Admission refused: the waiting queue is at its bound."""
 
 

@@ -22,6 +22,7 @@ from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.models.loading import eos_token_id
 from specinfer.v1 import api_pb2
@@ -38,7 +39,7 @@ def stack(model_pair, tmp_path_factory):
         workers=2,
         port=0,
         state_dir=tmp_path_factory.mktemp("state"),
-        expansion="1,1,3,1,1,1,1,1",
+        expansion=PAPER_EXPANSION,
         threads=1,
         rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
     )

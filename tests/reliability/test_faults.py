@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.__main__ import SPECULATION_HEALTH
 from specinfer.request_manager.redis_server import EmbeddedRedis
@@ -35,7 +36,7 @@ def stack(model_pair, tmp_path_factory):
         workers=2,
         port=0,
         state_dir=tmp_path_factory.mktemp("state"),
-        expansion="1,1,3,1,1,1,1,1",
+        expansion=PAPER_EXPANSION,
         threads=1,
         rm_args=("--max-batch", "16", "--ssm-failure-seconds", "5", "--rpc-timeout-seconds", "30"),
     )

@@ -11,6 +11,7 @@ import pytest
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.iteration import DraftSpec
 from specinfer.engine.steps import draft_trees
 from specinfer.models.loading import load_backend
@@ -55,7 +56,15 @@ class Draft:
 
     def job(self) -> DraftSpec:
         return DraftSpec(
-            self.request_id, self.context, self.root, ExpansionConfig(self.widths), self.sampling, self.draft_support or 32, self.seed, self.step, self.stream
+            self.request_id,
+            self.context,
+            self.root,
+            ExpansionConfig(self.widths),
+            self.sampling,
+            self.draft_support or DEFAULT_DRAFT_SUPPORT,
+            self.seed,
+            self.step,
+            self.stream,
         )
 
 

@@ -36,6 +36,10 @@ class ResourceExhausted(Exception):
     """The service has no room for the request now; the caller may retry later."""
 
 
+class Unavailable(Exception):
+    """The service cannot compute any more (it is going down); another replica may answer."""
+
+
 def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
     """``ids`` as a tuple, or :class:`InvalidArgument` when one is outside the vocabulary ``[0, vocab_size)``
     (it would index past the embedding table)."""

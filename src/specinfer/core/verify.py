@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specinfer.core.drafts import DraftTree
+from specinfer.core.sampling import sample
 from specinfer.core.tree import TokenTree
 
 
@@ -94,7 +95,7 @@ def verify_stochastic(
             if accepted is not None:
                 break
         if accepted is None:
-            bonus = int(rng.choice(p.size, p=p / p.sum()))
+            bonus = sample(p, rng)
             return _result(tree, path, bonus)
         path.append(accepted)
         u = accepted

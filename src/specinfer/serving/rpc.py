@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 
-from specinfer.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specinfer.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 
 log = logging.getLogger("specinfer.rpc")
 
@@ -22,27 +21,15 @@ STATUSES: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the caller may retry later
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a full queue or KV pool: the caller may retry later
+    Unavailable: grpc.StatusCode.UNAVAILABLE,  # e.g. a failed rank of a parallel model: another replica may answer
 }
-
-# Errors of the torch-side model code, named rather than imported: the request manager runs without
-# torch, and an exception whose module was never imported cannot have been raised.
-MODEL_STATUSES: tuple[tuple[str, str, grpc.StatusCode], ...] = (
-    # a full KV pool: the caller may retry with fewer requests
-    ("specinfer.models.native.kv_pool", "KVCacheFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    # a failed rank of a parallel model: the service is going down; another replica may answer
-    ("specinfer.models.native.parallel.driver", "RankFailure", grpc.StatusCode.UNAVAILABLE),
-)
 
 
 def status_of(exc: Exception) -> grpc.StatusCode:
     """The status an exception of a servicer method ends its call with (INTERNAL: a bug)."""
     for cls, code in STATUSES.items():
         if isinstance(exc, cls):
-            return code
-    for module_name, class_name, code in MODEL_STATUSES:
-        module = sys.modules.get(module_name)
-        if module is not None and isinstance(exc, getattr(module, class_name)):
             return code
     return grpc.StatusCode.INTERNAL
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from specinfer.core.errors import ResourceExhausted
 from specinfer.models.native.spec import ModelSpec
 
 
-class KVCacheFull(RuntimeError):
+class KVCacheFull(ResourceExhausted, RuntimeError):
     """No free slot: more concurrent requests than the KV budget holds."""
 
 

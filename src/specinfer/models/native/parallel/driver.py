@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from specinfer.core.errors import Unavailable
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.parallel.stage import StageModel, run_stage
 from specinfer.models.native.step import PackedStep
@@ -27,7 +28,7 @@ from specinfer.models.native.step import PackedStep
 Moves = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (source rows, destination rows) per move
 
 
-class RankFailure(RuntimeError):
+class RankFailure(Unavailable, RuntimeError):
     """A rank of the parallel group failed; the group cannot compute any more."""
 
 
