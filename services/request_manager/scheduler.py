@@ -51,10 +51,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Usage:
+    """A request's token counts and speculation statistics (named as the public ``Usage`` message's fields)."""
+
     prompt_tokens: int
     completion_tokens: int
     llm_steps: int
-    mean_accepted: float
+    mean_accepted_tokens: float
     tokens_per_step: float
     mean_tree_size: float
 

@@ -8,6 +8,7 @@ reused ALREADY_EXISTS, an unknown one NOT_FOUND.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import aclosing
 
@@ -37,15 +38,7 @@ STATUSES = {
 
 
 def finish_to_proto(finish: Finish) -> api_pb2.Finished:
-    u = finish.usage
-    usage = api_pb2.Usage(
-        prompt_tokens=u.prompt_tokens,
-        completion_tokens=u.completion_tokens,
-        llm_steps=u.llm_steps,
-        mean_accepted_tokens=u.mean_accepted,
-        tokens_per_step=u.tokens_per_step,
-        mean_tree_size=u.mean_tree_size,
-    )
+    usage = api_pb2.Usage(**dataclasses.asdict(finish.usage))  # the same field names
     return api_pb2.Finished(reason=FINISH_REASONS[finish.reason], usage=usage, error=finish.error)
 
 
