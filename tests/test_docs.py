@@ -1,0 +1,86 @@
+"""The documentation stays true to the repository: links resolve inside it, and docs/architecture.md
+names modules that exist and, for each concept, names that those modules define."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted(REPO.glob("docs/*.md")), *sorted(REPO.glob("*/README.md")), REPO / "models/demo/README.md"]
+ARCHITECTURE = REPO / "docs/architecture.md"
+# pyproject.toml's package-dir: top-level folders installed into the specinfer namespace
+PACKAGE_DIRS = {
+    "specinfer.kernels": "kernels",
+    "specinfer.ssm_worker": "services/ssm_worker",
+    "specinfer.llm_verifier": "services/llm_verifier",
+    "specinfer.request_manager": "services/request_manager",
+}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+MODULE = re.compile(r"`(specinfer(?:\.\w+)+)")
+IDENTIFIER = re.compile(r"`([A-Za-z_]\w*)`")
+
+
+def module_path(name: str) -> Path | None:
+    """The file or package folder of module ``name``, or None."""
+    for prefix, folder in PACKAGE_DIRS.items():
+        if name == prefix or name.startswith(prefix + "."):
+            rel = Path(folder, *name[len(prefix) + 1 :].split(".")) if name != prefix else Path(folder)
+            break
+    else:
+        rel = Path("src", *name.split("."))
+    for candidate in (REPO / rel.with_suffix(".py"), REPO / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def longest_module(dotted: str) -> tuple[str, str]:
+    """Split ``specinfer.a.b.Name`` into the longest existing module and the rest."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        if module_path(".".join(parts[:cut])) is not None:
+            return ".".join(parts[:cut]), ".".join(parts[cut:])
+    return dotted, ""
+
+
+def module_sources(name: str) -> str:
+    path = module_path(name)
+    files = sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
+    return "\n".join(f.read_text() for f in files) + "\n" + "\n".join(f"def {f.stem}" for f in files)
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.is_file()], ids=lambda d: str(d.relative_to(REPO)))
+def test_relative_links_resolve_inside_the_repository(doc):
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"^[a-z]+://|^#|^mailto:", target):
+            continue
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{doc.name}: link {target!r} resolves to nothing"
+        assert REPO in path.parents or path == REPO, f"{doc.name}: link {target!r} points outside the repository"
+
+
+def test_no_doc_points_outside_the_repository():
+    for doc in DOCS:
+        if doc.is_file():
+            assert "shared/DESIGN.md" not in doc.read_text(), f"{doc.name} points at a file a clone does not have"
+
+
+def test_architecture_names_existing_modules_and_their_definitions():
+    text = ARCHITECTURE.read_text()
+    named = set(MODULE.findall(text))
+    assert len(named) > 30
+    for dotted in sorted(named):
+        module, rest = longest_module(dotted)
+        assert module_path(module) is not None, f"docs/architecture.md names {dotted}, which does not exist"
+        if rest:
+            assert re.search(rf"\b{re.escape(rest.split('.')[0])}\b", module_sources(module)), f"{module} defines no {rest}"
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`specinfer." in line and line.count("|") == 4]
+    assert len(rows) > 25
+    for row in rows:
+        _, modules, names = row.strip().strip("|").split("|")  # concept | module(s) | what to look for
+        sources = "\n".join(module_sources(longest_module(m)[0]) for m in MODULE.findall(modules))
+        for name in IDENTIFIER.findall(names):
+            assert re.search(rf"(def|class) {name}\b|^{name}\b|\b{name} =", sources, re.M), f"{name} is not defined in {modules.strip()}"
