@@ -25,6 +25,9 @@ if not HAS_CUDA:
     # Triton reads this when it is imported (transformers imports it), so set it first: without
     # a GPU, kernels run under the Triton interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# float32 is the exactness oracle: services the tests start (and the CLI's generate) would
+# otherwise run in --dtype auto, which is bfloat16 on a machine with AVX512-BF16 or AMX.
+os.environ.setdefault("SPECINFER_DTYPE", "float32")
 if torch is not None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

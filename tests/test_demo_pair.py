@@ -55,8 +55,8 @@ def greedy_reference():
 
 
 def test_merged_boosted_ssms_are_exact_and_text_is_python_like(greedy_reference):
-    llm = load_backend(BUNDLED_PAIR / "llm", "llm")
-    ssms = [load_backend(BUNDLED_PAIR / m, m) for m in MODELS[1:]]
+    llm = load_backend(BUNDLED_PAIR / "llm", "llm", "float32")
+    ssms = [load_backend(BUNDLED_PAIR / m, m, "float32") for m in MODELS[1:]]
     engine = SpeculativeEngine(llm, ssms, EngineConfig(eos_token_id=None))
     tok = load_tokenizer(BUNDLED_PAIR / "llm")
     for ssm_ids in ((0,), (0, 1), (0, 1, 2)):

@@ -30,7 +30,7 @@ def expected(model_pair):
 @pytest.fixture(scope="module", params=["reference", "native"])
 def setup(request, model_pair, expected):
     prompts, tokens, eos = expected
-    models = [load_backend(p, "model", backend=request.param, kv_cache_bytes=1 << 28) for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)]
+    models = [load_backend(p, "model", "float32", backend=request.param, kv_cache_bytes=1 << 28) for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)]
     return prompts, tokens, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos))
 
 

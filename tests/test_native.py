@@ -87,9 +87,11 @@ def _hf_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
         return torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-def test_prefill_and_tree_steps_match_transformers(checkpoint):
+@pytest.mark.parametrize("gemm", ["linear", "transposed"])
+def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm):
+    """Both forms of every matrix product (see specinfer.models.native.gemm) give transformers' logits."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
     # prefill: the whole prompt as a chain (context empty) -> logits after every token

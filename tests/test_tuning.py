@@ -110,8 +110,8 @@ def test_search_prefers_cheap_trees_when_verification_grows_with_size():
 
 def test_predicted_tokens_per_step_equal_the_engine(model_pair):
     """The tuner's exact walk predicts the engine's greedy tokens per step on a real pair."""
-    llm = load_backend(model_pair.llm, "llm", backend="native")
-    ssm = load_backend(model_pair.ssm, "ssm", backend="native")
+    llm = load_backend(model_pair.llm, "llm", "float32", backend="native")
+    ssm = load_backend(model_pair.ssm, "ssm", "float32", backend="native")
     prompts = [tuple(p) for p in model_pair.prompts[:4]]
     new_tokens = 24
     continuations = greedy_continuations(llm, ssm, prompts, new_tokens)

@@ -21,7 +21,8 @@ import torch
 from specinfer.core import InvalidArgument
 from specinfer.llm_verifier.ranks import Launch, exit_with_parent, plan_launch, rank_device, spawn_ranks, stop_ranks, watch_ranks
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
-from specinfer.models.loading import DTYPES, check_checkpoint
+from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
+from specinfer.models.loading import check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
@@ -70,8 +71,8 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         return None
     if args.backend == "reference":
         raise InvalidArgument("backend", "tensor and pipeline parallelism need the native backend")
-    if args.dtype not in DTYPES:
-        raise InvalidArgument("dtype", f"must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.dtype not in DTYPE_CHOICES:
+        raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
     _, path = llm_path(args)
     try:
         spec = ModelSpec.from_dir(check_checkpoint(path, "llm"))
@@ -82,7 +83,8 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
 
 
 def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
-    return NativeOptions(DTYPES[args.dtype], rank_device(args.device, launch.local_rank), args.kv_cache_bytes, 0, args.attention)
+    device = rank_device(args.device, launch.local_rank)
+    return NativeOptions(DTYPES[resolve_dtype(args.dtype, device)], device, args.kv_cache_bytes, 0, args.attention)
 
 
 def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:

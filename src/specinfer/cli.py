@@ -44,7 +44,12 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto (default): bfloat16 where the device computes in it natively, else float16 on a GPU, float32 on a CPU",
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
     p.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"], help="native tree attention (auto: Triton on CUDA)")
 

@@ -29,7 +29,7 @@ def fresh_id(prefix: str) -> str:
 @pytest.fixture(scope="module")
 def local_models(model_pair):
     """The verifier's LLM and an SSM in process (backend auto, as in the services)."""
-    return load_backend(model_pair.llm, "llm", kv_cache_bytes=128 << 20), load_backend(model_pair.ssm, "ssm", kv_cache_bytes=16 << 20)
+    return load_backend(model_pair.llm, "llm", "float32", kv_cache_bytes=128 << 20), load_backend(model_pair.ssm, "ssm", "float32", kv_cache_bytes=16 << 20)
 
 
 @pytest.fixture

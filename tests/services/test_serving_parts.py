@@ -55,8 +55,8 @@ def test_parse_named_paths():
 def test_forward_without_nodes_prefills(model_pair, backend):
     """A forward with no tree nodes (a prefill) computes the context only; later trees see it."""
     prompt = model_pair.prompts[1]
-    warm = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)
-    cold = load_backend(model_pair.llm, "llm", backend=backend, kv_cache_bytes=64 << 20)
+    warm = load_backend(model_pair.llm, "llm", "float32", backend=backend, kv_cache_bytes=64 << 20)
+    cold = load_backend(model_pair.llm, "llm", "float32", backend=backend, kv_cache_bytes=64 << 20)
     half = len(prompt) // 2
     for context in (prompt[:half], prompt[:half], prompt[:-1]):  # a chunk, an up-to-date cache, the rest
         out = warm.forward_tree([TreeForward("r", context, [], []), TreeForward("s", prompt[:3], [], [])])
@@ -71,12 +71,12 @@ def test_forward_without_nodes_prefills(model_pair, backend):
 
 def one_slot_bytes(model_pair) -> int:
     """A KV budget of exactly one request slot of the native backend."""
-    probe = load_backend(model_pair.llm, "llm", backend="native", kv_cache_bytes=1 << 30)
+    probe = load_backend(model_pair.llm, "llm", "float32", backend="native", kv_cache_bytes=1 << 30)
     return probe.options.kv_cache_bytes // probe.max_requests
 
 
 def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
-    llm = load_backend(model_pair.llm, "llm", backend="native", kv_cache_bytes=one_slot_bytes(model_pair))
+    llm = load_backend(model_pair.llm, "llm", "float32", backend="native", kv_cache_bytes=one_slot_bytes(model_pair))
     assert llm.max_requests == 1
     servicer = LlmVerifierServicer("llm", llm, ModelMetrics(CollectorRegistry(), "llm"))
     prompt = model_pair.prompts[0]

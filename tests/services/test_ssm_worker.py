@@ -86,7 +86,7 @@ def assert_same_draft(got: DraftTree, want: DraftTree) -> None:
 @pytest.fixture(scope="module")
 def loaded_ssms(model_pair):
     """The worker's SSMs in process, with the worker's backend choice (auto)."""
-    return {name: load_backend(path, name, kv_cache_bytes=64 << 20) for name, path in (("ssm", model_pair.ssm), ("ssm2", model_pair.ssm2))}
+    return {name: load_backend(path, name, "float32", kv_cache_bytes=64 << 20) for name, path in (("ssm", model_pair.ssm), ("ssm2", model_pair.ssm2))}
 
 
 @pytest.fixture

@@ -105,7 +105,7 @@ def test_train_ssm_cli_writes_a_checkpoint_the_engine_serves(tiny, tmp_path):
     from specinfer.models.loading import load_backend
 
     load_model(out)
-    engine = SpeculativeEngine(load_backend(llm, "llm"), [load_backend(out, "ssm")], EngineConfig(eos_token_id=None))
+    engine = SpeculativeEngine(load_backend(llm, "llm", "float32"), [load_backend(out, "ssm", "float32")], EngineConfig(eos_token_id=None))
     [res] = engine.generate([GenerationRequest("r", (5, 6, 7, 8), max_new_tokens=12, speculation=SpeculationConfig(ExpansionConfig.parse("1,1,1")))])
     assert len(res.output_tokens) == 12
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
+from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
 from specinfer.models.reference import ReferenceBackend
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_checkpoint(path: str | Path, field: str) -> Path:
@@ -26,7 +23,7 @@ def check_checkpoint(path: str | Path, field: str) -> Path:
     return p
 
 
-__all__ = ["BACKENDS", "DTYPES", "check_checkpoint", "check_same_vocabulary", "eos_token_id", "load_backend", "load_tokenizer"]
+__all__ = ["BACKENDS", "DTYPES", "DTYPE_CHOICES", "check_checkpoint", "check_same_vocabulary", "eos_token_id", "load_backend", "load_tokenizer"]
 
 BACKENDS = ("auto", "native", "reference")
 
@@ -34,7 +31,7 @@ BACKENDS = ("auto", "native", "reference")
 def load_backend(
     path: str | Path,
     field: str,
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "cpu",
     backend: str = "auto",
     kv_cache_bytes: int = 1 << 30,
@@ -42,9 +39,9 @@ def load_backend(
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; Llama family and
     OPT), ``reference`` (any causal LM through transformers) or ``auto`` (native where the
-    architecture is supported)."""
-    if dtype not in DTYPES:
-        raise InvalidArgument("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
+    architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
+    :mod:`specinfer.models.dtypes`)."""
+    dtype = resolve_dtype(dtype, device)
     if backend not in BACKENDS:
         raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {backend!r}")
     path = check_checkpoint(path, field)

@@ -95,7 +95,7 @@ def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> Server
 def add_model_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the services that run models (see :func:`specinfer.models.loading.load_backend`)."""
     add_setting(parser, "--backend", default="auto", help="auto, native or reference")
-    add_setting(parser, "--dtype", default="float32", help="float32, float16 or bfloat16")
+    add_setting(parser, "--dtype", default="auto", help="auto (bf16 where the device has bf16 arithmetic, else fp16 on GPU, fp32), float32, float16, bfloat16")
     add_setting(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_setting(parser, "--kv-cache-bytes", int, 1 << 30, help="KV pool memory per model (native backend)")
     add_setting(parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch")

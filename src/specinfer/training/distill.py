@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specinfer.models.dtypes import DTYPES
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids [B, T], labels [B, T], mask [B, T] bool
 BatchSource = Callable[[int], Batch]
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer.pt"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

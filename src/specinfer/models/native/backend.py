@@ -16,11 +16,14 @@ import torch
 
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
+from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
-from specinfer.models.native.weights import build_weights, read_state_dict
+from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
+
+GEMM_CHOICES = ("auto", "linear", "transposed")
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,9 @@ class NativeOptions:
     """``kv_cache_bytes``: memory for the KV pool; ``max_seq_len``: tokens per request slot
     (0: the model's limit); ``attention``: ``auto`` (Triton on CUDA, PyTorch on CPU),
     ``triton`` or ``torch``; ``max_tree_nodes``: extra rows per slot for tree nodes beyond the
-    sequence (a tree's nodes share positions, so they need rows but no positions)."""
+    sequence (a tree's nodes share positions, so they need rows but no positions); ``gemm``:
+    ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`),
+    ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -36,6 +41,11 @@ class NativeOptions:
     max_seq_len: int = 0
     attention: str = "auto"
     max_tree_nodes: int = 256
+    gemm: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
 
 
 def slot_len(spec: ModelSpec, options: NativeOptions) -> int:
@@ -49,6 +59,13 @@ def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     each slot holds a whole sequence plus ``max_tree_nodes`` tree rows."""
     rows = slot_len(spec, options) + options.max_tree_nodes
     return rows, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * rows)
+
+
+def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
+    """The matrix-product forms of a model's weights under ``options`` (measured on a CPU)."""
+    if options.gemm == "auto":
+        return calibrate(weights.matrices(), torch.device(options.device))
+    return all_transposed(weights.matrices()) if options.gemm == "transposed" else GemmPlan()
 
 
 def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torch.Tensor | None, float]:
@@ -93,7 +110,7 @@ class NativeBackend:
         spec = ModelSpec.from_dir(path)
         device = torch.device(options.device)
         weights = build_weights(spec, read_state_dict(path), options.dtype, device)
-        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention)
+        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention, gemm_plan(weights, options))
         rows, slots = pool_slots(spec, options)
         return cls(spec, LocalRunner(model, KVPool(spec, options.dtype, device, rows, slots), device), options)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata, tree_attention
+from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import ModelWeights
@@ -22,9 +23,12 @@ class NativeModel:
     """The forward pass. The architecture's blocks (embedding extras, decoder layer, final norm)
     are picked once here, so the per-layer path runs no architecture branch."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, inv_freq: torch.Tensor | None, rope_scale: float, attention_impl: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, weights: ModelWeights, inv_freq: torch.Tensor | None, rope_scale: float, attention_impl: str, gemm: GemmPlan | None = None
+    ) -> None:
         self.spec = spec
         self.w = weights
+        self.linear = (gemm or GemmPlan()).linear  # x @ w.T (+ b) in the form measured fastest for the shape
         self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
         self.attention_impl = attention_impl
@@ -81,7 +85,7 @@ class NativeModel:
         return F.embedding(tokens, self.w.embed)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
-        return F.linear(h, self.w.lm_head)
+        return self.linear(h, self.w.lm_head)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""
@@ -105,7 +109,7 @@ class NativeModel:
     def _attention(self, i, layer, x, rope, cache_rows, meta, pool) -> torch.Tensor:
         spec = self.spec
         t = x.shape[0]
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (heads + 2 * kv_heads) * head_dim]
+        qkv = self.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (heads + 2 * kv_heads) * head_dim]
         q_size, kv_size = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
         q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)  # [T, heads, head_dim]
         k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)  # [T, kv_heads, head_dim]
@@ -116,7 +120,7 @@ class NativeModel:
         pool.k[i][cache_rows] = k
         pool.v[i][cache_rows] = v
         out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
-        return self._reduce(F.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
+        return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
     # Llama family: RoPE, RMSNorm before each sublayer, SwiGLU MLP.
 
@@ -126,9 +130,9 @@ class NativeModel:
     def _llama_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
         eps = self.spec.norm_eps
         h = h + self._attention(i, layer, F.rms_norm(h, self._dims, layer.norm1_w, eps), rope, cache_rows, meta, pool)
-        gate_up = F.linear(F.rms_norm(h, self._dims, layer.norm2_w, eps), layer.up_w)  # [T, 2 * intermediate]
+        gate_up = self.linear(F.rms_norm(h, self._dims, layer.norm2_w, eps), layer.up_w)  # [T, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._reduce(F.linear(F.silu(gate) * up, layer.down_w))
+        return h + self._reduce(self.linear(F.silu(gate) * up, layer.down_w))
 
     def _llama_final(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, self._dims, self.w.final_norm_w, self.spec.norm_eps)
@@ -137,14 +141,14 @@ class NativeModel:
 
     def _opt_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if self.w.project_in is not None:
-            h = F.linear(h, self.w.project_in)
+            h = self.linear(h, self.w.project_in)
         return h + F.embedding(positions + OPT_POSITION_OFFSET, self.w.positions)
 
     def _layer_norm(self, h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         return F.layer_norm(h, self._dims, weight, bias, self.spec.norm_eps)
 
     def _opt_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(F.linear(self.act(F.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
+        return self._reduce(self.linear(self.act(self.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
 
     def _opt_pre_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
         h = h + self._attention(i, layer, self._layer_norm(h, layer.norm1_w, layer.norm1_b), rope, cache_rows, meta, pool)
@@ -157,4 +161,4 @@ class NativeModel:
     def _opt_final(self, h: torch.Tensor) -> torch.Tensor:
         if self.w.final_norm_w is not None or self.w.final_norm_b is not None:
             h = self._layer_norm(h, self.w.final_norm_w, self.w.final_norm_b)
-        return h if self.w.project_out is None else F.linear(h, self.w.project_out)
+        return h if self.w.project_out is None else self.linear(h, self.w.project_out)

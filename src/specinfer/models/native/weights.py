@@ -56,6 +56,11 @@ class ModelWeights:
     project_in: torch.Tensor | None = None  # OPT [hidden, word_embed_dim]
     project_out: torch.Tensor | None = None  # OPT [word_embed_dim, hidden]
 
+    def matrices(self) -> list[torch.Tensor]:
+        """Every weight the forward pass multiplies activations by (``x @ w.T``)."""
+        per_layer = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
+        return [*per_layer, self.lm_head, *(w for w in (self.project_in, self.project_out) if w is not None)]
+
 
 def _strip(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     out = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.models.native.backend import NativeBackend, NativeOptions, pool_slots, rope_tables
+from specinfer.models.native.backend import NativeBackend, NativeOptions, gemm_plan, pool_slots, rope_tables
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.parallel.driver import DriverRunner, RecordingPool, serve_rank
 from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, init_groups
@@ -34,7 +34,8 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     shard = shard_weights(spec, full, layout)
     del full
     weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
-    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups)
+    gemm = gemm_plan(weights, options)
+    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm)
     rows, slots = pool_slots(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
     return model, rows, slots
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata
+from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.parallel.groups import ParallelGroups
@@ -38,8 +39,9 @@ class StageModel(NativeModel):
         attention_impl: str,
         vocab_size: int,
         groups: ParallelGroups,
+        gemm: GemmPlan,
     ) -> None:
-        super().__init__(spec, weights, inv_freq, rope_scale, attention_impl)
+        super().__init__(spec, weights, inv_freq, rope_scale, attention_impl, gemm)
         self.vocab_size = vocab_size
         self.groups = groups
         self.vocab = groups.layout.vocab_range(vocab_size)
@@ -59,7 +61,7 @@ class StageModel(NativeModel):
             return super()._lm_head(h)
         tp = self.groups.layout.tp
         block = -(-self.vocab_size // tp)
-        part = F.pad(F.linear(h, self.w.lm_head), (0, block - len(self.vocab)))  # [N, block]
+        part = F.pad(self.linear(h, self.w.lm_head), (0, block - len(self.vocab)))  # [N, block]
         parts = [torch.empty_like(part) for _ in range(tp)]
         dist.all_gather(parts, part, group=self.groups.tensor)
         return torch.cat(parts, dim=-1)[:, : self.vocab_size].contiguous()

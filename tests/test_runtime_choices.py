@@ -1,0 +1,83 @@
+"""The runtime's measured and hardware-dependent choices: matrix-product forms and ``--dtype auto``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specinfer.core import InvalidArgument
+from specinfer.models.dtypes import auto_dtype, cpu_flags, resolve_dtype
+from specinfer.models.native.gemm import ROW_BUCKETS, GemmPlan, all_transposed, calibrate, choose, measure, row_bucket
+
+
+def test_row_buckets():
+    assert [row_bucket(m) for m in (1, 2, 3, 5, 16, 17, 128)] == [1, 2, 4, 8, 16, 32, 128]
+    assert row_bucket(129) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_forms_compute_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 32, generator=gen)  # [out, in]
+    b = torch.randn(48, generator=gen) if bias else None
+    x = torch.randn(rows, 32, generator=gen)  # [rows, in]
+    plan = all_transposed([w])
+    out = plan.linear(x, w, b)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(GemmPlan().linear(x, w, b), F.linear(x, w, b))
+
+
+def test_choose_needs_a_clear_win():
+    timings = {(8, 4, 1): (1.0, 0.95), (8, 4, 2): (1.0, 0.5), (8, 4, 4): (1.0, 2.0)}
+    assert choose(timings).transposed == frozenset({(8, 4, 2)})
+    assert choose(timings, margin=1.0).transposed == frozenset({(8, 4, 1), (8, 4, 2)})
+
+
+def test_plan_applies_per_shape_and_bucket():
+    """A plan transposes only the (shape, bucket) it names; other shapes and row counts use linear."""
+    w, other = torch.randn(8, 4), torch.randn(6, 4)
+    plan = GemmPlan(frozenset({(8, 4, 4)}))
+    calls = []
+    real_mm = torch.mm
+    try:
+        torch.mm = lambda *a: calls.append(a[0].shape) or real_mm(*a)
+        plan.linear(torch.randn(3, 4), w)  # bucket 4: transposed
+        plan.linear(torch.randn(5, 4), w)  # bucket 8: linear
+        plan.linear(torch.randn(3, 4), other)  # other shape: linear
+    finally:
+        torch.mm = real_mm
+    assert calls == [torch.Size([8, 4])]
+
+
+def test_measure_times_each_shape_once_per_bucket():
+    weights = [torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)]
+    timings = measure(weights, repeats=1, buckets=(1, 4))
+    assert set(timings) == {(16, 8, 1), (16, 8, 4), (8, 16, 1), (8, 16, 4)}
+    assert all(lin > 0 and tr > 0 for lin, tr in timings.values())
+    assert calibrate(weights, torch.device("meta")) == GemmPlan()  # off the CPU: always linear
+    assert ROW_BUCKETS[0] == 1
+
+
+CPUINFO_ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n"
+CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
+
+
+def test_auto_dtype():
+    assert cpu_flags(CPUINFO_ZEN4) >= {"avx512_bf16", "avx2"}
+    assert cpu_flags("no flags here") == frozenset()
+    assert auto_dtype("cpu", None, cpu_flags(CPUINFO_ZEN4)) == "bfloat16"
+    assert auto_dtype("cpu", None, frozenset({"amx_bf16"})) == "bfloat16"
+    assert auto_dtype("cpu", None, cpu_flags(CPUINFO_AVX2)) == "float32"
+    assert auto_dtype("cuda", (9, 0), frozenset()) == "bfloat16"
+    assert auto_dtype("cuda", (8, 0), frozenset()) == "bfloat16"
+    assert auto_dtype("cuda", (7, 5), frozenset()) == "float16"
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("float32", "cpu") == "float32"
+    assert resolve_dtype("auto", "cpu") in ("float32", "bfloat16")
+    with pytest.raises(InvalidArgument, match="dtype"):
+        resolve_dtype("fp8", "cpu")
