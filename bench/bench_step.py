@@ -16,6 +16,7 @@ tree instead. Runtimes (``--runtimes``):
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -108,22 +109,26 @@ def main() -> None:
         shapes = [(f"<{args.expansion}>", cfg.max_nodes, lambda root, vocab, gen: expansion_tree(cfg, root, vocab, gen))]
     else:
         shapes = [(str(n), n, lambda root, vocab, gen, n=n: binary_tree(n, root, vocab, gen)) for n in (int(x) for x in args.nodes.split(","))]
-    models = {r: load(r, args) for r in runtimes}
     dtype = resolve_dtype(args.dtype, args.device)
+    configs = [(int(b), int(p)) for b in args.batch.split(",") for p in args.prefix.split(",")]
+    ms: dict[tuple[str, int, int, str], float] = {}
+    for r in runtimes:  # one model in memory at a time: several 1B copies crowd this machine's memory and slow each other
+        model = load(r, args)
+        for batch, prefix in configs:
+            for label, nodes, make_tree in shapes:
+                times = time_steps(model, batch, prefix, make_tree, args.steps, args.warmup, seed=batch * 1000 + prefix + nodes)
+                ms[(r, batch, prefix, label)] = 1000 * statistics.median(times)
+                print(f"{r} batch {batch} prefix {prefix} tree {label}: {ms[(r, batch, prefix, label)]:.1f} ms", file=sys.stderr, flush=True)
+        del model
+        gc.collect()
     print(f"LLM {args.llm}, {dtype} on {args.device}, {args.threads} threads, median of {args.steps} steps ({time.strftime('%Y-%m-%d')})")
     print()
-    print("| batch | prefix | tree | " + " | ".join(f"{r} ms | {r} vs 1 node" for r in runtimes) + " |")
+    print("| batch | prefix | tree | " + " | ".join(f"{r} ms | {r} vs first" for r in runtimes) + " |")
     print("|" + " --- |" * (3 + 2 * len(runtimes)))
-    for batch in (int(b) for b in args.batch.split(",")):
-        for prefix in (int(p) for p in args.prefix.split(",")):
-            first: dict[str, float] = {}
-            for label, nodes, make_tree in shapes:
-                cells = []
-                for r, m in models.items():
-                    ms = 1000 * statistics.median(time_steps(m, batch, prefix, make_tree, args.steps, args.warmup, seed=batch * 1000 + prefix + nodes))
-                    first.setdefault(r, ms)
-                    cells.append(f"{ms:.1f} | {ms / first[r]:.2f}x")
-                print(f"| {batch} | {prefix} | {label} | " + " | ".join(cells) + " |", flush=True)
+    for batch, prefix in configs:
+        for label, _, _ in shapes:
+            cells = [f"{ms[(r, batch, prefix, label)]:.1f} | {ms[(r, batch, prefix, label)] / ms[(r, batch, prefix, shapes[0][0])]:.2f}x" for r in runtimes]
+            print(f"| {batch} | {prefix} | {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Side by side on one LLM/SSM pair, one prompt set and one machine, in one run:
 
-(a) ``hf-incremental``: transformers ``generate`` (one LLM forward per token), batch 1;
+(a) ``hf-incremental``: transformers ``generate`` (one LLM forward per token), batch 1 and, for
+    the comparison at each batch size, batched ``generate`` (prompts left-padded);
 (b) ``hf-assisted``: transformers assisted generation (``assistant_model``: sequence speculation
     with transformers' default schedule), batch 1;
 (c) ``sequence``: ours, a chain of the same depth as the trees (``<1,1,...,1>``);
@@ -8,10 +9,14 @@
     tuner's pick);
 (e) ``merged``: ours, the trees of two or more SSMs merged;
 plus ``incremental``: ours with speculation off (the baseline of each batch size). Greedy and
-temperature 1; batch 1 and larger batches for ours.
+temperature 1; batch 1 and larger batches. Every row runs in one dtype (``--dtype``, transformers'
+rows included).
 
 Reported per run: tokens per LLM step, tokens/s, speedup over (a) (and over our incremental at
-the same batch size), per-token latency p50/p99, whether greedy outputs equal (a)'s. Writes
+the same batch size, and over transformers' batched generate), per-token latency p50/p99,
+whether greedy outputs equal (a)'s, and how many equal our own incremental decoding at the same
+batch size, with the mean length of the matching prefix (in bf16, rounding can flip near-ties, so
+neither is expected to be all). Writes
 ``OUT/compare.json``, ``OUT/compare.md`` and PNG plots (tokens/step vs tree size; speedup vs
 batch size).
 
@@ -44,6 +49,7 @@ from specinfer.checkpoint import load_tokenizer
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
 
@@ -93,7 +99,7 @@ class Run:
 
     outputs: list[list[int]] = field(default_factory=list)
 
-    def row(self, baseline: Run | None, batch_baseline: Run | None) -> dict:
+    def row(self, baseline: Run | None, batch_baseline: Run | None, hf_batch_baseline: Run | None) -> dict:
         tps = self.tokens / self.seconds
         dtps = self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
         lat = sorted(self.latencies)
@@ -114,6 +120,7 @@ class Run:
             "speedup_vs_hf_incremental": round(tps / (baseline.tokens / baseline.seconds), 3) if baseline else None,
             "decode_speedup_vs_hf_incremental": round(dtps / (baseline.decode_tokens / baseline.decode_seconds), 3) if baseline else None,
             "speedup_vs_incremental_same_batch": round(tps / (batch_baseline.tokens / batch_baseline.seconds), 3) if batch_baseline else None,
+            "speedup_vs_hf_same_batch": round(tps / (hf_batch_baseline.tokens / hf_batch_baseline.seconds), 3) if hf_batch_baseline else None,
             "latency_p50_ms": round(1000 * percentile(lat, 50), 1),
             "latency_p99_ms": round(1000 * percentile(lat, 99), 1),
         }
@@ -144,18 +151,26 @@ class _Timing(BaseStreamer):
         self.emissions: list[tuple[float, int]] = []
         self._prompt_seen = False
 
-    def put(self, value: torch.Tensor) -> None:
+    def put(self, value: torch.Tensor) -> None:  # [batch] new tokens (the prompt first: [batch, prompt])
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        self.emissions.append((time.perf_counter(), int(value.numel())))
+        self.emissions.append((time.perf_counter(), 1))  # one token for each sequence of the batch
 
     def end(self) -> None:
         pass
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of a batch, padded on the left as decoder-only generate needs.  # [B, L] each"""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
 def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, ssm, seed: int, progress: tqdm) -> Run:
-    """transformers generate, one prompt at a time; EOS does not stop generation."""
+    """transformers generate, ``case.batch`` prompts at a time (left-padded); EOS does not stop generation."""
     calls = [0]
     hook = llm.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     sampling = {"do_sample": True, "temperature": case.temperature, "top_k": 0, "top_p": 1.0} if case.temperature > 0 else {"do_sample": False}
@@ -163,21 +178,24 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
     run = Run(case)
     try:
         with torch.inference_mode():
-            for i, ids in enumerate(prompts):
-                torch.manual_seed(seed + i)
+            for first in range(0, len(prompts), case.batch):
+                chunk = prompts[first : first + case.batch]
+                ids, mask = left_padded(chunk)
+                torch.manual_seed(seed + first)
+                before = calls[0]
                 streamer = _Timing()
                 start = time.perf_counter()
                 out = llm.generate(
-                    torch.tensor([list(ids)]), generation_config=config, streamer=streamer, assistant_model=ssm if case.method == "hf-assisted" else None
+                    ids, attention_mask=mask, generation_config=config, streamer=streamer, assistant_model=ssm if case.method == "hf-assisted" else None
                 )
-                run.add_round(start, time.perf_counter(), [streamer.emissions])
-                tokens = out[0, len(ids) :].tolist()
-                run.tokens += len(tokens)
-                run.outputs.append(tokens)
-                progress.update(1)
+                run.add_round(start, time.perf_counter(), [streamer.emissions] * len(chunk))
+                run.llm_steps += (calls[0] - before) * len(chunk)  # per request, as ours count them
+                for row in out[:, ids.shape[1] :].tolist():
+                    run.tokens += len(row)
+                    run.outputs.append(row)
+                progress.update(len(chunk))
     finally:
         hook.remove()
-    run.llm_steps = calls[0]
     return run
 
 
@@ -232,9 +250,11 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
     chain = ",".join(["1"] * depth)
     cases = []
     for temp in temperatures:
-        if not args.skip_hf:
-            cases += [Case("hf-incremental", 1, temp), Case("hf-assisted", 1, temp)]
+        if not args.skip_hf and 1 in batches:
+            cases += [Case("hf-incremental", 1, temp), Case("hf-assisted", 1, temp)]  # transformers' assisted generation takes batch 1 only
         for batch in batches:
+            if not args.skip_hf and batch > 1:
+                cases.append(Case("hf-incremental", batch, temp))  # batched generate
             if not args.no_incremental:
                 cases.append(Case("incremental", batch, temp))
             if not args.no_sequence:
@@ -257,9 +277,12 @@ def markdown(rows: list[dict]) -> str:
         ("decode_tokens_per_second", "decode tokens/s"),
         ("decode_speedup_vs_hf_incremental", "decode speedup vs (a)"),
         ("speedup_vs_incremental_same_batch", "speedup vs ours incremental, same batch"),
+        ("speedup_vs_hf_same_batch", "speedup vs transformers, same batch"),
         ("latency_p50_ms", "per-token p50 ms"),
         ("latency_p99_ms", "per-token p99 ms"),
         ("greedy_equals_hf", "greedy output = (a)"),
+        ("greedy_equals_incremental", "greedy output = ours incremental"),
+        ("matching_prefix", "mean matching prefix"),
     ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
@@ -338,12 +361,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tuned", type=Path, default=None, help="a tuner result (bench/tune.py --out): its pick is added to --trees")
     ap.add_argument("--merged-tree", default="", help="expansion of each SSM in the merged runs (default: the first tree)")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--batch", default="1,8", help="batch sizes of our runs (transformers runs batch 1)")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (transformers: generate at each, assisted generation at 1)")
     ap.add_argument("--skip-hf", action="store_true", help="only our runs")
     ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
     ap.add_argument("--no-sequence", action="store_true", help="skip our sequence speculation")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="of every row, transformers' included")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/compare"))
     return ap.parse_args(argv)
@@ -361,12 +385,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = max((c.batch for c in cases), default=1)
     print(f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), {len(cases)} runs")
 
+    dtype = resolve_dtype(args.dtype, "cpu")
+    print(f"every row in {dtype}")
     hf_llm = hf_ssm = None
     if any(c.method.startswith("hf-") for c in cases):
-        hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=torch.float32).eval()
-        hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=torch.float32).eval()
-    llm: CausalLM = load_backend(args.llm, "llm", backend="native", kv_cache_bytes=_kv_bytes(args.llm, batches, len(prompts[0]) + args.new_tokens))
-    ssms = [load_backend(p, f"ssm[{i}]", backend="native") for i, p in enumerate(args.ssm)]
+        hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=DTYPES[dtype]).eval()
+        hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=DTYPES[dtype]).eval()
+    kv_bytes = _kv_bytes(args.llm, batches, DTYPES[dtype])
+    llm: CausalLM = load_backend(args.llm, "llm", dtype, backend="native", kv_cache_bytes=kv_bytes)
+    ssms = [load_backend(p, f"ssm[{i}]", dtype, backend="native") for i, p in enumerate(args.ssm)]
     engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b)) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
 
     # warm-up (lazy initialisation, allocator, thread pools), not timed
@@ -399,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_prompt_tokens": args.max_prompt_tokens,
         "prompt_tokens": sum(len(p) for p in prompts),
         "threads": args.threads,
+        "dtype": dtype,
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
     }
@@ -416,22 +444,34 @@ def summarise(runs: list[Run]) -> list[dict]:
     rows = []
     for run in runs:
         c = run.case
-        base = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature), None)
+        base = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == 1), None)
         batch_base = next((r for r in runs if r.case.method == "incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch), None)
-        row = run.row(base, batch_base)
+        hf_batch = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch), None)
+        row = run.row(base, batch_base, hf_batch)
         if c.temperature == 0 and base is not None:
             row["greedy_equals_hf"] = f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}"
+        if c.temperature == 0 and batch_base is not None and not c.method.startswith("hf-"):
+            same, prefix = agreement(run.outputs, batch_base.outputs)
+            row["greedy_equals_incremental"] = f"{same}/{len(run.outputs)}"
+            row["matching_prefix"] = round(prefix, 1)
         rows.append(row)
     return rows
 
 
-def _kv_bytes(llm_dir: Path, batch: int, tokens: int) -> int:
+def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[int, float]:
+    """How many outputs equal the reference's, and the mean length of the prefix each shares with it."""
+    same = sum(list(a) == list(b) for a, b in zip(outputs, reference, strict=True))
+    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) for a, b in zip(outputs, reference, strict=True)]
+    return same, sum(prefixes) / max(1, len(prefixes))
+
+
+def _kv_bytes(llm_dir: Path, batch: int, dtype: torch.dtype) -> int:
     """A KV budget with ``batch`` slots (untouched pool pages cost no memory: see KVPool)."""
     from specinfer.models.native import ModelSpec
     from specinfer.models.native.kv_pool import KVPool
 
     spec = ModelSpec.from_dir(llm_dir)
-    return KVPool.bytes_per_token(spec, torch.float32) * (spec.positions_limit + 256) * batch
+    return KVPool.bytes_per_token(spec, dtype) * (spec.positions_limit + 256) * batch
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
     shutil.copy(model_pair.llm / "tokenizer.json", ssm2 / "tokenizer.json")
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "bench/compare.py"), "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--ssm", str(ssm2)]
-    cmd += ["--prompts", str(prompts), "--count", "3", "--new-tokens", "6", "--trees", "1,1,3;2,1", "--batch", "1,2", "--temperatures", "0,1"]
+    cmd += ["--prompts", str(prompts), "--count", "3", "--new-tokens", "6", "--trees", "1,1,3;2,1", "--batch", "1,2", "--temperatures", "0,1", "--dtype", "float32"]
     proc = subprocess.run([*cmd, "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())["rows"]
     labels = {(r["label"], r["batch"], r["temperature"]) for r in rows}
     for temp in (0.0, 1.0):
         assert ("hf-incremental", 1, temp) in labels and ("hf-assisted", 1, temp) in labels
+        assert ("hf-incremental", 2, temp) in labels  # transformers' batched generate beside ours at batch 2
         for batch in (1, 2):
             for label in ("incremental", "sequence <1,1,1>", "tree <1,1,3>", "tree <2,1>", "merged <1,1,3> x2 SSMs"):
                 assert (label, batch, temp) in labels, (label, batch, temp)
@@ -35,6 +36,10 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
         assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0 and r["latency_p50_ms"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"]
         if r["temperature"] == 0:
             assert r["greedy_equals_hf"] == "3/3", r  # every method reproduces transformers' greedy output
+            if not r["method"].startswith("hf-"):
+                assert r["greedy_equals_incremental"] == "3/3" and r["matching_prefix"] == 6, r
+        if r["batch"] == 2:
+            assert r["speedup_vs_hf_same_batch"] > 0, r
         if r["method"] in ("hf-incremental", "incremental"):
             assert r["tokens_per_step"] == 1.0
         if r["method"] in ("tree", "merged", "sequence"):

@@ -65,31 +65,53 @@ def choose(timings: Mapping[tuple[int, int, int], tuple[float, float]], margin: 
     return GemmPlan(frozenset(key for key, (lin, tr) in timings.items() if tr <= margin * lin))
 
 
-def _seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and BLAS set-up
-    best = float("inf")
+def _best_seconds(fns, repeats: int) -> list[float]:
+    """Best-of-``repeats`` time of each of ``fns``, calls interleaved so a slow spell of the machine
+    (another process, a page-cache flush) slows every form alike instead of one."""
+    for fn in fns:
+        fn()  # warm-up: first-call allocations and BLAS set-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
+class _Rotation:
+    """Calls a product on a shape's weights in turn, as a forward pass does layer after layer: timing
+    one weight again and again would read it from the CPU cache, which a real pass over a model
+    larger than the cache never does."""
+
+    def __init__(self, weights: list[torch.Tensor], x: torch.Tensor, product) -> None:
+        self.weights, self.x, self.product, self.next = weights, x, product, 0
+
+    def __call__(self) -> torch.Tensor:
+        w = self.weights[self.next]
+        self.next = (self.next + 1) % len(self.weights)
+        return self.product(self.x, w)
+
+
 @torch.inference_mode()
-def measure(weights: Iterable[torch.Tensor], repeats: int = 3, buckets: tuple[int, ...] = ROW_BUCKETS) -> dict[tuple[int, int, int], tuple[float, float]]:
+def measure(
+    weights: Iterable[torch.Tensor], repeats: int = 5, buckets: tuple[int, ...] = ROW_BUCKETS, per_shape: int = 4
+) -> dict[tuple[int, int, int], tuple[float, float]]:
     """Best-of-``repeats`` time of both forms for every distinct weight shape and row bucket (on the
-    weights' own device and dtype; one weight per shape is timed)."""
-    by_shape: dict[Shape, torch.Tensor] = {}
+    weights' own device and dtype), each call on the next of up to ``per_shape`` weights of the shape."""
+    by_shape: dict[Shape, list[torch.Tensor]] = {}
     for w in weights:
-        by_shape.setdefault((w.shape[0], w.shape[1]), w)
-    plan = all_transposed(by_shape.values(), buckets)
+        same = by_shape.setdefault((w.shape[0], w.shape[1]), [])
+        if len(same) < per_shape:
+            same.append(w)
+    plan = all_transposed([ws[0] for ws in by_shape.values()], buckets)
     timings = {}
-    for n, ((out_f, in_f), w) in enumerate(by_shape.items(), 1):
+    for n, ((out_f, in_f), ws) in enumerate(by_shape.items(), 1):
         log.info("measuring matrix-product forms: weight %d/%d [%d, %d]", n, len(by_shape), out_f, in_f)
         for b in buckets:
-            x = torch.randn(b, in_f, dtype=w.dtype, device=w.device)  # [b, in]
-            linear = _seconds(lambda x=x, w=w: F.linear(x, w), repeats)
-            timings[(out_f, in_f, b)] = (linear, _seconds(lambda x=x, w=w: plan.linear(x, w), repeats))
+            x = torch.randn(b, in_f, dtype=ws[0].dtype, device=ws[0].device)  # [b, in]
+            linear, transposed = _best_seconds([_Rotation(ws, x, F.linear), _Rotation(ws, x, plan.linear)], repeats)
+            timings[(out_f, in_f, b)] = (linear, transposed)
     return timings
 
 
