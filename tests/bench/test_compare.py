@@ -20,7 +20,8 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
     shutil.copy(model_pair.llm / "tokenizer.json", ssm2 / "tokenizer.json")
     out = tmp_path / "out"
     cmd = [sys.executable, str(REPO / "bench/compare.py"), "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--ssm", str(ssm2)]
-    cmd += ["--prompts", str(prompts), "--count", "3", "--new-tokens", "6", "--trees", "1,1,3;2,1", "--batch", "1,2", "--temperatures", "0,1", "--dtype", "float32"]
+    cmd += ["--prompts", str(prompts), "--count", "3", "--new-tokens", "6", "--trees", "1,1,3;2,1", "--batch", "1,2", "--temperatures", "0,1"]
+    cmd += ["--dtype", "float32"]
     proc = subprocess.run([*cmd, "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "compare.json").read_text())["rows"]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
@@ -22,6 +23,8 @@ def check_checkpoint(path: str | Path, field: str) -> Path:
         raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no config.json)")
     return p
 
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "DTYPES", "DTYPE_CHOICES", "check_checkpoint", "check_same_vocabulary", "eos_token_id", "load_backend", "load_tokenizer"]
 
@@ -41,7 +44,8 @@ def load_backend(
     OPT), ``reference`` (any causal LM through transformers) or ``auto`` (native where the
     architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
     :mod:`specinfer.models.dtypes`)."""
-    dtype = resolve_dtype(dtype, device)
+    requested, dtype = dtype, resolve_dtype(dtype, device)
+    log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
         raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {backend!r}")
     path = check_checkpoint(path, field)
