@@ -25,9 +25,9 @@ import torch
 
 from specinfer.core import ExpansionConfig, TokenTree
 from specinfer.core.drafts import PAPER_EXPANSION
-from specinfer.models.dtypes import DTYPES, resolve_dtype
+from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM, TreeForward
-from specinfer.models.loading import DTYPE_CHOICES, load_backend
+from specinfer.models.loading import load_backend
 from specinfer.models.native import NativeBackend, NativeOptions
 
 RUNTIMES = ("native", "native-linear", "reference")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import auto_dtype, cpu_flags, resolve_dtype
+from specinfer.models.native import gemm
 from specinfer.models.native.gemm import ROW_BUCKETS, GemmPlan, all_transposed, calibrate, choose, measure, row_bucket
 
 
@@ -36,20 +37,16 @@ def test_choose_needs_a_clear_win():
     assert choose(timings, margin=1.0).transposed == frozenset({(8, 4, 1), (8, 4, 2)})
 
 
-def test_plan_applies_per_shape_and_bucket():
+def test_plan_applies_per_shape_and_bucket(monkeypatch):
     """A plan transposes only the (shape, bucket) it names; other shapes and row counts use linear."""
     w, other = torch.randn(8, 4), torch.randn(6, 4)
     plan = GemmPlan(frozenset({(8, 4, 4)}))
     calls = []
-    real_mm = torch.mm
-    try:
-        torch.mm = lambda *a: calls.append(a[0].shape) or real_mm(*a)
-        plan.linear(torch.randn(3, 4), w)  # bucket 4: transposed
-        plan.linear(torch.randn(5, 4), w)  # bucket 8: linear
-        plan.linear(torch.randn(3, 4), other)  # other shape: linear
-    finally:
-        torch.mm = real_mm
-    assert calls == [torch.Size([8, 4])]
+    monkeypatch.setattr(gemm, "transposed_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or F.linear(x, w, b))
+    plan.linear(torch.randn(3, 4), w)  # bucket 4: transposed
+    plan.linear(torch.randn(5, 4), w)  # bucket 8: linear
+    plan.linear(torch.randn(3, 4), other)  # other shape: linear
+    assert calls == [(8, 4)]
 
 
 def test_measure_times_each_shape_once_per_bucket():

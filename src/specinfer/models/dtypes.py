@@ -3,8 +3,8 @@
 ``auto`` is bfloat16 where the hardware computes in it natively: NVIDIA GPUs of compute capability 8.0
 (A100) and newer, and CPUs with AVX512-BF16 or AMX-BF16 instructions. Older GPUs get float16. Other CPUs get
 float32: without those instructions a bf16 matrix product is converted to fp32 as it goes, and on a
-2-core AVX2 machine (measured, see BENCHMARKS.md) a 16-node bf16 verify step then costs 3x an fp32 one,
-while one-token steps are only 1.7x faster. float32 is always the exactness oracle of the tests.
+2-core AVX2 machine (measured, see BENCHMARKS.md) a 16-node bf16 verify step of a 1B model then costs
+2-3x an fp32 one, while one-token steps are only about 1.6x faster. float32 is always the exactness oracle of the tests.
 """
 
 from __future__ import annotations

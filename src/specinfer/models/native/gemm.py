@@ -38,6 +38,14 @@ def row_bucket(rows: int) -> int | None:
     return None
 
 
+def transposed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` computed as ``(w @ x.T).T`` for ``x``  # [M, in] and ``w``  # [out, in];
+    returns  # [M, out], contiguous."""
+    out = torch.mm(w, x.t()).t()  # [M, out], a view of the [out, M] product
+    out = out if x.shape[0] == 1 else out.contiguous()
+    return out if b is None else out + b
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """Which products use the transposed form: ``(out_features, in_features, row bucket)`` triples."""
@@ -45,12 +53,9 @@ class GemmPlan:
     transposed: frozenset[tuple[int, int, int]] = frozenset()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in]; returns  # [M, out], contiguous."""
-        m = x.shape[0]
-        if self.transposed and (w.shape[0], w.shape[1], row_bucket(m)) in self.transposed:
-            out = torch.mm(w, x.t()).t()  # [M, out], a view of the [out, M] product
-            out = out if m == 1 else out.contiguous()
-            return out if b is None else out + b
+        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form  # [M, out], contiguous."""
+        if self.transposed and (w.shape[0], w.shape[1], row_bucket(x.shape[0])) in self.transposed:
+            return transposed_linear(x, w, b)
         return F.linear(x, w, b)
 
 
@@ -104,13 +109,12 @@ def measure(
         same = by_shape.setdefault((w.shape[0], w.shape[1]), [])
         if len(same) < per_shape:
             same.append(w)
-    plan = all_transposed([ws[0] for ws in by_shape.values()], buckets)
     timings = {}
     for n, ((out_f, in_f), ws) in enumerate(by_shape.items(), 1):
         log.info("measuring matrix-product forms: weight %d/%d [%d, %d]", n, len(by_shape), out_f, in_f)
         for b in buckets:
             x = torch.randn(b, in_f, dtype=ws[0].dtype, device=ws[0].device)  # [b, in]
-            linear, transposed = _best_seconds([_Rotation(ws, x, F.linear), _Rotation(ws, x, plan.linear)], repeats)
+            linear, transposed = _best_seconds([_Rotation(ws, x, F.linear), _Rotation(ws, x, transposed_linear)], repeats)
             timings[(out_f, in_f, b)] = (linear, transposed)
     return timings
 
