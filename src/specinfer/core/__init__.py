@@ -1,6 +1,6 @@
 """Pure algorithms of tree-based speculative inference: no I/O, no torch."""
 
-from specinfer.core.drafts import DraftGroup, DraftTree, ExpansionConfig, TreeBuilder
+from specinfer.core.drafts import BestFirstTreeBuilder, DraftGroup, DraftTree, ExpansionConfig, Proposal, TreeBudget, TreeBuilder
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.merge import combine_drafts, merge_drafts, merge_trees
 from specinfer.core.sampling import (
@@ -16,13 +16,16 @@ from specinfer.core.tree import TokenTree, ancestor_matrix, node_depths, validat
 from specinfer.core.verify import VerifyResult, verify_greedy, verify_stochastic
 
 __all__ = [
+    "BestFirstTreeBuilder",
     "DraftGroup",
     "DraftTree",
     "ExpansionConfig",
     "InvalidArgument",
+    "Proposal",
     "SamplingParams",
     "SparseDist",
     "TokenTree",
+    "TreeBudget",
     "TreeBuilder",
     "VerifyResult",
     "ancestor_matrix",

@@ -11,6 +11,7 @@ Under greedy decoding the groups carry ``q = None`` and only the tree matters.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,13 @@ class DraftGroup:
 
 @dataclass(frozen=True)
 class DraftTree:
+    """A token tree, its draft groups, and (dynamic trees only) each node's *score*: the
+    product of the slot probabilities along its path (see :class:`BestFirstTreeBuilder`),
+    1.0 at the root; empty for static trees."""
+
     tree: TokenTree
     groups: tuple[DraftGroup, ...] = ()
+    scores: tuple[float, ...] = ()
 
     def groups_at(self, node: int) -> list[DraftGroup]:
         return [g for g in self.groups if g.parent == node]
@@ -136,3 +142,158 @@ class TreeBuilder:
 
     def build(self) -> DraftTree:
         return DraftTree(TokenTree(tuple(self._tokens), tuple(self._parents)), tuple(self._groups))
+
+
+MAX_DRAFT_WIDTH = 4  # most children one node of a dynamic tree gets (slots drafted per expanded node)
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """What the planner lets one dynamic draft tree grow to.
+
+    ``nodes``: most tree nodes, the root included (>= 2); ``depth``: most depths, which is also
+    the most SSM passes; ``max_width``: most children per node; ``min_score``: a node whose score
+    is below this is not worth its verify cost (0: no floor).
+    """
+
+    nodes: int
+    depth: int
+    max_width: int = MAX_DRAFT_WIDTH
+    min_score: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2 or self.depth < 1 or self.max_width < 1:
+            raise ValueError(f"a tree budget needs nodes >= 2, depth >= 1 and max_width >= 1, got {self}")
+        if not 0.0 <= self.min_score <= 1.0:
+            raise ValueError(f"min_score must be in [0, 1], got {self.min_score}")
+
+    @property
+    def width(self) -> int:
+        """Slots drafted per expanded node: no node can have more children than the budget holds."""
+        return min(self.max_width, self.nodes - 1)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """An SSM's proposal at one expanded node: ``tokens`` in draw order (the top-k under greedy
+    decoding; drawn without replacement from ``q`` under sampling), and ``slot_probs``, the
+    k largest probabilities of the distribution drafted from, best first.
+
+    ``slot_probs[i]`` scores the node's i-th *slot* whatever token the i-th draw gave: under
+    greedy decoding it is that token's own probability, under sampling it is not (see
+    :class:`BestFirstTreeBuilder` for why that matters)."""
+
+    tokens: tuple[int, ...]
+    q: SparseDist | None
+    slot_probs: tuple[float, ...]
+
+
+class BestFirstTreeBuilder:
+    """Grows one request's *dynamic* draft tree best-first by score, within a :class:`TreeBudget`.
+
+    Terms. Expanding a node runs the SSM on it and drafts ``budget.width`` *slots*: the i-th slot
+    holds the i-th token drawn (sampling) or the i-th best token (greedy), and its *score* is the
+    parent's score times ``slot_probs[i]``; the root scores 1. The tree is always the best
+    ``budget.nodes - 1`` slots drafted so far (ties: the slot drafted first) whose score is at
+    least ``budget.min_score``. A slot never outscores its parent, so that set is a tree, and
+    each node's children in it are a prefix of its slots in draw order. Each round expands the
+    newest depth's tree nodes that could still add a child (all of them while the budget is not
+    full, else those scoring above the weakest node): one batched SSM pass per depth, as for
+    static trees, at most ``budget.depth`` of them.
+
+    Why this keeps multi-step speculative sampling exact. Verification at node u tries u's
+    children in draw order, the i-th as a draw from q renormalised over the tokens not drawn
+    before it; that is exact for any number of tries as long as whether the i-th draw is tried
+    does not depend on the value it drew (then stopping before it leaves the target
+    distribution unchanged, as every rejection step does). Here whether slot i of u stays in
+    the tree depends on scores: u's own (its ancestors' slots), slot i's (from u's distribution,
+    not from the token drawn into it), and other slots that outscore it, which are slots of other
+    nodes or descendants of u's earlier draws, never of the i-th draw or its descendants (they
+    score at most slot i's score and were drafted after it). Nothing decides on a drawn token's
+    own probability. A builder that kept or dropped a drawn child by q(token) instead would bias
+    the output, which is the negative control of the statistical test.
+    """
+
+    def __init__(self, root_token: int, budget: TreeBudget) -> None:
+        self.budget = budget
+        # every drafted slot; slot 0 is the root. Slots are numbered in draft order.
+        self._tokens = [int(root_token)]
+        self._parents = [-1]
+        self._scores = [1.0]
+        self._depths = [0]
+        self._q: dict[int, SparseDist | None] = {}  # expanded slot -> the distribution its children were drawn from
+        self._sent: dict[int, int] = {}  # expanded slot -> its index among the nodes sent to the SSM
+        self._chosen: set[int] = {0}
+        self._frontier = [0]
+        self._passes = 0
+
+    @property
+    def done(self) -> bool:
+        return not self._frontier
+
+    def frontier(self) -> list[int]:
+        """Slots to expand in the next SSM pass (parents precede children)."""
+        return list(self._frontier)
+
+    def width(self) -> int:
+        return self.budget.width
+
+    def tokens_of(self, slots: Sequence[int]) -> list[int]:
+        return [self._tokens[i] for i in slots]
+
+    def parents_of(self, slots: Sequence[int]) -> list[int]:
+        """Parents of ``slots`` as the SSM's cache numbers them: by the order nodes were sent to it
+        (only expanded slots are sent, so slot numbers differ)."""
+        return [-1 if self._parents[i] < 0 else self._sent[self._parents[i]] for i in slots]
+
+    def expand(self, proposals: Sequence[Proposal]) -> None:
+        """Add each frontier slot's proposal (one per frontier slot, in order), then re-select."""
+        if self.done:
+            raise RuntimeError("tree is complete")
+        if len(proposals) != len(self._frontier):
+            raise ValueError("one proposal per frontier node")
+        for parent in self._frontier:
+            self._sent[parent] = len(self._sent)
+        for parent, prop in zip(self._frontier, proposals, strict=True):
+            if len(set(prop.tokens)) != len(prop.tokens):
+                raise ValueError("children of one node must carry distinct tokens")
+            if len(prop.slot_probs) < len(prop.tokens):
+                raise ValueError("one slot probability per proposed token")
+            self._q[parent] = prop.q
+            for token, p in zip(prop.tokens[: self.width()], prop.slot_probs, strict=False):
+                self._tokens.append(int(token))
+                self._parents.append(parent)
+                self._scores.append(self._scores[parent] * min(1.0, max(0.0, float(p))))
+                self._depths.append(self._depths[parent] + 1)
+        self._passes += 1
+        self._select()
+
+    def _select(self) -> None:
+        budget = self.budget
+        eligible = (i for i in range(1, len(self._tokens)) if self._scores[i] >= budget.min_score and self._scores[i] > 0.0)
+        best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-self._scores[i], i))
+        self._chosen = {0, *best}
+        full = len(best) == budget.nodes - 1
+        weakest = (self._scores[best[-1]], best[-1]) if best else (1.0, 0)
+        newest = self._passes
+        self._frontier = []
+        if newest >= budget.depth:
+            return
+        for i in sorted(best):
+            # a child scores at most its parent: a slot that is itself the weakest cannot add one
+            if self._depths[i] == newest and (not full or (self._scores[i], -i) > (weakest[0], -weakest[1])):
+                self._frontier.append(i)
+
+    def build(self) -> DraftTree:
+        order = sorted(self._chosen, key=lambda i: (self._depths[i], i))  # breadth-first: parents first
+        new_index = {slot: n for n, slot in enumerate(order)}
+        tokens = tuple(self._tokens[i] for i in order)
+        parents = tuple(-1 if i == 0 else new_index[self._parents[i]] for i in order)
+        children: dict[int, list[int]] = {}
+        for i in sorted(self._chosen):  # draw order within each parent
+            if i:
+                children.setdefault(self._parents[i], []).append(i)
+        groups = tuple(
+            DraftGroup(new_index[p], tuple(new_index[c] for c in kids), self._q[p]) for p, kids in sorted(children.items(), key=lambda kv: new_index[kv[0]])
+        )
+        return DraftTree(TokenTree(tokens, parents), groups, tuple(self._scores[i] for i in order))

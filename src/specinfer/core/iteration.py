@@ -26,7 +26,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from specinfer.core.drafts import DraftTree, ExpansionConfig
+from specinfer.core.adaptive import Choice, Context
+from specinfer.core.costs import VerifyShape
+from specinfer.core.drafts import DraftTree, ExpansionConfig, TreeBudget
 from specinfer.core.merge import combine_drafts
 from specinfer.core.requests import GenerationRequest, StepStats
 from specinfer.core.sampling import SamplingParams
@@ -54,18 +56,24 @@ class DraftSpec:
     """One SSM draft job: grow a tree rooted at ``context``'s successor ``root_token``.
 
     ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
-    draft distribution under sampling. The job draws from ``step_rng(seed, step, stream)``.
+    draft distribution under sampling. The tree is static (``expansion``) or grown best first
+    within ``budget`` (:class:`~specinfer.core.drafts.BestFirstTreeBuilder`). The job draws from ``step_rng(seed, step, stream)``.
     """
 
     request_id: str
     context: Sequence[int]
     root_token: int
-    expansion: ExpansionConfig
+    expansion: ExpansionConfig | None  # a static tree, or None with a ``budget``
     sampling: SamplingParams
     draft_support: int
     seed: int
     step: int
     stream: int
+    budget: TreeBudget | None = None  # a dynamic tree's budget (adaptive speculation)
+
+    def __post_init__(self) -> None:
+        if (self.expansion is None) == (self.budget is None):
+            raise ValueError("a draft job has either a static expansion or a dynamic tree budget")
 
     def rng(self) -> np.random.Generator:
         """A fresh generator of this job's stream (one per job: each draw advances it)."""
@@ -154,22 +162,66 @@ class Running:
         self.stats += outcome.stats
 
 
-def draft_specs(batch: Sequence[Running], ssm_index: int) -> list[DraftSpec]:
-    """SSM ``ssm_index``'s draft jobs this iteration, in batch order: one per request whose
-    speculation names it and that has tokens left to draft (see ``SpeculationConfig.expansion_for``)."""
+def draft_specs(batch: Sequence[Running], ssm_index: int, choices: Mapping[str, Choice] | None = None) -> list[DraftSpec]:
+    """SSM ``ssm_index``'s draft jobs this iteration, in batch order: one per request whose static
+    speculation names it and that has tokens left to draft (see ``SpeculationConfig.expansion_for``),
+    and one per adaptive request whose planned ``choices`` picked it."""
     specs = []
     for r in batch:
         speculation = r.request.speculation
-        expansion = speculation.expansion_for(ssm_index, r.remaining) if speculation else None
-        if expansion is not None:
+        if speculation is None:
+            continue
+        expansion = speculation.expansion_for(ssm_index, r.remaining)
+        choice = (choices or {}).get(r.request_id) if speculation.adaptive else None
+        budget = choice.budget if choice is not None and choice.ssm == ssm_index else None
+        if expansion is not None or budget is not None:
             context = r.committed
             step = r.stats.llm_steps
             specs.append(
                 DraftSpec(
-                    r.request_id, context[:-1], context[-1], expansion, r.request.sampling, speculation.draft_support, r.seed, step, draft_stream(ssm_index)
+                    r.request_id,
+                    context[:-1],
+                    context[-1],
+                    expansion,
+                    r.request.sampling,
+                    speculation.draft_support,
+                    r.seed,
+                    step,
+                    draft_stream(ssm_index),
+                    budget,
                 )
             )
     return specs
+
+
+def adaptive_contexts(batch: Sequence[Running]) -> list[Context]:
+    """What the planner needs of the batch's adaptive requests, in batch order."""
+    return [
+        Context(r.request_id, len(r.request.prompt_tokens) + len(r.output), r.remaining, r.request.speculation.ssms)
+        for r in batch
+        if r.request.speculation is not None and r.request.speculation.adaptive
+    ]
+
+
+def static_shape(batch: Sequence[Running]) -> VerifyShape:
+    """Verify tokens and context work of the batch's other requests (static trees at full size, or roots)."""
+    tokens = work = 0
+    for r in batch:
+        speculation = r.request.speculation
+        if speculation is not None and speculation.adaptive:
+            continue
+        nodes = 1
+        if speculation is not None:
+            expansion = speculation.expansion_for(speculation.ssms[0], r.remaining)
+            nodes += 0 if expansion is None else len(speculation.ssms) * (expansion.max_nodes - 1)
+        tokens += nodes
+        work += nodes * (len(r.request.prompt_tokens) + len(r.output))
+    return VerifyShape(tokens, work)
+
+
+def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
+    """The cost-model shape of one verify call over ``jobs``."""
+    return VerifyShape(sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context) + 1) for j in jobs))
 
 
 def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftTree]]) -> list[VerifySpec]:

@@ -13,11 +13,15 @@ from specinfer.core.sampling import SamplingParams
 class SpeculationConfig:
     """How one request speculates.
 
-    ``ssms``: indices of the engine's SSMs to draft with (several: their trees are merged).
+    ``expansion``: a static tree (every SSM in ``ssms`` drafts it, the trees are merged), or None
+    for *adaptive* speculation (``speculation: auto``): each step the planner decides whether to
+    speculate, how many nodes the request's dynamic tree may hold and which one of ``ssms``
+    drafts it (see :mod:`specinfer.core.adaptive`).
+    ``ssms``: indices of the engine's SSMs the request may draft with.
     ``draft_support``: most tokens kept in a sparse draft distribution q under sampling.
     """
 
-    expansion: ExpansionConfig
+    expansion: ExpansionConfig | None
     ssms: tuple[int, ...] = (0,)
     draft_support: int = DEFAULT_DRAFT_SUPPORT
 
@@ -29,11 +33,18 @@ class SpeculationConfig:
         if self.draft_support <= 0:
             raise InvalidArgument("speculation.draft_support", f"must be > 0, got {self.draft_support}")
 
+    @property
+    def adaptive(self) -> bool:
+        return self.expansion is None
+
     def expansion_for(self, ssm_index: int, remaining: int) -> ExpansionConfig | None:
-        """What SSM ``ssm_index`` drafts for a request with ``remaining`` tokens to go, or None.
+        """What static tree SSM ``ssm_index`` drafts for a request with ``remaining`` tokens to go,
+        or None (adaptive requests get theirs from the planner).
 
         The bonus token always comes on top of the tree, so never draft past the token budget.
         """
+        if self.expansion is None:
+            return None
         depth = min(self.expansion.depth, remaining - 1)
         if ssm_index not in self.ssms or depth <= 0:
             return None

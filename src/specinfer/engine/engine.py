@@ -17,13 +17,20 @@ KV caches live in the backends and follow the committed tokens automatically (se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from specinfer.core import DraftTree, InvalidArgument
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
+from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.costs import StepCosts
 from specinfer.core.errors import check_token_ids
-from specinfer.core.iteration import Running, draft_specs, request_seed, verify_specs
+from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, static_shape, verify_shape, verify_specs
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
+from specinfer.engine.calibrate import calibrate_costs
 from specinfer.engine.steps import draft_trees, verify_trees
 from specinfer.models.interface import CausalLM
 
@@ -31,10 +38,13 @@ from specinfer.models.interface import CausalLM
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_batch``: most requests per iteration; ``eos_token_id``: ends a request unless it
-    sets ``ignore_eos`` (None: the model has no EOS)."""
+    sets ``ignore_eos`` (None: the model has no EOS); ``planner``: adaptive speculation's limits;
+    ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default)."""
 
     max_batch: int = 64
     eos_token_id: int | None = None
+    planner: PlannerConfig = PlannerConfig()
+    slot_priors: tuple[tuple[float, ...], ...] = ()
 
 
 class _Active(Running):
@@ -49,7 +59,9 @@ class _Active(Running):
 class SpeculativeEngine:
     """One LLM and any number of SSMs; see the module docstring."""
 
-    def __init__(self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig) -> None:
+    def __init__(self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig, costs: StepCosts | None = None) -> None:
+        """``costs``: the step cost model for adaptive speculation; None: calibrated on the models
+        when the first adaptive request runs."""
         for i, ssm in enumerate(ssms):
             if ssm.vocab_size != llm.vocab_size:
                 raise InvalidArgument(f"ssms[{i}]", f"vocabulary size {ssm.vocab_size} differs from the LLM's {llm.vocab_size}")
@@ -61,6 +73,18 @@ class SpeculativeEngine:
         # a request holds a KV cache in every model until it finishes: admit no more than all hold
         limits = [m.max_requests for m in (llm, *ssms) if m.max_requests is not None]
         self._capacity = min([config.max_batch, *limits])
+        self._costs = costs
+        self._adaptive: AdaptiveSpeculation | None = None
+        self._draft_seconds = 0.0  # SSM seconds of the current iteration
+
+    @property
+    def adaptive(self) -> AdaptiveSpeculation:
+        """Adaptive speculation's state (cost and acceptance models), calibrated on first use."""
+        if self._adaptive is None:
+            costs = self._costs or calibrate_costs(self.llm, self.ssms, max_verify_tokens=min(64, self.config.planner.max_nodes * 2))
+            priors = {i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR) for i in range(len(self.ssms))}
+            self._adaptive = AdaptiveSpeculation(costs, self.config.planner, priors)
+        return self._adaptive
 
     # -- request lifecycle ------------------------------------------------------------
 
@@ -129,9 +153,18 @@ class SpeculativeEngine:
         states = list(self._active.values())
         if not states:
             return []
-        jobs = verify_specs(states, self._speculate(states))
+        started = time.perf_counter()
+        contexts = adaptive_contexts(states) if self.ssms else []
+        choices = self.adaptive.plan(contexts, static_shape(states)) if contexts else {}
+        drafted = self._speculate(states, choices)
+        jobs = verify_specs(states, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
+        verify_started = time.perf_counter()
+        verdicts = verify_trees(self.llm, jobs)
+        verified = time.perf_counter()
         finished = []
-        for state, job, verdict in zip(states, jobs, verify_trees(self.llm, jobs), strict=True):
+        for state, job, verdict in zip(states, jobs, verdicts, strict=True):
+            if self._adaptive is not None and drafted[state.request_id]:
+                self._adaptive.observe_step(state.request_id, dict(drafted[state.request_id]), verdict.accepted_tokens)
             outcome = state.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id)
             state.commit(outcome)
             state.result.steps.append(outcome.stats)
@@ -140,18 +173,32 @@ class SpeculativeEngine:
                 finished.append(state.result)
                 del self._active[state.request_id]
                 self._release(state.request_id)
+        if self._adaptive is not None:
+            self._adaptive.observe_verify(verify_shape(jobs), verified - verify_started)
+            self._adaptive.observe_overhead(time.perf_counter() - started - (verified - verify_started) - self._draft_seconds)
         return finished
 
-    def _speculate(self, states: list[_Active]) -> dict[str, list[DraftTree]]:
-        """Every SSM drafts for the requests that name it: their trees by request ID, in SSM order."""
-        drafted: dict[str, list[DraftTree]] = {s.request_id: [] for s in states}
+    def _speculate(self, states: list[_Active], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
+        """Every SSM drafts for the requests that name it (static) or that the plan gave it
+        (adaptive): their (SSM index, tree) pairs by request ID, in SSM order."""
+        drafted: dict[str, list[tuple[int, DraftTree]]] = {s.request_id: [] for s in states}
+        self._draft_seconds = 0.0
         for ssm_index, ssm in enumerate(self.ssms):
-            jobs = draft_specs(states, ssm_index)
-            for job, tree in zip(jobs, draft_trees(ssm, jobs) if jobs else [], strict=True):
-                drafted[job.request_id].append(tree)
+            jobs = draft_specs(states, ssm_index, choices)
+            if not jobs:
+                continue
+            for job, tree in zip(jobs, draft_trees(ssm, jobs, partial(self._observe_pass, ssm_index)), strict=True):
+                drafted[job.request_id].append((ssm_index, tree))
         return drafted
+
+    def _observe_pass(self, ssm_index: int, frontier_tokens: int, seconds: float) -> None:
+        self._draft_seconds += seconds
+        if self._adaptive is not None:
+            self._adaptive.observe_draft(ssm_index, frontier_tokens, seconds)
 
     def _release(self, request_id: str) -> None:
         self.llm.release(request_id)
+        if self._adaptive is not None:
+            self._adaptive.forget(request_id)
         for ssm in self.ssms:
             ssm.release(request_id)

@@ -11,13 +11,16 @@ each draws from the random stream its spec names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from specinfer.core import (
+    BestFirstTreeBuilder,
     DraftTree,
+    Proposal,
     TreeBuilder,
     VerifyResult,
     draw_without_replacement,
@@ -40,23 +43,46 @@ def propose_children(logits: torch.Tensor, width: int, job: DraftSpec, rng: np.r
     return draw_without_replacement(q, width, rng), q
 
 
-def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec]) -> list[DraftTree]:
-    """One draft tree per job, in job order."""
-    builders = {i: TreeBuilder(job.root_token, job.expansion) for i, job in enumerate(jobs)}
+def propose_slots(logits: torch.Tensor, width: int, job: DraftSpec, rng: np.random.Generator) -> Proposal:
+    """A dynamic tree's proposal at one node: the children as :func:`propose_children` drafts them,
+    and the slot probabilities that score them. Under greedy decoding they come from the SSM's own
+    softmax (temperature 1), the confidence in each of its top-k tokens."""
+    tokens, q = propose_children(logits, width, job, rng)
+    if q is None:
+        x = logits.double()
+        probs = torch.softmax(x - x.max(), dim=-1).numpy()  # [V]
+        return Proposal(tuple(tokens), None, tuple(float(probs[t]) for t in tokens))
+    return Proposal(tuple(tokens), q, tuple(float(p) for p in q.probs[:width]))
+
+
+def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int, float], None] | None = None) -> list[DraftTree]:
+    """One draft tree per job, in job order: static jobs grow their expansion, budgeted ones a
+    best-first dynamic tree. ``on_pass(frontier_tokens, seconds)`` hears of every SSM pass."""
+    builders = {
+        i: (TreeBuilder(job.root_token, job.expansion) if job.expansion is not None else BestFirstTreeBuilder(job.root_token, job.budget))
+        for i, job in enumerate(jobs)
+    }
     rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
     out: dict[int, DraftTree] = {}
     while builders:
+        started = time.perf_counter()  # a pass costs its Python work too: building the items, drafting the children
         order = list(builders)
         items = []
         for i in order:
             frontier = builders[i].frontier()
             items.append(TreeForward(jobs[i].request_id, jobs[i].context, builders[i].tokens_of(frontier), builders[i].parents_of(frontier)))
-        for i, node_logits in zip(order, ssm.forward_tree(items), strict=True):
+        logits = ssm.forward_tree(items)
+        for i, node_logits in zip(order, logits, strict=True):
             b = builders[i]
-            b.expand([propose_children(row, b.width(), jobs[i], rngs[i]) for row in node_logits])
+            if isinstance(b, BestFirstTreeBuilder):
+                b.expand([propose_slots(row, b.width(), jobs[i], rngs[i]) for row in node_logits])
+            else:
+                b.expand([propose_children(row, b.width(), jobs[i], rngs[i]) for row in node_logits])
             if b.done:
                 out[i] = b.build()
                 del builders[i]
+        if on_pass is not None:
+            on_pass(sum(len(it.tokens) for it in items), time.perf_counter() - started)
     return [out[i] for i in range(len(jobs))]
 
 

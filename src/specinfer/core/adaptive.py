@@ -1,0 +1,133 @@
+"""Adaptive speculation (``speculation: auto``): the state both drivers keep between iterations.
+
+:class:`AdaptiveSpeculation` owns the cost model (:mod:`specinfer.core.costs`), one acceptance
+model per SSM and per request (:mod:`specinfer.core.acceptance`) and the previous plan. Each
+iteration a driver asks it for a plan (:meth:`AdaptiveSpeculation.plan`, which calls the pure
+:func:`~specinfer.core.planner.plan_batch`), drafts the dynamic trees the plan names, verifies,
+and hands back what happened (:meth:`observe_step`, :meth:`observe_verify`,
+:meth:`observe_draft`). No I/O; the drivers time their own calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, Calibration, SlotAcceptance, node_values, step_outcomes
+from specinfer.core.costs import NO_TOKENS, ONLINE_RATE, StepCosts, VerifyShape
+from specinfer.core.drafts import DraftTree, TreeBudget
+from specinfer.core.planner import BatchPlan, PlanInput, PlannerConfig, RequestPlan, plan_batch
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one request drafts this iteration: SSM ``ssm`` grows a dynamic tree within ``budget``."""
+
+    ssm: int
+    budget: TreeBudget
+    predicted_accepted: float
+
+
+@dataclass
+class Totals:
+    """Counters since start, for metrics: steps planned, extra nodes planned, predicted and realised
+    accepted tokens of planned steps, accepted tokens by depth (per-position acceptance)."""
+
+    steps: int = 0
+    speculative_steps: int = 0
+    planned_nodes: int = 0
+    predicted_accepted: float = 0.0
+    accepted: int = 0
+    drafted: int = 0
+    position_accepted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the planner needs of one request in the batch (the drivers' request objects differ)."""
+
+    request_id: str
+    context: int  # committed tokens
+    remaining: int  # tokens it may still generate
+    ssms: tuple[int, ...]  # the SSMs it allows
+
+
+class AdaptiveSpeculation:
+    """See the module docstring. ``slot_priors[s]``: SSM s's prior slot acceptance (e.g. from its tuning)."""
+
+    def __init__(self, costs: StepCosts, config: PlannerConfig, slot_priors: Mapping[int, Sequence[float]]) -> None:
+        self.costs = costs
+        self.config = config
+        self.ssm_slots = {s: SlotAcceptance(p, prior_weight=32.0, decay=0.999) for s, p in slot_priors.items()}
+        self.calibration = {s: Calibration() for s in slot_priors}
+        self._requests: dict[tuple[str, int], SlotAcceptance] = {}
+        self._predicted: dict[str, float] = {}
+        self.previous: BatchPlan | None = None
+        self.totals = Totals()
+
+    def _slots(self, request_id: str, ssm: int) -> SlotAcceptance:
+        key = (request_id, ssm)
+        if key not in self._requests:
+            prior = self.ssm_slots[ssm].rates() if ssm in self.ssm_slots else DEFAULT_SLOT_PRIOR
+            self._requests[key] = SlotAcceptance(prior, prior_weight=6.0, decay=0.9)
+        return self._requests[key]
+
+    def plan(self, batch: Sequence[Context], fixed: VerifyShape = NO_TOKENS, fixed_draft_seconds: float = 0.0) -> dict[str, Choice]:
+        """This iteration's choices by request ID (a request left out verifies its root alone)."""
+        cfg = self.config
+        inputs = []
+        for c in batch:
+            options = {s: node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth) for s in c.ssms if s in self.ssm_slots}
+            inputs.append(PlanInput(c.request_id, c.context, c.remaining, options))
+        previous = self.previous.extra_nodes if self.previous is not None else None
+        plan = plan_batch(inputs, self.costs, cfg, fixed, fixed_draft_seconds, previous)
+        self.previous = plan
+        choices = {}
+        for rid, rp in plan.requests.items():
+            self.totals.steps += 1
+            if rp.ssm is None:
+                self._predicted.pop(rid, None)
+                continue
+            self.totals.speculative_steps += 1
+            self.totals.planned_nodes += rp.nodes
+            self._predicted[rid] = rp.predicted_accepted
+            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value), rp.predicted_accepted)
+        return choices
+
+    def _budget(self, rp: RequestPlan, min_value: float) -> TreeBudget:
+        # one depth of slack: a confident step may grow a chain deeper than the average plan
+        depth = min(self.config.max_depth, rp.depth + 1)
+        return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), self.calibration[rp.ssm].score_for(min_value))
+
+    def observe_step(self, request_id: str, drafts: Mapping[int, DraftTree], accepted_tokens: Sequence[int]) -> None:
+        """One verify step of a request: each SSM's tree (by SSM index) and the tokens accepted."""
+        predicted = self._predicted.pop(request_id, None)
+        if predicted is not None:
+            self.totals.predicted_accepted += predicted
+            self.totals.accepted += len(accepted_tokens)
+        for ssm, draft in drafts.items():
+            outcome = step_outcomes(draft, accepted_tokens)
+            self.totals.drafted += len(draft.tree) - 1
+            self.totals.position_accepted += outcome.depth_hits
+            if ssm in self.ssm_slots:
+                self.ssm_slots[ssm].observe(outcome)
+                self.calibration[ssm].observe(outcome)
+                self._slots(request_id, ssm).observe(outcome)
+
+    def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
+        self.costs.observe_verify(shape, seconds)
+
+    def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:
+        self.costs.observe_draft(ssm, frontier_tokens, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Seconds of one iteration outside the model calls (planning, verification maths, bookkeeping)."""
+        if seconds >= 0.0:
+            self.costs.overhead += ONLINE_RATE * (seconds - self.costs.overhead)
+
+    def forget(self, request_id: str) -> None:
+        self._predicted.pop(request_id, None)
+        for key in [k for k in self._requests if k[0] == request_id]:
+            del self._requests[key]

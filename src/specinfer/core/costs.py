@@ -1,0 +1,160 @@
+"""Step cost model: seconds of a verify call and of an SSM draft pass, measured and refined online.
+
+Terms.
+- *Verify tokens*: the tree nodes of one batched verify call, roots included (a batch of b
+  requests decoding incrementally verifies b tokens).
+- *Context work*: the sum over the batch of (tree nodes x committed context length): what tree
+  attention reads beyond the matrix products, which scale with the tokens alone.
+- *Frontier tokens*: the nodes one SSM pass expands, over the whole batch.
+
+A verify call is modelled as ``table(tokens) + per_context * context_work``, a draft pass as
+``table_ssm(frontier tokens)``. Each table holds seconds at token buckets (powers of two),
+interpolated linearly between buckets and extrapolated beyond the last by its slope; a call over
+more tokens never costs less, so reads go through a monotone fit (pool adjacent violators).
+Start-up calibration fills the tables (:meth:`CostTable.from_measurements`); every real step
+then moves the buckets next to its size toward what it took (an exponential moving average, each
+sample clipped to [1/2, 2] x the current prediction, so one stall cannot swing the plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from specinfer.core.acceptance import nondecreasing
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+ONLINE_RATE = 0.15  # weight of one observation in the moving average of its buckets
+
+
+class CostTable:
+    """Seconds by token count (see the module docstring)."""
+
+    def __init__(self, seconds: Mapping[int, float]) -> None:
+        if not seconds:
+            raise ValueError("a cost table needs at least one measurement")
+        xs = np.array(sorted(seconds), dtype=np.float64)
+        ys = nondecreasing([float(seconds[int(x)]) for x in xs])
+        # the buckets up to the first one at or past the largest measured size; beyond, extrapolate
+        covered = [b for b in BUCKETS if b < xs[-1]]
+        covered.append(next((b for b in BUCKETS if b >= xs[-1]), BUCKETS[-1]))
+        self.buckets = np.array(covered, dtype=np.float64)
+        self.seconds = np.array([self._raw_interp(xs, ys, b) for b in self.buckets])
+        self.samples = np.zeros(len(self.buckets))  # observations folded in per bucket (weighted)
+        self._fit: np.ndarray | None = None
+
+    @staticmethod
+    def _raw_interp(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
+        if len(xs) >= 2 and x > xs[-1]:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return float(ys[-1] + slope * (x - xs[-1]))
+        return float(np.interp(x, xs, ys))
+
+    def fitted(self) -> np.ndarray:
+        """The monotone fit of the buckets' seconds (recomputed only after an observation).  # [buckets]"""
+        if self._fit is None:
+            self._fit = nondecreasing(self.seconds)
+        return self._fit
+
+    def __call__(self, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self._raw_interp(self.buckets, self.fitted(), float(tokens))
+
+    def many(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds for each entry of ``tokens`` (0 for none).  # [n]"""
+        x = np.asarray(tokens, dtype=np.float64)
+        fit = self.fitted()
+        out = np.interp(x, self.buckets, fit)
+        if len(self.buckets) >= 2:
+            slope = max(0.0, (fit[-1] - fit[-2]) / (self.buckets[-1] - self.buckets[-2]))
+            out = np.where(x > self.buckets[-1], fit[-1] + slope * (x - self.buckets[-1]), out)
+        return np.where(x <= 0, 0.0, out)
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        """Fold one measured call of ``tokens`` tokens into the two buckets around it."""
+        if tokens <= 0 or not np.isfinite(seconds) or seconds < 0:
+            return
+        predicted = self(tokens)
+        sample = float(np.clip(seconds, 0.5 * predicted, 2.0 * predicted)) if predicted > 0 else float(seconds)
+        x = float(tokens)
+        while x > self.buckets[-1] and self.buckets[-1] < BUCKETS[-1]:
+            # a call larger than any measured: add the next bucket, at its extrapolated cost
+            nxt = float(next(b for b in BUCKETS if b > self.buckets[-1]))
+            self.seconds = np.append(self.seconds, self(nxt))
+            self.buckets = np.append(self.buckets, nxt)
+            self.samples = np.append(self.samples, 0.0)
+            self._fit = None
+        if x >= self.buckets[-1]:
+            i = j = len(self.buckets) - 1
+            wi, wj = 1.0, 0.0
+        else:
+            j = int(np.searchsorted(self.buckets, x, side="right"))
+            i = max(0, j - 1)
+            span = self.buckets[j] - self.buckets[i]
+            wj = (x - self.buckets[i]) / span if span > 0 else 1.0
+            wi = 1.0 - wj
+        # shift both neighbours by the same error, each in proportion to how close the sample is
+        error = sample - predicted
+        for k, w in ((i, wi), (j, wj)):
+            if w > 0:
+                self.seconds[k] += ONLINE_RATE * w * error
+                self.samples[k] += w
+        self.seconds = np.maximum(self.seconds, 0.0)
+        self._fit = None
+
+    def as_dict(self) -> dict[int, float]:
+        return {int(b): float(s) for b, s in zip(self.buckets, self.fitted(), strict=True)}
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """What a verify call's cost depends on: its ``tokens`` and ``context_work`` (module docstring)."""
+
+    tokens: int
+    context_work: int
+
+
+NO_TOKENS = VerifyShape(0, 0)
+
+
+class StepCosts:
+    """The verify model and one draft-pass table per SSM (by the SSM's index in the driver's order)."""
+
+    def __init__(self, verify: CostTable, per_context: float, drafts: Mapping[int, CostTable], overhead: float = 0.0) -> None:
+        self.verify_table = verify
+        self.per_context = max(0.0, per_context)
+        self.drafts = dict(drafts)
+        self.overhead = overhead  # seconds per iteration outside the models
+
+    def verify_seconds(self, shape: VerifyShape) -> float:
+        return self.verify_table(shape.tokens) + self.per_context * shape.context_work
+
+    def verify_many(self, tokens: np.ndarray, context_work: np.ndarray) -> np.ndarray:
+        """:meth:`verify_seconds` of many shapes at once.  # [n]"""
+        return self.verify_table.many(tokens) + self.per_context * np.asarray(context_work, dtype=np.float64)
+
+    def draft_seconds(self, ssm: int, frontier_tokens: int) -> float:
+        table = self.drafts.get(ssm)
+        return table(frontier_tokens) if table is not None and frontier_tokens > 0 else 0.0
+
+    def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
+        self.verify_table.observe(shape.tokens, seconds - self.per_context * shape.context_work)
+
+    def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:
+        table = self.drafts.get(ssm)
+        if table is None:
+            self.drafts[ssm] = CostTable({max(1, frontier_tokens): seconds})
+        else:
+            table.observe(frontier_tokens, seconds)
+
+    def describe(self) -> dict:
+        """The current tables, for GetInfo, metrics and logs."""
+        return {
+            "verify_seconds": self.verify_table.as_dict(),
+            "verify_seconds_per_context_token": self.per_context,
+            "draft_seconds": {ssm: t.as_dict() for ssm, t in sorted(self.drafts.items())},
+            "overhead_seconds": self.overhead,
+        }

@@ -1,0 +1,189 @@
+"""The speculation planner: each iteration, how many tree nodes each request gets and which SSM drafts them.
+
+One pure function, :func:`plan_batch`, used by the in-process engine and by the request
+manager. It maximises the batch's expected committed tokens per second, draft cost included:
+
+- Each request r, drafting with SSM s, has *node values* (:func:`~specinfer.core.acceptance.node_values`):
+  the expected acceptance of the best-first tree's nodes, best first. Its tree of n + 1 nodes is
+  expected to commit ``1 + v_1 + ... + v_n`` tokens (the bonus token always comes).
+- Per request the SSM is the one with the best tokens per second alone; then every request's
+  nodes are merged best first, so extra nodes go where they are worth most. For each total N of
+  extra nodes the iteration is expected to take ``verify(batch tokens + N, context work) + the SSM
+  passes over the frontiers those nodes imply + overhead`` (:class:`~specinfer.core.costs.StepCosts`);
+  the planner takes the N with the most expected tokens per second. N = 0 (no speculation: each
+  request verifies its root alone and no SSM runs) is always a candidate, so where speculation
+  does not pay the plan says so.
+- Hysteresis: the previous iteration's N is kept unless another is ``hysteresis`` better, so
+  budgets do not thrash on noise.
+- ``min_value``: the acceptance a node must reach to pay for its verify tokens at the planned rate
+  (rate x marginal seconds per token); the draft tree builder drops slots predicted below it, so a
+  step whose SSM is unsure verifies a smaller tree than planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specinfer.core.acceptance import NodeValues
+from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """``max_nodes``: most tree nodes per request (root included); ``max_depth``: most depths
+    (SSM passes); ``hysteresis``: relative gain needed to leave the previous plan's size."""
+
+    max_nodes: int = 32
+    max_depth: int = 8
+    hysteresis: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 1 or self.max_depth < 0 or not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"invalid planner config {self}")
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One request the planner may speculate for: its committed ``context`` length, tokens it may
+    still generate (``remaining``), and its node values for each SSM it allows."""
+
+    request_id: str
+    context: int
+    remaining: int
+    options: Mapping[int, NodeValues]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """``nodes``: tree nodes with the root (1: no speculation, no SSM call); ``ssm``: who drafts
+    (None when ``nodes == 1``); ``depth``: most depths; ``predicted_accepted``: expected accepted tokens."""
+
+    ssm: int | None
+    nodes: int
+    depth: int
+    predicted_accepted: float
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    requests: Mapping[str, RequestPlan]
+    extra_nodes: int  # N: tree nodes beyond the roots, over the planned requests
+    predicted_seconds: float
+    predicted_tokens_per_second: float
+    min_value: float  # the acceptance a node must reach to be worth verifying
+
+
+def _usable(values: NodeValues, remaining: int, max_nodes: int, max_depth: int) -> int:
+    """How many of ``values`` (a prefix, best first) a request may use: within the node and depth
+    caps, and never drafting past its token budget (the bonus token comes on top)."""
+    depth_cap = min(max_depth, remaining - 1)
+    ok = values.depths <= depth_cap
+    n = int(np.argmin(ok)) if not ok.all() else len(ok)  # ancestors have smaller depths: the first failing node ends the prefix
+    return max(0, min(n, max_nodes - 1))
+
+
+def _draft_cost_steps(costs: StepCosts, ssm: int, values: NodeValues, n: int) -> np.ndarray:
+    """Draft seconds of one request alone with its first k nodes, k = 0..n.  # [n + 1]"""
+    out = np.zeros(n + 1)
+    frontier: dict[int, int] = {}
+    expanded: set[int] = set()
+    total = 0.0
+    for k in range(n):
+        parent, depth = int(values.parents[k]), int(values.depths[k])
+        if parent not in expanded:
+            expanded.add(parent)
+            before = frontier.get(depth, 0)
+            frontier[depth] = before + 1
+            total += costs.draft_seconds(ssm, before + 1) - costs.draft_seconds(ssm, before)
+        out[k + 1] = total
+    return out
+
+
+def _choose_ssm(inp: PlanInput, costs: StepCosts, config: PlannerConfig) -> tuple[int | None, int]:
+    """The SSM with the best tokens per second for this request alone, and its usable node count."""
+    best: tuple[float, int | None, int] = (-1.0, None, 0)
+    for ssm, values in sorted(inp.options.items()):
+        n = _usable(values, inp.remaining, config.max_nodes, config.max_depth)
+        if n == 0:
+            continue
+        gained = np.concatenate(([0.0], np.cumsum(values.values[:n])))
+        k = np.arange(n + 1)
+        verify = costs.verify_many(1 + k, (1 + k) * inp.context)
+        rate = float(np.max((1.0 + gained) / (verify + _draft_cost_steps(costs, ssm, values, n) + costs.overhead)))
+        if rate > best[0]:
+            best = (rate, ssm, n)
+    return best[1], best[2]
+
+
+def plan_batch(
+    inputs: Sequence[PlanInput],
+    costs: StepCosts,
+    config: PlannerConfig,
+    fixed: VerifyShape = NO_TOKENS,
+    fixed_draft_seconds: float = 0.0,
+    previous_extra: int | None = None,
+) -> BatchPlan:
+    """Plan one iteration for ``inputs``; ``fixed``: the verify tokens and context work of the
+    batch's requests with static trees (or none), ``fixed_draft_seconds`` their drafting."""
+    base_tokens = fixed.tokens + len(inputs)
+    base_work = fixed.context_work + sum(inp.context for inp in inputs)
+    # every candidate node: (value, request, its index in the request's list)
+    chosen_ssm: dict[str, int | None] = {}
+    items: list[tuple[float, int, int]] = []
+    for r, inp in enumerate(inputs):
+        ssm, n = _choose_ssm(inp, costs, config)
+        chosen_ssm[inp.request_id] = ssm
+        if ssm is not None:
+            items.extend((float(v), r, k) for k, v in enumerate(inp.options[ssm].values[:n]))
+    items.sort(key=lambda it: (-it[0], it[1], it[2]))  # a node never precedes its parent: its value is no larger, its index is later
+
+    # cumulative value, tokens, context work and draft seconds of the first N items, N = 0..len
+    total = len(items)
+    value = np.zeros(total + 1)
+    work = np.full(total + 1, float(base_work))
+    draft = np.full(total + 1, float(fixed_draft_seconds))
+    frontier: dict[tuple[int, int], int] = {}  # (ssm, pass) -> frontier tokens
+    expanded: set[tuple[int, int]] = set()  # (request, parent index) already counted in a pass
+    for i, (v, r, k) in enumerate(items):
+        inp = inputs[r]
+        ssm = chosen_ssm[inp.request_id]
+        values = inp.options[ssm]
+        step_draft = 0.0
+        key = (r, int(values.parents[k]))
+        if key not in expanded:
+            expanded.add(key)
+            slot = (ssm, int(values.depths[k]))
+            before = frontier.get(slot, 0)
+            frontier[slot] = before + 1
+            step_draft = costs.draft_seconds(ssm, before + 1) - costs.draft_seconds(ssm, before)
+        value[i + 1] = value[i] + v
+        work[i + 1] = work[i] + inp.context
+        draft[i + 1] = draft[i] + step_draft
+    tokens = base_tokens + np.arange(total + 1)
+    verify = costs.verify_many(tokens, work)
+    seconds = verify + draft + costs.overhead
+    committed = len(inputs) + value
+    rates = committed / np.maximum(seconds, 1e-12)
+    best = int(np.argmax(rates))
+    if previous_extra is not None and 0 <= previous_extra <= total and rates[previous_extra] >= (1.0 - config.hysteresis) * rates[best]:
+        best = previous_extra
+
+    counts: dict[int, list[int]] = {}
+    for _, r, k in items[:best]:
+        counts.setdefault(r, []).append(k)
+    plans: dict[str, RequestPlan] = {}
+    for r, inp in enumerate(inputs):
+        ks = counts.get(r, [])
+        if not ks:
+            plans[inp.request_id] = RequestPlan(None, 1, 0, 0.0)
+            continue
+        values = inp.options[chosen_ssm[inp.request_id]]
+        plans[inp.request_id] = RequestPlan(chosen_ssm[inp.request_id], 1 + len(ks), int(values.depths[ks].max()), float(values.values[ks].sum()))
+    # a node pays when its expected acceptance covers its marginal verify seconds at the planned rate
+    t = int(tokens[best])
+    per_token = costs.verify_seconds(VerifyShape(t + 1, 0)) - costs.verify_seconds(VerifyShape(t, 0)) + costs.per_context * (base_work / max(1, base_tokens))
+    min_value = float(np.clip(rates[best] * per_token, 0.0, 1.0))
+    return BatchPlan(plans, best, float(seconds[best]), float(rates[best]), min_value)
