@@ -130,9 +130,9 @@ def test_predicted_tokens_per_step_equal_the_engine(model_pair):
 
 def test_resolve_expansion(tmp_path):
     assert resolve_expansion("2,2,1") == "2,2,1"
-    assert resolve_expansion("auto", [tmp_path]) == PAPER_EXPANSION
+    assert resolve_expansion("tuned", [tmp_path]) == PAPER_EXPANSION
     (tmp_path / TUNING_FILE).write_text(json.dumps({"pick": {"expansion": "1,2,1"}}))
-    assert resolve_expansion("auto", [tmp_path]) == "1,2,1"
+    assert resolve_expansion("tuned", [tmp_path]) == "1,2,1"
     assert resolve_expansion(f"@{tmp_path / TUNING_FILE}") == "1,2,1"
     with pytest.raises(InvalidArgument) as err:
         resolve_expansion(f"@{tmp_path / 'missing.json'}")
@@ -154,6 +154,6 @@ def test_tune_cli_writes_a_pick_and_installs_it(model_pair, tmp_path):
     assert num_nodes(ExpansionConfig.parse(pick["expansion"]).widths) <= 12
     assert pick["tokens_per_second"] >= max(c["tokens_per_second"] for c in result["top"]) - 1e-9
     assert set(result["cost"]["verify_seconds"]) >= {"1", "12"}
-    assert resolve_expansion("auto", [ssm]) == pick["expansion"]
+    assert resolve_expansion("tuned", [ssm]) == pick["expansion"]
     bad = subprocess.run([*cmd, "--max-nodes", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "max-nodes" in bad.stderr

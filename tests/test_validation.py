@@ -6,6 +6,7 @@ import pytest
 
 from specinfer.cli import main
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.reference import ReferenceBackend
 from specinfer.models.tiny import tiny_llama
@@ -72,3 +73,76 @@ def test_cli_generates(model_pair, capsys):
     assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--max-new-tokens", "12", "def f(x):\n"]) == 0
     out = capsys.readouterr().out
     assert "tokens per LLM step" in out and "12 tokens" in out
+
+
+def _limits(default_adaptive: bool = False, default_expansion: tuple[int, ...] = ()):
+    from specinfer.request_manager.admission import ApiLimits
+
+    return ApiLimits(
+        vocab_size=100,
+        max_positions=256,
+        max_new_tokens=64,
+        default_expansion=default_expansion,
+        default_ssms=("a", "b"),
+        ssm_names=("a", "b"),
+        draft_support=8,
+        llm_name="llm",
+        eos_token_id=None,
+        default_adaptive=default_adaptive,
+    )
+
+
+def test_admission_of_adaptive_speculation():
+    """``adaptive`` (or nothing, on an adaptive server) -> SpeculationConfig(None, ...); expansion -> static; both: refused."""
+    from specinfer.request_manager.admission import speculation
+    from specinfer.v1 import api_pb2
+
+    auto, static = _limits(default_adaptive=True), _limits(default_expansion=(1, 2))
+    adaptive = SpeculationConfig(None, (0, 1), 8)
+    assert speculation(api_pb2.SpeculationParams(adaptive=True), static) == adaptive
+    assert speculation(api_pb2.SpeculationParams(), auto) == adaptive
+    assert speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["b"]), _limits()) == SpeculationConfig(None, (1,), 8)
+    assert speculation(api_pb2.SpeculationParams(expansion=[2, 1]), auto) == SpeculationConfig(ExpansionConfig((2, 1)), (0, 1), 8)
+    assert speculation(api_pb2.SpeculationParams(), static) == SpeculationConfig(ExpansionConfig((1, 2)), (0, 1), 8)
+    assert speculation(api_pb2.SpeculationParams(), _limits()) is None
+    assert speculation(api_pb2.SpeculationParams(disabled=True, adaptive=True), auto) is None
+    assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, expansion=[1]), auto)) == "speculation.adaptive"
+    assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["c"]), auto)) == "speculation.ssms"
+    assert (auto.default_speculation, static.default_speculation, _limits().default_speculation) == ("auto", "1,2", "none")
+
+
+def test_adaptive_requests_survive_the_redis_record():
+    from specinfer.request_manager.live_records import live_from_snapshot, live_params
+    from specinfer.request_manager.records import RequestSnapshot, RequestStatus
+    from specinfer.request_manager.scheduler import Live
+
+    limits = _limits(default_adaptive=True)
+    live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8)), 5)
+    params = live_params(live, limits.ssm_names)
+    assert params["speculation"] == {"expansion": None, "ssms": ["b"]}
+    snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0)
+    assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(None, (1,), 8)
+
+
+def test_request_manager_expansion_keywords():
+    from specinfer.request_manager.config import RequestManagerConfig
+
+    def parsed(*argv: str) -> tuple[bool, tuple[int, ...]]:
+        cfg = RequestManagerConfig.from_args(list(argv))
+        return cfg.adaptive, cfg.expansion
+
+    assert parsed() == (True, ())  # auto, the default: adaptive speculation
+    assert parsed("--expansion", "tuned") == (False, ExpansionConfig.parse(PAPER_EXPANSION).widths)
+    assert parsed("--expansion", "none") == (False, ())
+    assert parsed("--expansion", "2,1") == (False, (2, 1))
+
+
+def test_cli_generates_adaptively(model_pair, capsys):
+    """``--expansion auto`` (the default) speculates adaptively, with the output of the LLM alone."""
+    argv = ["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--max-new-tokens", "12", "--dtype", "float32", "def f(x):\n"]
+    assert main(argv) == 0
+    adaptive = capsys.readouterr().out
+    assert "adaptive trees over 1 SSM(s)" in adaptive
+    assert main([*argv, "--expansion", "none"]) == 0
+    incremental = capsys.readouterr().out
+    assert adaptive.split("--- generated")[1].split("--- LLM steps")[0] == incremental.split("--- generated")[1].split("--- LLM steps")[0]

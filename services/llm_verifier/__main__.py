@@ -27,7 +27,7 @@ from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import load_model
+from specinfer.serving.runner import calibrate_verifier, load_model
 from specinfer.serving.security import ServerSecurity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_settings(parser)
     add_setting(parser, "--tensor-parallel", int, 1, help="ranks each layer is split across (native backend; divides the heads, KV heads and MLP width)")
     add_setting(parser, "--pipeline-parallel", int, 1, help="pipeline stages, each a contiguous range of layers (native backend)")
+    add_setting(parser, "--calibrate-tokens", int, 64, help="time verify calls up to this many tree tokens at start-up, for the planner (0: off)")
     add_setting(parser, "--rank-timeout-seconds", float, 60.0, help="with several ranks: how long a collective waits for a peer before the service fails")
     return parser
 
@@ -57,7 +58,8 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
-    return LlmVerifierServicer(name, load_model(path, "llm", args), metrics)
+    llm = load_model(path, "llm", args)
+    return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens))
 
 
 def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:
@@ -112,7 +114,7 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
         stop_ranks(children, 0.0)
         logging.shutdown()
         os._exit(1)
-    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"))
+    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"), calibrate_verifier(backend, args.calibrate_tokens))
     layout = launch.layout
     log.info("model loaded", extra={"llm": name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "max_requests": backend.max_requests})
 

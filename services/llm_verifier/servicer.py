@@ -9,6 +9,7 @@ import time
 import grpc
 
 from specinfer import wire
+from specinfer.core.costs import StepCosts
 from specinfer.engine.steps import verify_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
@@ -25,8 +26,10 @@ log = logging.getLogger("specinfer.llm_verifier")
 class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     """The LLM and the contexts of the requests it verifies."""
 
-    def __init__(self, name: str, llm: CausalLM, metrics: ModelMetrics) -> None:
+    def __init__(self, name: str, llm: CausalLM, metrics: ModelMetrics, costs: StepCosts | None = None) -> None:
+        """``costs``: the LLM's calibrated verify cost model (:func:`~specinfer.serving.runner.calibrate_verifier`), reported by GetInfo."""
         self.name = name
+        self.costs = costs
         self.metrics = metrics
         self.vocab_size = llm.vocab_size
         self.runner = ModelRunner(name, llm)  # the thread the model's calls run in (one at a time)
@@ -61,4 +64,8 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     async def GetInfo(self, request: internal_pb2.LlmInfoRequest, context: grpc.aio.ServicerContext) -> internal_pb2.LlmInfo:
         llm = self.llm
         # proto3 has no "unset" for uint32: 0 stands for "bounded only by memory"
-        return internal_pb2.LlmInfo(model=self.name, vocab_size=llm.vocab_size, max_positions=llm.max_positions, max_requests=llm.max_requests or 0)
+        info = internal_pb2.LlmInfo(model=self.name, vocab_size=llm.vocab_size, max_positions=llm.max_positions, max_requests=llm.max_requests or 0)
+        if self.costs is not None:
+            info.verify_costs.extend(wire.cost_points_to_proto(self.costs.verify_table))
+            info.verify_seconds_per_context_token = self.costs.per_context
+        return info

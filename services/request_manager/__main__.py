@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits, merged_tree_nodes
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.lifecycle import Requests
@@ -62,7 +63,8 @@ async def serve(cfg: RequestManagerConfig) -> None:
     api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
     metrics = ServiceMetrics(api_name)
     scheduler_metrics = SchedulerMetrics(metrics.registry)
-    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics)
+    planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
+    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics, planner)
     limits = ApiLimits(
         vocab_size=info.vocab_size,
         max_positions=info.max_positions,
@@ -75,6 +77,7 @@ async def serve(cfg: RequestManagerConfig) -> None:
         max_tree_nodes=cfg.max_tree_nodes,
         llm_name=info.model,
         eos_token_id=eos,
+        default_adaptive=cfg.adaptive and bool(ssm_names),
     )
     if limits.default_expansion:
         nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))

@@ -37,7 +37,7 @@ class ApiLimits:
     vocab_size: int
     max_positions: int
     max_new_tokens: int
-    default_expansion: tuple[int, ...]  # empty: no speculation by default
+    default_expansion: tuple[int, ...]  # a static default tree; empty: none (see default_adaptive)
     default_ssms: tuple[str, ...]
     ssm_names: tuple[str, ...]
     draft_support: int
@@ -45,6 +45,14 @@ class ApiLimits:
     eos_token_id: int | None
     max_prompt_tokens: int = 8192
     max_tree_nodes: int = 64  # of the merged tree, root included
+    default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
+
+    @property
+    def default_speculation(self) -> str:
+        """The default as ``ModelInfo.default_speculation`` spells it: "auto", "none" or the widths "1,1,3"."""
+        if self.default_adaptive:
+            return "auto"
+        return ",".join(str(w) for w in self.default_expansion) or "none"
 
 
 def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
@@ -99,16 +107,17 @@ def prompt_tokens(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: To
 
 
 def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> SpeculationConfig | None:
-    """The request's speculation (None: incremental decoding), the server's defaults filling what is unset."""
+    """The request's speculation (None: incremental decoding), the server's defaults filling what is unset:
+    ``disabled``: none; ``expansion``: a static tree; ``adaptive``, or nothing set on a server whose default
+    is adaptive: the planner sizes each step's tree (``SpeculationConfig(None, ...)``)."""
     if msg.disabled:
         return None
-    widths = tuple(msg.expansion) or limits.default_expansion
-    if not widths:
+    if msg.adaptive and msg.expansion:
+        raise InvalidArgument("speculation.adaptive", "set either adaptive or expansion, not both")
+    adaptive = msg.adaptive or (not msg.expansion and limits.default_adaptive)
+    expansion = None if adaptive else _static_expansion(tuple(msg.expansion) or limits.default_expansion, limits)
+    if not adaptive and expansion is None:
         return None
-    most = limits.max_tree_nodes
-    if len(widths) >= most:  # checked first: the node count of a deep tree is a huge number
-        raise InvalidArgument("speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer")
-    expansion = wire.expansion_from_proto(widths)
     if len(msg.ssms) > len(limits.ssm_names):
         raise InvalidArgument("speculation.ssms", f"lists {len(msg.ssms)} SSMs; the server has {len(limits.ssm_names)}")
     names = tuple(msg.ssms) or limits.default_ssms
@@ -119,10 +128,21 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
         raise InvalidArgument("speculation.ssms", "lists an SSM twice")
     if not names:
         raise InvalidArgument("speculation.ssms", "no SSM is available; set speculation.disabled")
-    nodes = merged_tree_nodes(expansion, len(names))
-    if nodes > most:
-        raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {most}")
+    if expansion is not None:
+        nodes = merged_tree_nodes(expansion, len(names))
+        if nodes > limits.max_tree_nodes:
+            raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {limits.max_tree_nodes}")
     return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support)
+
+
+def _static_expansion(widths: tuple[int, ...], limits: ApiLimits) -> ExpansionConfig | None:
+    """The static tree of ``widths`` (None: no widths, no speculation)."""
+    if not widths:
+        return None
+    most = limits.max_tree_nodes
+    if len(widths) >= most:  # checked first: the node count of a deep tree is a huge number
+        raise InvalidArgument("speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer")
+    return wire.expansion_from_proto(widths)
 
 
 def _check_stops(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None) -> None:

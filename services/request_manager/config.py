@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specinfer.core import ExpansionConfig, InvalidArgument
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, PAPER_EXPANSION
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
 from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
@@ -27,7 +27,8 @@ class RequestManagerConfig:
     ssm_workers: tuple[str, ...]
     verifier: str
     model_dir: str  # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
-    expansion: tuple[int, ...]  # default expansion config; empty: no speculation by default
+    expansion: tuple[int, ...]  # default static expansion config; empty: adaptive (see adaptive) or no speculation by default
+    adaptive: bool  # requests that set nothing speculate adaptively (--expansion auto)
     default_ssms: tuple[str, ...]
     draft_support: int
     max_batch: int
@@ -56,7 +57,14 @@ class RequestManagerConfig:
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
-        add_setting(p, "--expansion", str, PAPER_EXPANSION, "default tree (widths per depth); @FILE: a `specinfer tune` result; 'none': no speculation")
+        add_setting(
+            p,
+            "--expansion",
+            str,
+            "auto",
+            "default speculation: 'auto' (adaptive: the planner sizes each step's tree), 'tuned' (the paper's tree), widths per depth, "
+            "@FILE (a `specinfer tune` result), 'none'",
+        )
         add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
         add_setting(p, "--draft-support", int, DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
         add_setting(p, "--max-batch", int, 32, "most requests per iteration")
@@ -80,7 +88,9 @@ class RequestManagerConfig:
             auth_token = read_token(a.auth_token, a.auth_token_file, "auth-token")
         except ValueError as exc:
             raise InvalidArgument("auth-token", str(exc)) from None
-        expansion = () if a.expansion.strip().lower() in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
+        keyword = a.expansion.strip().lower()
+        adaptive = keyword == "auto"
+        expansion = () if adaptive or keyword in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
         return RequestManagerConfig(
             host=a.host,
             port=a.port,
@@ -93,6 +103,7 @@ class RequestManagerConfig:
             verifier=a.verifier,
             model_dir=a.model_dir,
             expansion=expansion,
+            adaptive=adaptive,
             default_ssms=tuple(split_list(a.default_ssms)),
             draft_support=a.draft_support,
             max_batch=a.max_batch,

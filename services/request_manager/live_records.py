@@ -22,6 +22,7 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
     """Everything but the prompt, as JSON for the store (enough to resume the request)."""
     req = live.request
     spec = req.speculation
+    widths = None if spec is None or spec.adaptive else list(spec.expansion.widths)  # None: adaptive speculation
     return {
         "sampling": {"temperature": req.sampling.temperature, "top_p": req.sampling.top_p, "top_k": req.sampling.top_k, "seed": req.sampling.seed},
         "seed": live.seed,
@@ -29,7 +30,7 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "stop_token_ids": list(req.stop_token_ids),
         "stop": list(live.stop_strings),
         "ignore_eos": req.ignore_eos,
-        "speculation": None if spec is None else {"expansion": list(spec.expansion.widths), "ssms": [ssm_names[i] for i in spec.ssms]},
+        "speculation": None if spec is None else {"expansion": widths, "ssms": [ssm_names[i] for i in spec.ssms]},
     }
 
 
@@ -46,9 +47,9 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     if params.get("speculation"):
         names = [n for n in params["speculation"]["ssms"] if n in limits.ssm_names]
         if names:
-            spec = SpeculationConfig(
-                ExpansionConfig(tuple(params["speculation"]["expansion"])), tuple(limits.ssm_names.index(n) for n in names), limits.draft_support
-            )
+            widths = params["speculation"]["expansion"]
+            expansion = None if widths is None else ExpansionConfig(tuple(widths))
+            spec = SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support)
     request = GenerationRequest(
         request_id=snapshot.request_id,
         prompt_tokens=tuple(snapshot.prompt_tokens),

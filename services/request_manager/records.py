@@ -57,7 +57,7 @@ class RequestRecord:
 
     ``params`` is everything about the request but its prompt, as a JSON-able dict (sampling
     {temperature, top_p, top_k, seed}, max_new_tokens, stop token IDs, stop strings, speculation
-    {disabled, expansion, ssms}, ignore_eos, ...); the store keeps it as JSON and does not interpret it.
+    {expansion (null: adaptive), ssms}, ignore_eos, ...); the store keeps it as JSON and does not interpret it.
     Treat it as read-only: the dataclass is frozen, the dict inside is not copied.
     """
 

@@ -29,6 +29,15 @@ log = logging.getLogger("specinfer.request_manager")
 
 
 @dataclass(frozen=True)
+class Drafts:
+    """What one SSM drafted in an iteration: ``trees`` by request ID, and the workers' own SSM
+    passes as (frontier tokens, seconds) (see ``SpeculateResponse.passes``)."""
+
+    trees: dict[str, DraftTree]
+    passes: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What the verifier decided: accepted tree tokens and the bonus token."""
 
@@ -53,11 +62,11 @@ class SsmWorkers(WorkerPool):
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
         self.speculate_timeout = speculate_timeout or timeout
 
-    async def speculate(self, ssm: str, calls: Sequence[DraftSpec]) -> dict[str, DraftTree]:
-        """Draft trees of ``calls`` by request ID. Requests whose worker fails move to another live
-        worker within this call; requests left without one are missing from the result (their
-        tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
-        out: dict[str, DraftTree] = {}
+    async def speculate(self, ssm: str, calls: Sequence[DraftSpec]) -> Drafts:
+        """Draft trees of ``calls`` by request ID, and the pass timings. Requests whose worker fails
+        move to another live worker within this call; requests left without one are missing from the
+        result (their tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
+        out = Drafts({}, [])
         pending = list(calls)
         while pending:
             by_worker: dict[str, list[DraftSpec]] = {}
@@ -77,28 +86,21 @@ class SsmWorkers(WorkerPool):
                 elif isinstance(part, BaseException):
                     raise part
                 else:
-                    out.update(part)
+                    out.trees.update(part.trees)
+                    out.passes.extend(part.passes)
         return out
 
-    async def _speculate_on(self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]) -> dict[str, DraftTree]:
+    async def _speculate_on(self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]) -> Drafts:
+        passes: list[tuple[int, float]] = []
+
         async def send(pending, contexts):
-            request = internal_pb2.SpeculateRequest(ssm=ssm)
-            for c, ctx in zip(pending, contexts, strict=True):
-                request.items.add(
-                    context=ctx,
-                    root_token=c.root_token,
-                    expansion=c.expansion.widths,
-                    sampling=wire.sampling_to_proto(c.sampling),
-                    draft_support=c.draft_support,
-                    seed=c.seed,
-                    step=c.step,
-                    stream=c.stream,
-                )
+            request = internal_pb2.SpeculateRequest(ssm=ssm, items=[wire.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)])
             response = await stub.Speculate(request, timeout=self.speculate_timeout, metadata=self.auth.metadata)
+            passes.extend(wire.pass_timings_from_proto(response.passes))
             return response.results
 
         results = await call_with_context(send, calls, tracker)
-        return {rid: wire.draft_from_proto(r.tree) for rid, r in results.items()}
+        return Drafts({rid: wire.draft_from_proto(r.tree) for rid, r in results.items()}, passes)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         # the workers as they are now: a refresh may change them while the calls run

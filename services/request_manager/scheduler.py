@@ -5,7 +5,8 @@ expired ones, asks every SSM (on its sticky worker) for draft trees, merges them
 has the verifier check every tree in one call, and commits: tokens are persisted in Redis
 *before* they are published to the client streams. The bookkeeping of an iteration (which jobs,
 which random streams, what to commit) is :mod:`specinfer.core.iteration`, shared with the
-in-process engine; the scheduler drives it through remote calls.
+in-process engine; the scheduler drives it through remote calls. Requests with adaptive
+speculation get their trees sized each iteration by the :class:`~specinfer.request_manager.adaptive.AdaptivePlanner`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from specinfer.core import DraftTree
+from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
 from specinfer.core.requests import StepStats
+from specinfer.request_manager.adaptive import AdaptivePlanner
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.text import TextStream
@@ -104,8 +107,18 @@ class Live(Running):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, store: RequestStore, workers: SsmWorkers | None, verifier: Verifier, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: RequestStore,
+        workers: SsmWorkers | None,
+        verifier: Verifier,
+        metrics: SchedulerMetrics,
+        planner: AdaptivePlanner | None = None,
+    ) -> None:
+        """``planner``: sizes the trees of adaptive requests (None: they verify their root alone, as without SSMs)."""
         self.config = config
+        self.planner = planner
         self.store = store
         self.workers = workers
         self.verifier = verifier
@@ -195,8 +208,10 @@ class Scheduler:
             return
         self.iterations += 1
         started = time.perf_counter()
-        calls = verify_specs(batch, await self._speculate(batch))
-        drafted = time.perf_counter()
+        choices = self.planner.plan(batch) if self.planner is not None else {}
+        drafted = await self._speculate(batch, choices)
+        calls = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
+        speculated = time.perf_counter()
         try:
             verdicts = await self.verifier.verify(calls)
         except grpc.aio.AioRpcError as exc:
@@ -213,32 +228,43 @@ class Scheduler:
         if self.verifier_failures:
             log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
             self.verifier_failures = 0
+        if self.planner is not None:
+            self.planner.observe_verify(calls, verified - speculated)
         for live, call in zip(batch, calls, strict=True):
-            if live.request_id in self._active:
-                await self._commit(live, call.draft, verdicts[live.request_id])
+            if live.request_id in self._active:  # not finished meanwhile (the planner forgot those)
+                verdict = verdicts[live.request_id]
+                if self.planner is not None:
+                    self.planner.observe_step(live.request_id, drafted[live.request_id], verdict.accepted_tokens)
+                await self._commit(live, call.draft, verdict)
         m.iterations.inc()
         m.batch_size.observe(len(batch))
-        m.speculate_seconds.observe(drafted - started)
-        m.verify_seconds.observe(verified - drafted)
+        m.speculate_seconds.observe(speculated - started)
+        m.verify_seconds.observe(verified - speculated)
         m.iteration_seconds.observe(time.perf_counter() - started)
+        if self.planner is not None:
+            self.planner.end_iteration(time.perf_counter() - started, verified - speculated)
 
-    async def _speculate(self, batch: Sequence[Live]) -> dict[str, list[DraftTree]]:
-        """Every SSM drafts for the requests that name it: their trees by request ID, in SSM order."""
-        drafted: dict[str, list[DraftTree]] = {lv.request_id: [] for lv in batch}
-        tasks, names = [], []
+    async def _speculate(self, batch: Sequence[Live], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
+        """Every SSM drafts for the requests that name it (static) or that the plan gave it
+        (adaptive): their (SSM index, tree) pairs by request ID, in SSM order."""
+        drafted: dict[str, list[tuple[int, DraftTree]]] = {lv.request_id: [] for lv in batch}
+        tasks, indices = [], []
         for index, name in enumerate(self.config.ssm_names):
-            calls = draft_specs(batch, index)
+            calls = draft_specs(batch, index, choices)
             if calls and self.workers is not None:
                 tasks.append(self.workers.speculate(name, calls))
-                names.append(name)
-        for name, result in zip(names, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+                indices.append(index)
+        for index, result in zip(indices, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+            name = self.config.ssm_names[index]
             if isinstance(result, BaseException):
                 # a failed SSM costs speed, not answers: its requests verify smaller trees
                 log.warning("speculation failed", extra={"ssm": name, "error": repr(result)})
                 self.metrics.ssm_failures.labels(name).inc()
                 continue
-            for rid, tree in result.items():
-                drafted[rid].append(tree)
+            if self.planner is not None:
+                self.planner.observe_passes(index, result.passes)
+            for rid, tree in result.trees.items():
+                drafted[rid].append((index, tree))
         return drafted
 
     async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
@@ -276,6 +302,8 @@ class Scheduler:
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         live.finished = Finish(reason, live.usage(), error)
         self.metrics.requests.labels(reason).inc()
+        if self.planner is not None:
+            self.planner.forget(live.request_id)
         await self.store.finish(live.request_id, reason, error or None, owner=self.config.owner)
         self._active.pop(live.request_id, None)
         if live in self._waiting:

@@ -103,6 +103,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             max_positions=lim.max_positions,
             max_new_tokens_limit=lim.max_new_tokens,
             default_expansion=lim.default_expansion,
+            default_speculation=lim.default_speculation,
             has_tokenizer=self.tokenizer is not None,
         )
         if lim.eos_token_id is not None:

@@ -59,6 +59,7 @@ class WorkerPool:
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = None
+        self.profiles: dict[str, internal_pb2.SsmProfile] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
         self._refresher: asyncio.Task | None = None
 
     @property
@@ -74,6 +75,9 @@ class WorkerPool:
         self._trackers[address] = ContextTracker()
         self._served[address] = tuple(info.models)
         self.addresses.append(address)
+        for profile in info.profiles:
+            if profile.model not in self.profiles or not self.profiles[profile.model].draft_costs:
+                self.profiles[profile.model] = profile
 
     def _index(self) -> None:
         self.models = {}

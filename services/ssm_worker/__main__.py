@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import load_model
+from specinfer.serving.runner import calibrate_drafters, load_model
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
+from specinfer.tuning import slot_prior
 
 log = logging.getLogger("specinfer.ssm_worker")
 
@@ -25,6 +26,7 @@ log = logging.getLogger("specinfer.ssm_worker")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting(parser, "--ssm", default=None, help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)")
+    add_setting(parser, "--calibrate-tokens", int, 32, "time each SSM's draft passes up to this many frontier tokens at start-up, for the planner (0: off)")
     add_server_settings(parser)
     add_model_settings(parser)
     return parser
@@ -32,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerServicer:
     paths = parse_named_paths(args.ssm, "ssm")
-    return SsmWorkerServicer({name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()}, metrics)
+    ssms = {name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()}
+    priors = {name: prior for name, path in paths.items() if (prior := slot_prior(path)) is not None}
+    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens), priors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

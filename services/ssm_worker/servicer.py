@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 
 from specinfer import wire
 from specinfer.core import InvalidArgument
+from specinfer.core.costs import CostTable
 from specinfer.engine.steps import draft_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
@@ -31,8 +32,19 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     whichever SSM drafts, and each model rebuilds its own KV cache from them.
     """
 
-    def __init__(self, ssms: Mapping[str, CausalLM], metrics: ModelMetrics) -> None:
+    def __init__(
+        self,
+        ssms: Mapping[str, CausalLM],
+        metrics: ModelMetrics,
+        draft_costs: Mapping[str, CostTable] | None = None,
+        slot_priors: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
+        """``draft_costs``: each SSM's calibrated pass seconds (:func:`~specinfer.serving.runner.calibrate_drafters`);
+        ``slot_priors``: those of the SSMs with an installed tuning file (:func:`specinfer.tuning.slot_prior`).
+        ListModels reports both to the request manager's planner."""
         self.metrics = metrics
+        self.draft_costs = dict(draft_costs or {})
+        self.slot_priors = dict(slot_priors or {})
         if not ssms:
             raise InvalidArgument("ssm", "name at least one SSM checkpoint")
         sizes = {name: m.vocab_size for name, m in ssms.items()}
@@ -60,10 +72,12 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         started = time.monotonic()
         runner = self._runner(request.ssm)
         call = self._contexts.admit(request.items, self.vocab_size, runner.model.max_positions, wire.draft_job_from_proto)
-        drafted = await runner.call(draft_trees, call.jobs) if call.jobs else []
+        passes: list[tuple[int, float]] = []  # appended in the model thread, read after it finished
+        drafted = await runner.call(draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs))) if call.jobs else []
         seconds = time.monotonic() - started
         self.metrics.observe(request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts))
-        response = internal_pb2.SpeculateResponse(results=call.results(drafted, wire.speculate_result_to_proto))
+        results = call.results(drafted, wire.speculate_result_to_proto)
+        response = internal_pb2.SpeculateResponse(results=results, passes=wire.pass_timings_to_proto(passes))
         log.debug("speculate", extra={"ssm": request.ssm, "items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 
@@ -77,4 +91,6 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
 
     @rpc_errors
     async def ListModels(self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ListModelsResponse:
-        return internal_pb2.ListModelsResponse(models=self.models, vocab_size=self.vocab_size)
+        return internal_pb2.ListModelsResponse(
+            models=self.models, vocab_size=self.vocab_size, profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors)
+        )

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.training.run import add_training_parsers, training_main
-from specinfer.tuning import resolve_expansion
+from specinfer.tuning import resolve_expansion, slot_prior
 from specinfer.tuning.run import add_tune_parser, tune_main
 
 
@@ -23,7 +24,8 @@ class GenerateConfig:
 
     llm: Path
     ssms: tuple[Path, ...]
-    expansion: ExpansionConfig | None
+    expansion: ExpansionConfig | None  # a static tree; None: adaptive (see ``adaptive``) or no speculation
+    adaptive: bool  # adaptive speculation (``--expansion auto``): the planner sizes each step's tree
     sampling: SamplingParams
     max_new_tokens: int
     dtype: str
@@ -36,7 +38,10 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expansion",
         default="auto",
-        help=f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; auto (default): the SSM's installed tuning, else the paper's tree",
+        help=(
+            "auto (default): adaptive speculation, the planner sizes each step's tree; tuned: the SSM's installed tuning, else the paper's tree; "
+            f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; none: no speculation"
+        ),
     )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -55,10 +60,14 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
+    keyword = args.expansion.strip().lower()
+    speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
+    adaptive = speculate and keyword == "auto"
     return GenerateConfig(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
-        expansion=None if args.no_speculation or not ssms else ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)),
+        expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)) if speculate and not adaptive else None,
+        adaptive=adaptive,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
@@ -86,8 +95,9 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
-    engine = SpeculativeEngine(llm, ssms, EngineConfig(eos_token_id=eos_token_id(cfg.llm)))
-    spec = None if cfg.expansion is None else SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms))))
+    priors = tuple(slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms)  # adaptive speculation's prior: the SSMs' tuning files
+    engine = SpeculativeEngine(llm, ssms, EngineConfig(eos_token_id=eos_token_id(cfg.llm), slot_priors=priors))
+    spec = SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms)))) if cfg.expansion is not None or cfg.adaptive else None
     requests = []
     for i, text in enumerate(cfg.prompts):
         if not text:
@@ -109,7 +119,10 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
         )
     total = sum(len(r.output_tokens) for r in results)
     steps = sum(r.llm_steps for r in results)
-    mode = "incremental" if cfg.expansion is None else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {len(ssms)} SSM(s)"
+    if cfg.adaptive:
+        mode = f"adaptive trees over {len(ssms)} SSM(s)"
+    else:
+        mode = "incremental" if cfg.expansion is None else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {len(ssms)} SSM(s)"
     print(f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps ({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s", file=out)
 
 
@@ -187,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
-    up.add_argument("--expansion", default="auto", help="default tree of the request manager (as for generate)")
+    up.add_argument("--expansion", default="auto", help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none")
     _add_client_security_flags(up)
     add_setting(up, "--tls-cert", default="", help="PEM certificate (valid for 127.0.0.1) every process serves TLS with")
     add_setting(up, "--tls-key", default="", help="PEM key of --tls-cert")
@@ -272,6 +285,7 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
 
     from specinfer.client import Client
 
+    keyword = args.expansion.strip().lower()
     request = Client.request(
         prompt,
         max_new_tokens=args.max_new_tokens,
@@ -279,9 +293,9 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        # auto: the server's default tree
-        expansion=() if args.no_speculation or args.expansion == "auto" else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
-        speculation=not args.no_speculation,
+        # auto: the server's default (adaptive speculation unless the server runs otherwise)
+        expansion=() if args.no_speculation or keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
+        speculation=not args.no_speculation and keyword not in ("none", "off"),
     )
     with Client(address, auth=auth) as client:
         try:

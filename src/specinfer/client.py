@@ -53,6 +53,7 @@ class Client:
         ssms: Sequence[str] = (),
         speculation: bool = True,
         request_id: str = "",
+        adaptive: bool = False,
         ignore_eos: bool = False,
     ) -> api_pb2.GenerateRequest:
         msg = api_pb2.GenerateRequest(
@@ -61,7 +62,7 @@ class Client:
             sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
-            speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms)),
+            speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive),
             ignore_eos=ignore_eos,
         )
         if seed is not None:

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.serving.healthcheck import check
 from specinfer.serving.security import ClientAuth, ClientTls
 
@@ -75,7 +74,7 @@ class StackConfig:
     port: int = 50051
     state_dir: Path = Path("./specinfer-state")
     backend: str = "auto"
-    expansion: str = PAPER_EXPANSION
+    expansion: str = "auto"  # the request manager's --expansion: auto (adaptive), tuned, widths, @FILE, none
     threads: int = 0  # torch threads of the verifier (0: torch's default)
     ssm_threads: int = 1  # torch threads per SSM worker: small models, and they must not crowd the verifier
     extra_env: tuple[tuple[str, str], ...] = ()

@@ -6,13 +6,14 @@ is an :class:`InvalidArgument` naming the field as the public API spells it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.core.costs import CostTable
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.v1 import api_pb2, internal_pb2
@@ -47,7 +48,7 @@ def expansion_from_proto(widths: Sequence[int], field: str = "speculation.expans
 
 
 def draft_to_proto(draft: DraftTree) -> internal_pb2.DraftTree:
-    msg = internal_pb2.DraftTree(tokens=draft.tree.tokens, parents=draft.tree.parents)
+    msg = internal_pb2.DraftTree(tokens=draft.tree.tokens, parents=draft.tree.parents, scores=draft.scores)
     for g in draft.groups:
         group = msg.groups.add(parent=g.parent, children=g.children)
         if g.q is not None:
@@ -75,7 +76,80 @@ def draft_from_proto(msg: internal_pb2.DraftTree, field: str = "tree") -> DraftT
             # float32 on the wire: renormalise in float64 so verification sees a distribution
             q = SparseDist(np.asarray(g.q_tokens, dtype=np.int64), probs / probs.sum())
         groups.append(DraftGroup(int(g.parent), tuple(int(c) for c in g.children), q))
-    return DraftTree(tree, tuple(groups))
+    scores = tuple(float(x) for x in msg.scores)
+    if scores and (len(scores) != len(tree) or not all(0.0 <= x <= 1.0 for x in scores)):
+        raise InvalidArgument(f"{field}.scores", "one score in [0, 1] per node, or none")
+    return DraftTree(tree, tuple(groups), scores)
+
+
+MAX_BUDGET_NODES = 1024  # a dynamic tree's node budget: far above any plan, small enough that no message can make a worker draft without end
+
+
+def budget_from_proto(item: internal_pb2.SpeculateItem, field: str) -> TreeBudget | None:
+    """The item's dynamic tree budget, or None (``budget_nodes`` 0: a static tree of ``expansion``)."""
+    if item.budget_nodes == 0:
+        return None
+    if item.budget_nodes > MAX_BUDGET_NODES:
+        raise InvalidArgument(f"{field}.budget_nodes", f"at most {MAX_BUDGET_NODES}, got {item.budget_nodes}")
+    try:
+        return TreeBudget(int(item.budget_nodes), int(item.budget_depth), int(item.budget_width), float(item.budget_min_score))
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.budget_nodes", str(exc)) from exc
+
+
+def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> internal_pb2.SpeculateItem:
+    """A Speculate item of ``job`` (``context``: what the worker lacks of the job's context)."""
+    item = internal_pb2.SpeculateItem(
+        context=context,
+        root_token=job.root_token,
+        sampling=sampling_to_proto(job.sampling),
+        draft_support=job.draft_support,
+        seed=job.seed,
+        step=job.step,
+        stream=job.stream,
+    )
+    if job.expansion is not None:
+        item.expansion.extend(job.expansion.widths)
+    if job.budget is not None:
+        b = job.budget
+        item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = b.nodes, b.depth, b.max_width, b.min_score
+    return item
+
+
+# -- cost tables (start-up calibration, reported by GetInfo / ListModels) ----------------------
+
+
+def cost_points_to_proto(table: CostTable | None) -> list[internal_pb2.CostPoint]:
+    """A table's buckets as (tokens, seconds) points; none for no table (calibration off)."""
+    if table is None:
+        return []
+    return [internal_pb2.CostPoint(tokens=t, seconds=s) for t, s in table.as_dict().items()]
+
+
+def cost_table_from_proto(points: Sequence[internal_pb2.CostPoint]) -> CostTable | None:
+    """The table the points describe; None when there are none or they make no sense (the caller calibrates itself)."""
+    seconds = {int(p.tokens): float(p.seconds) for p in points if p.tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0}
+    return CostTable(seconds) if seconds else None
+
+
+def ssm_profiles_to_proto(names: Sequence[str], costs: Mapping[str, CostTable], priors: Mapping[str, Sequence[float]]) -> list[internal_pb2.SsmProfile]:
+    """ListModels' profile of each SSM: its calibrated draft costs and its slot prior (either may be missing)."""
+    return [internal_pb2.SsmProfile(model=n, draft_costs=cost_points_to_proto(costs.get(n)), slot_prior=priors.get(n, ())) for n in names]
+
+
+def slot_prior_from_proto(values: Sequence[float]) -> tuple[float, ...] | None:
+    """A reported slot prior, or None when there is none or it is not a list of probabilities."""
+    prior = tuple(float(v) for v in values)
+    return prior if prior and all(0.0 <= v <= 1.0 for v in prior) else None
+
+
+def pass_timings_to_proto(passes: Sequence[tuple[int, float]]) -> list[internal_pb2.PassTiming]:
+    return [internal_pb2.PassTiming(frontier_tokens=n, seconds=s) for n, s in passes]
+
+
+def pass_timings_from_proto(passes: Sequence[internal_pb2.PassTiming]) -> list[tuple[int, float]]:
+    """(frontier tokens, seconds) of each SSM pass a worker reported."""
+    return [(int(p.frontier_tokens), float(p.seconds)) for p in passes if p.frontier_tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0]
 
 
 def context_to_proto(request_id: str, context: Sequence[int], offset: int) -> internal_pb2.Context:
@@ -120,11 +194,14 @@ def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int
     """A :class:`DraftSpec` on ``context`` (the request's full context, resolved by the caller)
     with the random stream the item names; the tree must fit the model's positions."""
     (root,) = check_token_ids(f"{field}.root_token", [item.root_token], vocab_size)
-    expansion = expansion_from_proto(item.expansion, f"{field}.expansion")
+    budget = budget_from_proto(item, field)
+    if budget is not None and item.expansion:
+        raise InvalidArgument(f"{field}.budget_nodes", "a draft has either an expansion or a budget, not both")
+    expansion = expansion_from_proto(item.expansion, f"{field}.expansion") if budget is None else None
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
-    check_positions(len(context), expansion.depth, max_positions, f"{field}.context.tokens")
+    check_positions(len(context), budget.depth if budget is not None else expansion.depth, max_positions, f"{field}.context.tokens")
     support = int(item.draft_support) or DEFAULT_DRAFT_SUPPORT
-    return DraftSpec(item.context.request_id, list(context), root, expansion, sampling, support, int(item.seed), int(item.step), int(item.stream))
+    return DraftSpec(item.context.request_id, list(context), root, expansion, sampling, support, int(item.seed), int(item.step), int(item.stream), budget)
 
 
 def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) -> None:

@@ -201,7 +201,10 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path):
         with running_services([command], ["request-manager"], env=env, workdir=logs, startup_timeout=60) as (rm,), grpc.insecure_channel(rm.address) as ch:
             stub = api_pb2_grpc.SpecInferStub(ch)
             info = stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=10)
-            assert list(info.ssms) == ["ssm"] and info.has_tokenizer
-            # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone)
-            *_, last = stub.Generate(api_pb2.GenerateRequest(text="def main():\n", max_new_tokens=8, ignore_eos=True), timeout=30)
+            assert list(info.ssms) == ["ssm"] and info.has_tokenizer and info.default_speculation == "auto"
+            # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone; a static
+            # tree, since the adaptive default may rightly decline to speculate on this machine)
+            static = api_pb2.SpeculationParams(expansion=[1, 1, 3])
+            request = api_pb2.GenerateRequest(text="def main():\n", max_new_tokens=8, ignore_eos=True, speculation=static)
+            *_, last = stub.Generate(request, timeout=30)
             assert last.finished.usage.completion_tokens == 8 and last.finished.usage.mean_tree_size > 1

@@ -106,6 +106,36 @@ def test_concurrent_streams_mixed_parameters(stack, model_pair, expected):
             assert usage.mean_tree_size == 1 and usage.tokens_per_step == 1
 
 
+def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expected):
+    """Adaptive requests (the planner sizes each step's tree and picks its SSM) stream transformers'
+    greedy output token for token, side by side with static ones; the planner's metrics move."""
+    rm = stack.process("request-manager").metrics_address
+    before = scrape(rm)
+    prompts = model_pair.prompts[:8]
+    requests = [Client.request(ids, NEW_TOKENS, adaptive=True, ssms=("ssm0", "ssm1")[: 1 + i % 2]) for i, ids in enumerate(prompts)]
+    requests.append(Client.request(prompts[0], NEW_TOKENS, expansion=(2, 1)))
+    requests.append(Client.request(prompts[1], NEW_TOKENS, adaptive=True, temperature=1.0, seed=5))
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        info = client.model_info()
+        results = list(pool.map(lambda r: _run(client, r), requests))
+    assert info.default_speculation == PAPER_EXPANSION and list(info.default_expansion) == [int(w) for w in PAPER_EXPANSION.split(",")]
+    for i, msgs in enumerate(results[: len(prompts)]):
+        assert [t for m in msgs for t in m.token_ids] == expected[i], f"adaptive stream {i} differs from transformers"
+    assert [t for m in results[-2] for t in m.token_ids] == expected[0]
+    sampled = [t for m in results[-1] for t in m.token_ids]
+    assert results[-1][-1].HasField("finished") and 1 <= len(sampled) <= NEW_TOKENS
+    after = scrape(rm)
+    adaptive_steps = sum(msgs[-1].finished.usage.llm_steps for msgs in (*results[: len(prompts)], results[-1]))
+    planned = total(after, "specinfer_planned_tree_nodes_count") - total(before, "specinfer_planned_tree_nodes_count")
+    assert planned == adaptive_steps  # one plan per adaptive request and step
+    predicted = total(after, "specinfer_predicted_accepted_tokens_total") - total(before, "specinfer_predicted_accepted_tokens_total")
+    realised = total(after, "specinfer_realised_accepted_tokens_total") - total(before, "specinfer_realised_accepted_tokens_total")
+    assert predicted >= 0 and realised >= 0
+    # the cost model: the verifier's and workers' start-up calibration, refined since
+    assert total(after, "specinfer_cost_model_verify_seconds", tokens="1") > 0
+    assert total(after, "specinfer_cost_model_draft_seconds", ssm="ssm0", tokens="1") > 0
+
+
 def test_health_and_reflection(stack):
     for proc in stack.processes:
         with grpc.insecure_channel(proc.address) as ch:
@@ -203,6 +233,7 @@ def test_client_from_proto_files_alone(stack, model_pair, expected, tmp_path):
         ({"prompt": [5], "top_p": 1.5}, "sampling.top_p"),
         ({"prompt": [5], "expansion": (1, 0, 2)}, "speculation.expansion"),
         ({"prompt": [5], "ssms": ("nope",)}, "speculation.ssms"),
+        ({"prompt": [5], "expansion": (1, 1), "adaptive": True}, "speculation.adaptive"),
         ({"prompt": [5], "stop_token_ids": (-3,)}, "stop_token_ids"),
         ({"prompt": [5], "request_id": "a\x0cb"}, "request_id"),  # IDs go into Redis keys: no control characters
         ({"prompt": [5], "request_id": "x{y}"}, "request_id"),  # nor braces (they would move the key's hash tag)

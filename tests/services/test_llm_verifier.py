@@ -123,6 +123,10 @@ def test_get_info(services, model_pair):
     assert info.vocab_size == local_vocab(model_pair)
     assert info.max_positions > 0
     assert info.max_requests > 0  # the native backend's KV pool (256 MiB in the fixture)
+    # start-up calibration (--calibrate-tokens, default 64): verify seconds at powers of two up to 64 tokens
+    table = wire.cost_table_from_proto(info.verify_costs)
+    assert table is not None and [p.tokens for p in info.verify_costs] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(p.seconds > 0 for p in info.verify_costs) and info.verify_seconds_per_context_token >= 0
 
 
 def local_vocab(model_pair) -> int:

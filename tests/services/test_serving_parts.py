@@ -113,3 +113,66 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
             await service.stop()
 
     asyncio.run(scenario())
+
+
+def test_wire_adaptive_round_trips():
+    """Budgets, scores, cost tables and pass timings survive the wire; a broken one names its field."""
+    from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+    from specinfer.core.costs import CostTable
+    from specinfer.core.drafts import TreeBudget
+    from specinfer.core.iteration import DraftSpec
+
+    for expansion, budget in ((ExpansionConfig((2, 1)), None), (None, TreeBudget(9, 4, 3, 0.05))):
+        job = DraftSpec("r", [1, 2, 3], 4, expansion, SamplingParams(temperature=0.5, seed=3), 16, 11, 2, 1, budget)
+        item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context, 0))
+        back = wire.draft_job_from_proto(item, job.context, 100, 64, "items[0]")
+        assert back == DraftSpec("r", [1, 2, 3], 4, expansion, job.sampling, 16, 11, 2, 1, budget)
+    with pytest.raises(InvalidArgument) as err:  # the budget's tree must fit the model's positions
+        wire.draft_job_from_proto(item, list(range(60)), 100, 64, "items[0]")
+    assert err.value.field == "items[0].context.tokens"
+
+    draft = DraftTree(TokenTree((5, 6, 7), (-1, 0, 0)), (), (1.0, 0.6, 0.25))
+    assert wire.draft_from_proto(wire.draft_to_proto(draft)).scores == draft.scores
+    assert wire.draft_from_proto(wire.draft_to_proto(DraftTree(draft.tree))).scores == ()
+    bad = wire.draft_to_proto(draft)
+    del bad.scores[-1]
+    with pytest.raises(InvalidArgument) as err:
+        wire.draft_from_proto(bad)
+    assert err.value.field == "tree.scores"
+
+    table = CostTable({1: 0.01, 4: 0.012, 16: 0.02})
+    back = wire.cost_table_from_proto(wire.cost_points_to_proto(table))
+    assert back is not None and back.as_dict() == pytest.approx(table.as_dict())
+    assert wire.cost_points_to_proto(None) == [] and wire.cost_table_from_proto([]) is None
+    (profile,) = wire.ssm_profiles_to_proto(["ssm"], {"ssm": table}, {"ssm": (0.6, 0.1)})
+    assert wire.slot_prior_from_proto(profile.slot_prior) == pytest.approx((0.6, 0.1))
+    assert wire.slot_prior_from_proto([]) is None and wire.slot_prior_from_proto([1.5]) is None
+    passes = [(3, 0.002), (5, 0.004)]
+    assert wire.pass_timings_from_proto(wire.pass_timings_to_proto(passes)) == passes
+
+
+def test_request_manager_planner_from_reports_and_through_calls(services):
+    """The request manager's planner starts from the tables the services calibrated at start-up;
+    where one reports none, a few real Verify and Speculate calls measure them."""
+    from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
+    from specinfer.core.costs import VerifyShape
+    from specinfer.request_manager.adaptive import calibrate_through_calls, costs_from_reports, priors_from_reports
+    from specinfer.request_manager.remote import SsmWorkers, Verifier
+
+    async def scenario():
+        verifier = Verifier(services.llm_verifier.address, 60)
+        workers = SsmWorkers([services.ssm_worker.address], 60)
+        try:
+            await workers.discover()
+            info = await verifier.info()
+            reported = costs_from_reports(info, workers.profiles, ["ssm", "ssm2"])
+            assert reported is not None and sorted(reported.drafts) == [0, 1]
+            assert priors_from_reports(workers.profiles, ["ssm"]) == {0: DEFAULT_SLOT_PRIOR}  # no tuning file installed
+            measured = await calibrate_through_calls(verifier, workers, ["ssm"], info.vocab_size, None)
+            assert sorted(measured.verify_table.as_dict()) == [1, 2, 4, 8, 16, 32] and measured.verify_seconds(VerifyShape(4, 0)) > 0
+            assert 0 in measured.drafts and measured.draft_seconds(0, 4) > 0
+        finally:
+            await verifier.close()
+            await workers.close()
+
+    asyncio.run(scenario())

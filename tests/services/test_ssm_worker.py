@@ -11,7 +11,7 @@ import pytest
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
 from specinfer.core.iteration import DraftSpec
 from specinfer.engine.steps import draft_trees
 from specinfer.models.loading import load_backend
@@ -125,6 +125,35 @@ def test_list_models(services):
     info = services.ssm_stub.ListModels(internal_pb2.ListModelsRequest(), timeout=10)
     assert list(info.models) == ["ssm", "ssm2"]
     assert info.vocab_size > 0
+    # start-up calibration (--calibrate-tokens, default 32) of each SSM's draft pass; no tuning file installed: no prior
+    assert [p.model for p in info.profiles] == ["ssm", "ssm2"]
+    for profile in info.profiles:
+        assert [p.tokens for p in profile.draft_costs] == [1, 2, 4, 8, 16, 32] and all(p.seconds > 0 for p in profile.draft_costs)
+        assert wire.cost_table_from_proto(profile.draft_costs) is not None and not profile.slot_prior
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
+def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
+    """Items with a budget grow best-first dynamic trees, the same as draft_trees in process, with
+    their scores; the response carries the worker's SSM passes."""
+    budgets = [TreeBudget(8, 4), TreeBudget(5, 2, 2), TreeBudget(12, 6, 3, 0.01)]
+    jobs = [
+        DraftSpec(fresh_id("budget"), list(p[:-1]), p[-1], None, sampling, DEFAULT_DRAFT_SUPPORT, 7 + i, i, 1, b)
+        for i, (p, b) in enumerate(zip(model_pair.prompts[:3], budgets, strict=True))
+    ]
+    request = internal_pb2.SpeculateRequest(ssm="ssm", items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context, 0)) for j in jobs])
+    response = services.ssm_stub.Speculate(request, timeout=60)
+    passes: list[tuple[int, float]] = []
+    want = draft_trees(local_ssms["ssm"], jobs, lambda n, s: passes.append((n, s)))
+    for result, job, expected in zip(response.results, jobs, want, strict=True):
+        got = wire.draft_from_proto(result.tree)
+        assert_same_draft(got, expected)
+        assert len(got.tree) <= job.budget.nodes and int(got.tree.depths.max()) <= job.budget.depth
+        np.testing.assert_allclose(got.scores, expected.scores, rtol=1e-4)  # float32 models: batching moves the last bits
+        assert len(got.scores) == len(got.tree) and got.scores[0] == 1.0
+    reported = wire.pass_timings_from_proto(response.passes)
+    assert [n for n, _ in reported] == [n for n, _ in passes] and all(s > 0 for _, s in reported)
+    services.ssm_stub.Release(internal_pb2.ReleaseRequest(request_ids=[j.request_id for j in jobs]), timeout=10)
 
 
 def test_cache_miss_protocol(services, local_ssms, model_pair):
@@ -182,6 +211,16 @@ def _too_long(request):
     request.items[0].context.tokens[:] = [5] * 2047
 
 
+def _budget(nodes: int, depth: int = 3, width: int = 2, min_score: float = 0.0, keep_expansion: bool = False):
+    def mutate(request):
+        item = request.items[0]
+        if not keep_expansion:
+            del item.expansion[:]
+        item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = nodes, depth, width, min_score
+
+    return mutate
+
+
 # mutations of a good two-item request, and what the status details must say
 BAD_REQUESTS = {
     "unknown-ssm": (lambda r: setattr(r, "ssm", "nope"), "ssm: unknown SSM 'nope' (have: ssm, ssm2)"),
@@ -195,6 +234,11 @@ BAD_REQUESTS = {
     "empty-request-id": (lambda r: setattr(r.items[0].context, "request_id", ""), "items[0].context.request_id"),
     "duplicate-request-id": (_duplicate_id, "items[1].context.request_id"),
     "context-too-long": (_too_long, "items[0].context.tokens"),
+    "budget-and-expansion": (_budget(8, keep_expansion=True), "items[0].budget_nodes"),
+    "budget-depth-0": (_budget(8, depth=0), "items[0].budget_nodes"),
+    "budget-nodes-1": (_budget(1), "items[0].budget_nodes"),
+    "budget-too-big": (_budget(1 << 20), "items[0].budget_nodes"),
+    "budget-min-score": (_budget(8, min_score=2.0), "items[0].budget_nodes"),
 }
 
 

@@ -147,6 +147,28 @@ class SchedulerMetrics:
         self.ssm_workers_live = Gauge(
             "specinfer_ssm_workers_live", "Workers in service per SSM (0: its requests decode incrementally)", ["ssm"], registry=registry
         )
+        # adaptive speculation (the planner; see services/request_manager/adaptive.py)
+        self.planned_tree_nodes = Histogram(
+            "specinfer_planned_tree_nodes",
+            "Tree nodes the planner gave an adaptive request per step (root included; 1: no speculation)",
+            buckets=TREE_BUCKETS,
+            registry=registry,
+        )
+        self.predicted_accepted_tokens = Counter(
+            "specinfer_predicted_accepted_tokens", "Accepted tokens the planner expected of the steps it speculated for", registry=registry
+        )
+        self.realised_accepted_tokens = Counter(
+            "specinfer_realised_accepted_tokens", "Accepted tokens of the steps the planner speculated for (compare: predicted)", registry=registry
+        )
+        self.position_accepted_tokens = Counter(
+            "specinfer_accepted_tokens_by_position", "Accepted draft tokens by tree depth (1: the root's child)", ["position"], registry=registry
+        )
+        self.cost_verify_seconds = Gauge(
+            "specinfer_cost_model_verify_seconds", "The cost model's verify call seconds by tree tokens in the call", ["tokens"], registry=registry
+        )
+        self.cost_draft_seconds = Gauge(
+            "specinfer_cost_model_draft_seconds", "The cost model's SSM pass seconds by frontier tokens, per SSM", ["ssm", "tokens"], registry=registry
+        )
 
 
 class ModelMetrics:

@@ -134,7 +134,7 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="specinfer-tuning.json")
-    p.add_argument("--install", action="store_true", help=f"also write {TUNING_FILE} into the SSM folder (the pair's default from then on)")
+    p.add_argument("--install", action="store_true", help=f"also write {TUNING_FILE} into the SSM folder (--expansion tuned: its pick; auto: its acceptance)")
 
 
 def tune_main(args: argparse.Namespace) -> int:

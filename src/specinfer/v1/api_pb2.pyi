@@ -52,14 +52,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("disabled", "expansion", "ssms")
+    __slots__ = ("disabled", "expansion", "ssms", "adaptive")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
     SSMS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     expansion: _containers.RepeatedScalarFieldContainer[int]
     ssms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ...) -> None: ...
+    adaptive: bool
+    def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from")
@@ -164,7 +166,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("llm", "ssms", "vocab_size", "max_positions", "max_new_tokens_limit", "default_expansion", "eos_token_id", "has_tokenizer")
+    __slots__ = ("llm", "ssms", "vocab_size", "max_positions", "max_new_tokens_limit", "default_expansion", "eos_token_id", "has_tokenizer", "default_speculation")
     LLM_FIELD_NUMBER: _ClassVar[int]
     SSMS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class ModelInfo(_message.Message):
     DEFAULT_EXPANSION_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     llm: str
     ssms: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
@@ -181,4 +184,5 @@ class ModelInfo(_message.Message):
     default_expansion: _containers.RepeatedScalarFieldContainer[int]
     eos_token_id: int
     has_tokenizer: bool
-    def __init__(self, llm: _Optional[str] = ..., ssms: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., default_expansion: _Optional[_Iterable[int]] = ..., eos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    default_speculation: str
+    def __init__(self, llm: _Optional[str] = ..., ssms: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., default_expansion: _Optional[_Iterable[int]] = ..., eos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_speculation: _Optional[str] = ...) -> None: ...

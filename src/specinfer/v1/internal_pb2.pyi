@@ -18,7 +18,7 @@ class Context(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
-    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream")
+    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream", "budget_nodes", "budget_depth", "budget_width", "budget_min_score")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,10 @@ class SpeculateItem(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     context: Context
     root_token: int
     expansion: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +39,11 @@ class SpeculateItem(_message.Message):
     seed: int
     step: int
     stream: int
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ...) -> None: ...
+    budget_nodes: int
+    budget_depth: int
+    budget_width: int
+    budget_min_score: float
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("ssm", "items")
@@ -58,14 +66,16 @@ class DraftGroup(_message.Message):
     def __init__(self, parent: _Optional[int] = ..., children: _Optional[_Iterable[int]] = ..., q_tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "groups")
+    __slots__ = ("tokens", "parents", "groups", "scores")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     groups: _containers.RepeatedCompositeFieldContainer[DraftGroup]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[DraftGroup, _Mapping]]] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[DraftGroup, _Mapping]]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SpeculateResult(_message.Message):
     __slots__ = ("request_id", "cache_miss", "tree")
@@ -77,11 +87,21 @@ class SpeculateResult(_message.Message):
     tree: DraftTree
     def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
+class PassTiming(_message.Message):
+    __slots__ = ("frontier_tokens", "seconds")
+    FRONTIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    frontier_tokens: int
+    seconds: float
+    def __init__(self, frontier_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class SpeculateResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "passes")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SpeculateResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ...) -> None: ...
+    passes: _containers.RepeatedCompositeFieldContainer[PassTiming]
+    def __init__(self, results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ..., passes: _Optional[_Iterable[_Union[PassTiming, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -97,13 +117,33 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CostPoint(_message.Message):
+    __slots__ = ("tokens", "seconds")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    seconds: float
+    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SsmProfile(_message.Message):
+    __slots__ = ("model", "draft_costs", "slot_prior")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COSTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    draft_costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    slot_prior: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models", "vocab_size")
+    __slots__ = ("models", "vocab_size", "profiles")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROFILES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
-    def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    profiles: _containers.RepeatedCompositeFieldContainer[SsmProfile]
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("context", "tree", "sampling", "seed", "step")
@@ -148,13 +188,17 @@ class LlmInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LlmInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "max_requests")
+    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
     max_requests: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...
+    verify_costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    verify_seconds_per_context_token: float
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ...) -> None: ...

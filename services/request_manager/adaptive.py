@@ -1,0 +1,197 @@
+"""Adaptive speculation in the request manager: the scheduler's :class:`~specinfer.core.adaptive.AdaptiveSpeculation`
+fed with what the remote calls report, and its metrics.
+
+Start: the cost model comes from the tables the verifier (``LlmInfo.verify_costs``) and the SSM
+workers (``ListModelsResponse.profiles``) measured at their start-up (:func:`costs_from_reports`);
+when the verifier reports none (``--calibrate-tokens 0``), :func:`calibrate_through_calls` times a
+few real Verify and Speculate calls on synthetic requests instead. Each SSM's slot prior is the one
+its worker reports (from the SSM's tuning file), else the default.
+
+Each iteration (:class:`AdaptivePlanner`): plan the adaptive requests' trees, then hear the
+workers' SSM pass times, the verify round trip and each request's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from specinfer import wire
+from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
+from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.costs import CostTable, StepCosts
+from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, static_shape, verify_shape
+from specinfer.core.planner import PlannerConfig
+from specinfer.request_manager.remote import SsmWorkers, Verifier
+from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.v1 import internal_pb2
+
+log = logging.getLogger("specinfer.request_manager")
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes of the synthetic verify calls (and requests of the draft calls)
+CALIBRATION_CONTEXT = 32  # context tokens of each synthetic request
+CALIBRATION_REPEATS = 3  # timed calls per size, after a warm-up call; the median is kept
+
+
+def costs_from_reports(info: internal_pb2.LlmInfo, profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]) -> StepCosts | None:
+    """The cost model the services measured at their start-up (SSM i: ``ssm_names[i]``); None when the verifier reported no table."""
+    verify = wire.cost_table_from_proto(info.verify_costs)
+    if verify is None:
+        return None
+    drafts = {}
+    for i, name in enumerate(ssm_names):
+        table = wire.cost_table_from_proto(profiles[name].draft_costs) if name in profiles else None
+        if table is not None:
+            drafts[i] = table
+    return StepCosts(verify, info.verify_seconds_per_context_token, drafts)
+
+
+def priors_from_reports(profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]) -> dict[int, tuple[float, ...]]:
+    """Each SSM's prior slot acceptance: what its worker reported, else the default."""
+    priors = {}
+    for i, name in enumerate(ssm_names):
+        reported = wire.slot_prior_from_proto(profiles[name].slot_prior) if name in profiles else None
+        priors[i] = reported or DEFAULT_SLOT_PRIOR
+    return priors
+
+
+def _synthetic(tag: str, n: int, vocab: int, rng: np.random.Generator) -> tuple[str, list[int], list[int]]:
+    """A calibration request: its ID, context and ``n`` tree tokens (root first)."""
+    return f"__calibrate-{tag}-{n}", rng.integers(0, vocab, size=CALIBRATION_CONTEXT).tolist(), rng.integers(0, vocab, size=n).tolist()
+
+
+async def calibrate_through_calls(verifier: Verifier, workers: SsmWorkers | None, ssm_names: Sequence[str], vocab: int, costs: StepCosts | None) -> StepCosts:
+    """``costs`` with what is missing timed through real calls: the verify table (binary trees of
+    :data:`CALIBRATION_SIZES` nodes) and the draft table of every SSM without one (one pass over n
+    roots, as the worker reports it). The synthetic requests are released afterwards."""
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams()
+    if costs is None:
+        seconds = {}
+        for n in CALIBRATION_SIZES:
+            rid, context, tokens = _synthetic("verify", n, vocab, rng)
+            parents = [-1] + [(j - 1) // 2 for j in range(1, n)]  # every depth has siblings, as real trees do
+            spec = VerifySpec(rid, context, DraftTree(TokenTree(tuple(tokens), tuple(parents))), greedy, 0, 0)
+            times = []
+            for _ in range(CALIBRATION_REPEATS + 1):  # the first call prefills the context
+                started = time.perf_counter()
+                await verifier.verify([spec])
+                times.append(time.perf_counter() - started)
+            seconds[n] = statistics.median(times[1:])
+            await verifier.release([rid])
+            log.info("calibrating", extra={"step": f"verify: {n} tokens {seconds[n] * 1e3:.1f} ms (through Verify calls)"})
+        costs = StepCosts(CostTable(seconds), 0.0, {})
+    for i, name in enumerate(ssm_names):
+        if i in costs.drafts or workers is None:
+            continue
+        passes: dict[int, list[float]] = {}
+        for n in CALIBRATION_SIZES:
+            specs = []
+            for k in range(n):
+                rid, context, tokens = _synthetic(f"{name}-{k}", n, vocab, rng)
+                specs.append(DraftSpec(rid, context, tokens[0], ExpansionConfig((1,)), greedy, 1, 0, 0, draft_stream(i)))
+            for _ in range(CALIBRATION_REPEATS + 1):
+                drafts = await workers.speculate(name, specs)
+                for tokens, secs in drafts.passes:
+                    passes.setdefault(tokens, []).append(secs)
+            await workers.release([s.request_id for s in specs])
+        if passes:
+            costs.drafts[i] = CostTable({tokens: statistics.median(secs) for tokens, secs in passes.items()})
+            log.info("calibrating", extra={"step": f"ssm {name}: {costs.drafts[i].as_dict()} (through Speculate calls)"})
+    return costs
+
+
+class AdaptivePlanner:
+    """The scheduler's side of adaptive speculation: plans, observations and their metrics."""
+
+    def __init__(self, adaptive: AdaptiveSpeculation, metrics: SchedulerMetrics, ssm_names: Sequence[str]) -> None:
+        self.adaptive = adaptive
+        self.metrics = metrics
+        self.ssm_names = tuple(ssm_names)
+        self._published = (0.0, 0, np.zeros_like(adaptive.totals.position_accepted))  # totals already counted in the metrics
+        self._draft_seconds = 0.0  # SSM pass seconds of the current iteration
+
+    @staticmethod
+    def build(
+        costs: StepCosts, priors: Mapping[int, Sequence[float]], max_tree_nodes: int, metrics: SchedulerMetrics, ssm_names: Sequence[str]
+    ) -> AdaptivePlanner:
+        """A planner whose trees stay within the API's ``max_tree_nodes``."""
+        config = PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
+        return AdaptivePlanner(AdaptiveSpeculation(costs, config, priors), metrics, ssm_names)
+
+    def plan(self, batch: Sequence[Running]) -> dict[str, Choice]:
+        """This iteration's choices for the batch's adaptive requests (a request left out verifies its root alone)."""
+        self._draft_seconds = 0.0
+        contexts = adaptive_contexts(batch)
+        if not contexts:
+            return {}
+        choices = self.adaptive.plan(contexts, static_shape(batch))
+        for c in contexts:
+            choice = choices.get(c.request_id)
+            self.metrics.planned_tree_nodes.observe(choice.budget.nodes if choice is not None else 1)
+        return choices
+
+    def observe_passes(self, ssm_index: int, passes: Sequence[tuple[int, float]]) -> None:
+        """The SSM passes a worker reported (its own compute time, without the network)."""
+        for tokens, seconds in passes:
+            self._draft_seconds += seconds
+            self.adaptive.observe_draft(ssm_index, tokens, seconds)
+
+    def observe_verify(self, calls: Sequence[VerifySpec], seconds: float) -> None:
+        """One verify round trip (the network is part of what a step costs)."""
+        self.adaptive.observe_verify(verify_shape(calls), seconds)
+
+    def observe_step(self, request_id: str, drafted: Sequence[tuple[int, DraftTree]], accepted_tokens: Sequence[int]) -> None:
+        """One request's step: its trees by SSM index and the tokens the verifier accepted."""
+        if drafted:
+            self.adaptive.observe_step(request_id, dict(drafted), accepted_tokens)
+
+    def end_iteration(self, iteration_seconds: float, verify_seconds: float) -> None:
+        """The iteration is over: what it took beyond the verify call and the SSM passes (network,
+        planning, commits) is overhead to the cost model; then the metrics catch up."""
+        self.adaptive.observe_overhead(iteration_seconds - verify_seconds - self._draft_seconds)
+        self.publish()
+
+    def forget(self, request_id: str) -> None:
+        self.adaptive.forget(request_id)
+
+    def publish(self) -> None:
+        """Bring the metrics up to date: prediction and acceptance counters, the cost model's tables."""
+        m, totals = self.metrics, self.adaptive.totals
+        predicted, accepted, positions = self._published
+        m.predicted_accepted_tokens.inc(max(0.0, totals.predicted_accepted - predicted))
+        m.realised_accepted_tokens.inc(max(0, totals.accepted - accepted))
+        for depth, hits in enumerate(totals.position_accepted - positions, start=1):
+            if hits > 0:
+                m.position_accepted_tokens.labels(str(depth)).inc(float(hits))
+        self._published = (totals.predicted_accepted, totals.accepted, totals.position_accepted.copy())
+        described = self.adaptive.costs.describe()
+        for tokens, seconds in described["verify_seconds"].items():
+            m.cost_verify_seconds.labels(str(tokens)).set(seconds)
+        for ssm, table in described["draft_seconds"].items():
+            name = self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)
+            for tokens, seconds in table.items():
+                m.cost_draft_seconds.labels(name, str(tokens)).set(seconds)
+
+
+async def start_planner(
+    info: internal_pb2.LlmInfo, verifier: Verifier, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int, metrics: SchedulerMetrics
+) -> AdaptivePlanner | None:
+    """The planner from the services' reports, calibrated through calls where they report nothing; None without SSMs."""
+    if not ssm_names or workers is None:
+        return None
+    profiles = workers.profiles
+    costs = costs_from_reports(info, profiles, ssm_names)
+    if costs is None or len(costs.drafts) < len(ssm_names):
+        costs = await asyncio.wait_for(calibrate_through_calls(verifier, workers, ssm_names, info.vocab_size, costs), timeout=max(60.0, verifier.timeout))
+    priors = priors_from_reports(profiles, ssm_names)
+    planner = AdaptivePlanner.build(costs, priors, max_tree_nodes, metrics, ssm_names)
+    log.info("adaptive speculation ready", extra={"costs": costs.describe(), "slot_priors": {ssm_names[i]: p for i, p in priors.items()}})
+    planner.publish()
+    return planner
