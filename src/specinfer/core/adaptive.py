@@ -84,6 +84,7 @@ class AdaptiveSpeculation:
         previous = self.previous.extra_nodes if self.previous is not None else None
         plan = plan_batch(inputs, self.costs, cfg, fixed, fixed_draft_seconds, previous)
         self.previous = plan
+        remaining = {c.request_id: c.remaining for c in batch}
         choices = {}
         for rid, rp in plan.requests.items():
             self.totals.steps += 1
@@ -93,12 +94,13 @@ class AdaptiveSpeculation:
             self.totals.speculative_steps += 1
             self.totals.planned_nodes += rp.nodes
             self._predicted[rid] = rp.predicted_accepted
-            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value), rp.predicted_accepted)
+            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid]), rp.predicted_accepted)
         return choices
 
-    def _budget(self, rp: RequestPlan, min_value: float) -> TreeBudget:
-        # one depth of slack: a confident step may grow a chain deeper than the average plan
-        depth = min(self.config.max_depth, rp.depth + 1)
+    def _budget(self, rp: RequestPlan, min_value: float, remaining: int) -> TreeBudget:
+        # one depth of slack: a confident step may grow a chain deeper than the average plan, but
+        # never past the request's token budget (the bonus token comes on top of the tree)
+        depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), self.calibration[rp.ssm].score_for(min_value))
 
     def observe_step(self, request_id: str, drafts: Mapping[int, DraftTree], accepted_tokens: Sequence[int]) -> None:

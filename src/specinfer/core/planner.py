@@ -76,6 +76,18 @@ class BatchPlan:
     min_value: float  # the acceptance a node must reach to be worth verifying
 
 
+def _within_depth(values: NodeValues, depth_cap: int) -> NodeValues:
+    """The nodes of ``values`` at most ``depth_cap`` deep: still best first with parents before
+    children (a node's ancestors are shallower), parents renumbered. Filtering, not cutting at the
+    first deeper node: the shallow siblings listed after it are as usable as those before it."""
+    keep = np.nonzero(values.depths <= depth_cap)[0]
+    if keep.size == len(values.depths):
+        return values
+    index = np.full(len(values.depths) + 1, -1, dtype=np.int64)  # the extra -1 maps parent -1 to -1
+    index[keep] = np.arange(keep.size)
+    return NodeValues(values.values[keep], values.depths[keep], index[values.parents[keep]])
+
+
 def _usable(values: NodeValues, remaining: int, max_nodes: int, max_depth: int) -> int:
     """How many of ``values`` (a prefix, best first) a request may use: within the node and depth
     caps, and never drafting past its token budget (the bonus token comes on top)."""
@@ -128,6 +140,11 @@ def plan_batch(
 ) -> BatchPlan:
     """Plan one iteration for ``inputs``; ``fixed``: the verify tokens and context work of the
     batch's requests with static trees (or none), ``fixed_draft_seconds`` their drafting."""
+    # never draft past a request's token budget (the bonus token comes on top) nor the depth cap
+    inputs = [
+        PlanInput(inp.request_id, inp.context, inp.remaining, {s: _within_depth(v, min(config.max_depth, inp.remaining - 1)) for s, v in inp.options.items()})
+        for inp in inputs
+    ]
     base_tokens = fixed.tokens + len(inputs)
     base_work = fixed.context_work + sum(inp.context for inp in inputs)
     # every candidate node: (value, request, its index in the request's list)
