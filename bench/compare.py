@@ -8,6 +8,9 @@
 (d) ``tree``: ours, expansion trees (the paper's ``<1,1,3,1,1,1,1,1>`` and others, e.g. the
     tuner's pick);
 (e) ``merged``: ours, the trees of two or more SSMs merged;
+(f) ``auto``: ours, adaptive speculation (the planner sizes each request's dynamic tree every
+    step, or turns speculation off, from the measured step costs and the learned acceptance;
+    the cost model is calibrated once before the first timed row and shared by every row);
 plus ``incremental``: ours with speculation off (the baseline of each batch size). Greedy and
 temperature 1; batch 1 and larger batches. Every row runs in one dtype (``--dtype``, transformers'
 rows included).
@@ -49,6 +52,7 @@ from specinfer.checkpoint import load_tokenizer
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.engine.calibrate import calibrate_costs
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
@@ -201,7 +205,10 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
 
 def run_ours(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm) -> Run:
     """Our in-process engine, prompts in rounds of ``case.batch`` concurrent requests."""
-    spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
+    if case.method == "auto":
+        spec = SpeculationConfig(None, case.ssms)
+    else:
+        spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
     run = Run(case)
     for first in range(0, len(prompts), case.batch):
         chunk = prompts[first : first + case.batch]
@@ -262,6 +269,8 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
             cases += [Case("tree", batch, temp, t) for t in trees]
             if num_ssms >= 2:
                 cases.append(Case("merged", batch, temp, args.merged_tree or trees[0], tuple(range(num_ssms))))
+            if not args.no_auto:
+                cases.append(Case("auto", batch, temp, "", tuple(range(num_ssms))))
     return cases
 
 
@@ -365,6 +374,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="only our runs")
     ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
     ap.add_argument("--no-sequence", action="store_true", help="skip our sequence speculation")
+    ap.add_argument("--no-auto", action="store_true", help="skip our adaptive speculation")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="of every row, transformers' included")
@@ -394,7 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv_bytes = _kv_bytes(args.llm, batches, DTYPES[dtype])
     llm: CausalLM = load_backend(args.llm, "llm", dtype, backend="native", kv_cache_bytes=kv_bytes)
     ssms = [load_backend(p, f"ssm[{i}]", dtype, backend="native") for i, p in enumerate(args.ssm)]
-    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b)) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
+    costs = None
+    if any(c.method == "auto" for c in cases):
+        started = time.perf_counter()
+        costs = calibrate_costs(llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr))
+        print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")
+    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b), costs) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
 
     # warm-up (lazy initialisation, allocator, thread pools), not timed
     with tqdm(total=0, disable=True) as quiet:

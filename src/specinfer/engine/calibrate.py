@@ -42,6 +42,8 @@ def time_forward(model: CausalLM, tokens: int, per_request: int, context_len: in
     """Median seconds of one ``forward_tree`` over ``tokens`` new nodes (after a warm-up call that also fills the caches)."""
     rng = np.random.default_rng(seed)
     context = rng.integers(0, model.vocab_size, size=max(1, context_len)).tolist()
+    if model.max_requests is not None:  # as many requests as the caches hold, larger trees if need be
+        per_request = max(per_request, -(-tokens // model.max_requests))
     items = _items(tokens, per_request, context, rng, model.vocab_size, tag)
     try:
         model.forward_tree(items)  # warm-up: prefills the contexts
@@ -79,7 +81,7 @@ def calibrate_costs(
     per_request = max(1, nodes_per_request)
     verify = calibrate_table(llm, max_verify_tokens, per_request, repeats, say, "verify")
     per_context = 0.0
-    long_ctx = min(LONG_CONTEXT, llm.max_positions - 2 * per_request)
+    long_ctx = min(LONG_CONTEXT, llm.max_positions - max_verify_tokens - 1)
     if long_ctx > 2 * SHORT_CONTEXT:
         n = min(16, max_verify_tokens)
         short = time_forward(llm, n, per_request, SHORT_CONTEXT, repeats, seed=1, tag="ctx")

@@ -128,6 +128,11 @@ class SpeculativeEngine:
         return [s.result for s in self._active.values()]
 
     @property
+    def admitted(self) -> int:
+        """Requests running or waiting to run."""
+        return len(self._active) + len(self._waiting)
+
+    @property
     def has_work(self) -> bool:
         return bool(self._active or self._waiting)
 
