@@ -24,36 +24,19 @@ PLANNER = PlannerConfig(max_nodes=8, max_depth=4)
 AUTO = SpeculationConfig(None)
 
 
-class FixedCosts(StepCosts):
-    """A step cost model that ignores the engine's timings, so the plans do not depend on the machine."""
-
-    def observe_verify(self, shape, seconds):
-        pass
-
-    def observe_draft(self, ssm, frontier_tokens, seconds):
-        pass
-
-    @property
-    def overhead(self):
-        return 0.0
-
-    @overhead.setter
-    def overhead(self, value):
-        pass
-
-
-def fixed_costs(verify_per_token: float, draft: dict[int, float]) -> FixedCosts:
+def fixed_costs(verify_per_token: float, draft: dict[int, float]) -> StepCosts:
+    """A frozen cost model: it ignores the engine's timings, so the plans do not depend on the machine."""
     buckets = (1, 2, 4, 8, 16, 32, 64)
     verify = CostTable({b: 1.0 + verify_per_token * (b - 1) for b in buckets})
-    return FixedCosts(verify, 0.0, {ssm: CostTable({b: seconds for b in buckets}) for ssm, seconds in draft.items()})
+    return StepCosts(verify, 0.0, {ssm: CostTable({b: seconds for b in buckets}) for ssm, seconds in draft.items()}, frozen=True)
 
 
-def speculation_pays(ssms: int = 2) -> FixedCosts:
+def speculation_pays(ssms: int = 2) -> StepCosts:
     """Extra verify tokens and SSM passes are almost free: the planner speculates whenever it can."""
     return fixed_costs(1e-4, {i: 1e-4 for i in range(ssms)})
 
 
-def speculation_never_pays(ssms: int = 2) -> FixedCosts:
+def speculation_never_pays(ssms: int = 2) -> StepCosts:
     """Every extra verify token costs a whole step, every SSM pass another: no tree can pay."""
     return fixed_costs(1.0, {i: 1.0 for i in range(ssms)})
 

@@ -150,27 +150,11 @@ ADAPTIVE_SAMPLES = 3000
 ADAPTIVE_KEEP = 2
 
 
-class FreeSpeculation(StepCosts):
-    """Extra verify tokens and SSM passes almost free, whatever the engine measures: every plan
-    speculates with the most nodes it may (``ADAPTIVE_PLANNER.max_nodes``)."""
-
-    def __init__(self) -> None:
-        buckets = (1, 64, 1024)
-        super().__init__(CostTable({b: 1.0 + 1e-9 * b for b in buckets}), 0.0, {i: CostTable({b: 1e-6 for b in buckets}) for i in range(2)})
-
-    def observe_verify(self, shape, seconds):
-        pass
-
-    def observe_draft(self, ssm, frontier_tokens, seconds):
-        pass
-
-    @property
-    def overhead(self):
-        return 0.0
-
-    @overhead.setter
-    def overhead(self, value):
-        pass
+def free_speculation() -> StepCosts:
+    """Extra verify tokens and SSM passes almost free, whatever the engine measures (frozen): every
+    plan speculates with the most nodes it may (``ADAPTIVE_PLANNER.max_nodes``)."""
+    buckets = (1, 64, 1024)
+    return StepCosts(CostTable({b: 1.0 + 1e-9 * b for b in buckets}), 0.0, {i: CostTable({b: 1e-6 for b in buckets}) for i in range(2)}, frozen=True)
 
 
 class RecordingBuilder(BestFirstTreeBuilder):
@@ -212,7 +196,7 @@ ADAPTIVE_CASES = {
 def _adaptive_engine(models):
     llm, a, b = models
     config = EngineConfig(max_batch=2500, planner=ADAPTIVE_PLANNER)
-    return SpeculativeEngine(ReferenceBackend(llm), [ReferenceBackend(a), ReferenceBackend(b)], config, FreeSpeculation())
+    return SpeculativeEngine(ReferenceBackend(llm), [ReferenceBackend(a), ReferenceBackend(b)], config, free_speculation())
 
 
 def _sample_adaptive(models, params, monkeypatch, builder):

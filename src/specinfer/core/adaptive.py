@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, Calibration, SlotAcceptance, node_values, step_outcomes
-from specinfer.core.costs import NO_TOKENS, ONLINE_RATE, StepCosts, VerifyShape
+from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
 from specinfer.core.drafts import DraftTree, TreeBudget
 from specinfer.core.planner import BatchPlan, PlanInput, PlannerConfig, RequestPlan, plan_batch
 
@@ -118,16 +118,17 @@ class AdaptiveSpeculation:
                 self.calibration[ssm].observe(outcome)
                 self._slots(request_id, ssm).observe(outcome)
 
-    def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
-        self.costs.observe_verify(shape, seconds)
+    def observe_verify(self, shape: VerifyShape | None, seconds: float) -> None:
+        """One verify call's time (``shape`` None: a call that also prefilled a prompt, not a sample of the model)."""
+        if shape is not None:
+            self.costs.observe_verify(shape, seconds)
 
     def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:
         self.costs.observe_draft(ssm, frontier_tokens, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """Seconds of one iteration outside the model calls (planning, verification maths, bookkeeping)."""
-        if seconds >= 0.0:
-            self.costs.overhead += ONLINE_RATE * (seconds - self.costs.overhead)
+        self.costs.observe_overhead(seconds)
 
     def forget(self, request_id: str) -> None:
         self._predicted.pop(request_id, None)

@@ -123,11 +123,13 @@ NO_TOKENS = VerifyShape(0, 0)
 class StepCosts:
     """The verify model and one draft-pass table per SSM (by the SSM's index in the driver's order)."""
 
-    def __init__(self, verify: CostTable, per_context: float, drafts: Mapping[int, CostTable], overhead: float = 0.0) -> None:
+    def __init__(self, verify: CostTable, per_context: float, drafts: Mapping[int, CostTable], overhead: float = 0.0, frozen: bool = False) -> None:
+        """``frozen``: ignore observations (a fixed model, e.g. to make plans reproducible)."""
         self.verify_table = verify
         self.per_context = max(0.0, per_context)
         self.drafts = dict(drafts)
         self.overhead = overhead  # seconds per iteration outside the models
+        self.frozen = frozen
 
     def verify_seconds(self, shape: VerifyShape) -> float:
         return self.verify_table(shape.tokens) + self.per_context * shape.context_work
@@ -141,9 +143,17 @@ class StepCosts:
         return table(frontier_tokens) if table is not None and frontier_tokens > 0 else 0.0
 
     def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
-        self.verify_table.observe(shape.tokens, seconds - self.per_context * shape.context_work)
+        if not self.frozen:
+            self.verify_table.observe(shape.tokens, seconds - self.per_context * shape.context_work)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Seconds of one iteration outside the model calls, into the overhead's moving average."""
+        if not self.frozen and seconds >= 0.0:
+            self.overhead += ONLINE_RATE * (seconds - self.overhead)
 
     def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:
+        if self.frozen:
+            return
         table = self.drafts.get(ssm)
         if table is None:
             self.drafts[ssm] = CostTable({max(1, frontier_tokens): seconds})

@@ -219,8 +219,12 @@ def static_shape(batch: Sequence[Running]) -> VerifyShape:
     return VerifyShape(tokens, work)
 
 
-def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
-    """The cost-model shape of one verify call over ``jobs``."""
+def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
+    """The cost-model shape of one verify call over ``jobs``, or None when the call also prefilled
+    a prompt (a request's first step): its time is mostly the prompt's, which the cost model does
+    not describe, and folding it in would make tree tokens look expensive."""
+    if any(j.step == 0 for j in jobs):
+        return None
     return VerifyShape(sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context) + 1) for j in jobs))
 
 
