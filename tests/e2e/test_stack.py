@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -172,6 +173,12 @@ def test_metrics_move_as_requests_complete(stack, model_pair):
         finals = [_run(client, Client.request(ids, 8, ignore_eos=True))[-1] for ids in prompts]
         with pytest.raises(grpc.RpcError):
             _run(client, Client.request([], 8))  # INVALID_ARGUMENT
+    # context.abort sends the status before the handler unwinds through the timing interceptor, so
+    # the client can see the error a moment before the server counts the call: wait for the count
+    invalid = ("specinfer_grpc_server_handling_seconds_count", {"method": "Generate", "code": "INVALID_ARGUMENT"})
+    deadline = time.monotonic() + 10
+    while total(scrape(rm), invalid[0], **invalid[1]) == total(before[0], invalid[0], **invalid[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     after = scrape(rm), scrape(verifier), [scrape(w) for w in workers]
 
     def delta(i: int, name: str, **labels: str) -> float:
