@@ -50,6 +50,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.acceptance import slot_prior_from_agreement
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine.calibrate import calibrate_costs
@@ -409,7 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         costs = calibrate_costs(llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr))
         print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")
-    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b), costs) for b in {c.batch for c in cases if not c.method.startswith("hf-")}}
+    # the tuner's measured agreement (if given) is SSM 0's prior slot acceptance, as a tuning file installed in its folder would be
+    priors: tuple[tuple[float, ...], ...] = ()
+    if args.tuned:
+        top_k = json.loads(args.tuned.read_text())["acceptance"]["top_k_agreement"]
+        priors = (slot_prior_from_agreement({int(k): v for k, v in top_k.items()}),)
+    batches_ours = {c.batch for c in cases if not c.method.startswith("hf-")}
+    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), costs) for b in batches_ours}
 
     # warm-up (lazy initialisation, allocator, thread pools), not timed
     with tqdm(total=0, disable=True) as quiet:
