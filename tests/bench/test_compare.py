@@ -30,11 +30,14 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
         assert ("hf-incremental", 1, temp) in labels and ("hf-assisted", 1, temp) in labels
         assert ("hf-incremental", 2, temp) in labels  # transformers' batched generate beside ours at batch 2
         for batch in (1, 2):
-            for label in ("incremental", "sequence <1,1,1>", "tree <1,1,3>", "tree <2,1>", "merged <1,1,3> x2 SSMs"):
+            for label in ("incremental", "sequence <1,1,1>", "tree <1,1,3>", "tree <2,1>", "merged <1,1,3> x2 SSMs", "auto"):
                 assert (label, batch, temp) in labels, (label, batch, temp)
     for r in rows:
         assert r["tokens"] == 3 * 6
-        assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0 and r["latency_p50_ms"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"]
+        assert r["tokens_per_second"] > 0 and r["latency_p50_ms"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"]
+        # static trees here are at most 3 deep, so every request has tokens after its first step; an
+        # adaptive tree may be 5 deep (6 new tokens) and commit them all in the first step
+        assert r["decode_tokens_per_second"] > 0 or (r["method"] == "auto" and r["decode_tokens_per_second"] >= 0), r
         if r["temperature"] == 0:
             assert r["greedy_equals_hf"] == "3/3", r  # every method reproduces transformers' greedy output
             if not r["method"].startswith("hf-"):
