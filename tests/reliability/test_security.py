@@ -10,6 +10,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.client import Client
+from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig, StackSecurity
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.serving.security import ClientAuth, ClientTls
@@ -43,7 +44,17 @@ def secure_stack(model_pair, certs, tmp_path_factory):
         auth_token=AUTH_TOKEN,
         internal_token=INTERNAL_TOKEN,
     )
-    cfg = StackConfig(llm=model_pair.llm, ssms=(model_pair.ssm,), workers=1, port=0, state_dir=tmp_path_factory.mktemp("state"), threads=1, security=security)
+    # a static tree, so every request drafts and a refused SSM worker shows (adaptive speculation may rightly not speculate)
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm,),
+        workers=1,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        threads=1,
+        expansion=PAPER_EXPANSION,
+        security=security,
+    )
     stack = Stack(cfg).start()
     try:
         yield stack
