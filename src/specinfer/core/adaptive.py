@@ -32,12 +32,10 @@ class Choice:
 
 @dataclass
 class Totals:
-    """Counters since start, for metrics: steps planned, extra nodes planned, predicted and realised
-    accepted tokens of planned steps, accepted tokens by depth (per-position acceptance)."""
+    """Counters since start, for metrics and tests: steps planned to speculate, predicted and realised
+    accepted tokens of those steps, drafted nodes, accepted tokens by depth (per-position acceptance)."""
 
-    steps: int = 0
     speculative_steps: int = 0
-    planned_nodes: int = 0
     predicted_accepted: float = 0.0
     accepted: int = 0
     drafted: int = 0
@@ -74,7 +72,7 @@ class AdaptiveSpeculation:
             self._requests[key] = SlotAcceptance(prior, prior_weight=6.0, decay=0.9)
         return self._requests[key]
 
-    def plan(self, batch: Sequence[Context], fixed: VerifyShape = NO_TOKENS, fixed_draft_seconds: float = 0.0) -> dict[str, Choice]:
+    def plan(self, batch: Sequence[Context], fixed: VerifyShape = NO_TOKENS) -> dict[str, Choice]:
         """This iteration's choices by request ID (a request left out verifies its root alone)."""
         cfg = self.config
         inputs = []
@@ -82,17 +80,15 @@ class AdaptiveSpeculation:
             options = {s: node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth) for s in c.ssms if s in self.ssm_slots}
             inputs.append(PlanInput(c.request_id, c.context, c.remaining, options))
         previous = self.previous.extra_nodes if self.previous is not None else None
-        plan = plan_batch(inputs, self.costs, cfg, fixed, fixed_draft_seconds, previous)
+        plan = plan_batch(inputs, self.costs, cfg, fixed, previous)
         self.previous = plan
         remaining = {c.request_id: c.remaining for c in batch}
         choices = {}
         for rid, rp in plan.requests.items():
-            self.totals.steps += 1
             if rp.ssm is None:
                 self._predicted.pop(rid, None)
                 continue
             self.totals.speculative_steps += 1
-            self.totals.planned_nodes += rp.nodes
             self._predicted[rid] = rp.predicted_accepted
             choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid]), rp.predicted_accepted)
         return choices

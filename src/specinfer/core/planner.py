@@ -88,43 +88,40 @@ def _within_depth(values: NodeValues, depth_cap: int) -> NodeValues:
     return NodeValues(values.values[keep], values.depths[keep], index[values.parents[keep]])
 
 
-def _usable(values: NodeValues, remaining: int, max_nodes: int, max_depth: int) -> int:
-    """How many of ``values`` (a prefix, best first) a request may use: within the node and depth
-    caps, and never drafting past its token budget (the bonus token comes on top)."""
-    depth_cap = min(max_depth, remaining - 1)
-    ok = values.depths <= depth_cap
-    n = int(np.argmin(ok)) if not ok.all() else len(ok)  # ancestors have smaller depths: the first failing node ends the prefix
-    return max(0, min(n, max_nodes - 1))
+class _Frontiers:
+    """Draft seconds as planned nodes join, one at a time: a node whose parent is not expanded yet
+    puts the parent on the frontier of the node's pass, which then costs its SSM one more token."""
 
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
+        self._sizes: dict[tuple[int, int], int] = {}  # (ssm, pass) -> frontier tokens
+        self._expanded: set[tuple[int, int]] = set()  # (request, parent index) already on a frontier
 
-def _draft_cost_steps(costs: StepCosts, ssm: int, values: NodeValues, n: int) -> np.ndarray:
-    """Draft seconds of one request alone with its first k nodes, k = 0..n.  # [n + 1]"""
-    out = np.zeros(n + 1)
-    frontier: dict[int, int] = {}
-    expanded: set[int] = set()
-    total = 0.0
-    for k in range(n):
-        parent, depth = int(values.parents[k]), int(values.depths[k])
-        if parent not in expanded:
-            expanded.add(parent)
-            before = frontier.get(depth, 0)
-            frontier[depth] = before + 1
-            total += costs.draft_seconds(ssm, before + 1) - costs.draft_seconds(ssm, before)
-        out[k + 1] = total
-    return out
+    def add(self, ssm: int, request: int, values: NodeValues, k: int) -> float:
+        """The draft seconds node ``k`` of ``values`` (request ``request``, drafted by ``ssm``) adds."""
+        key = (request, int(values.parents[k]))
+        if key in self._expanded:
+            return 0.0
+        self._expanded.add(key)
+        slot = (ssm, int(values.depths[k]))
+        before = self._sizes.get(slot, 0)
+        self._sizes[slot] = before + 1
+        return self.costs.draft_seconds(ssm, before + 1) - self.costs.draft_seconds(ssm, before)
 
 
 def _choose_ssm(inp: PlanInput, costs: StepCosts, config: PlannerConfig) -> tuple[int | None, int]:
     """The SSM with the best tokens per second for this request alone, and its usable node count."""
     best: tuple[float, int | None, int] = (-1.0, None, 0)
     for ssm, values in sorted(inp.options.items()):
-        n = _usable(values, inp.remaining, config.max_nodes, config.max_depth)
-        if n == 0:
+        n = min(len(values.values), config.max_nodes - 1)  # plan_batch already dropped nodes past the depth caps
+        if n <= 0:
             continue
         gained = np.concatenate(([0.0], np.cumsum(values.values[:n])))
         k = np.arange(n + 1)
         verify = costs.verify_many(1 + k, (1 + k) * inp.context)
-        rate = float(np.max((1.0 + gained) / (verify + _draft_cost_steps(costs, ssm, values, n) + costs.overhead)))
+        frontiers = _Frontiers(costs)
+        draft = np.concatenate(([0.0], np.cumsum([frontiers.add(ssm, 0, values, j) for j in range(n)])))
+        rate = float(np.max((1.0 + gained) / (verify + draft + costs.overhead)))
         if rate > best[0]:
             best = (rate, ssm, n)
     return best[1], best[2]
@@ -135,11 +132,10 @@ def plan_batch(
     costs: StepCosts,
     config: PlannerConfig,
     fixed: VerifyShape = NO_TOKENS,
-    fixed_draft_seconds: float = 0.0,
     previous_extra: int | None = None,
 ) -> BatchPlan:
     """Plan one iteration for ``inputs``; ``fixed``: the verify tokens and context work of the
-    batch's requests with static trees (or none), ``fixed_draft_seconds`` their drafting."""
+    batch's requests with static trees (or none)."""
     # never draft past a request's token budget (the bonus token comes on top) nor the depth cap
     inputs = [
         PlanInput(inp.request_id, inp.context, inp.remaining, {s: _within_depth(v, min(config.max_depth, inp.remaining - 1)) for s, v in inp.options.items()})
@@ -161,24 +157,14 @@ def plan_batch(
     total = len(items)
     value = np.zeros(total + 1)
     work = np.full(total + 1, float(base_work))
-    draft = np.full(total + 1, float(fixed_draft_seconds))
-    frontier: dict[tuple[int, int], int] = {}  # (ssm, pass) -> frontier tokens
-    expanded: set[tuple[int, int]] = set()  # (request, parent index) already counted in a pass
+    draft = np.zeros(total + 1)
+    frontiers = _Frontiers(costs)
     for i, (v, r, k) in enumerate(items):
         inp = inputs[r]
         ssm = chosen_ssm[inp.request_id]
-        values = inp.options[ssm]
-        step_draft = 0.0
-        key = (r, int(values.parents[k]))
-        if key not in expanded:
-            expanded.add(key)
-            slot = (ssm, int(values.depths[k]))
-            before = frontier.get(slot, 0)
-            frontier[slot] = before + 1
-            step_draft = costs.draft_seconds(ssm, before + 1) - costs.draft_seconds(ssm, before)
         value[i + 1] = value[i] + v
         work[i + 1] = work[i] + inp.context
-        draft[i + 1] = draft[i] + step_draft
+        draft[i + 1] = draft[i] + frontiers.add(ssm, r, inp.options[ssm], k)
     tokens = base_tokens + np.arange(total + 1)
     verify = costs.verify_many(tokens, work)
     seconds = verify + draft + costs.overhead
