@@ -29,6 +29,17 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ONLINE_RATE = 0.15  # weight of one observation in the moving average of its buckets
 
 
+def _interp(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``ys`` at ``x`` (a number or an array): linear between the points ``xs``, and past the last
+    one along the last segment's slope (never falling).  # like x"""
+    if len(xs) < 2:
+        return np.interp(x, xs, ys)
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    if np.ndim(x) == 0:
+        return ys[-1] + slope * (x - xs[-1]) if x > xs[-1] else np.interp(x, xs, ys)
+    return np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), np.interp(x, xs, ys))
+
+
 class CostTable:
     """Seconds by token count (see the module docstring)."""
 
@@ -41,16 +52,9 @@ class CostTable:
         covered = [b for b in BUCKETS if b < xs[-1]]
         covered.append(next((b for b in BUCKETS if b >= xs[-1]), BUCKETS[-1]))
         self.buckets = np.array(covered, dtype=np.float64)
-        self.seconds = np.array([self._raw_interp(xs, ys, b) for b in self.buckets])
+        self.seconds = _interp(xs, ys, self.buckets)
         self.samples = np.zeros(len(self.buckets))  # observations folded in per bucket (weighted)
         self._fit: np.ndarray | None = None
-
-    @staticmethod
-    def _raw_interp(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
-        if len(xs) >= 2 and x > xs[-1]:
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            return float(ys[-1] + slope * (x - xs[-1]))
-        return float(np.interp(x, xs, ys))
 
     def fitted(self) -> np.ndarray:
         """The monotone fit of the buckets' seconds (recomputed only after an observation).  # [buckets]"""
@@ -59,19 +63,13 @@ class CostTable:
         return self._fit
 
     def __call__(self, tokens: float) -> float:
-        if tokens <= 0:
-            return 0.0
-        return self._raw_interp(self.buckets, self.fitted(), float(tokens))
+        # the planner calls this once per candidate node: a scalar, not a one-element array, keeps it cheap
+        return float(_interp(self.buckets, self.fitted(), float(tokens))) if tokens > 0 else 0.0
 
     def many(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds for each entry of ``tokens`` (0 for none).  # [n]"""
         x = np.asarray(tokens, dtype=np.float64)
-        fit = self.fitted()
-        out = np.interp(x, self.buckets, fit)
-        if len(self.buckets) >= 2:
-            slope = max(0.0, (fit[-1] - fit[-2]) / (self.buckets[-1] - self.buckets[-2]))
-            out = np.where(x > self.buckets[-1], fit[-1] + slope * (x - self.buckets[-1]), out)
-        return np.where(x <= 0, 0.0, out)
+        return np.where(x <= 0, 0.0, _interp(self.buckets, self.fitted(), x))
 
     def observe(self, tokens: float, seconds: float) -> None:
         """Fold one measured call of ``tokens`` tokens into the two buckets around it."""
