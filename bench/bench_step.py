@@ -25,6 +25,7 @@ import torch
 
 from specinfer.core import ExpansionConfig, TokenTree
 from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.core.tree import binary_tree_parents
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.loading import load_backend
@@ -49,7 +50,7 @@ def expansion_tree(cfg: ExpansionConfig, root: int, vocab: int, gen: torch.Gener
 def binary_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
     """A complete binary tree of ``nodes`` nodes (node i's parent is (i - 1) // 2) with random tokens."""
     tokens = [root, *torch.randint(3, vocab, (nodes - 1,), generator=gen).tolist()]
-    return TokenTree(tuple(tokens), (-1, *((i - 1) // 2 for i in range(1, nodes))))
+    return TokenTree(tuple(tokens), binary_tree_parents(nodes))
 
 
 def time_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: int, warmup: int, seed: int) -> list[float]:

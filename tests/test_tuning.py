@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.acceptance import nondecreasing
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import load_backend
 from specinfer.tuning import PAPER_EXPANSION, TUNING_FILE, resolve_expansion
 from specinfer.tuning.measure import greedy_continuations, ssm_ranks
-from specinfer.tuning.model import CostModel, configs, frontier_sizes, hit_table, mean_tokens_per_step, nondecreasing, num_nodes, search, tokens_per_step, walk
+from specinfer.tuning.model import CostModel, configs, frontier_sizes, hit_table, mean_tokens_per_step, num_nodes, search, tokens_per_step, walk
 
 ranks_st = st.lists(st.integers(0, 5), min_size=1, max_size=60).map(lambda xs: np.array(xs, dtype=np.int64))
 widths_st = st.lists(st.integers(1, 4), min_size=1, max_size=6)

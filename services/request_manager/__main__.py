@@ -11,8 +11,9 @@ from grpc_health.v1 import health_pb2
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.drafts import merged_tree_nodes
 from specinfer.request_manager.adaptive import start_planner
-from specinfer.request_manager.admission import ApiLimits, merged_tree_nodes
+from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect

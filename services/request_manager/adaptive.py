@@ -28,6 +28,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, static_shape, verify_shape
 from specinfer.core.planner import PlannerConfig
+from specinfer.core.tree import binary_tree_parents
 from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.serving.metrics import SchedulerMetrics
 from specinfer.v1 import internal_pb2
@@ -76,8 +77,7 @@ async def calibrate_through_calls(verifier: Verifier, workers: SsmWorkers | None
         seconds = {}
         for n in CALIBRATION_SIZES:
             rid, context, tokens = _synthetic("verify", n, vocab, rng)
-            parents = [-1] + [(j - 1) // 2 for j in range(1, n)]  # every depth has siblings, as real trees do
-            spec = VerifySpec(rid, context, DraftTree(TokenTree(tuple(tokens), tuple(parents))), greedy, 0, 0)
+            spec = VerifySpec(rid, context, DraftTree(TokenTree(tuple(tokens), binary_tree_parents(n))), greedy, 0, 0)
             times = []
             for _ in range(CALIBRATION_REPEATS + 1):  # the first call prefills the context
                 started = time.perf_counter()

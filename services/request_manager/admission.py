@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
@@ -53,11 +54,6 @@ class ApiLimits:
         if self.default_adaptive:
             return "auto"
         return ",".join(str(w) for w in self.default_expansion) or "none"
-
-
-def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
-    """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the root."""
-    return 1 + num_ssms * (expansion.max_nodes - 1)
 
 
 def check_request_id(request_id: str) -> str:

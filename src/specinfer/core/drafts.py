@@ -85,6 +85,11 @@ class ExpansionConfig:
         return total
 
 
+def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
+    """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the root."""
+    return 1 + num_ssms * (expansion.max_nodes - 1)
+
+
 class TreeBuilder:
     """Grows one request's draft tree depth by depth from proposals made by a model.
 

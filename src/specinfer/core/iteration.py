@@ -28,7 +28,7 @@ import numpy as np
 
 from specinfer.core.adaptive import Choice, Context
 from specinfer.core.costs import VerifyShape
-from specinfer.core.drafts import DraftTree, ExpansionConfig, TreeBudget
+from specinfer.core.drafts import DraftTree, ExpansionConfig, TreeBudget, merged_tree_nodes
 from specinfer.core.merge import combine_drafts
 from specinfer.core.requests import GenerationRequest, StepStats
 from specinfer.core.sampling import SamplingParams
@@ -213,7 +213,7 @@ def static_shape(batch: Sequence[Running]) -> VerifyShape:
         nodes = 1
         if speculation is not None:
             expansion = speculation.expansion_for(speculation.ssms[0], r.remaining)
-            nodes += 0 if expansion is None else len(speculation.ssms) * (expansion.max_nodes - 1)
+            nodes = 1 if expansion is None else merged_tree_nodes(expansion, len(speculation.ssms))
         tokens += nodes
         work += nodes * (len(r.request.prompt_tokens) + len(r.output))
     return VerifyShape(tokens, work)

@@ -48,6 +48,13 @@ def node_depths(parents: Sequence[int]) -> np.ndarray:
     return np.array(depths, dtype=np.int64)
 
 
+def binary_tree_parents(n: int) -> tuple[int, ...]:
+    """The parents of a complete binary tree of ``n`` nodes (node i's parent is (i - 1) // 2): every
+    depth has siblings and the depth grows as log2(n), like the wide trees speculation verifies;
+    what benchmarks and cost calibration time."""
+    return (-1, *((i - 1) // 2 for i in range(1, n)))
+
+
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """``anc[i, j]`` is True iff node j is node i or an ancestor of i.  # [n, n] bool
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
+from specinfer.core.tree import binary_tree_parents
 from specinfer.models.interface import CausalLM, TreeForward
 
 log = logging.getLogger("specinfer.calibrate")
@@ -26,13 +27,17 @@ SHORT_CONTEXT = 32
 LONG_CONTEXT = 512
 
 
+def log_progress(msg: str) -> None:
+    """The default progress report: one log line per measured size."""
+    log.info("calibrating", extra={"step": msg})
+
+
 def _items(tokens: int, per_request: int, context: Sequence[int], rng: np.random.Generator, vocab: int, tag: str) -> list[TreeForward]:
     items, left, k = [], tokens, 0
     while left > 0:
         n = min(per_request, left)
         nodes = rng.integers(0, vocab, size=n).tolist()
-        parents = [-1] + [max(0, (j - 1) // 2) for j in range(1, n)]  # a binary tree: every depth has siblings
-        items.append(TreeForward(f"__calibrate-{tag}-{k}", context, nodes, parents))
+        items.append(TreeForward(f"__calibrate-{tag}-{k}", context, nodes, binary_tree_parents(n)))
         left -= n
         k += 1
     return items
@@ -77,7 +82,7 @@ def calibrate_costs(
     progress: Callable[[str], None] | None = None,
 ) -> StepCosts:
     """The cost model of ``llm`` verifying and each SSM drafting (by its index in ``ssms``)."""
-    say = progress or (lambda msg: log.info("calibrating", extra={"step": msg}))
+    say = progress or log_progress
     per_request = max(1, nodes_per_request)
     verify = calibrate_table(llm, max_verify_tokens, per_request, repeats, say, "verify")
     per_context = 0.0

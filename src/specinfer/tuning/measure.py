@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.acceptance import nondecreasing
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.interface import CausalLM, TreeForward
-from specinfer.tuning.model import CostModel, nondecreasing
+from specinfer.tuning.model import CostModel
 
 # a wide tree makes the LLM's greedy continuations cheap to produce (the output is the LLM's own)
 CONTINUATION_TREE = ExpansionConfig((2, 2, 2, 1, 1, 1))

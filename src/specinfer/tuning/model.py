@@ -90,19 +90,6 @@ def num_nodes(widths: Sequence[int]) -> int:
     return total
 
 
-def nondecreasing(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a pass
-    over more nodes never costs less, so a measured dip is noise and is averaged away."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of an LLM verify pass by tree size and of an SSM pass by frontier size, at one
