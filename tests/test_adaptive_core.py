@@ -25,9 +25,9 @@ from specinfer.core.acceptance import (
     slot_prior_from_agreement,
     step_outcomes,
 )
-from specinfer.core.adaptive import AdaptiveSpeculation, Context
+from specinfer.core.adaptive import REALISATION_RANGE, AdaptiveSpeculation, Context
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
-from specinfer.core.planner import PlanInput, PlannerConfig, plan_batch
+from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
 VOCAB = 8
 
@@ -254,18 +254,18 @@ def test_tree_budget_checks_itself():
 
 def test_cost_table_interpolates_and_extrapolates():
     table = CostTable({1: 1.0, 4: 4.0, 16: 10.0})
-    assert table.buckets.tolist() == [1, 2, 4, 8, 16]
+    assert table.buckets.tolist() == [1, 2, 3, 4, 6, 8, 12, 16]
     assert table(0) == 0.0
     assert np.isclose(table(2), 2.0) and np.isclose(table(3), 3.0) and np.isclose(table(10), 7.0)
     assert np.isclose(table(32), 10.0 + 16 * 0.5), "past the last bucket: the last segment's slope"
     xs = np.array([0, 1, 2, 3, 5, 10, 16, 20, 40])
     assert np.allclose(table.many(xs), [table(x) for x in xs])
-    assert CostTable({3: 2.0}).buckets.tolist() == [1, 2, 4]
-    assert CostTable({3: 2.0})(100) == 2.0  # one measurement: flat
+    assert CostTable({5: 2.0}).buckets.tolist() == [1, 2, 3, 4, 6]
+    assert CostTable({5: 2.0})(100) == 2.0  # one measurement: flat
 
 
 def test_cost_table_fit_is_monotone_on_noisy_measurements():
-    table = CostTable({1: 1.0, 2: 0.8, 4: 1.2, 8: 1.1, 16: 2.0})
+    table = CostTable({1: 1.0, 2: 0.8, 3: 1.2, 4: 1.1, 6: 2.0})
     fit = table.fitted()
     assert np.all(np.diff(fit) >= 0)
     assert np.allclose(fit, [0.9, 0.9, 1.15, 1.15, 2.0])  # pooled adjacent violators
@@ -274,15 +274,15 @@ def test_cost_table_fit_is_monotone_on_noisy_measurements():
 
 
 def test_cost_table_online_updates_move_toward_samples_and_clip_outliers():
-    # the raw bucket moves by ONLINE_RATE x the clipped error (reads go through the monotone fit,
-    # which pools a raised bucket with the larger ones below it)
+    # the raw bucket moves by ONLINE_RATE x the clipped error; reads go through the monotone fit,
+    # which pools a raised bucket with the larger ones below it, weighted by their samples
     table = CostTable({1: 1.0, 4: 1.0, 16: 1.0})
     table.observe(4, 100.0)  # a stall: clipped to twice the prediction
-    assert np.allclose(table.seconds, [1.0, 1.0, 1.0 + ONLINE_RATE, 1.0, 1.0])
-    assert np.isclose(table(4), (3.0 + ONLINE_RATE) / 3)
+    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 1.0 + ONLINE_RATE, 1.0, 1.0, 1.0, 1.0])
+    assert np.isclose(table(4), (2.0 * (1.0 + ONLINE_RATE) + 4.0) / 6.0)  # bucket 4 (weight 2) pooled with 6, 8, 12, 16
     table = CostTable({1: 1.0, 4: 1.0, 16: 1.0})
     table.observe(4, 0.0)  # clipped to half
-    assert np.allclose(table.seconds, [1.0, 1.0, 1.0 - ONLINE_RATE * 0.5, 1.0, 1.0])
+    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 1.0 - ONLINE_RATE * 0.5, 1.0, 1.0, 1.0, 1.0])
     table = CostTable({1: 1.0, 4: 1.0, 16: 2.0, 64: 3.0})
     previous = table(4)
     for _ in range(60):
@@ -290,23 +290,32 @@ def test_cost_table_online_updates_move_toward_samples_and_clip_outliers():
         now = table(4)
         assert previous <= now <= 1.5 + 1e-9
         previous = now
-    assert abs(table(4) - 1.5) < 0.01
+    assert abs(table(4) - 1.5) < 0.03
     assert table(16) >= table(4)  # the monotone fit lifts larger sizes with it
     for bad in (float("nan"), -1.0):
         table.observe(4, bad)
     assert np.isclose(table(4), previous)
     # between buckets: both neighbours move, the nearer one more
     table = CostTable({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
-    table.observe(7, 1.8)
-    assert table.seconds[3] - 1.0 > table.seconds[2] - 1.0 > 0.0
+    table.observe(7.5, 1.8)
+    assert table.seconds[5] - 1.0 > table.seconds[4] - 1.0 > 0.0
+
+
+def test_cost_table_fit_trusts_observed_buckets_over_stale_neighbours():
+    """A bucket real steps keep measuring is not dragged toward a stale, higher seed below it."""
+    table = CostTable({1: 0.25, 2: 0.30, 4: 0.30, 8: 0.45})  # the seed says 2 tokens cost as much as 4
+    for _ in range(40):
+        table.observe(4, 0.24)  # what 4-token steps really take
+    assert abs(table(4) - 0.24) < 0.01
+    assert table(2) <= table(4) + 1e-12 and table(8) > 0.4  # monotone; the unobserved larger bucket keeps its seed
 
 
 def test_cost_table_grows_past_its_last_bucket():
     table = CostTable({1: 1.0, 4: 2.0})
-    assert table.buckets.tolist() == [1, 2, 4]
+    assert table.buckets.tolist() == [1, 2, 3, 4]
     predicted = table(20)
     table.observe(20, predicted * 1.5)
-    assert table.buckets.tolist() == [1, 2, 4, 8, 16, 32]
+    assert table.buckets.tolist() == [1, 2, 3, 4, 6, 8, 12, 16, 24]
     assert table(20) > predicted
     assert np.isclose(table.as_dict()[4], 2.0)
 
@@ -561,3 +570,163 @@ def test_adaptive_budgets_never_draft_past_the_token_budget(prior):
         assert 1 <= budget.depth <= min(n - 1, 6)
         assert budget.nodes <= 16 and budget.max_width <= MAX_SLOTS
     assert choices["r9"].budget.depth >= 2
+
+
+def test_realisation_stops_drafting_that_never_pays_and_retries_later():
+    """Steps that accept nothing of what their plans promised (every drafted node cut, say) pull the
+    SSM's realisation down until the planner stops drafting; iterations without drafting bring it
+    back toward 1, so the SSM is tried again; steps that deliver keep it near 1."""
+    costs = StepCosts(CostTable({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}), 0.0, {0: CostTable({1: 0.01})}, frozen=True)
+    adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
+    batch = [Context("a", 10, 1000, (0,))]
+    root_only = DraftTree(TokenTree.root_only(5))
+    drafting = []
+    for _ in range(200):
+        choices = adaptive.plan(batch)
+        drafting.append(bool(choices))
+        if choices:
+            adaptive.observe_step("a", {0: root_only}, [])
+    assert drafting[0] and not all(drafting[:60]), "stopped drafting"
+    assert any(drafting[60:]), "and tried again later"
+    assert REALISATION_RANGE[0] <= adaptive.realisation[0] < 1.0
+
+    adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
+    for _ in range(50):
+        choice = adaptive.plan(batch)["a"]
+        adaptive.observe_step("a", {0: root_only}, [7] * round(choice.predicted_accepted / adaptive.realisation[0]))
+    assert adaptive.realisation[0] > 0.8
+
+
+# -- cutting drafted trees before verification --------------------------------------------
+
+
+@st.composite
+def scored_trees(draw) -> DraftTree:
+    """A random dynamic tree: scores non-increasing along paths, groups listing children in slot order."""
+    n = draw(st.integers(1, 14))
+    parents, scores, tokens = [-1], [1.0], [0]
+    for i in range(1, n):
+        p = draw(st.integers(0, i - 1))
+        parents.append(p)
+        scores.append(scores[p] * draw(st.floats(0.0, 1.0)))
+        tokens.append(i)  # distinct tokens: never two equal siblings
+    groups = tuple(DraftGroup(p, tuple(c for c in range(1, n) if parents[c] == p), None) for p in range(n) if p in parents[1:])
+    return DraftTree(TokenTree(tuple(tokens), tuple(parents)), groups, tuple(scores))
+
+
+@settings(max_examples=200, deadline=None)
+@given(scored_trees(), st.data())
+def test_subtree_keeps_paths_groups_and_scores(draft, data):
+    n = len(draft.tree)
+    keep = {0}
+    for i in range(1, n):  # an ancestor-closed random subset
+        if draft.tree.parents[i] in keep and data.draw(st.booleans()):
+            keep.add(i)
+    sub = draft.subtree(sorted(keep))
+    kept = sorted(keep)
+    assert len(sub.tree) == len(kept)
+    assert sub.scores == tuple(draft.scores[k] for k in kept)
+    for new, old in enumerate(kept):
+        assert sub.tree.tokens[new] == draft.tree.tokens[old]
+        if new:
+            assert kept[sub.tree.parents[new]] == draft.tree.parents[old]
+    listed = sorted(c for g in sub.groups for c in g.children)
+    assert listed == list(range(1, len(kept))), "every kept child is in exactly one group"
+    for g in sub.groups:
+        assert list(g.children) == sorted(g.children), "slot order kept"
+    if n > 1:
+        with pytest.raises(ValueError):
+            draft.subtree([1])  # without the root
+    deep = [i for i in range(1, n) if draft.tree.parents[i] != 0]
+    if deep:
+        with pytest.raises(ValueError):
+            draft.subtree([0, deep[0]])  # without its parent
+
+
+def _drafted(rid: str, values, parents, context: int = 10) -> DraftedNodes:
+    return DraftedNodes(rid, context, np.asarray(values, dtype=np.float64), np.asarray(parents, dtype=np.int64))
+
+
+def _rate(drafted, keep, costs, spent=0.0) -> float:
+    extra = sum(len(keep[d.request_id]) - 1 for d in drafted)
+    value = sum(min([d.values[k - 1] for k in _ancestry(d, node)]) for d in drafted for node in keep[d.request_id][1:])
+    seconds = costs.verify_seconds(VerifyShape(len(drafted) + extra, sum(d.context * len(keep[d.request_id]) for d in drafted))) + spent + costs.overhead
+    return (len(drafted) + value) / seconds
+
+
+def _ancestry(d: DraftedNodes, node: int) -> list[int]:
+    out = []
+    while node > 0:
+        out.append(node)
+        node = int(d.parents[node - 1])
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(scored_trees(), min_size=1, max_size=5), st.floats(0.0, 0.5), st.floats(0.0, 0.3), st.floats(0.0, 2.0))
+def test_select_nodes_keeps_the_best_prefix_of_the_batch(trees, per_token, step_at_5, spent):
+    """The kept nodes are closed under parents, every kept node is worth at least every dropped one,
+    and no other cut of the best-first order has a higher expected rate."""
+    costs = StepCosts(
+        CostTable({1: 1.0, 4: 1.0 + 3 * per_token, 6: 1.0 + 5 * per_token + step_at_5, 64: 2.0 + 63 * per_token + step_at_5}), 0.0, {}, frozen=True
+    )
+    drafted = [_drafted(f"r{i}", t.scores[1:], [p for p in t.tree.parents[1:]]) for i, t in enumerate(trees)]
+    keep = select_nodes(drafted, costs, spent_seconds=spent)
+    assert sorted(keep) == sorted(d.request_id for d in drafted)
+    worth = {}
+    for d in drafted:
+        kept = keep[d.request_id]
+        assert kept[0] == 0 and kept == sorted(set(kept))
+        assert all(int(d.parents[k - 1]) in kept for k in kept[1:]), "closed under parents"
+        for node in range(1, len(d.values) + 1):
+            worth[(d.request_id, node)] = (min(d.values[k - 1] for k in _ancestry(d, node)), node in kept)
+    kept_values = [v for v, k in worth.values() if k]
+    dropped_values = [v for v, k in worth.values() if not k]
+    if kept_values and dropped_values:
+        assert min(kept_values) >= max(dropped_values) - 1e-12
+    best = _rate(drafted, keep, costs, spent)
+    order = sorted(worth, key=lambda key: (-worth[key][0], key[0], key[1]))
+    for cut in range(len(order) + 1):
+        other = {d.request_id: [0] for d in drafted}
+        for rid, node in order[:cut]:
+            other[rid].append(node)
+        assert _rate(drafted, {r: sorted(v) for r, v in other.items()}, costs, spent) <= best + 1e-9
+
+
+def test_select_nodes_on_a_cpu_shaped_cost_curve():
+    """4 rows cost little more than 1, 6 cost much more: a batch of 4 verifies its roots alone
+    unless its nodes are near-certain, while 1 request keeps its likely nodes."""
+    costs = StepCosts(CostTable({1: 0.25, 4: 0.27, 6: 0.40, 8: 0.53, 16: 1.0}), 0.0, {}, frozen=True)
+    unsure = [_drafted(f"r{i}", [0.7, 0.5], [0, 1]) for i in range(4)]
+    assert all(k == [0] for k in select_nodes(unsure, costs).values())
+    single = select_nodes([_drafted("a", [0.7, 0.5, 0.2], [0, 1, 2])], costs)
+    assert single["a"] == [0, 1, 2, 3]  # 4 tokens cost 0.27 s: even the 0.2 node pays
+    sure = [_drafted(f"r{i}", [0.99, 0.98, 0.97, 0.96], [0, 1, 2, 3]) for i in range(4)]
+    assert all(len(k) == 5 for k in select_nodes(sure, costs).values()), "near-certain chains pay even past the step"
+    assert select_nodes([_drafted("a", [], [])], costs) == {"a": [0]}
+
+
+def test_select_drafts_cuts_only_adaptive_greedy_trees():
+    from specinfer.core import ExpansionConfig, SamplingParams
+    from specinfer.core.iteration import Running, select_drafts
+    from specinfer.core.requests import GenerationRequest, SpeculationConfig
+
+    tree = DraftTree(TokenTree((5, 7, 8, 9), (-1, 0, 0, 1)), (DraftGroup(0, (1, 2), None), DraftGroup(1, (3,), None)), (1.0, 0.3, 0.05, 0.2))
+    static = DraftTree(TokenTree((5, 7), (-1, 0)), (DraftGroup(0, (1,), None),))
+
+    def running(rid, sampling, spec):
+        return Running(GenerationRequest(rid, (1, 2, 3, 5), 16, sampling, spec), 0)
+
+    batch = [
+        running("greedy", SamplingParams(), SpeculationConfig(None)),
+        running("sampled", SamplingParams(temperature=1.0), SpeculationConfig(None)),
+        running("static", SamplingParams(), SpeculationConfig(ExpansionConfig((1,)))),
+    ]
+    drafted = {"greedy": [(0, tree)], "sampled": [(0, tree)], "static": [(0, static)]}
+    # tokens cost a whole step (the batch, 7 tokens committing 3, does 0.43 tokens per token: nodes
+    # worth 0.3 do not pay) / almost nothing (every node pays)
+    for per_token, expect in ((1.0, 1), (1e-4, 4)):
+        adaptive = AdaptiveSpeculation(_costs(per_token), PlannerConfig(), {0: (0.8, 0.1)})  # calibration prior: acceptance = score
+        out = select_drafts(batch, drafted, adaptive, 0.0)
+        assert len(out["greedy"][0][1].tree) == expect
+        assert out["sampled"] == drafted["sampled"] and out["static"] == drafted["static"]

@@ -48,10 +48,12 @@ class CountingLM:
         self.inner = inner
         self.calls = 0
         self.nodes = 0
+        self.sizes: list[tuple[int, int]] = []  # (requests, nodes) of each call
 
     def forward_tree(self, batch):
         self.calls += 1
         self.nodes += sum(len(item.tokens) for item in batch)
+        self.sizes.append((len(batch), sum(len(item.tokens) for item in batch)))
         return self.inner.forward_tree(batch)
 
     def __getattr__(self, name):
@@ -195,3 +197,28 @@ def test_no_drafting_past_the_token_budget(backends, prompts, expected, max_new,
             assert calls <= 1
     if max_new > 1:
         assert engine.ssms[0].calls > 0, "the requests did speculate"
+
+
+def test_calibration_times_every_bucket_in_rounds_and_releases_its_requests(backends):
+    """Start-up calibration: every bucket up to the limit, each call carrying exactly its n nodes
+    (spread over at most CALIBRATION_REQUESTS requests), a warm-up round plus the timed rounds, and
+    no synthetic request left in any cache afterwards."""
+    from specinfer.core.costs import BUCKETS
+    from specinfer.engine.calibrate import CALIBRATION_REQUESTS, calibrate_costs, time_sizes
+
+    llm, ssms = backends()
+    counted = CountingLM(llm)
+    sizes = [1, 3, 6, 12]
+    seconds = time_sizes(counted, sizes, repeats=2)
+    assert sorted(seconds) == sizes and all(s > 0 for s in seconds.values())
+    assert [n for _, n in counted.sizes] == sizes * 3, "one warm-up round and two timed rounds, sizes interleaved"
+    assert [r for r, _ in counted.sizes] == [min(n, CALIBRATION_REQUESTS) for n in sizes] * 3
+    assert not llm.cached_requests()
+
+    messages = []
+    costs = calibrate_costs(llm, ssms, max_verify_tokens=16, max_frontier_tokens=8, repeats=1, progress=messages.append)
+    assert list(costs.verify_table.as_dict()) == [b for b in BUCKETS if b <= 16]
+    assert sorted(costs.drafts) == [0, 1] and all(list(t.as_dict()) == [b for b in BUCKETS if b <= 8] for t in costs.drafts.values())
+    assert any("verify: 1 tokens" in m for m in messages)
+    for model in (llm, *ssms):
+        assert not model.cached_requests()

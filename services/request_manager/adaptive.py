@@ -25,8 +25,8 @@ from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
-from specinfer.core.costs import CostTable, StepCosts
-from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, static_shape, verify_shape
+from specinfer.core.costs import BUCKETS, CostTable, StepCosts
+from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, select_drafts, static_shape, verify_shape
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.tree import binary_tree_parents
 from specinfer.request_manager.remote import SsmWorkers, Verifier
@@ -35,7 +35,7 @@ from specinfer.v1 import internal_pb2
 
 log = logging.getLogger("specinfer.request_manager")
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes of the synthetic verify calls (and requests of the draft calls)
+CALIBRATION_SIZES = tuple(b for b in BUCKETS if b <= 32)  # tree nodes of the synthetic verify calls (and requests of the draft calls)
 CALIBRATION_CONTEXT = 32  # context tokens of each synthetic request
 CALIBRATION_REPEATS = 3  # timed calls per size, after a warm-up call; the median is kept
 
@@ -114,7 +114,7 @@ class AdaptivePlanner:
         self.adaptive = adaptive
         self.metrics = metrics
         self.ssm_names = tuple(ssm_names)
-        self._published = (0.0, 0, np.zeros_like(adaptive.totals.position_accepted))  # totals already counted in the metrics
+        self._published = (0.0, 0, 0, np.zeros_like(adaptive.totals.position_accepted))  # totals already counted in the metrics
         self._draft_seconds = 0.0  # SSM pass seconds of the current iteration
 
     @staticmethod
@@ -136,6 +136,10 @@ class AdaptivePlanner:
             choice = choices.get(c.request_id)
             self.metrics.planned_tree_nodes.observe(choice.budget.nodes if choice is not None else 1)
         return choices
+
+    def select(self, batch: Sequence[Running], drafted: Mapping[str, Sequence[tuple[int, DraftTree]]]) -> dict[str, list[tuple[int, DraftTree]]]:
+        """The drafted trees with the adaptive greedy requests' cut to the nodes worth verifying."""
+        return select_drafts(batch, drafted, self.adaptive, self._draft_seconds)
 
     def observe_passes(self, ssm_index: int, passes: Sequence[tuple[int, float]]) -> None:
         """The SSM passes a worker reported (its own compute time, without the network)."""
@@ -164,13 +168,16 @@ class AdaptivePlanner:
     def publish(self) -> None:
         """Bring the metrics up to date: prediction and acceptance counters, the cost model's tables."""
         m, totals = self.metrics, self.adaptive.totals
-        predicted, accepted, positions = self._published
+        predicted, accepted, cut, positions = self._published
         m.predicted_accepted_tokens.inc(max(0.0, totals.predicted_accepted - predicted))
         m.realised_accepted_tokens.inc(max(0, totals.accepted - accepted))
+        m.cut_draft_nodes.inc(max(0, totals.cut - cut))
         for depth, hits in enumerate(totals.position_accepted - positions, start=1):
             if hits > 0:
                 m.position_accepted_tokens.labels(str(depth)).inc(float(hits))
-        self._published = (totals.predicted_accepted, totals.accepted, totals.position_accepted.copy())
+        self._published = (totals.predicted_accepted, totals.accepted, totals.cut, totals.position_accepted.copy())
+        for ssm, r in self.adaptive.realisation.items():
+            m.realisation.labels(self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)).set(r)
         described = self.adaptive.costs.describe()
         for tokens, seconds in described["verify_seconds"].items():
             m.cost_verify_seconds.labels(str(tokens)).set(seconds)

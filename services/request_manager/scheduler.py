@@ -210,6 +210,8 @@ class Scheduler:
         started = time.perf_counter()
         choices = self.planner.plan(batch) if self.planner is not None else {}
         drafted = await self._speculate(batch, choices)
+        if choices:
+            drafted = self.planner.select(batch, drafted)
         calls = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
         speculated = time.perf_counter()
         try:

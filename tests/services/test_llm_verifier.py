@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+from specinfer.core.costs import BUCKETS
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.engine.steps import draft_trees, verify_trees
 from specinfer.models.loading import load_backend
@@ -123,9 +124,9 @@ def test_get_info(services, model_pair):
     assert info.vocab_size == local_vocab(model_pair)
     assert info.max_positions > 0
     assert info.max_requests > 0  # the native backend's KV pool (256 MiB in the fixture)
-    # start-up calibration (--calibrate-tokens, default 64): verify seconds at powers of two up to 64 tokens
+    # start-up calibration (--calibrate-tokens, default 64): verify seconds at every cost bucket up to 64 tokens
     table = wire.cost_table_from_proto(info.verify_costs)
-    assert table is not None and [p.tokens for p in info.verify_costs] == [1, 2, 4, 8, 16, 32, 64]
+    assert table is not None and [p.tokens for p in info.verify_costs] == [b for b in BUCKETS if b <= 64]
     assert all(p.seconds > 0 for p in info.verify_costs) and info.verify_seconds_per_context_token >= 0
 
 

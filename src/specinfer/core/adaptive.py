@@ -3,9 +3,11 @@
 :class:`AdaptiveSpeculation` owns the cost model (:mod:`specinfer.core.costs`), one acceptance
 model per SSM and per request (:mod:`specinfer.core.acceptance`) and the previous plan. Each
 iteration a driver asks it for a plan (:meth:`AdaptiveSpeculation.plan`, which calls the pure
-:func:`~specinfer.core.planner.plan_batch`), drafts the dynamic trees the plan names, verifies,
-and hands back what happened (:meth:`observe_step`, :meth:`observe_verify`,
-:meth:`observe_draft`). No I/O; the drivers time their own calls.
+:func:`~specinfer.core.planner.plan_batch`), drafts the dynamic trees the plan names, lets it cut
+the greedy requests' trees to the nodes worth verifying (:meth:`AdaptiveSpeculation.select`, which
+calls :func:`~specinfer.core.planner.select_nodes`), verifies, and hands back what happened
+(:meth:`observe_step`, :meth:`observe_verify`, :meth:`observe_draft`). No I/O; the drivers time
+their own calls.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, Calibration, SlotAcceptance, node_values, step_outcomes
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, Calibration, NodeValues, SlotAcceptance, node_values, step_outcomes
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
 from specinfer.core.drafts import DraftTree, TreeBudget
-from specinfer.core.planner import BatchPlan, PlanInput, PlannerConfig, RequestPlan, plan_batch
+from specinfer.core.planner import BatchPlan, DraftedNodes, PlanInput, PlannerConfig, RequestPlan, plan_batch, select_nodes
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,26 @@ class Choice:
 @dataclass
 class Totals:
     """Counters since start, for metrics and tests: steps planned to speculate, predicted and realised
-    accepted tokens of those steps, drafted nodes, accepted tokens by depth (per-position acceptance)."""
+    accepted tokens of those steps, drafted nodes, nodes cut before verification (:meth:`AdaptiveSpeculation.select`),
+    accepted tokens by depth (per-position acceptance)."""
 
     speculative_steps: int = 0
     predicted_accepted: float = 0.0
     accepted: int = 0
     drafted: int = 0
+    cut: int = 0
     position_accepted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A request whose drafted tree may be cut before verification: committed ``context`` length, the
+    SSM that drafted it and the tree."""
+
+    request_id: str
+    context: int
+    ssm: int
+    draft: DraftTree
 
 
 @dataclass(frozen=True)
@@ -52,8 +67,23 @@ class Context:
     ssms: tuple[int, ...]  # the SSMs it allows
 
 
+REALISATION_RATE = 0.1  # weight of one speculative step in an SSM's realisation average
+REALISATION_RECOVERY = 0.02  # per iteration an SSM drafts nothing, its realisation moves this much back toward 1
+REALISATION_RANGE = (0.02, 2.0)
+
+
 class AdaptiveSpeculation:
-    """See the module docstring. ``slot_priors[s]``: SSM s's prior slot acceptance (e.g. from its tuning)."""
+    """See the module docstring. ``slot_priors[s]``: SSM s's prior slot acceptance (e.g. from its tuning).
+
+    *Realisation* (``realisation[s]``): a moving average, per SSM, of the tokens a step accepted over
+    the tokens its plan expected. The slot model predicts from positions alone; the tree the SSM then
+    drafts may be smaller (its own scores fall below ``min_score``) and is cut again before
+    verification (:meth:`select`), so a plan can promise nodes that never get verified. The planner's
+    node values are scaled by the realisation, which brings its promises back to what steps deliver:
+    where every drafted node gets cut, it falls and the planner stops drafting at all. An SSM that
+    drafts nothing recovers toward 1 by :data:`REALISATION_RECOVERY` per iteration, so it is tried
+    again now and then (the load or the text may have changed).
+    """
 
     def __init__(self, costs: StepCosts, config: PlannerConfig, slot_priors: Mapping[int, Sequence[float]]) -> None:
         self.costs = costs
@@ -62,6 +92,8 @@ class AdaptiveSpeculation:
         self.calibration = {s: Calibration() for s in slot_priors}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
+        self.realisation = {s: 1.0 for s in slot_priors}
+        self._planned: dict[str, tuple[int, float]] = {}  # request -> (its SSM, planned accepted tokens before the realisation)
         self.previous: BatchPlan | None = None
         self.totals = Totals()
 
@@ -77,7 +109,11 @@ class AdaptiveSpeculation:
         cfg = self.config
         inputs = []
         for c in batch:
-            options = {s: node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth) for s in c.ssms if s in self.ssm_slots}
+            options = {}
+            for s in c.ssms:
+                if s in self.ssm_slots:
+                    v = node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth)
+                    options[s] = NodeValues(v.values * self.realisation[s], v.depths, v.parents)
             inputs.append(PlanInput(c.request_id, c.context, c.remaining, options))
         previous = self.previous.extra_nodes if self.previous is not None else None
         plan = plan_batch(inputs, self.costs, cfg, fixed, previous)
@@ -87,10 +123,16 @@ class AdaptiveSpeculation:
         for rid, rp in plan.requests.items():
             if rp.ssm is None:
                 self._predicted.pop(rid, None)
+                self._planned.pop(rid, None)
                 continue
             self.totals.speculative_steps += 1
             self._predicted[rid] = rp.predicted_accepted
+            self._planned[rid] = (rp.ssm, rp.predicted_accepted / self.realisation[rp.ssm])
             choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid]), rp.predicted_accepted)
+        drafting = {c.ssm for c in choices.values()}
+        for s, r in self.realisation.items():
+            if s not in drafting:
+                self.realisation[s] = r + REALISATION_RECOVERY * (1.0 - r)
         return choices
 
     def _budget(self, rp: RequestPlan, min_value: float, remaining: int) -> TreeBudget:
@@ -99,12 +141,39 @@ class AdaptiveSpeculation:
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), self.calibration[rp.ssm].score_for(min_value))
 
+    def select(
+        self, drafted: Sequence[Drafted], fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
+    ) -> dict[str, DraftTree]:
+        """Each tree cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`, whose
+        arguments these are), by request ID; a node's predicted acceptance comes from its score through
+        its SSM's calibration. Only for greedy requests (see :meth:`DraftTree.subtree`)."""
+        nodes = []
+        for d in drafted:
+            calibration = self.calibration.get(d.ssm)
+            scores = np.asarray(d.draft.scores[1:], dtype=np.float64)
+            values = np.array([calibration.predict(x) for x in scores]) if calibration is not None else scores
+            nodes.append(DraftedNodes(d.request_id, d.context, values, np.asarray(d.draft.tree.parents[1:], dtype=np.int64)))
+        keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
+        out = {}
+        for d, n in zip(drafted, nodes, strict=True):
+            kept = keep[d.request_id]
+            out[d.request_id] = d.draft if len(kept) == len(d.draft.tree) else d.draft.subtree(kept)
+            self.totals.cut += len(d.draft.tree) - len(kept)
+            if d.request_id in self._predicted:  # the prediction is now that of the nodes kept
+                self._predicted[d.request_id] = float(sum(n.values[k - 1] for k in kept[1:]))
+        return out
+
     def observe_step(self, request_id: str, drafts: Mapping[int, DraftTree], accepted_tokens: Sequence[int]) -> None:
         """One verify step of a request: each SSM's tree (by SSM index) and the tokens accepted."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None:
             self.totals.predicted_accepted += predicted
             self.totals.accepted += len(accepted_tokens)
+        planned = self._planned.pop(request_id, None)
+        if planned is not None and planned[1] > 0.0:
+            ssm, expected = planned
+            r = self.realisation[ssm] + REALISATION_RATE * (len(accepted_tokens) / expected - self.realisation[ssm])
+            self.realisation[ssm] = float(np.clip(r, *REALISATION_RANGE))
         for ssm, draft in drafts.items():
             outcome = step_outcomes(draft, accepted_tokens)
             self.totals.drafted += len(draft.tree) - 1
@@ -128,5 +197,6 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self._predicted.pop(request_id, None)
+        self._planned.pop(request_id, None)
         for key in [k for k in self._requests if k[0] == request_id]:
             del self._requests[key]

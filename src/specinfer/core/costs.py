@@ -8,10 +8,13 @@ Terms.
 - *Frontier tokens*: the nodes one SSM pass expands, over the whole batch.
 
 A verify call is modelled as ``table(tokens) + per_context * context_work``, a draft pass as
-``table_ssm(frontier tokens)``. Each table holds seconds at token buckets (powers of two),
-interpolated linearly between buckets and extrapolated beyond the last by its slope; a call over
-more tokens never costs less, so reads go through a monotone fit (pool adjacent violators).
-Start-up calibration fills the tables (:meth:`CostTable.from_measurements`); every real step
+``table_ssm(frontier tokens)``. Each table holds seconds at token buckets (:data:`BUCKETS`: powers
+of two and the midpoints between them, because on a CPU the cost changes regime between 4 and 8
+rows), interpolated linearly between buckets and extrapolated beyond the last by its slope. A call
+over more tokens never costs less, so reads go through a monotone fit (pool adjacent violators),
+weighted by how many observations each bucket has folded in: a bucket that real steps keep
+measuring outweighs a stale neighbour from the start-up calibration instead of being averaged with
+it. Start-up calibration (:mod:`specinfer.engine.calibrate`) fills the tables; every real step
 then moves the buckets next to its size toward what it took (an exponential moving average, each
 sample clipped to [1/2, 2] x the current prediction, so one stall cannot swing the plan).
 """
@@ -25,7 +28,7 @@ import numpy as np
 
 from specinfer.core.acceptance import nondecreasing
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 ONLINE_RATE = 0.15  # weight of one observation in the moving average of its buckets
 
 
@@ -53,13 +56,13 @@ class CostTable:
         covered.append(next((b for b in BUCKETS if b >= xs[-1]), BUCKETS[-1]))
         self.buckets = np.array(covered, dtype=np.float64)
         self.seconds = _interp(xs, ys, self.buckets)
-        self.samples = np.zeros(len(self.buckets))  # observations folded in per bucket (weighted)
+        self.samples = np.ones(len(self.buckets))  # the fit's weight per bucket: 1 for the seed, + observations folded in
         self._fit: np.ndarray | None = None
 
     def fitted(self) -> np.ndarray:
-        """The monotone fit of the buckets' seconds (recomputed only after an observation).  # [buckets]"""
+        """The monotone fit of the buckets' seconds, weighted by their samples (recomputed only after an observation).  # [buckets]"""
         if self._fit is None:
-            self._fit = nondecreasing(self.seconds)
+            self._fit = nondecreasing(self.seconds, self.samples)
         return self._fit
 
     def __call__(self, tokens: float) -> float:
@@ -83,7 +86,7 @@ class CostTable:
             nxt = float(next(b for b in BUCKETS if b > self.buckets[-1]))
             self.seconds = np.append(self.seconds, self(nxt))
             self.buckets = np.append(self.buckets, nxt)
-            self.samples = np.append(self.samples, 0.0)
+            self.samples = np.append(self.samples, 1.0)
             self._fit = None
         if x >= self.buckets[-1]:
             i = j = len(self.buckets) - 1
@@ -94,8 +97,10 @@ class CostTable:
             span = self.buckets[j] - self.buckets[i]
             wj = (x - self.buckets[i]) / span if span > 0 else 1.0
             wi = 1.0 - wj
-        # shift both neighbours by the same error, each in proportion to how close the sample is
-        error = sample - predicted
+        # shift both neighbours by the same error, each in proportion to how close the sample is; the
+        # error is against the raw buckets, not the fit, so they settle on what steps take (against
+        # the fit, which pools a bucket with its neighbours, they would overshoot)
+        error = sample - float(_interp(self.buckets, self.seconds, x))
         for k, w in ((i, wi), (j, wj)):
             if w > 0:
                 self.seconds[k] += ONLINE_RATE * w * error

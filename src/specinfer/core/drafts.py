@@ -45,6 +45,30 @@ class DraftTree:
     def groups_at(self, node: int) -> list[DraftGroup]:
         return [g for g in self.groups if g.parent == node]
 
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """The tree of the nodes ``keep`` (the root and every kept node's parent must be kept), renumbered
+        in their present order; each group keeps its kept children, and groups left without any are dropped.
+
+        Only for greedy verification, where any subtree is verified exactly: under sampling a group
+        must keep a prefix of its draws chosen without looking at them (see :class:`BestFirstTreeBuilder`)."""
+        kept = sorted(set(int(k) for k in keep))
+        if not kept or kept[0] != 0:
+            raise ValueError("a subtree keeps the root")
+        index = {old: new for new, old in enumerate(kept)}
+        parents = []
+        for old in kept:
+            parent = self.tree.parents[old]
+            if parent >= 0 and parent not in index:
+                raise ValueError(f"node {old} is kept without its parent {parent}")
+            parents.append(-1 if parent < 0 else index[parent])
+        groups = []
+        for g in self.groups:
+            children = tuple(index[c] for c in g.children if c in index)
+            if g.parent in index and children:
+                groups.append(DraftGroup(index[g.parent], children, g.q))
+        scores = tuple(self.scores[k] for k in kept) if self.scores else ()
+        return DraftTree(TokenTree(tuple(self.tree.tokens[k] for k in kept), tuple(parents)), tuple(groups), scores)
+
 
 @dataclass(frozen=True)
 class ExpansionConfig:

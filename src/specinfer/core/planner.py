@@ -18,6 +18,14 @@ manager. It maximises the batch's expected committed tokens per second, draft co
 - ``min_value``: the acceptance a node must reach to pay for its verify tokens at the planned rate
   (rate x marginal seconds per token); the draft tree builder drops slots predicted below it, so a
   step whose SSM is unsure verifies a smaller tree than planned.
+
+The plan works from average acceptances; the trees the SSMs then draft carry each node's own
+predicted acceptance (from its score). :func:`select_nodes`, the second pure function, runs after
+drafting and before verification: it merges the drafted nodes of the batch best first and keeps
+the count with the most expected tokens per second, now with the real nodes. That matters where
+the verify cost is not linear: on a CPU, 4 rows of a matrix product cost little more than 1 but 6
+cost far more than 4, so a plan for 28 extra nodes (where each costs little) that the builder cut
+to 2 unsure ones (where each costs much) would otherwise be verified as drafted.
 """
 
 from __future__ import annotations
@@ -190,3 +198,44 @@ def plan_batch(
     per_token = costs.verify_seconds(VerifyShape(t + 1, 0)) - costs.verify_seconds(VerifyShape(t, 0)) + costs.per_context * (base_work / max(1, base_tokens))
     min_value = float(np.clip(rates[best] * per_token, 0.0, 1.0))
     return BatchPlan(plans, best, float(seconds[best]), float(rates[best]), min_value)
+
+
+@dataclass(frozen=True)
+class DraftedNodes:
+    """One request's drafted tree, as :func:`select_nodes` sees it: its committed ``context`` length, and
+    for each non-root node (node i + 1 of the tree) its predicted acceptance ``values[i]`` and its
+    ``parents[i]`` (tree numbering, 0: the root; parents come before children)."""
+
+    request_id: str
+    context: int
+    values: np.ndarray  # [nodes - 1] float64
+    parents: np.ndarray  # [nodes - 1] int64
+
+
+def select_nodes(
+    drafted: Sequence[DraftedNodes], costs: StepCosts, fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
+) -> dict[str, list[int]]:
+    """The nodes to verify of each request's drafted tree (root included, parents before children):
+    every drafted node of the batch best first, cut at the count K with the most expected committed
+    tokens per second, ``(fixed_committed + requests + sum of the first K values) / (verify(fixed +
+    roots + K tokens) + spent_seconds + overhead)``. ``fixed`` / ``fixed_committed``: the verify tokens
+    and context work of the batch's other requests and the tokens they are expected to commit;
+    ``spent_seconds``: what the iteration already took (drafting), the same whatever K is."""
+    items: list[tuple[float, int, int]] = []  # (value, request, node)
+    for r, d in enumerate(drafted):
+        # a node is worth at most its parent (its path goes through it): then best first never
+        # lists a node before its parent, whatever the values given
+        value = np.ones(len(d.values) + 1)
+        for i, (v, parent) in enumerate(zip(d.values, d.parents, strict=True)):
+            value[i + 1] = min(float(v), value[int(parent)])
+            items.append((float(value[i + 1]), r, i + 1))
+    items.sort(key=lambda it: (-it[0], it[1], it[2]))
+    gained = np.concatenate(([0.0], np.cumsum([v for v, _, _ in items])))
+    tokens = fixed.tokens + len(drafted) + np.arange(len(items) + 1)
+    work = fixed.context_work + sum(d.context for d in drafted) + np.concatenate(([0.0], np.cumsum([drafted[r].context for _, r, _ in items])))
+    seconds = costs.verify_many(tokens, work) + spent_seconds + costs.overhead
+    best = int(np.argmax((fixed_committed + len(drafted) + gained) / np.maximum(seconds, 1e-12)))
+    keep: dict[str, list[int]] = {d.request_id: [0] for d in drafted}
+    for _, r, node in items[:best]:
+        keep[drafted[r].request_id].append(node)
+    return {rid: sorted(nodes) for rid, nodes in keep.items()}

@@ -1,11 +1,25 @@
 """Start-up calibration of the step cost model: time a model's forward passes by size.
 
 Runs the model on synthetic requests (random tokens, their caches released afterwards): a verify
-call of n tree nodes for n in powers of two up to ``max_tokens`` (several requests of at most
-``nodes_per_request`` nodes each when n is larger, as a batch would be), the same 16-node call
-over a short and a long context (the per-context-token cost of tree attention), and an SSM pass
-over a frontier of n nodes. Each size is timed ``repeats`` times after a warm-up and the median
-kept. The tables seed :class:`~specinfer.core.costs.StepCosts`, which real steps then refine.
+call of n tree nodes for every bucket n of :data:`~specinfer.core.costs.BUCKETS` up to
+``max_tokens``, the same 16-node call over a short and a long context (the per-context-token cost
+of tree attention), and an SSM pass over a frontier of n nodes.
+
+Why it is built this way (measured on a 1B model in fp32 on 2 CPU cores, where one call's time
+varies by up to 30% from call to call):
+- *Rounds, not one size after another.* Every size is timed once per round, ``repeats`` rounds
+  after a warm-up round, and each size keeps its median. A slow spell of the machine then slows
+  every size a little instead of one size a lot, which would bend the table (a 4-node call
+  measured slower than an 8-node one makes the extra nodes look free).
+- *One set of requests, prefilled once.* A call of n nodes spreads them over up to
+  :data:`CALIBRATION_REQUESTS` requests (one node each, like a batch decoding incrementally, then
+  small binary trees), so a round costs only the timed calls. What a call costs depends on its
+  token count, not on how the tokens split between requests: 16 requests x 1 node, 4 x 4 and
+  1 x 16 took the same time within noise.
+- *Every bucket, not only powers of two.* On a CPU the matrix products change regime between 4
+  and 8 rows (4 rows cost little more than 1; 6 rows cost 60% more than 4), and a straight line
+  from 4 to 8 would hide the steep part.
+The tables seed :class:`~specinfer.core.costs.StepCosts`, which real steps then refine.
 """
 
 from __future__ import annotations
@@ -25,50 +39,96 @@ log = logging.getLogger("specinfer.calibrate")
 
 SHORT_CONTEXT = 32
 LONG_CONTEXT = 512
+CALIBRATION_REQUESTS = 8  # requests a calibration call spreads its nodes over (at most)
+CONTEXT_PROBE_TOKENS = 16  # nodes of the calls that measure the per-context-token cost
+REPEATS = 5  # timed rounds after the warm-up
 
 
 def log_progress(msg: str) -> None:
-    """The default progress report: one log line per measured size."""
+    """The default progress report: one log line per step of the calibration."""
     log.info("calibrating", extra={"step": msg})
 
 
-def _items(tokens: int, per_request: int, context: Sequence[int], rng: np.random.Generator, vocab: int, tag: str) -> list[TreeForward]:
-    items, left, k = [], tokens, 0
-    while left > 0:
-        n = min(per_request, left)
-        nodes = rng.integers(0, vocab, size=n).tolist()
-        items.append(TreeForward(f"__calibrate-{tag}-{k}", context, nodes, binary_tree_parents(n)))
-        left -= n
-        k += 1
-    return items
+class _Requests:
+    """Synthetic requests with random contexts of ``context_len`` tokens, prefilled by the first call."""
+
+    def __init__(self, model: CausalLM, count: int, context_len: int, rng: np.random.Generator, tag: str) -> None:
+        self.model = model
+        self.contexts = [rng.integers(0, model.vocab_size, size=max(1, context_len)).tolist() for _ in range(count)]
+        self.ids = [f"__calibrate-{tag}-{k}" for k in range(count)]
+        self.rng = rng
+
+    def call(self, tokens: int) -> list[TreeForward]:
+        """One call's items: ``tokens`` new nodes, one per request while there are requests, else
+        binary trees of near-equal size."""
+        count = min(len(self.ids), tokens)
+        sizes = [tokens // count + (1 if k < tokens % count else 0) for k in range(count)]
+        return [
+            TreeForward(self.ids[k], self.contexts[k], self.rng.integers(0, self.model.vocab_size, size=n).tolist(), binary_tree_parents(n))
+            for k, n in enumerate(sizes)
+        ]
+
+    def release(self) -> None:
+        for rid in self.ids:
+            self.model.release(rid)
 
 
-def time_forward(model: CausalLM, tokens: int, per_request: int, context_len: int, repeats: int, seed: int = 0, tag: str = "v") -> float:
-    """Median seconds of one ``forward_tree`` over ``tokens`` new nodes (after a warm-up call that also fills the caches)."""
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, model.vocab_size, size=max(1, context_len)).tolist()
-    if model.max_requests is not None:  # as many requests as the caches hold, larger trees if need be
-        per_request = max(per_request, -(-tokens // model.max_requests))
-    items = _items(tokens, per_request, context, rng, model.vocab_size, tag)
-    try:
-        model.forward_tree(items)  # warm-up: prefills the contexts
-        times = []
-        for _ in range(repeats):
+def _time_rounds(probes: Sequence[tuple[_Requests, int]], repeats: int, progress: Callable[[str], None] | None, tag: str) -> list[float]:
+    """Median seconds of each probe (a request set and a node count): a warm-up round (which also
+    prefills the contexts), then ``repeats`` rounds that each time every probe once."""
+    times: list[list[float]] = [[] for _ in probes]
+    for r in range(repeats + 1):
+        for k, (reqs, n) in enumerate(probes):
+            items = reqs.call(n)
             started = time.perf_counter()
-            model.forward_tree(items)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
+            reqs.model.forward_tree(items)
+            if r > 0:
+                times[k].append(time.perf_counter() - started)
+        if progress is not None and r > 0:
+            progress(f"{tag}: round {r}/{repeats}")
+    return [statistics.median(ts) for ts in times]
+
+
+def _request_count(model: CausalLM, largest: int, requests: int) -> int:
+    return max(1, min(requests, largest, model.max_requests or requests))
+
+
+def time_sizes(
+    model: CausalLM,
+    sizes: Sequence[int],
+    repeats: int = REPEATS,
+    context_len: int = SHORT_CONTEXT,
+    requests: int = CALIBRATION_REQUESTS,
+    seed: int = 0,
+    tag: str = "v",
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, float]:
+    """Median seconds of one ``forward_tree`` over n new nodes, for each n of ``sizes``, in interleaved rounds."""
+    reqs = _Requests(model, _request_count(model, max(sizes), requests), context_len, np.random.default_rng(seed), tag)
+    try:
+        return dict(zip(sizes, _time_rounds([(reqs, n) for n in sizes], repeats, progress, tag), strict=True))
     finally:
-        for it in items:
-            model.release(it.request_id)
+        reqs.release()
 
 
-def calibrate_table(model: CausalLM, max_tokens: int, per_request: int, repeats: int, progress: Callable[[str], None], what: str) -> CostTable:
-    sizes = [b for b in BUCKETS if b <= max_tokens]
-    seconds = {}
-    for n in sizes:
-        seconds[n] = time_forward(model, n, per_request, SHORT_CONTEXT, repeats, tag=what)
-        progress(f"{what}: {n} tokens {seconds[n] * 1e3:.1f} ms")
+def per_context_seconds(model: CausalLM, tokens: int, long_context: int, repeats: int = REPEATS, requests: int = CALIBRATION_REQUESTS) -> float:
+    """Seconds per (tree node x context token): the same ``tokens``-node call over contexts of
+    :data:`SHORT_CONTEXT` and ``long_context`` tokens, timed in alternation."""
+    count = _request_count(model, tokens, requests) // 2 or 1  # two sets must fit the KV pool together
+    rng = np.random.default_rng(1)
+    short, long = _Requests(model, count, SHORT_CONTEXT, rng, "ctx-short"), _Requests(model, count, long_context, rng, "ctx-long")
+    try:
+        t_short, t_long = _time_rounds([(short, tokens), (long, tokens)], repeats, None, "ctx")
+    finally:
+        short.release()
+        long.release()
+    return max(0.0, (t_long - t_short) / (tokens * (long_context - SHORT_CONTEXT)))
+
+
+def calibrate_table(model: CausalLM, max_tokens: int, repeats: int, progress: Callable[[str], None], what: str) -> CostTable:
+    """Seconds of ``model``'s calls by tokens, at every bucket up to ``max_tokens``."""
+    seconds = time_sizes(model, [b for b in BUCKETS if b <= max(1, max_tokens)], repeats, tag=what, progress=progress)
+    progress(f"{what}: " + ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in seconds.items()))
     return CostTable(seconds)
 
 
@@ -77,21 +137,16 @@ def calibrate_costs(
     ssms: Sequence[CausalLM],
     max_verify_tokens: int = 64,
     max_frontier_tokens: int = 32,
-    nodes_per_request: int = 32,
-    repeats: int = 3,
+    repeats: int = REPEATS,
     progress: Callable[[str], None] | None = None,
 ) -> StepCosts:
     """The cost model of ``llm`` verifying and each SSM drafting (by its index in ``ssms``)."""
     say = progress or log_progress
-    per_request = max(1, nodes_per_request)
-    verify = calibrate_table(llm, max_verify_tokens, per_request, repeats, say, "verify")
+    verify = calibrate_table(llm, max_verify_tokens, repeats, say, "verify")
     per_context = 0.0
     long_ctx = min(LONG_CONTEXT, llm.max_positions - max_verify_tokens - 1)
     if long_ctx > 2 * SHORT_CONTEXT:
-        n = min(16, max_verify_tokens)
-        short = time_forward(llm, n, per_request, SHORT_CONTEXT, repeats, seed=1, tag="ctx")
-        long = time_forward(llm, n, per_request, long_ctx, repeats, seed=1, tag="ctx")
-        per_context = max(0.0, (long - short) / (n * (long_ctx - SHORT_CONTEXT)))
+        per_context = per_context_seconds(llm, min(CONTEXT_PROBE_TOKENS, max_verify_tokens), long_ctx, repeats)
         say(f"verify: {per_context * 1e9:.2f} ns per tree node and context token")
-    drafts = {i: calibrate_table(ssm, max_frontier_tokens, max_frontier_tokens, repeats, say, f"ssm{i}") for i, ssm in enumerate(ssms)}
+    drafts = {i: calibrate_table(ssm, max_frontier_tokens, repeats, say, f"ssm{i}") for i, ssm in enumerate(ssms)}
     return StepCosts(verify, per_context, drafts)

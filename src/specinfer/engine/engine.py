@@ -3,7 +3,8 @@
 Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
 
 1. *speculate*: every SSM a request names grows its draft tree depth by depth (all requests
-   drafting with that SSM in one batched forward per depth); trees of several SSMs are merged;
+   drafting with that SSM in one batched forward per depth); adaptive greedy requests' trees are
+   cut to the nodes worth verifying; trees of several SSMs are merged;
 2. *verify*: one batched LLM forward over every node of every tree, then greedy verification
    or multi-step speculative sampling per request;
 3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
@@ -27,7 +28,7 @@ from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.costs import StepCosts
 from specinfer.core.errors import check_token_ids
-from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, static_shape, verify_shape, verify_specs
+from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, select_drafts, static_shape, verify_shape, verify_specs
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs
@@ -162,6 +163,8 @@ class SpeculativeEngine:
         contexts = adaptive_contexts(states) if self.ssms else []
         choices = self.adaptive.plan(contexts, static_shape(states)) if contexts else {}
         drafted = self._speculate(states, choices)
+        if choices:
+            drafted = select_drafts(states, drafted, self.adaptive, self._draft_seconds)
         jobs = verify_specs(states, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
         verify_started = time.perf_counter()
         verdicts = verify_trees(self.llm, jobs)

@@ -163,6 +163,15 @@ class SchedulerMetrics:
         self.position_accepted_tokens = Counter(
             "specinfer_accepted_tokens_by_position", "Accepted draft tokens by tree depth (1: the root's child)", ["position"], registry=registry
         )
+        self.cut_draft_nodes = Counter(
+            "specinfer_cut_draft_nodes", "Drafted nodes cut before verification because they would not pay for their verify cost", registry=registry
+        )
+        self.realisation = Gauge(
+            "specinfer_speculation_realisation",
+            "Moving average of accepted over planned tokens, per SSM (scales the planner's node values)",
+            ["ssm"],
+            registry=registry,
+        )
         self.cost_verify_seconds = Gauge(
             "specinfer_cost_model_verify_seconds", "The cost model's verify call seconds by tree tokens in the call", ["tokens"], registry=registry
         )

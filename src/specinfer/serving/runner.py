@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from specinfer.core.costs import CostTable, StepCosts
-from specinfer.engine.calibrate import calibrate_costs, calibrate_table, log_progress
+from specinfer.engine.calibrate import REPEATS, calibrate_costs, calibrate_table, log_progress
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
 
@@ -34,7 +34,7 @@ def calibrate_verifier(llm: CausalLM, max_tokens: int) -> StepCosts | None:
     if max_tokens <= 0:
         return None
     try:
-        return calibrate_costs(llm, (), max_verify_tokens=max_tokens, nodes_per_request=min(32, max_tokens), progress=log_progress)
+        return calibrate_costs(llm, (), max_verify_tokens=max_tokens, progress=log_progress)
     except Exception:  # a service that cannot time its model still serves: the request manager measures instead
         log.exception("calibration failed; reporting no cost table")
         return None
@@ -46,7 +46,7 @@ def calibrate_drafters(ssms: Mapping[str, CausalLM], max_tokens: int) -> dict[st
     if max_tokens <= 0:
         return {}
     try:
-        return {name: calibrate_table(m, max_tokens, max_tokens, 3, log_progress, f"ssm {name}") for name, m in ssms.items()}
+        return {name: calibrate_table(m, max_tokens, REPEATS, log_progress, f"ssm {name}") for name, m in ssms.items()}
     except Exception:
         log.exception("calibration failed; reporting no cost table")
         return {}
