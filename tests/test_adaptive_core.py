@@ -25,7 +25,7 @@ from specinfer.core.acceptance import (
     slot_prior_from_agreement,
     step_outcomes,
 )
-from specinfer.core.adaptive import REALISATION_RANGE, AdaptiveSpeculation, Context
+from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
@@ -572,29 +572,33 @@ def test_adaptive_budgets_never_draft_past_the_token_budget(prior):
     assert choices["r9"].budget.depth >= 2
 
 
-def test_realisation_stops_drafting_that_never_pays_and_retries_later():
-    """Steps that accept nothing of what their plans promised (every drafted node cut, say) pull the
-    SSM's realisation down until the planner stops drafting; iterations without drafting bring it
-    back toward 1, so the SSM is tried again; steps that deliver keep it near 1."""
-    costs = StepCosts(CostTable({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}), 0.0, {0: CostTable({1: 0.01})}, frozen=True)
+def test_kept_share_stops_drafting_that_is_always_cut_and_retries_later():
+    """Cuts that drop every drafted node pull the SSM's kept share down until the planner stops
+    drafting; iterations without drafting bring it back toward 1, so the SSM is tried again; cuts
+    that keep what was drafted leave it at 1."""
+    # the plan sees extra tokens as cheap (small trees pay), while the batch's real nodes are cut
+    costs = StepCosts(CostTable({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.35}), 0.0, {0: CostTable({1: 0.01})}, frozen=True)
     adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
     batch = [Context("a", 10, 1000, (0,))]
-    root_only = DraftTree(TokenTree.root_only(5))
+    unsure = DraftTree(TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.01, 0.001))
     drafting = []
     for _ in range(200):
         choices = adaptive.plan(batch)
         drafting.append(bool(choices))
         if choices:
-            adaptive.observe_step("a", {0: root_only}, [])
+            cut = adaptive.select([Drafted("a", 10, 0, unsure)])["a"]
+            assert len(cut.tree) == 1  # nodes of acceptance 0.01 never pay for a verify token
+            adaptive.observe_step("a", {0: cut}, [])
     assert drafting[0] and not all(drafting[:60]), "stopped drafting"
     assert any(drafting[60:]), "and tried again later"
-    assert REALISATION_RANGE[0] <= adaptive.realisation[0] < 1.0
+    assert KEPT_SHARE_FLOOR <= adaptive.kept_share[0] < 1.0
 
     adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
+    sure = DraftTree(TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.95, 0.9))
     for _ in range(50):
-        choice = adaptive.plan(batch)["a"]
-        adaptive.observe_step("a", {0: root_only}, [7] * round(choice.predicted_accepted / adaptive.realisation[0]))
-    assert adaptive.realisation[0] > 0.8
+        adaptive.plan(batch)
+        assert len(adaptive.select([Drafted("a", 10, 0, sure)])["a"].tree) == 3
+    assert adaptive.kept_share[0] == 1.0
 
 
 # -- cutting drafted trees before verification --------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specinfer.core import ExpansionConfig
-from specinfer.core.costs import CostTable, StepCosts
+from specinfer.core.costs import CostTable, StepCosts, VerifyShape
 from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import load_backend
@@ -222,3 +222,17 @@ def test_calibration_times_every_bucket_in_rounds_and_releases_its_requests(back
     assert any("verify: 1 tokens" in m for m in messages)
     for model in (llm, *ssms):
         assert not model.cached_requests()
+
+
+def test_calibration_fits_a_kv_pool_of_one_request(tmp_path, models):
+    """A model whose KV pool holds one request (a batch-1 deployment) still calibrates, the
+    per-context cost included (its short- and long-context calls then take turns)."""
+    from specinfer.engine.calibrate import calibrate_costs
+
+    models[0].save_pretrained(tmp_path / "llm")
+    slots = load_backend(tmp_path / "llm", "llm", "float32", backend="native", kv_cache_bytes=1 << 24).max_requests
+    llm = load_backend(tmp_path / "llm", "llm", "float32", backend="native", kv_cache_bytes=(1 << 24) // slots)  # room for one slot
+    assert llm.max_requests == 1
+    costs = calibrate_costs(llm, (), max_verify_tokens=8, repeats=1, progress=lambda msg: None)
+    assert costs.verify_seconds(VerifyShape(8, 0)) > 0 and costs.per_context >= 0
+    assert not llm.cached_requests()

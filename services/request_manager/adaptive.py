@@ -176,8 +176,8 @@ class AdaptivePlanner:
             if hits > 0:
                 m.position_accepted_tokens.labels(str(depth)).inc(float(hits))
         self._published = (totals.predicted_accepted, totals.accepted, totals.cut, totals.position_accepted.copy())
-        for ssm, r in self.adaptive.realisation.items():
-            m.realisation.labels(self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)).set(r)
+        for ssm, share in self.adaptive.kept_share.items():
+            m.kept_share.labels(self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)).set(share)
         described = self.adaptive.costs.describe()
         for tokens, seconds in described["verify_seconds"].items():
             m.cost_verify_seconds.labels(str(tokens)).set(seconds)

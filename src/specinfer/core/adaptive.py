@@ -67,22 +67,24 @@ class Context:
     ssms: tuple[int, ...]  # the SSMs it allows
 
 
-REALISATION_RATE = 0.1  # weight of one speculative step in an SSM's realisation average
-REALISATION_RECOVERY = 0.02  # per iteration an SSM drafts nothing, its realisation moves this much back toward 1
-REALISATION_RANGE = (0.02, 2.0)
+KEPT_SHARE_RATE = 0.1  # weight of one cut in an SSM's kept-share average
+KEPT_SHARE_RECOVERY = 0.02  # per iteration an SSM drafts nothing, its kept share moves this much back toward 1
+KEPT_SHARE_FLOOR = 0.02
 
 
 class AdaptiveSpeculation:
     """See the module docstring. ``slot_priors[s]``: SSM s's prior slot acceptance (e.g. from its tuning).
 
-    *Realisation* (``realisation[s]``): a moving average, per SSM, of the tokens a step accepted over
-    the tokens its plan expected. The slot model predicts from positions alone; the tree the SSM then
-    drafts may be smaller (its own scores fall below ``min_score``) and is cut again before
-    verification (:meth:`select`), so a plan can promise nodes that never get verified. The planner's
-    node values are scaled by the realisation, which brings its promises back to what steps deliver:
-    where every drafted node gets cut, it falls and the planner stops drafting at all. An SSM that
-    drafts nothing recovers toward 1 by :data:`REALISATION_RECOVERY` per iteration, so it is tried
-    again now and then (the load or the text may have changed).
+    *Kept share* (``kept_share[s]``): a moving average, per SSM, of the share of its drafted trees'
+    predicted value that :meth:`select` kept for verification. The plan works from average
+    acceptances and a cost model; the cut works from the nodes really drafted. Where the cut keeps
+    dropping what the plan asked for (on a CPU at batch 4, say, where extra verify tokens cost more
+    than unsure nodes return), the planner's node values are scaled by the kept share, which falls
+    until the planner stops drafting at all, so the batch stops paying for SSM passes and plans
+    whose nodes are all cut. An SSM that drafts nothing recovers toward 1 by
+    :data:`KEPT_SHARE_RECOVERY` per iteration, so it is tried again now and then (the load or the
+    text may have changed). Where the cut keeps what was drafted (batch 1), the share stays near 1
+    and the plans are unchanged.
     """
 
     def __init__(self, costs: StepCosts, config: PlannerConfig, slot_priors: Mapping[int, Sequence[float]]) -> None:
@@ -92,8 +94,7 @@ class AdaptiveSpeculation:
         self.calibration = {s: Calibration() for s in slot_priors}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
-        self.realisation = {s: 1.0 for s in slot_priors}
-        self._planned: dict[str, tuple[int, float]] = {}  # request -> (its SSM, planned accepted tokens before the realisation)
+        self.kept_share = {s: 1.0 for s in slot_priors}
         self.previous: BatchPlan | None = None
         self.totals = Totals()
 
@@ -113,7 +114,7 @@ class AdaptiveSpeculation:
             for s in c.ssms:
                 if s in self.ssm_slots:
                     v = node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth)
-                    options[s] = NodeValues(v.values * self.realisation[s], v.depths, v.parents)
+                    options[s] = NodeValues(v.values * self.kept_share[s], v.depths, v.parents)
             inputs.append(PlanInput(c.request_id, c.context, c.remaining, options))
         previous = self.previous.extra_nodes if self.previous is not None else None
         plan = plan_batch(inputs, self.costs, cfg, fixed, previous)
@@ -123,16 +124,14 @@ class AdaptiveSpeculation:
         for rid, rp in plan.requests.items():
             if rp.ssm is None:
                 self._predicted.pop(rid, None)
-                self._planned.pop(rid, None)
                 continue
             self.totals.speculative_steps += 1
             self._predicted[rid] = rp.predicted_accepted
-            self._planned[rid] = (rp.ssm, rp.predicted_accepted / self.realisation[rp.ssm])
             choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid]), rp.predicted_accepted)
         drafting = {c.ssm for c in choices.values()}
-        for s, r in self.realisation.items():
+        for s, share in self.kept_share.items():
             if s not in drafting:
-                self.realisation[s] = r + REALISATION_RECOVERY * (1.0 - r)
+                self.kept_share[s] = share + KEPT_SHARE_RECOVERY * (1.0 - share)
         return choices
 
     def _budget(self, rp: RequestPlan, min_value: float, remaining: int) -> TreeBudget:
@@ -155,12 +154,21 @@ class AdaptiveSpeculation:
             nodes.append(DraftedNodes(d.request_id, d.context, values, np.asarray(d.draft.tree.parents[1:], dtype=np.int64)))
         keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
         out = {}
+        drafted_value: dict[int, float] = {}
+        kept_value: dict[int, float] = {}
         for d, n in zip(drafted, nodes, strict=True):
             kept = keep[d.request_id]
             out[d.request_id] = d.draft if len(kept) == len(d.draft.tree) else d.draft.subtree(kept)
             self.totals.cut += len(d.draft.tree) - len(kept)
+            value = float(sum(n.values[k - 1] for k in kept[1:]))
+            drafted_value[d.ssm] = drafted_value.get(d.ssm, 0.0) + float(n.values.sum())
+            kept_value[d.ssm] = kept_value.get(d.ssm, 0.0) + value
             if d.request_id in self._predicted:  # the prediction is now that of the nodes kept
-                self._predicted[d.request_id] = float(sum(n.values[k - 1] for k in kept[1:]))
+                self._predicted[d.request_id] = value
+        for ssm, total in drafted_value.items():
+            if ssm in self.kept_share and total > 0.0:
+                share = self.kept_share[ssm] + KEPT_SHARE_RATE * (kept_value[ssm] / total - self.kept_share[ssm])
+                self.kept_share[ssm] = max(KEPT_SHARE_FLOOR, share)
         return out
 
     def observe_step(self, request_id: str, drafts: Mapping[int, DraftTree], accepted_tokens: Sequence[int]) -> None:
@@ -169,11 +177,6 @@ class AdaptiveSpeculation:
         if predicted is not None:
             self.totals.predicted_accepted += predicted
             self.totals.accepted += len(accepted_tokens)
-        planned = self._planned.pop(request_id, None)
-        if planned is not None and planned[1] > 0.0:
-            ssm, expected = planned
-            r = self.realisation[ssm] + REALISATION_RATE * (len(accepted_tokens) / expected - self.realisation[ssm])
-            self.realisation[ssm] = float(np.clip(r, *REALISATION_RANGE))
         for ssm, draft in drafts.items():
             outcome = step_outcomes(draft, accepted_tokens)
             self.totals.drafted += len(draft.tree) - 1
@@ -197,6 +200,5 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self._predicted.pop(request_id, None)
-        self._planned.pop(request_id, None)
         for key in [k for k in self._requests if k[0] == request_id]:
             del self._requests[key]

@@ -113,15 +113,20 @@ def time_sizes(
 
 def per_context_seconds(model: CausalLM, tokens: int, long_context: int, repeats: int = REPEATS, requests: int = CALIBRATION_REQUESTS) -> float:
     """Seconds per (tree node x context token): the same ``tokens``-node call over contexts of
-    :data:`SHORT_CONTEXT` and ``long_context`` tokens, timed in alternation."""
-    count = _request_count(model, tokens, requests) // 2 or 1  # two sets must fit the KV pool together
-    rng = np.random.default_rng(1)
-    short, long = _Requests(model, count, SHORT_CONTEXT, rng, "ctx-short"), _Requests(model, count, long_context, rng, "ctx-long")
-    try:
-        t_short, t_long = _time_rounds([(short, tokens), (long, tokens)], repeats, None, "ctx")
-    finally:
-        short.release()
-        long.release()
+    :data:`SHORT_CONTEXT` and ``long_context`` tokens, timed in alternation (one after the other
+    when the model's KV pool cannot hold both sets of requests at once)."""
+    if model.max_requests is not None and model.max_requests < 2:
+        t_short = time_sizes(model, [tokens], repeats, SHORT_CONTEXT, requests=1, seed=1, tag="ctx-short")[tokens]
+        t_long = time_sizes(model, [tokens], repeats, long_context, requests=1, seed=1, tag="ctx-long")[tokens]
+    else:
+        count = max(1, _request_count(model, tokens, requests) // 2)  # both sets must fit the KV pool together
+        rng = np.random.default_rng(1)
+        short, long = _Requests(model, count, SHORT_CONTEXT, rng, "ctx-short"), _Requests(model, count, long_context, rng, "ctx-long")
+        try:
+            t_short, t_long = _time_rounds([(short, tokens), (long, tokens)], repeats, None, "ctx")
+        finally:
+            short.release()
+            long.release()
     return max(0.0, (t_long - t_short) / (tokens * (long_context - SHORT_CONTEXT)))
 
 

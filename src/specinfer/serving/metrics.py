@@ -166,9 +166,9 @@ class SchedulerMetrics:
         self.cut_draft_nodes = Counter(
             "specinfer_cut_draft_nodes", "Drafted nodes cut before verification because they would not pay for their verify cost", registry=registry
         )
-        self.realisation = Gauge(
-            "specinfer_speculation_realisation",
-            "Moving average of accepted over planned tokens, per SSM (scales the planner's node values)",
+        self.kept_share = Gauge(
+            "specinfer_draft_kept_share",
+            "Moving average of the share of drafted value kept for verification, per SSM (scales the planner's node values)",
             ["ssm"],
             registry=registry,
         )
