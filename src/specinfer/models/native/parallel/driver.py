@@ -101,6 +101,9 @@ class DriverRunner:
         """Tell the other ranks to exit (nothing to tell when the group already broke)."""
         if self.failure is None:
             broadcast(Operation("shutdown"), self.groups.control)
+            # every rank leaves together: a rank that tears its gloo pairs down while a peer still
+            # reads from them may abort in gloo's threads ("terminate called without an active exception")
+            dist.barrier(group=self.groups.control)
 
 
 @torch.inference_mode()
@@ -113,6 +116,7 @@ def serve_rank(model: StageModel, pool: KVPool, device: torch.device) -> None:
     while True:
         op = broadcast(None, groups.control)
         if op.kind == "shutdown":
+            dist.barrier(group=groups.control)  # see DriverRunner.shutdown
             return
         for src, dst in op.moves:
             pool.move(torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device))
