@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 
+import grpc
 from grpc_health.v1 import health_pb2
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
@@ -16,7 +19,7 @@ from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.lifecycle import Requests
-from specinfer.request_manager.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.redis_server import EmbeddedRedis, RedisStartError, StateDirInUse, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import SpecInferServicer
@@ -24,7 +27,7 @@ from specinfer.request_manager.store import RequestStore
 from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
 from specinfer.serving.server import Service, run_service, setup_logging, write_port_file
-from specinfer.v1 import api_pb2, api_pb2_grpc
+from specinfer.v1 import api_pb2, api_pb2_grpc, internal_pb2
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -32,46 +35,39 @@ log = logging.getLogger("specinfer.request_manager")
 SPECULATION_HEALTH = "specinfer.request_manager.Speculation"
 
 
-async def serve(cfg: RequestManagerConfig) -> None:
-    embedded = None
-    if cfg.redis_url:
-        redis_url = cfg.redis_url
-    elif cfg.redis_username:
-        raise SystemExit("--redis-username needs --redis-url: the embedded Redis has only its default user")
-    else:
-        embedded = EmbeddedRedis(cfg.state_dir, appendonly=True, password=cfg.redis_password or None).start()
-        redis_url = embedded.url
-    client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None)
-    store = RequestStore(client, finished_ttl_s=cfg.result_ttl_seconds)
-    await store.ping()
-    verifier = Verifier(cfg.verifier, cfg.rpc_timeout_seconds, cfg.internal)
-    info = await verifier.info()
-    workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds, cfg.internal, cfg.ssm_failure_seconds) if cfg.ssm_workers else None
-    ssm_names: tuple[str, ...] = ()
-    if workers is not None:
-        await workers.discover()
-        if workers.vocab_size != info.vocab_size:
-            raise SystemExit(f"SSM vocabulary {workers.vocab_size} differs from the LLM's {info.vocab_size}")
-        ssm_names = tuple(sorted(workers.models))
-    unknown = [n for n in cfg.default_ssms if n not in ssm_names]
-    if unknown:
-        raise SystemExit(f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})")
-    eos = eos_token_id(cfg.model_dir) if cfg.model_dir else None
-    # a running request holds a KV slot in the verifier until it finishes: never run more than it has
-    max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests else cfg.max_batch
-    if max_batch < cfg.max_batch:
-        log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
-    api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
-    metrics = ServiceMetrics(api_name)
-    scheduler_metrics = SchedulerMetrics(metrics.registry)
-    planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
-    scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics, planner)
+class StartUpError(Exception):
+    """The request manager cannot serve with this configuration (the message says why)."""
+
+
+VERIFIER_RETRY_MAX_SECONDS = 10.0  # longest wait between start-up tries to reach the verifier
+
+
+async def wait_for_verifier(verifier: Verifier) -> internal_pb2.LlmInfo:
+    """The verifier's GetInfo, tried until it answers (a verifier that is down, or still loading and
+    calibrating its model, does not stop the request manager from starting), with backoff."""
+    wait = 0.5
+    while True:
+        try:
+            return await verifier.info()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise StartUpError(f"the LLM verifier at {verifier.address} refused our credentials: {exc.details()}") from None
+            log.warning("LLM verifier not reachable yet; retrying", extra={"address": verifier.address, "code": str(exc.code()), "retry_seconds": wait})
+        await asyncio.sleep(wait)
+        wait = min(2 * wait, VERIFIER_RETRY_MAX_SECONDS)
+
+
+def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names: tuple[str, ...], eos: int | None) -> ApiLimits:
+    """What the API accepts while the workers serve ``ssm_names`` (``--default-ssms`` not among them
+    are left out until a worker serving them joins). Raises ValueError when the default static tree
+    would exceed ``--max-tree-nodes``."""
+    default_ssms = tuple(n for n in cfg.default_ssms if n in ssm_names) or ssm_names
     limits = ApiLimits(
         vocab_size=info.vocab_size,
         max_positions=info.max_positions,
         max_new_tokens=cfg.max_new_tokens,
         default_expansion=cfg.expansion if ssm_names else (),
-        default_ssms=cfg.default_ssms or ssm_names,
+        default_ssms=default_ssms,
         ssm_names=ssm_names,
         draft_support=cfg.draft_support,
         max_prompt_tokens=cfg.max_prompt_tokens,
@@ -83,46 +79,145 @@ async def serve(cfg: RequestManagerConfig) -> None:
     if limits.default_expansion:
         nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))
         if nodes > cfg.max_tree_nodes:
-            raise SystemExit(
-                f"the default tree (--expansion with {len(limits.default_ssms)} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}"
-            )
-    requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
-    await requests.recover()
-    servicer = SpecInferServicer(requests)
-    loop_task = asyncio.get_running_loop().create_task(scheduler.run())
+            ssms = len(limits.default_ssms)
+            raise ValueError(f"the default tree (--expansion with {ssms} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}")
+    return limits
 
-    async def on_stop() -> None:
-        scheduler.stop()
-        await loop_task
-        if workers is not None:
-            await workers.close()
-        await verifier.close()
-        await client.aclose()
-        if embedded is not None:
-            embedded.close()
 
-    service = Service(
-        cfg.server,
-        [api_name],
-        lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
-        credentials=cfg.security.tls.credentials(),
-        interceptors=[*cfg.security.interceptors(), BadMessageInterceptor()],
-        metrics=metrics,
-    )
-    if workers is not None:
+class SsmSet:
+    """The SSMs the request manager speculates with: those its workers serve, in a fixed order that
+    only grows (SSM i keeps index i: running requests and the planner refer to SSMs by index). When
+    a worker serving a new SSM joins (it was down at start-up, or scaled out), :meth:`grow` adds it to
+    the planner, the scheduler and the API limits, in that order, so no request can name an SSM the
+    others do not know yet."""
+
+    def __init__(
+        self,
+        cfg: RequestManagerConfig,
+        info: internal_pb2.LlmInfo,
+        verifier: Verifier,
+        workers: SsmWorkers,
+        scheduler: Scheduler,
+        requests: Requests,
+        metrics: SchedulerMetrics,
+    ) -> None:
+        self.cfg, self.info, self.verifier, self.workers = cfg, info, verifier, workers
+        self.scheduler, self.requests, self.metrics = scheduler, requests, metrics
+        self._lock = asyncio.Lock()
+
+    async def grow(self) -> None:
+        async with self._lock:  # joins close together grow once each, in turn
+            names = self.scheduler.config.ssm_names
+            new = tuple(sorted(set(self.workers.models) - set(names)))
+            if not new:
+                return
+            names += new
+            try:
+                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id)
+            except ValueError as exc:
+                log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
+                return
+            planner = await start_planner(self.info, self.verifier, self.workers, names, self.cfg.max_tree_nodes, self.metrics)
+            self.scheduler.planner = planner
+            self.scheduler.config = dataclasses.replace(self.scheduler.config, ssm_names=names)
+            self.requests.limits = limits
+            log.info("speculating with more SSMs", extra={"added": new, "ssms": names})
+
+
+async def serve(cfg: RequestManagerConfig) -> int:
+    """Run the request manager until SIGTERM/SIGINT. The port opens at once (health NOT_SERVING,
+    calls UNAVAILABLE) and serves once the verifier answers; SSM workers that are down join when
+    they come up. Whatever this starts (the embedded Redis, channels, the scheduler) is stopped on
+    every way out, a failed start-up included."""
+    if cfg.redis_username and not cfg.redis_url:
+        raise SystemExit("--redis-username needs --redis-url: the embedded Redis has only its default user")
+    async with contextlib.AsyncExitStack() as resources:
+        if cfg.redis_url:
+            redis_url = cfg.redis_url
+        else:
+            embedded = EmbeddedRedis(cfg.state_dir, appendonly=True, password=cfg.redis_password or None, die_with_parent=True)
+            resources.enter_context(embedded.owned())
+            redis_url = embedded.url
+        client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None)
+        resources.push_async_callback(client.aclose)
+        store = RequestStore(client, finished_ttl_s=cfg.result_ttl_seconds)
+        await store.ping()
+        verifier = Verifier(cfg.verifier, cfg.rpc_timeout_seconds, cfg.internal)
+        resources.push_async_callback(verifier.close)
+        api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
+        metrics = ServiceMetrics(api_name)
+        scheduler_metrics = SchedulerMetrics(metrics.registry)
+        servicer = SpecInferServicer()
+        service = Service(
+            cfg.server,
+            [api_name],
+            lambda server: api_pb2_grpc.add_SpecInferServicer_to_server(servicer, server),
+            credentials=cfg.security.tls.credentials(),
+            interceptors=[*cfg.security.interceptors(), BadMessageInterceptor()],
+            metrics=metrics,
+        )
+        running: list[tuple[Scheduler, asyncio.Task]] = []
         reports: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
 
-        def on_change() -> None:
-            task = asyncio.get_running_loop().create_task(report_speculation(service, workers, scheduler_metrics))
-            reports.add(task)
-            task.add_done_callback(reports.discard)
+        async def start_up() -> None:
+            info = await wait_for_verifier(verifier)
+            workers = None
+            if cfg.ssm_workers:
+                workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds, cfg.internal, cfg.ssm_failure_seconds, vocab_size=info.vocab_size)
+                resources.push_async_callback(workers.close)
+                try:
+                    await workers.discover()
+                except ValueError as exc:
+                    raise StartUpError(str(exc)) from None
+            ssm_names = tuple(sorted(workers.models)) if workers is not None else ()
+            unknown = [n for n in cfg.default_ssms if n not in ssm_names]
+            if unknown and (workers is None or not workers.pending):
+                raise StartUpError(f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})")
+            eos = eos_token_id(cfg.model_dir) if cfg.model_dir else None
+            # a running request holds a KV slot in the verifier until it finishes: never run more than it has
+            max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests else cfg.max_batch
+            if max_batch < cfg.max_batch:
+                log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
+            try:
+                limits = api_limits(cfg, info, ssm_names, eos)
+            except ValueError as exc:
+                raise StartUpError(str(exc)) from None
+            planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
+            scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics, planner)
+            requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
+            await requests.recover()
+            running.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
+            servicer.open(requests)
+            if workers is not None:
+                ssms = SsmSet(cfg, info, verifier, workers, scheduler, requests, scheduler_metrics)
 
-        workers.on_change = on_change
-        await report_speculation(service, workers, scheduler_metrics)
-    ready = (lambda port: write_port_file(cfg.port_file, port)) if cfg.port_file else None
-    await run_service(service, on_stop, ready)
-    if workers is not None:
-        workers.on_change = None
+                async def changed() -> None:
+                    await ssms.grow()
+                    await report_speculation(service, workers, scheduler_metrics)
+
+                def on_change() -> None:
+                    task = asyncio.get_running_loop().create_task(changed())
+                    reports.add(task)
+                    task.add_done_callback(reports.discard)
+
+                workers.on_change = on_change
+                await changed()  # workers may have joined while the planner calibrated
+
+        async def on_stop() -> None:
+            for scheduler, loop_task in running:
+                scheduler.stop()
+                await loop_task
+
+        ready = (lambda port: write_port_file(cfg.port_file, port)) if cfg.port_file else None
+        try:
+            return await run_service(service, on_stop, ready, start_up=start_up)
+        finally:
+            for task in list(reports):
+                task.cancel()
+            for scheduler, loop_task in running:
+                if not loop_task.done():  # a way out that skipped on_stop
+                    scheduler.stop()
+                    loop_task.cancel()
 
 
 async def report_speculation(service: Service, workers: SsmWorkers, metrics: SchedulerMetrics) -> None:
@@ -143,8 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specinfer-request-manager: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    asyncio.run(serve(cfg))
-    return 0
+    try:
+        return asyncio.run(serve(cfg))
+    except (StartUpError, StateDirInUse, RedisStartError) as exc:
+        log.error("cannot start", extra={"error": str(exc)})
+        print(f"specinfer-request-manager: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

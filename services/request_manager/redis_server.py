@@ -6,6 +6,12 @@ socket (the default where the socket path fits) or a free 127.0.0.1 port, and an
 :meth:`EmbeddedRedis.start` returns. The password, when set, goes into a config file readable only by
 the owner, never onto the command line (where ``ps`` would show it).
 
+A service that owns its Redis uses :meth:`EmbeddedRedis.owned`: one owner per state dir (a lock
+held for the owner's life), a ``redis-server`` left running on the state dir by a killed
+predecessor is stopped before a new one starts (two servers never share one AOF), and the server
+is stopped on every way out; with ``die_with_parent`` it also gets SIGTERM (and flushes its AOF)
+when the owner dies without cleaning up (kill -9).
+
 :func:`connect` opens a ``redis.asyncio`` client with ``decode_responses=False``: the request store keeps
 packed token IDs in Redis strings, so every reply is bytes and callers decode text fields themselves.
 """
@@ -13,13 +19,18 @@ packed token IDs in Redis strings, so every reply is bytes and callers decode te
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import importlib.util
+import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -33,9 +44,22 @@ MAX_UNIX_SOCKET_PATH = 100
 Transport = Literal["auto", "unix", "tcp"]
 AppendFsync = Literal["always", "everysec", "no"]
 
+log = logging.getLogger("specinfer.redis")
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent thread exits
+
 
 class RedisBinaryNotFoundError(FileNotFoundError):
     """No ``redis-server`` executable was found."""
+
+
+class StateDirInUse(RuntimeError):
+    """Another live process owns the state dir (and its Redis)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, however it dies (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 class RedisStartError(RuntimeError):
@@ -105,12 +129,17 @@ class EmbeddedRedis:
         executable: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 10.0,
         extra_config: Sequence[str] = (),
+        die_with_parent: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.socket_path = self.state_dir / "redis.sock"
         self.data_dir = self.state_dir / "data"
         self.log_path = self.state_dir / "redis.log"
         self.config_path = self.state_dir / "redis.conf"
+        self.pid_path = self.state_dir / "redis.pid"  # the running server's pid, for a successor to find
+        self.lock_path = self.state_dir / "owner.lock"
+        # only where the starting thread lives as long as the owner: PDEATHSIG fires when the thread that forked exits
+        self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.executable = find_redis_server(executable)
         self.appendonly = appendonly
         self.appendfsync: AppendFsync = appendfsync
@@ -156,13 +185,75 @@ class EmbeddedRedis:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,  # the request manager starts it from its main thread
             )
+        self.pid_path.write_text(f"{self._process.pid}\n")
         try:
             self._wait_until_ready()
         except BaseException:
             self._stop_process(graceful=False)
             raise
         return self
+
+    @contextlib.contextmanager
+    def owned(self) -> Iterator[EmbeddedRedis]:
+        """Start as the only owner of ``state_dir`` and stop on the way out, however it goes.
+
+        The owner lock (``owner.lock``, an flock the kernel drops when its holder dies) makes a
+        second live owner fail with :class:`StateDirInUse` instead of sharing the data; a server a
+        dead owner left behind (its pid in ``redis.pid``, still running from this state dir) is
+        stopped first: SIGTERM makes it flush its AOF, which the new server then loads."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        lock = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by children (O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(lock, 32, 0).decode(errors="replace").strip() or "?"
+                raise StateDirInUse(f"state dir {self.state_dir} is in use by another process (pid {holder}); give each request manager its own") from None
+            os.ftruncate(lock, 0)
+            os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
+            self.stop_stale()
+            self.start()
+            try:
+                yield self
+            finally:
+                self.close()
+        finally:
+            os.close(lock)
+
+    def stale_pid(self) -> int | None:
+        """The pid of a ``redis-server`` still running from this state dir that we did not start (a
+        dead owner's), from ``redis.pid``; None when there is none."""
+        try:
+            pid = int(self.pid_path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        if self._process is not None and pid == self._process.pid:
+            return None
+        try:  # the pid may have been reused: it must be a redis-server running in this state dir
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            return None
+        return pid if exe.startswith("redis-server") and cwd in (self.state_dir, self.data_dir) else None  # redis chdirs to its data dir
+
+    def stop_stale(self, timeout_s: float = 10.0) -> None:
+        """Stop the server a dead owner left running here (see :meth:`stale_pid`), if any."""
+        pid = self.stale_pid()
+        if pid is None:
+            return
+        log.warning("stopping the redis-server a previous owner left running on the state dir", extra={"pid": pid, "state_dir": str(self.state_dir)})
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.stale_pid() == pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.stale_pid() == pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while self.stale_pid() == pid and time.monotonic() < deadline + timeout_s:
+                time.sleep(0.05)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the server gracefully (SIGTERM: redis flushes and fsyncs the AOF, skips RDB); idempotent."""
@@ -257,6 +348,9 @@ class EmbeddedRedis:
             # A killed process is reaped promptly; wait() keeps no zombie behind.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout_s)
+        with contextlib.suppress(OSError):
+            if self.pid_path.read_text().strip() == str(process.pid):
+                self.pid_path.unlink()
         if self.transport == "unix":
             # A socket file left by a killed server would otherwise linger in state_dir.
             with contextlib.suppress(FileNotFoundError):

@@ -58,8 +58,9 @@ class SsmWorkers(WorkerPool):
         speculate_timeout: float | None = None,
         refresh_seconds: float = DNS_REFRESH_SECONDS,
         probe_seconds: float = PROBE_SECONDS,
+        vocab_size: int | None = None,
     ) -> None:
-        super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
+        super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds, vocab_size=vocab_size)
         self.speculate_timeout = speculate_timeout or timeout
 
     async def speculate(self, ssm: str, calls: Sequence[DraftSpec]) -> Drafts:

@@ -3,7 +3,8 @@
 Admission is :mod:`specinfer.request_manager.admission`, the operations on requests
 :class:`~specinfer.request_manager.lifecycle.Requests`; ``rpc_errors`` maps their errors onto statuses:
 invalid fields INVALID_ARGUMENT naming the field, a full queue RESOURCE_EXHAUSTED, a running request ID
-reused ALREADY_EXISTS, an unknown one NOT_FOUND.
+reused ALREADY_EXISTS, an unknown one NOT_FOUND; every call UNAVAILABLE until start-up has
+reached the verifier (:meth:`SpecInferServicer.open`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import aclosing
 import grpc
 from tokenizers import Tokenizer
 
+from specinfer.core.errors import Unavailable
 from specinfer.request_manager.admission import build_live, check_request_id, resume_request_id
 from specinfer.request_manager.lifecycle import Requests, RequestState
 from specinfer.request_manager.records import RequestStatus
@@ -68,10 +70,24 @@ def deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
-    def __init__(self, requests: Requests) -> None:
-        self.requests = requests
-        self.limits = requests.limits
-        self.tokenizer = requests.tokenizer
+    """Serves from the moment the port opens; calls are UNAVAILABLE until :meth:`open` gives it the
+    requests (the request manager's start-up waits for the verifier first)."""
+
+    def __init__(self, requests: Requests | None = None) -> None:
+        self._requests = requests
+
+    def open(self, requests: Requests) -> None:
+        self._requests = requests
+
+    @property
+    def requests(self) -> Requests:
+        if self._requests is None:
+            raise Unavailable("the request manager is starting: the LLM verifier has not answered yet; retry later")
+        return self._requests
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.requests.tokenizer
 
     @rpc_errors
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -79,7 +95,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             request_id = resume_request_id(request)
             events = self.requests.attach(request_id, request.resume_from)
         else:
-            live = build_live(request, self.limits, self.tokenizer, deadline(context))
+            live = build_live(request, self.requests.limits, self.tokenizer, deadline(context))
             request_id, events = live.request_id, self.requests.start(live)
         async with aclosing(events):  # closed with the call: an abandoned request is cancelled at once
             async for event in events:
@@ -95,7 +111,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
 
     @rpc_errors
     async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api_pb2.ModelInfo:
-        lim = self.limits
+        lim = self.requests.limits  # read per call: it grows when workers with new SSMs join
         info = api_pb2.ModelInfo(
             llm=lim.llm_name,
             ssms=lim.ssm_names,

@@ -3,7 +3,10 @@
 A request sticks to one worker per SSM (its KV cache lives there). The *targets* (see
 :mod:`.discovery`) are looked up by :meth:`WorkerPool.discover` and again every ``refresh_seconds``
 (:meth:`WorkerPool.refresh`), so workers that scale up or move are found without a restart; a worker
-*joins* once it answers ListModels with the pool's vocabulary.
+*joins* once it answers ListModels with the pool's vocabulary. Start-up never waits for a worker
+that is down: :meth:`WorkerPool.discover` gives each address ``join_seconds``, and the addresses
+that did not answer (or a name with no address yet) are *pending*, tried again every
+``probe_seconds`` until they join.
 
 Failover (see :mod:`.failover`): a worker that fails a call is *taken out* (:meth:`WorkerPool.live_count`
 drops); its requests move to the other *live* workers serving the SSM (stable hashing over the live
@@ -31,6 +34,8 @@ from .failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes
 
 log = logging.getLogger("specinfer.request_manager")
 
+JOIN_SECONDS = 1.0  # how long a join waits for a worker's ListModels (a refused connection fails at once) before it stays pending
+
 
 class WorkerPool:
     """The SSM workers ``targets`` stand for, each with its channel, stub and context tracker."""
@@ -42,12 +47,18 @@ class WorkerPool:
         auth: ClientAuth | None = None,
         refresh_seconds: float = DNS_REFRESH_SECONDS,
         probe_seconds: float = PROBE_SECONDS,
+        join_seconds: float = JOIN_SECONDS,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size``: the LLM's; a worker with another vocabulary never joins (None: the first
+        worker's sets it)."""
         if not targets:
             raise ValueError("no SSM worker addresses")
         self.targets = list(targets)
         self._dns = [DnsTarget.parse(t) for t in self.targets]  # bad dns: targets fail here, at start-up
         self.timeout = timeout
+        self.join_seconds = min(join_seconds, timeout)
+        self.probe_seconds = probe_seconds
         self.auth = auth or ClientAuth()
         self._down = HealthProbes(probe_seconds, self.auth.metadata, self._back)
         self.on_change: Callable[[], object] | None = None  # called when a worker is taken out or back
@@ -58,7 +69,9 @@ class WorkerPool:
         self._trackers: dict[str, ContextTracker] = {}
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
-        self.vocab_size: int | None = None
+        self.vocab_size: int | None = vocab_size
+        self.pending: list[str] = []  # addresses found but not joined yet (down, or still starting)
+        self._resolved = False  # whether the last lookup found any address
         self.profiles: dict[str, internal_pb2.SsmProfile] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
         self._refresher: asyncio.Task | None = None
 
@@ -68,7 +81,7 @@ class WorkerPool:
 
     def _join(self, address: str, channel: grpc.aio.Channel, info: internal_pb2.ListModelsResponse) -> None:
         if self.vocab_size is not None and info.vocab_size != self.vocab_size:
-            raise ValueError(f"SSM worker {address} has vocabulary {info.vocab_size}, others {self.vocab_size}")
+            raise ValueError(f"SSM worker {address} has vocabulary {info.vocab_size}; the pool (the LLM) has {self.vocab_size}")
         self.vocab_size = info.vocab_size
         self._channels[address] = channel
         self._stubs[address] = internal_pb2_grpc.SsmWorkerStub(channel)
@@ -86,40 +99,78 @@ class WorkerPool:
                 self.models.setdefault(name, []).append(address)
 
     async def discover(self) -> None:
-        """Ask every worker which SSMs it serves (each gets ``timeout`` seconds to come up); a
-        ``dns:`` name that has no address yet is looked up again until then."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        error: OSError | None = None
-        while True:
-            try:
-                addresses = await resolve_targets(self.targets, self._dns)
-            except OSError as exc:
-                addresses, error = [], exc
-            if addresses or loop.time() >= deadline:
-                break
-            await asyncio.sleep(1.0)
-        if not addresses:
-            raise RuntimeError(f"no SSM worker address found for {', '.join(self.targets)} in {self.timeout:.0f} s (last error: {error!r})")
+        """Look the targets up and ask every address which SSMs it serves, all at once, each for at
+        most ``join_seconds``. The workers that answer join; the others stay pending and join in the
+        background when they answer (so start-up never waits for a worker that is down). Raises
+        ValueError for a worker whose vocabulary is not the pool's: that is a configuration error."""
+        try:
+            addresses = await resolve_targets(self.targets, self._dns)
+        except OSError as exc:
+            addresses = []
+            log.warning("SSM worker lookup failed; trying again in the background", extra={"targets": self.targets, "error": repr(exc)})
+        self._resolved = bool(addresses)
         if self.uses_dns:
             log.info("SSM workers resolved", extra={"targets": self.targets, "addresses": addresses})
-        for address in (a for a in addresses if a not in self._stubs):
-            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
-            info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
-                internal_pb2.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata
-            )
-            self._join(address, channel, info)
+        joined = await self._try_join([a for a in addresses if a not in self._stubs], strict=True)
+        self.pending = [a for a in addresses if a not in self._stubs]
         self._index()
-        if self.uses_dns and self.refresh_seconds > 0 and self._refresher is None:
-            self._refresher = loop.create_task(self._refresh_forever())
+        if self.pending or not addresses:
+            log.warning("SSM workers not answering yet; they join when they do", extra={"pending": self.pending or self.targets, "joined": joined})
+        self._ensure_background()
+
+    def _ensure_background(self) -> None:
+        """Run the background lookups while there is something to find: ``dns:`` targets (every
+        ``refresh_seconds``), pending addresses or a name with no address yet (every ``probe_seconds``)."""
+        needed = (self.uses_dns and self.refresh_seconds > 0) or self.pending or not self._resolved
+        if needed and self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def _try_join(self, addresses: Sequence[str], strict: bool) -> list[str]:
+        """Ask ``addresses`` for ListModels concurrently (each for at most ``join_seconds``; an
+        address that refuses connections fails at once); those that answer with the pool's
+        vocabulary join, in the order given. ``strict``: a vocabulary mismatch raises ValueError
+        (otherwise it is logged and the address stays out)."""
+        channels = [self.auth.aio_channel(a, CHANNEL_OPTIONS) for a in addresses]
+        calls = [
+            internal_pb2_grpc.SsmWorkerStub(ch).ListModels(internal_pb2.ListModelsRequest(), timeout=self.join_seconds, metadata=self.auth.metadata)
+            for ch in channels
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        joined: list[str] = []
+        mismatch: ValueError | None = None
+        for address, channel, info in zip(addresses, channels, answers, strict=True):
+            error: BaseException | None = info if isinstance(info, BaseException) else None
+            if error is None:
+                try:
+                    self._join(address, channel, info)
+                    joined.append(address)
+                    continue
+                except ValueError as exc:
+                    error = mismatch = exc
+            await channel.close()
+            if not isinstance(error, grpc.aio.AioRpcError | ValueError):
+                raise error
+            # a worker still down is retried every probe_seconds: only the first try is worth a log line
+            level = logging.WARNING if isinstance(error, ValueError) else logging.INFO if strict else logging.DEBUG
+            log.log(level, "SSM worker not joined (yet)", extra={"address": address, "error": repr(error)})
+        if strict and mismatch is not None:
+            raise mismatch
+        return joined
 
     async def _refresh_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.refresh_seconds)
+            incomplete = bool(self.pending) or not self._resolved
+            if not incomplete and not (self.uses_dns and self.refresh_seconds > 0):
+                break  # every plain address joined: nothing left to look for
+            await asyncio.sleep(self.probe_seconds if incomplete else max(0.0, self.refresh_seconds - (loop.time() - last)))
+            last = loop.time()
             try:
                 await self.refresh()
             except Exception:  # the next round tries again; the workers in use stay
                 log.exception("SSM worker refresh failed")
+        self._refresher = None
 
     async def refresh(self) -> None:
         """Look the targets up again: new addresses join once they answer ListModels with the
@@ -134,18 +185,9 @@ class WorkerPool:
         if not found:
             log.warning("SSM worker lookup found no address; keeping the current workers", extra={"targets": self.targets})
             return
-        joined = []
-        for address in (a for a in found if a not in self._stubs):
-            channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
-            try:
-                info = await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
-                    internal_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self.auth.metadata
-                )
-                self._join(address, channel, info)
-                joined.append(address)
-            except (grpc.aio.AioRpcError, ValueError) as exc:
-                await channel.close()
-                log.warning("SSM worker not added; trying again at the next lookup", extra={"address": address, "error": repr(exc)})
+        self._resolved = True
+        joined = await self._try_join([a for a in found if a not in self._stubs], strict=False)
+        self.pending = [a for a in found if a not in self._stubs]
         gone = [a for a in self.addresses if a not in found]
         closing = [self._channels.pop(a) for a in gone]
         for address in gone:
@@ -155,6 +197,8 @@ class WorkerPool:
         self._index()
         if joined or gone:
             log.info("SSM workers changed", extra={"added": joined, "removed": gone, "workers": self.addresses})
+            if self.on_change is not None:
+                self.on_change()
         for channel in closing:  # calls in flight on a removed worker may finish
             await channel.close(grace=self.timeout)
 

@@ -201,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     up.add_argument("--expansion", default="auto", help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none")
+    up.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the LLM verifier (0: torch's default, every core)")
+    up.add_argument("--ssm-threads", type=int, default=1, help="torch threads of each SSM worker (0: torch's default); few, not to crowd the verifier")
     _add_client_security_flags(up)
     add_setting(up, "--tls-cert", default="", help="PEM certificate (valid for 127.0.0.1) every process serves TLS with")
     add_setting(up, "--tls-key", default="", help="PEM key of --tls-cert")
@@ -222,7 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not isinstance(ssms, tuple):
                 ssms = (ssms,)
             cfg = StackConfig(
-                llm, ssms, args.workers, args.port, Path(args.state_dir), args.backend, resolve_expansion(args.expansion, ssms), security=_stack_security(args)
+                llm,
+                ssms,
+                args.workers,
+                args.port,
+                Path(args.state_dir),
+                args.backend,
+                resolve_expansion(args.expansion, ssms),
+                threads=args.verifier_threads,
+                ssm_threads=args.ssm_threads,
+                security=_stack_security(args),
             )
             return run_up(cfg)
         if args.command == "tune":

@@ -66,6 +66,11 @@ class StackSecurity:
         return {k: v for k, v in out.items() if v}
 
 
+# seconds a service may take to serve: the verifier times its cost model at start-up, about 2
+# minutes for a 1B model on 2 CPU cores (progress in its log)
+START_TIMEOUT = 600.0
+
+
 @dataclass(frozen=True)
 class StackConfig:
     llm: Path
@@ -76,7 +81,7 @@ class StackConfig:
     backend: str = "auto"
     expansion: str = "auto"  # the request manager's --expansion: auto (adaptive), tuned, widths, @FILE, none
     threads: int = 0  # torch threads of the verifier (0: torch's default)
-    ssm_threads: int = 1  # torch threads per SSM worker: small models, and they must not crowd the verifier
+    ssm_threads: int = 1  # torch threads per SSM worker (0: torch's default): small models, and they must not crowd the verifier
     extra_env: tuple[tuple[str, str], ...] = ()
     rm_args: tuple[str, ...] = ()  # further request-manager flags
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
@@ -110,7 +115,9 @@ class Stack:
     processes: list[Process] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specinfer-stack-")))
 
-    def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float) -> Process:
+    def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float, address: str = "") -> Process:
+        """Start ``module`` as ``name`` and wait until it is SERVING; with ``address`` (its fixed
+        host:port, for a restart) return at once, without waiting (see :meth:`wait_ready`)."""
         port_file = self.workdir / f"{name}.port"
         env = dict(os.environ)
         env.update(self.config.security.env(request_manager=module == "specinfer.request_manager"))
@@ -119,8 +126,17 @@ class Stack:
         metrics_file = self.workdir / f"{name}.metrics-port"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
-        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file)
+        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file, address)
         self.processes.append(proc)
+        if address:
+            return proc
+        return self.wait_ready(proc, timeout)
+
+    def wait_ready(self, proc: Process, timeout: float = START_TIMEOUT) -> Process:
+        """Block until ``proc`` listens and is SERVING (RuntimeError if it exits first)."""
+        name = proc.name
+        metrics_file = self.workdir / f"{name}.metrics-port"
+        port_file = proc.port_file
         deadline = time.monotonic() + timeout
         while not port_file.is_file() or not port_file.read_text().strip():
             if proc.popen.poll() is not None:
@@ -129,11 +145,19 @@ class Stack:
                 raise TimeoutError(f"{name} did not start in {timeout:.0f} s; log: {self.workdir / (name + '.log')}")
             time.sleep(0.05)
         proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
-        wait_serving(proc.address, max(1.0, deadline - time.monotonic()), self.config.security.client_tls)
+        while True:  # SERVING, unless it exits first
+            try:
+                wait_serving(proc.address, min(2.0, max(1.0, deadline - time.monotonic())), self.config.security.client_tls)
+                break
+            except TimeoutError:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.popen.returncode}; log: {self.workdir / (name + '.log')}") from None
+                if time.monotonic() > deadline:
+                    raise
         proc.metrics_address = f"127.0.0.1:{metrics_file.read_text().strip()}"  # written before health turns SERVING
         return proc
 
-    def start(self, timeout: float = 120.0) -> Stack:
+    def start(self, timeout: float = START_TIMEOUT) -> Stack:
         c = self.config
         model = ["--backend", c.backend, *c.model_args]
         verifier = self._spawn(
@@ -144,7 +168,7 @@ class Stack:
         )
         ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
         workers = [
-            self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, *model], timeout)
+            self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, "--torch-threads", str(c.ssm_threads), *model], timeout)
             for i in range(c.workers if c.ssms else 0)
         ]
         rm_args = [
@@ -165,9 +189,10 @@ class Stack:
         self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
         return self
 
-    def respawn(self, name: str, timeout: float = 120.0) -> Process:
+    def respawn(self, name: str, timeout: float = START_TIMEOUT, wait: bool = True) -> Process:
         """Start the exited process ``name`` again with its command, on the same port (callers
-        keep their address); for fault tests that kill a process and bring it back."""
+        keep their address); for fault tests that kill a process and bring it back. ``wait=False``:
+        return once started (:meth:`wait_ready` waits for it)."""
         old = self.process(name)
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running")
@@ -177,9 +202,15 @@ class Stack:
         port = old.address.rpartition(":")[2]
         old.port_file.unlink(missing_ok=True)
         self.processes.remove(old)
-        proc = self._spawn(name, module, [*rest, "--port", port], timeout)  # the last --port wins
+        proc = self._spawn(name, module, [*rest, "--port", port], timeout, address="" if wait else old.address)  # the last --port wins
         self.processes.remove(proc)
-        self.processes.insert(0 if name == "llm-verifier" else len(self.processes) - 1, proc)
+        # the verifier first, the main request manager last (Stack.address), the rest before it
+        if name == "llm-verifier":
+            self.processes.insert(0, proc)
+        elif name == "request-manager":
+            self.processes.append(proc)
+        else:
+            self.processes.insert(len(self.processes) - 1, proc)
         return proc
 
     def spawn_request_manager(self, name: str, args: Sequence[str], timeout: float = 60.0) -> Process:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -124,14 +125,25 @@ def scripted_lookup(monkeypatch, answers: list[list[str] | OSError]) -> None:
     monkeypatch.setattr(DnsTarget, "resolve", resolve)
 
 
-def test_discover_waits_for_the_name_to_appear(monkeypatch):
+def test_discover_does_not_wait_for_the_name_and_joins_when_it_appears(monkeypatch):
     async def test() -> None:
         server, port = await start_fake(FakeWorker())
-        scripted_lookup(monkeypatch, [socket.gaierror(socket.EAI_NONAME, "not known"), [f"127.0.0.1:{port}"]])
-        workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=5.0, refresh_seconds=0)
+        answers: list[list[str] | OSError] = [socket.gaierror(socket.EAI_NONAME, "not known")]
+        scripted_lookup(monkeypatch, answers)
+        workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=5.0, refresh_seconds=0, probe_seconds=0.05)
+        changes: list[int] = []
+        workers.on_change = lambda: changes.append(len(workers.addresses))
         try:
-            await workers.discover()
+            await workers.discover()  # returns at once: start-up does not wait for the workers
+            assert workers.addresses == [] and workers.models == {}
+            answers[:] = [[f"127.0.0.1:{port}"]]
+            for _ in range(100):
+                if workers.addresses:
+                    break
+                await asyncio.sleep(0.05)
             assert workers.addresses == [f"127.0.0.1:{port}"]
+            assert workers.models == {"ssm": [f"127.0.0.1:{port}"]}
+            assert changes == [1]
         finally:
             await workers.close()
             await server.stop(None)
@@ -139,11 +151,55 @@ def test_discover_waits_for_the_name_to_appear(monkeypatch):
     run(test)
 
 
-def test_discover_gives_up_after_the_timeout(monkeypatch):
-    scripted_lookup(monkeypatch, [socket.gaierror(socket.EAI_NONAME, "not known")])
-    workers = SsmWorkers(["dns:///ssm-worker:50052"], timeout=0.5, refresh_seconds=0)
-    with pytest.raises(RuntimeError, match="no SSM worker address found"):
-        run(workers.discover)
+def test_plain_addresses_that_are_down_join_when_they_come_up():
+    async def test() -> None:
+        up_server, up_port = await start_fake(FakeWorker(models=("a",)))
+        down_port = free_tcp_port()
+        up, down = f"127.0.0.1:{up_port}", f"127.0.0.1:{down_port}"
+        workers = SsmWorkers([up, down], timeout=30.0, probe_seconds=0.05, vocab_size=VOCAB)
+        try:
+            started = time.monotonic()
+            await workers.discover()
+            assert time.monotonic() - started < workers.join_seconds + 1  # not the 30 s call timeout
+            assert workers.addresses == [up] and workers.pending == [down]
+            assert workers.models == {"a": [up]}
+            late = grpc.aio.server()
+            internal_pb2_grpc.add_SsmWorkerServicer_to_server(FakeWorker(models=("a", "b")), late)
+            late.add_insecure_port(down)
+            await late.start()
+            try:
+                for _ in range(100):
+                    if workers.addresses == [up, down]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert workers.addresses == [up, down] and workers.pending == []
+                assert workers.models == {"a": [up, down], "b": [down]}
+                for _ in range(20):  # nothing left to look for: the background lookups end
+                    if workers._refresher is None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert workers._refresher is None
+            finally:
+                await late.stop(None)
+        finally:
+            await workers.close()
+            await up_server.stop(None)
+
+    run(test)
+
+
+def test_a_worker_with_another_vocabulary_is_refused_at_start_up():
+    async def test() -> None:
+        server, port = await start_fake(FakeWorker(vocab_size=VOCAB + 1))
+        workers = SsmWorkers([f"127.0.0.1:{port}"], timeout=5.0, vocab_size=VOCAB)
+        try:
+            with pytest.raises(ValueError, match="vocabulary"):
+                await workers.discover()
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    run(test)
 
 
 def test_refresh_follows_scaling(monkeypatch):

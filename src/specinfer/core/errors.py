@@ -37,7 +37,8 @@ class ResourceExhausted(Exception):
 
 
 class Unavailable(Exception):
-    """The service cannot compute any more (it is going down); another replica may answer."""
+    """The service cannot compute now (it is going down, or still waiting for a service it needs);
+    another replica, or a retry later, may answer."""
 
 
 def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:

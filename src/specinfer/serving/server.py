@@ -9,6 +9,7 @@ metrics on ``http://HOST:METRICS_PORT/metrics`` (:mod:`specinfer.serving.metrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -111,13 +112,14 @@ class Service:
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
 
-    async def start(self) -> None:
+    async def start(self, serving: bool = True) -> None:
+        """Open the port; health SERVING, or NOT_SERVING with ``serving=False`` (still starting)."""
         await self.server.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
             if self.config.metrics_port_file:
                 write_port_file(self.config.metrics_port_file, self.metrics_port)
-        await self.set_serving(True)
+        await self.set_serving(serving)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -138,24 +140,43 @@ async def run_service(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
     watch: Watch | None = None,
+    start_up: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully and return 0. ``watch``, when
     given, runs beside the server and returns only when the service can no longer work (its
     result says why): health turns NOT_SERVING, in-flight calls are cancelled (no grace: they
-    cannot complete) and 1 is returned, without ``on_stop``."""
+    cannot complete) and 1 is returned, without ``on_stop``. ``start_up``, when given, runs
+    after the port opens (health NOT_SERVING meanwhile, so probes and clients see the process
+    starting); health turns SERVING when it returns; a signal during it cancels it."""
     log = logging.getLogger("specinfer.server")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    await service.start(serving=start_up is None)
     log.info(
-        "serving",
+        "serving" if start_up is None else "listening; starting up",
         extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}", "metrics_port": service.metrics_port},
     )
     if ready is not None:
         ready(service.port)
     stopped = asyncio.ensure_future(stop.wait())
+    if start_up is not None:
+        starting = asyncio.ensure_future(start_up())
+        await asyncio.wait([stopped, starting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # stopped while starting: nothing to drain
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            log.info("stopped during start-up")
+            await service.stop()
+            return 0
+        if starting.exception() is not None:  # a failed start-up: close the port, then raise for the caller to clean up
+            await service.server.stop(0)
+            service.metrics.stop_http()
+            starting.result()
+        await service.set_serving(True)
+        log.info("serving", extra={"address": f"{service.config.host}:{service.port}"})
     watched = asyncio.ensure_future(watch()) if watch is not None else None
     await asyncio.wait([stopped, *([watched] if watched else [])], return_when=asyncio.FIRST_COMPLETED)
     if watched is not None and watched.done() and not stopped.done():
