@@ -222,11 +222,13 @@ async def serve(cfg: RequestManagerConfig) -> int:
 
 async def report_speculation(service: Service, workers: SsmWorkers, metrics: SchedulerMetrics) -> None:
     """Health of SPECULATION_HEALTH: SERVING while every SSM has a live worker, NOT_SERVING while
-    some SSM has none and its requests decode incrementally (the service as a whole stays SERVING);
+    some SSM has none, or no worker has answered yet, and requests decode incrementally (the
+    service as a whole stays SERVING);
     the same in the metrics (live workers per SSM)."""
     for name in workers.models:
         metrics.ssm_workers_live.labels(name).set(len(workers.live_workers(name)))
-    degraded = any(not workers.live_workers(name) for name in workers.models)
+    # no SSM known yet (every worker down since start-up) is degraded too
+    degraded = not workers.models or any(not workers.live_workers(name) for name in workers.models)
     status = health_pb2.HealthCheckResponse.NOT_SERVING if degraded else health_pb2.HealthCheckResponse.SERVING
     await service.health.set(SPECULATION_HEALTH, status)
 

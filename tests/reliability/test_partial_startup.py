@@ -168,6 +168,7 @@ def test_starts_with_the_verifier_and_every_worker_down(stack, model_pair, greed
         prompt = model_pair.prompts[2]
         plain = generate(address, prompt)
         assert list(plain.token_ids) == greedy(prompt, NEW_TOKENS) and plain.finished.usage.mean_tree_size == 1
+        assert check(address, timeout=2, service=SPECULATION_HEALTH) == "NOT_SERVING"  # no worker yet
 
         started.append(spawn(stack, "ssm-worker-late2", "specinfer.ssm_worker", worker_args(stack, worker_port)))
         wait_until(lambda: "speculating with more SSMs" in log_of(stack, name), 120, "the SSM adopted")
