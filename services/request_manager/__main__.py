@@ -18,6 +18,7 @@ from specinfer.core.drafts import merged_tree_nodes
 from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.config import RequestManagerConfig
+from specinfer.request_manager.http_api import HttpApi, HttpMetrics, HttpServer
 from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.redis_server import EmbeddedRedis, RedisStartError, StateDirInUse, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifier
@@ -156,6 +157,14 @@ async def serve(cfg: RequestManagerConfig) -> int:
             interceptors=[*cfg.security.interceptors(), BadMessageInterceptor()],
             metrics=metrics,
         )
+        http: HttpServer | None = None
+        if cfg.http_port:
+            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry)), cfg.host, cfg.http_port, cfg.security)
+            resources.push_async_callback(http.stop)
+            http.start()  # answers at once: /health says 503 and calls 503 until start-up is done
+            log.info("HTTP API listening", extra={"url": f"{http.scheme}://{cfg.host}:{http.port}/v1"})
+            if cfg.http_port_file:
+                write_port_file(cfg.http_port_file, http.port)
         running: list[tuple[Scheduler, asyncio.Task]] = []
         reports: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
 
@@ -204,6 +213,8 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 await changed()  # workers may have joined while the planner calibrated
 
         async def on_stop() -> None:
+            if http is not None:
+                await http.stop()
             for scheduler, loop_task in running:
                 scheduler.stop()
                 await loop_task

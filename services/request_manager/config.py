@@ -45,6 +45,8 @@ class RequestManagerConfig:
     internal: ClientAuth  # calls to workers and verifier: TLS and the --internal-token
     ssm_failure_seconds: float
     server: ServerConfig  # where it listens (gRPC and metrics), from the same settings as host/port
+    http_port: int = 0  # the OpenAI-compatible HTTP API (0: off)
+    http_port_file: str = ""
 
     @staticmethod
     def parser() -> argparse.ArgumentParser:
@@ -76,7 +78,9 @@ class RequestManagerConfig:
         add_setting(p, "--max-prompt-tokens", int, 8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
         add_setting(p, "--max-tree-nodes", int, 64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
         add_setting(p, "--ssm-failure-seconds", float, 10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy")
-        add_setting(p, "--auth-token", str, "", "bearer token clients of the public API must send (empty: none)", secret=True)
+        add_setting(p, "--http-port", int, 8000, "port of the OpenAI-compatible HTTP API on --host (0: no HTTP API)")
+        add_setting(p, "--http-port-file", str, "", "write the HTTP API's port here once it listens")
+        add_setting(p, "--auth-token", str, "", "bearer token clients of the public API (gRPC and HTTP) must send (empty: none)", secret=True)
         add_setting(p, "--auth-token-file", str, "", "file holding --auth-token")
         add_client_tls_settings(p)
         return p
@@ -120,4 +124,6 @@ class RequestManagerConfig:
             internal=client_auth(a, internal_token(a)),
             ssm_failure_seconds=a.ssm_failure_seconds,
             server=ServerConfig.from_args(a),
+            http_port=a.http_port,
+            http_port_file=a.http_port_file,
         )

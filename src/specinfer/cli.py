@@ -201,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     up.add_argument("--expansion", default="auto", help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none")
+    up.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (0: off)")
     up.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the LLM verifier (0: torch's default, every core)")
     up.add_argument("--ssm-threads", type=int, default=1, help="torch threads of each SSM worker (0: torch's default); few, not to crowd the verifier")
     _add_client_security_flags(up)
@@ -234,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 threads=args.verifier_threads,
                 ssm_threads=args.ssm_threads,
                 security=_stack_security(args),
+                http_port=args.http_port,
             )
             return run_up(cfg)
         if args.command == "tune":

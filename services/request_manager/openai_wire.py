@@ -1,0 +1,283 @@
+"""OpenAI-compatible JSON <-> the public API's messages: the one place that converts them.
+
+The HTTP front door (:mod:`.http_api`) turns an OpenAI ``/v1/completions`` body into one
+:class:`api_pb2.GenerateRequest` per choice (prompts x ``n``), which go through the same admission
+(:func:`.admission.build_live`) and :class:`.lifecycle.Requests` as gRPC calls; and it turns the
+events back into ``text_completion`` objects. Terms:
+
+- *choice*: one generated sequence of a response (OpenAI's ``choices[i]``); prompt ``p`` with
+  ``n`` samples gives choices ``p * n .. p * n + n - 1``.
+- *param*: the name of an OpenAI request field, which error objects name (``max_tokens``, not
+  the gRPC field ``max_new_tokens``).
+
+Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
+as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``speculation`` (``"auto"``,
+``"disabled"``, or ``{"expansion": [widths], "ssms": [names]}``). With ``n > 1`` and a ``seed``,
+sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specinfer.core import InvalidArgument
+from specinfer.v1 import api_pb2
+
+MAX_N = 16  # most choices per prompt
+MAX_PROMPTS = 64  # most prompts in one request's list
+DEFAULT_MAX_TOKENS = 16
+
+# gRPC admission fields -> the OpenAI params they come from (for error objects)
+PARAMS = {
+    "prompt": "prompt",
+    "prompt.text": "prompt",
+    "prompt.token_ids": "prompt",
+    "max_new_tokens": "max_tokens",
+    "sampling": "temperature",
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "request_id": "user",
+}
+
+
+def openai_param(field: str) -> str:
+    """The OpenAI param an admission error's field stands for."""
+    if field.startswith("speculation"):
+        return "speculation"
+    return PARAMS.get(field, field)
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise InvalidArgument(name, f"must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidArgument(name, f"must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidArgument(name, "must be true or false")
+    return value
+
+
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a string, a token list, or a list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if _token_list(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_list(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidArgument("prompt", f"{len(prompt)} prompts; at most {MAX_PROMPTS}")
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+    raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a non-empty list of either")
+
+
+def _stops(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidArgument("stop", "must be a string or a list of strings")
+
+
+def _speculation(body: Mapping[str, Any]) -> api_pb2.SpeculationParams:
+    spec = body.get("speculation")
+    if spec is None:
+        return api_pb2.SpeculationParams()
+    if spec == "auto":
+        return api_pb2.SpeculationParams(adaptive=True)
+    if spec in ("disabled", "none", False):
+        return api_pb2.SpeculationParams(disabled=True)
+    if isinstance(spec, Mapping) and set(spec) <= {"expansion", "ssms", "adaptive"}:
+        expansion, ssms = spec.get("expansion", []), spec.get("ssms", [])
+        if not (isinstance(expansion, list) and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in expansion)):
+            raise InvalidArgument("speculation", "expansion must be a list of positive widths per depth")
+        if not (isinstance(ssms, list) and all(isinstance(s, str) for s in ssms)):
+            raise InvalidArgument("speculation", "ssms must be a list of SSM names")
+        return api_pb2.SpeculationParams(expansion=expansion, ssms=ssms, adaptive=bool(spec.get("adaptive", False)))
+    raise InvalidArgument("speculation", 'must be "auto", "disabled" or {"expansion": [...], "ssms": [...]}')
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    """What a ``/v1/completions`` body asks for besides its generate requests."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    model: str | None
+
+
+def completion_params(body: Mapping[str, Any]) -> CompletionParams:
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise InvalidArgument("stream_options", "must be an object")
+    if options and not stream:
+        raise InvalidArgument("stream_options", "only allowed with stream: true")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidArgument("stream_options", "include_usage must be true or false")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgument("model", "must be a string")
+    n = _integer(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    return CompletionParams(tuple(p if isinstance(p, str) else tuple(p) for p in prompts(body)), n, stream, include_usage, _flag(body, "echo"), model)
+
+
+def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_prefix: str) -> list[api_pb2.GenerateRequest]:
+    """One GenerateRequest per choice (see the module doc); types and ranges checked here, the
+    rest (vocabulary, lengths, stop limits, SSM names) by admission, as for gRPC."""
+    if body.get("logprobs") not in (None, 0, False) or body.get("best_of") not in (None, 1) or body.get("suffix") is not None:
+        unsupported = next(k for k in ("logprobs", "best_of", "suffix") if body.get(k) not in (None, 0, False, 1))
+        raise InvalidArgument(unsupported, "is not supported by this server")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise InvalidArgument(name, "is not supported by this server (only 0)")
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 30)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise InvalidArgument("top_p", "must be > 0")
+    top_k = _integer(body, "top_k", 0, -1, 1 << 20)
+    seed = _integer(body, "seed", None, 0, (1 << 63) - 1)
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+        raise InvalidArgument("stop_token_ids", "must be a list of token IDs")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidArgument("user", "must be a string")
+    stops, speculation, ignore_eos = _stops(body), _speculation(body), _flag(body, "ignore_eos")
+    out = []
+    for p, prompt in enumerate(params.prompts):
+        for i in range(params.n):
+            msg = api_pb2.GenerateRequest(
+                request_id=f"{id_prefix}-{p * params.n + i}",
+                max_new_tokens=max_tokens,
+                sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0)),
+                stop=stops,
+                stop_token_ids=stop_token_ids,
+                speculation=speculation,
+                ignore_eos=ignore_eos,
+            )
+            if seed is not None:
+                msg.sampling.seed = seed + i
+            if isinstance(prompt, str):
+                msg.text = prompt
+            else:
+                msg.token_ids.ids.extend(prompt)
+            out.append(msg)
+    return out
+
+
+# finish reasons of the core -> OpenAI's (a cancelled request ends as vLLM's "abort")
+FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "cancelled": "abort", "error": "error"}
+
+
+@dataclass
+class Choice:
+    """One choice as it builds up from its events."""
+
+    index: int
+    prompt_tokens: int = 0
+    text: str = ""
+    token_ids: int = 0
+    finish_reason: str | None = None
+    usage: api_pb2.Usage | None = None
+
+
+def usage_object(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    """``usage`` of a response (prompts counted once per prompt, not per sample)."""
+    completion = sum(c.token_ids for c in choices)
+    prompt = sum(prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def speculation_object(choices: Sequence[Choice]) -> dict[str, Any]:
+    """Speculation statistics of a response, summed over its choices: LLM verify steps, tree tokens
+    drafted (tree nodes beyond each step's root) and accepted, and the means per step, named after
+    vLLM's speculative-decoding counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``)."""
+    steps = drafted = accepted = 0
+    for c in choices:
+        if c.usage is None:
+            continue
+        steps += c.usage.llm_steps
+        drafted += round((c.usage.mean_tree_size - 1.0) * c.usage.llm_steps)
+        accepted += round(c.usage.mean_accepted_tokens * c.usage.llm_steps)
+    completion = sum(c.token_ids for c in choices)
+    return {
+        "num_drafts": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "mean_accepted_length": round(completion / steps, 4) if steps else 0.0,
+        "mean_tree_size": round(1.0 + drafted / steps, 4) if steps else 0.0,
+    }
+
+
+def _envelope(response_id: str, model: str, created: int) -> dict[str, Any]:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model}
+
+
+def completion_object(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    return {
+        **_envelope(response_id, model, created),
+        "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
+        "usage": usage_object(choices, prompt_tokens),
+        "speculation": speculation_object(choices),
+    }
+
+
+def completion_chunk(response_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {**_envelope(response_id, model, created), "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return {**completion_object(response_id, model, created, choices, prompt_tokens), "choices": []}
+
+
+def models_object(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specinfer"}]}
+
+
+def error_object(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error body (``kind``: ``invalid_request_error``, ``authentication_error`` ...)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def now() -> int:
+    return int(time.time())

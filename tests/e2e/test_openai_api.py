@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API of the request manager, end to end: the real services as
+processes on 127.0.0.1, called over plain HTTP (urllib) as any OpenAI client would."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from services.harness import wait_until  # tests/services/harness.py
+from transformers import AutoModelForCausalLM
+
+from specinfer.checkpoint import load_tokenizer
+from specinfer.client import Client
+from specinfer.launcher import Stack, StackConfig
+from specinfer.request_manager.redis_server import free_tcp_port
+from specinfer.v1 import api_pb2
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, tmp_path_factory):
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm,),
+        workers=1,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        threads=1,
+        http_port=free_tcp_port(),
+        rm_args=("--max-queue", "8", "--max-new-tokens", "4096"),
+    )
+    s = Stack(cfg).start()
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean shutdown on SIGTERM: {codes}"
+
+
+@pytest.fixture(scope="module")
+def greedy_text(model_pair):
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
+    tok = load_tokenizer(model_pair.llm)
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], str]:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = out[0, len(prompt) :].tolist()
+        return ids, tok.decode(ids, skip_special_tokens=False)
+
+    return run
+
+
+def url(stack: Stack, path: str) -> str:
+    return f"http://127.0.0.1:{stack.config.http_port}{path}"
+
+
+def call(stack: Stack, path: str, body: dict | bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url(stack, path), data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def events(stack: Stack, body: dict) -> list[dict | str]:
+    """The server-sent events of a streaming call: each ``data:`` payload, parsed (``[DONE]`` as is)."""
+    req = urllib.request.Request(url(stack, "/v1/completions"), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    out: list[dict | str] = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                payload = line.removeprefix("data: ")
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_health_and_models(stack, model_pair):
+    status, body = call(stack, "/health")
+    assert status == 200 and body == {"status": "ok"}
+    status, body = call(stack, "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [model_pair.llm.name]
+
+
+def test_completion_equals_transformers_greedy(stack, model_pair, greedy_text):
+    prompt = list(model_pair.prompts[0])
+    body = {"model": model_pair.llm.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    status, out = call(stack, "/v1/completions", body)
+    assert status == 200, out
+    _, text = greedy_text(prompt, NEW_TOKENS)
+    assert out["object"] == "text_completion" and out["model"] == model_pair.llm.name
+    assert out["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": NEW_TOKENS, "total_tokens": len(prompt) + NEW_TOKENS}
+    spec = out["speculation"]
+    assert spec["num_drafts"] >= 1 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["mean_accepted_length"] == pytest.approx(NEW_TOKENS / spec["num_drafts"], rel=1e-3)
+    # the same request with speculation turned off: the same text, one LLM step per token
+    status, plain = call(stack, "/v1/completions", {**body, "speculation": "disabled"})
+    assert status == 200 and plain["choices"][0]["text"] == text and plain["speculation"]["num_drafts"] == NEW_TOKENS
+
+
+def test_several_prompts_and_samples(stack, model_pair, greedy_text):
+    prompts = [list(model_pair.prompts[1]), list(model_pair.prompts[2])]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True}
+    status, out = call(stack, "/v1/completions", body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    tok = load_tokenizer(model_pair.llm)
+    for i, c in enumerate(out["choices"]):
+        prompt = prompts[i // 2]
+        assert c["text"] == tok.decode(prompt, skip_special_tokens=False) + greedy_text(prompt, 6)[1]  # echo: prompt first
+    assert out["usage"]["prompt_tokens"] == sum(len(p) for p in prompts) and out["usage"]["completion_tokens"] == 24
+    # seeded sampling on a static tree: the same seed gives the same samples, sample i uses seed + i
+    # (adaptive trees depend on measured timings, so under "auto" a seed fixes the distribution, not the draw)
+    sampled = {"prompt": prompts[0], "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True, "speculation": {"expansion": [1, 1, 3, 1]}}
+    first, second = call(stack, "/v1/completions", sampled)[1], call(stack, "/v1/completions", sampled)[1]
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
+    one = call(stack, "/v1/completions", {**sampled, "n": 1, "seed": 8})[1]
+    assert one["choices"][0]["text"] == first["choices"][1]["text"]
+
+
+def test_streaming_with_usage(stack, model_pair, greedy_text):
+    prompt = list(model_pair.prompts[3])
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    got = events(stack, body)
+    assert got[-1] == "[DONE]"
+    chunks, usage = got[:-2], got[-2]
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy_text(prompt, NEW_TOKENS)[1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == NEW_TOKENS
+    assert len({c["id"] for c in got[:-1]}) == 1
+    # without include_usage: no usage chunk
+    plain = events(stack, {**body, "stream_options": None})
+    assert plain[-1] == "[DONE]" and all(c["choices"] for c in plain[:-1])
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "n": 100}, 400, "n"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"max_tokens": 4}, 400, "prompt"),
+        ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+        ({"prompt": "x", "stop": 5}, 400, "stop"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": "x", "speculation": {"expansion": [2, 0]}}, 400, "speculation"),
+        ({"prompt": "x", "speculation": {"ssms": ["nope"]}}, 400, "speculation"),
+        ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ],
+)
+def test_bad_requests_are_openai_errors_naming_the_param(stack, body, status, param):
+    got, out = call(stack, "/v1/completions", body)
+    assert got == status, out
+    assert out["error"]["param"] == param and out["error"]["message"]
+    assert out["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_body_and_the_service_stays_up(stack):
+    assert call(stack, "/v1/completions", b"{not json")[0] == 400
+    assert call(stack, "/v1/completions", b"[1, 2]")[0] == 400
+    assert call(stack, "/v1/completions", {"prompt": "def f():", "max_tokens": 2})[0] == 200
+
+
+def test_client_disconnect_cancels_the_request(stack, model_pair):
+    body = {"prompt": list(model_pair.prompts[4]), "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", stack.config.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    line = b""
+    while not line.startswith(b"data: "):
+        line = resp.readline()
+    first = json.loads(line.decode().removeprefix("data: "))
+    request_id = first["id"] + "-0"  # the choice's request (see openai_wire.generate_requests)
+    conn.close()  # the client goes away mid-stream
+    with Client(stack.address, timeout=30) as client:
+
+        def finished() -> bool:
+            return client.get_request(request_id).status == api_pb2.REQUEST_STATUS_FINISHED
+
+        wait_until(finished, 30, "the abandoned request cancelled")
+        state = client.get_request(request_id)
+    assert state.finished.reason == api_pb2.FINISH_REASON_CANCELLED and len(state.output_token_ids) < 1000
+
+
+def test_api_key(stack, model_pair, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("sk-local\n")
+    port = free_tcp_port()
+    stack.spawn_request_manager("rm-keyed", ["--http-port", str(port), "--auth-token-file", str(key)])
+    base = f"http://127.0.0.1:{port}"
+
+    def get(headers: dict) -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=headers), timeout=30) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read())
+            assert body["error"]["type"] == "authentication_error"
+            return exc.code
+
+    assert get({}) == 401
+    assert get({"Authorization": "Bearer sk-wrong"}) == 401
+    assert get({"Authorization": "Bearer sk-local"}) == 200
+    with urllib.request.urlopen(base + "/health", timeout=30) as resp:  # probes need no key
+        assert resp.status == 200
