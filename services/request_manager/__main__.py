@@ -17,6 +17,7 @@ from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
+from specinfer.request_manager.chat_template import ChatTemplate
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.http_api import HttpApi, HttpMetrics, HttpServer
 from specinfer.request_manager.lifecycle import Requests
@@ -159,7 +160,8 @@ async def serve(cfg: RequestManagerConfig) -> int:
         )
         http: HttpServer | None = None
         if cfg.http_port:
-            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry)), cfg.host, cfg.http_port, cfg.security)
+            chat = ChatTemplate.load(cfg.model_dir) if cfg.model_dir else None
+            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry), chat), cfg.host, cfg.http_port, cfg.security)
             resources.push_async_callback(http.stop)
             http.start()  # answers at once: /health says 503 and calls 503 until start-up is done
             log.info("HTTP API listening", extra={"url": f"{http.scheme}://{cfg.host}:{http.port}/v1"})

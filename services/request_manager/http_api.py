@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door of the request manager (Starlette, served by uvicorn on the
 request manager's own event loop: no extra hop, no extra process).
 
-Handlers convert (:mod:`.openai_wire`), admit each choice with the same
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (messages rendered by the checkpoint's
+chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire`), admit each choice with the same
 :func:`.admission.build_live` as the gRPC servicer, call :meth:`.lifecycle.Requests.start` once per
 choice, and wrap the events; they hold no logic of their own. Errors are OpenAI error objects: 400
 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404 for an
@@ -33,6 +34,7 @@ from starlette.routing import Route
 from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted, Unavailable
 from specinfer.request_manager import openai_wire as ow
 from specinfer.request_manager.admission import build_live
+from specinfer.request_manager.chat_template import ChatTemplate, check_messages
 from specinfer.request_manager.scheduler import StreamEvent
 from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
 from specinfer.serving.security import ServerSecurity
@@ -93,8 +95,10 @@ class HttpApi:
     """Routes of the HTTP API over the gRPC servicer's requests (``servicer.requests`` raises
     Unavailable until start-up has reached the verifier)."""
 
-    def __init__(self, servicer: SpecInferServicer, security: ServerSecurity, metrics: HttpMetrics) -> None:
+    def __init__(self, servicer: SpecInferServicer, security: ServerSecurity, metrics: HttpMetrics, chat: ChatTemplate | None = None) -> None:
+        """``chat``: the LLM checkpoint's chat template (None: chat completions answer 400)."""
         self.servicer = servicer
+        self.chat = chat
         self._keys = [t.encode() for t in security.tokens if t]
         self.metrics = metrics
         self.app = Starlette(
@@ -102,6 +106,7 @@ class HttpApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ]
         )
 
@@ -148,18 +153,36 @@ class HttpApi:
     async def completions(self, request: Request) -> Response:
         return await self._endpoint("completions", request, lambda: self._completions(request))
 
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._endpoint("chat_completions", request, lambda: self._chat(request))
+
     async def _completions(self, request: Request) -> Response:
         started = time.monotonic()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HttpError(400, "the body is not valid JSON", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "the body must be a JSON object", "invalid_request_error")
+        body = await _json_body(request)
+        return await self._generate(request, body, False, started)
+
+    async def _chat(self, request: Request) -> Response:
+        started = time.monotonic()
+        body = await _json_body(request)
+        messages = check_messages(body.get("messages"))
+        tokenizer = self.servicer.requests.tokenizer
+        if self.chat is None or tokenizer is None:
+            raise InvalidArgument("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidArgument("add_generation_prompt", "must be true or false")
+        text = self.chat.render(messages, add_generation_prompt)
+        prompt = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
+        if not prompt:
+            raise InvalidArgument("messages", "the chat template rendered an empty prompt")
+        return await self._generate(request, ow.chat_as_completion(body, prompt), True, started)
+
+    async def _generate(self, request: Request, body: dict[str, Any], chat: bool, started: float) -> Response:
+        """Admit every choice of ``body`` (a completions body), then answer: one object, or a stream."""
         params = ow.completion_params(body)
         model = self._model(params.model)
         requests = self.servicer.requests
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         msgs = ow.generate_requests(body, params, response_id)
         lives = [build_live(m, requests.limits, requests.tokenizer, None) for m in msgs]
         echo = [self._echo_text(p) if params.echo else "" for p in params.prompts]
@@ -167,10 +190,11 @@ class HttpApi:
         streams = await self._start(lives)
         created = ow.now()
         if params.stream:
-            chunks = self._chunks(streams, params, echo, prompt_tokens, response_id, model, created, started)
+            chunks = self._chunks(streams, params, echo, prompt_tokens, response_id, model, created, started, chat)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
-        return JSONResponse(ow.completion_object(response_id, model, created, choices, prompt_tokens))
+        build = ow.chat_object if chat else ow.completion_object
+        return JSONResponse(build(response_id, model, created, choices, prompt_tokens))
 
     def _echo_text(self, prompt: str | Sequence[int]) -> str:
         if isinstance(prompt, str):
@@ -237,10 +261,11 @@ class HttpApi:
             choice.usage = _usage_proto(event)
         return now if event.tokens else last
 
-    async def _chunks(self, streams, params, echo, prompt_tokens, response_id, model, created, started) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per event of any choice as it comes, a usage chunk when
-        asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects; the
-        event streams close with it, which cancels the requests."""
+    async def _chunks(self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per event of any choice as it comes (chat: a first chunk
+        with the role, content deltas, then an empty delta with the finish reason), a usage chunk
+        when asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects;
+        the event streams close with it, which cancels the requests."""
         choices = [ow.Choice(i) for i in range(len(streams))]
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException]] = asyncio.Queue()
 
@@ -256,9 +281,20 @@ class HttpApi:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         last = [started] * len(streams)
+
+        def chunk(i: int, text: str, finish_reason: str | None) -> str:
+            if not chat:
+                return _sse(ow.completion_chunk(response_id, model, created, i, text, finish_reason))
+            if finish_reason is None:
+                return _sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None))
+            head = _sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
+            return head + _sse(ow.chat_chunk(response_id, model, created, i, {}, finish_reason))
+
         try:
             for i in range(len(streams)):
-                if echo[i // params.n]:
+                if chat:
+                    yield _sse(ow.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
+                elif echo[i // params.n]:
                     yield _sse(ow.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
             open_choices = len(streams)
             while open_choices:
@@ -270,11 +306,12 @@ class HttpApi:
                     continue
                 last[i] = self._observe(choices[i], item, started, last[i])
                 if item.text or item.finished is not None:
-                    yield _sse(ow.completion_chunk(response_id, model, created, i, item.text, choices[i].finish_reason))
+                    yield chunk(i, item.text, choices[i].finish_reason)
                 if item.finished is not None:
                     open_choices -= 1
             if params.include_usage:
-                yield _sse(ow.usage_chunk(response_id, model, created, choices, prompt_tokens))
+                usage = ow.chat_usage_chunk if chat else ow.usage_chunk
+                yield _sse(usage(response_id, model, created, choices, prompt_tokens))
             yield "data: [DONE]\n\n"
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
@@ -286,6 +323,16 @@ class HttpApi:
 def _usage_proto(event: StreamEvent) -> api_pb2.Usage:
     assert event.finished is not None
     return finish_to_proto(event.finished).usage
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise HttpError(400, "the body is not valid JSON", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object", "invalid_request_error")
+    return body
 
 
 def _sse(obj: dict[str, Any]) -> str:

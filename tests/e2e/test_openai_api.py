@@ -7,11 +7,12 @@ import http.client
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 from services.harness import wait_until  # tests/services/harness.py
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.client import Client
@@ -22,10 +23,31 @@ from specinfer.v1 import api_pb2
 NEW_TOKENS = 12
 
 
+# ChatML, refusing tool messages (a template's raise_exception must reach the client as a 400)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def stack(model_pair, tmp_path_factory):
+def llm_with_template(model_pair, tmp_path_factory) -> Path:
+    """The shared LLM with a chat template: its files linked, tokenizer_config.json with the template."""
+    folder = tmp_path_factory.mktemp("templated") / model_pair.llm.name
+    folder.mkdir()
+    for f in model_pair.llm.iterdir():
+        if f.name != "tokenizer_config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((model_pair.llm / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, llm_with_template, tmp_path_factory):
     cfg = StackConfig(
-        llm=model_pair.llm,
+        llm=llm_with_template,
         ssms=(model_pair.ssm,),
         workers=1,
         port=0,
@@ -70,9 +92,9 @@ def call(stack: Stack, path: str, body: dict | bytes | None = None, headers: dic
         return exc.code, json.loads(exc.read())
 
 
-def events(stack: Stack, body: dict) -> list[dict | str]:
+def events(stack: Stack, body: dict, path: str = "/v1/completions") -> list[dict | str]:
     """The server-sent events of a streaming call: each ``data:`` payload, parsed (``[DONE]`` as is)."""
-    req = urllib.request.Request(url(stack, "/v1/completions"), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url(stack, path), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     out: list[dict | str] = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -221,3 +243,59 @@ def test_api_key(stack, model_pair, tmp_path):
     assert get({"Authorization": "Bearer sk-local"}) == 200
     with urllib.request.urlopen(base + "/health", timeout=30) as resp:  # probes need no key
         assert resp.status == 200
+
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fibonacci(n):"}]
+
+
+def chat_prompt(llm_with_template: Path, messages: list[dict]) -> list[int]:
+    """transformers' own rendering and tokenization of ``messages`` (the oracle)."""
+    hf = PreTrainedTokenizerFast.from_pretrained(str(llm_with_template))
+    return list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def test_chat_completion_equals_transformers(stack, llm_with_template, greedy_text):
+    body = {"model": llm_with_template.name, "messages": MESSAGES, "max_completion_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    status, out = call(stack, "/v1/chat/completions", body)
+    assert status == 200, out
+    prompt = chat_prompt(llm_with_template, MESSAGES)
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    message = {"role": "assistant", "content": greedy_text(prompt, NEW_TOKENS)[1]}
+    assert out["choices"] == [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]
+    assert out["usage"]["prompt_tokens"] == len(prompt) and out["usage"]["completion_tokens"] == NEW_TOKENS
+    assert out["speculation"]["num_drafts"] >= 1
+
+
+def test_chat_streaming(stack, llm_with_template, greedy_text):
+    body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    got = events(stack, body, "/v1/chat/completions")
+    assert got[-1] == "[DONE]" and got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 2 * NEW_TOKENS
+    chunks = got[:-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    expected = greedy_text(chat_prompt(llm_with_template, MESSAGES), NEW_TOKENS)[1]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == expected
+        assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+
+
+def test_chat_errors(stack, model_pair):
+    status, out = call(stack, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
+    assert status == 400 and out["error"]["param"] == "messages" and "tool messages are not supported" in out["error"]["message"]
+    status, out = call(stack, "/v1/chat/completions", {"messages": "hi"})
+    assert status == 400 and out["error"]["param"] == "messages"
+    status, out = call(stack, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
+    assert status == 400 and out["error"]["param"] == "echo"
+    # a model without a chat template: a clear 400
+    port = free_tcp_port()
+    stack.spawn_request_manager("rm-no-template", ["--http-port", str(port), "--model-dir", str(model_pair.llm)])
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps({"messages": MESSAGES}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    body = json.loads(err.value.read())
+    assert err.value.code == 400 and body["error"]["param"] == "messages" and "no chat template" in body["error"]["message"]

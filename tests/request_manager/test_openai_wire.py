@@ -104,7 +104,7 @@ def test_bad_fields_name_their_param(body, param):
         ("prompt.text", "prompt"),
         ("sampling.top_p", "top_p"),
         ("speculation.ssms", "speculation"),
-    ],  # noqa: E501
+    ],
 )
 def test_admission_fields_map_to_openai_params(field, param):
     assert ow.openai_param(field) == param
