@@ -42,6 +42,8 @@ from specinfer.v1 import api_pb2
 
 log = logging.getLogger("specinfer.request_manager.http")
 
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413), not kept nor parsed
+DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this, so that its sender gets the 413
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -326,8 +328,20 @@ def _usage_proto(event: StreamEvent) -> api_pb2.Usage:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object; 413 past MAX_BODY_BYTES, 400 when it is not one."""
+    raw = bytearray()
+    seen = 0
+    async for part in request.stream():
+        seen += len(part)
+        if seen <= MAX_BODY_BYTES:
+            raw += part
+        elif seen > DRAIN_BYTES:  # past this, answer at once (the client may see the connection close)
+            break
+    if seen > MAX_BODY_BYTES:
+        # read to the end where it is not huge, so that the client, still sending, gets the answer
+        raise HttpError(413, f"the body is over {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HttpError(400, "the body is not valid JSON", "invalid_request_error") from None
     if not isinstance(body, dict):

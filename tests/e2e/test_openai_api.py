@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API of the request manager, end to end: the real services as
-processes on 127.0.0.1, called over plain HTTP (urllib) as any OpenAI client would."""
+processes on 127.0.0.1, called over plain HTTP (urllib) and with the official ``openai`` client."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from services.harness import wait_until  # tests/services/harness.py
@@ -198,6 +199,10 @@ def test_bad_requests_are_openai_errors_naming_the_param(stack, body, status, pa
 def test_malformed_body_and_the_service_stays_up(stack):
     assert call(stack, "/v1/completions", b"{not json")[0] == 400
     assert call(stack, "/v1/completions", b"[1, 2]")[0] == 400
+    assert call(stack, "/v1/completions", b"\xff\xfe")[0] == 400
+    status, out = call(stack, "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())
+    assert status == 413 and out["error"]["code"] == "request_too_large"
+    assert call(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"})[0] == 400
     assert call(stack, "/v1/completions", {"prompt": "def f():", "max_tokens": 2})[0] == 200
 
 
@@ -299,3 +304,58 @@ def test_chat_errors(stack, model_pair):
         urllib.request.urlopen(req, timeout=60)
     body = json.loads(err.value.read())
     assert err.value.code == 400 and body["error"]["param"] == "messages" and "no chat template" in body["error"]["message"]
+
+
+def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url(stack, "/v1"), api_key=key, max_retries=0, timeout=120)
+
+
+def test_openai_client_completions(stack, model_pair, greedy_text):
+    oa = client(stack)
+    model = oa.models.list().data[0].id
+    assert model == stack.config.llm.name
+    prompt = list(model_pair.prompts[5])
+    extra = {"ignore_eos": True}
+    done = oa.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body=extra)
+    expected = greedy_text(prompt, NEW_TOKENS)[1]
+    assert done.choices[0].text == expected and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (len(prompt), NEW_TOKENS, len(prompt) + NEW_TOKENS)
+    stream = oa.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected  # streamed == not streamed
+    assert chunks[-1].usage.completion_tokens == NEW_TOKENS
+    # a stop string: the text ends before it, finish_reason "stop"
+    cut = expected[len(expected) // 2 :][:3]
+    assert cut and cut in expected
+    stopped = oa.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[cut], extra_body=extra)
+    assert stopped.choices[0].text == expected[: expected.index(cut)] and stopped.choices[0].finish_reason == "stop"
+    # n and seeds: reproducible samples on a static tree
+    sampled = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.9, "n": 3, "seed": 123}
+    body = {**extra, "speculation": {"expansion": [1, 1, 3]}}
+    a, b = oa.completions.create(**sampled, extra_body=body), oa.completions.create(**sampled, extra_body=body)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and [c.index for c in a.choices] == [0, 1, 2]
+
+
+def test_openai_client_chat(stack, llm_with_template, greedy_text):
+    oa = client(stack)
+    expected = greedy_text(chat_prompt(llm_with_template, MESSAGES), NEW_TOKENS)[1]
+    done = oa.chat.completions.create(model=llm_with_template.name, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == expected
+    stream = oa.chat.completions.create(
+        model=llm_with_template.name, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_client_errors(stack):
+    oa = client(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.completions.create(model=stack.config.llm.name, prompt="x", max_tokens=-1)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="gpt-4", prompt="x")
+    assert oa.completions.create(model=stack.config.llm.name, prompt="x", max_tokens=2).choices  # a good request still completes

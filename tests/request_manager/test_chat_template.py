@@ -16,7 +16,7 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# Llama-3 style: bos_token, a system message lifted out of the loop, whitespace control, loop controls
+# Llama-2 style: bos_token, a system message lifted out of the loop, whitespace control, loop controls
 LLAMA = """{{ bos_token }}
 {% if messages[0]['role'] == 'system' %}
     {% set system = messages[0]['content'] %}{% set messages = messages[1:] %}
@@ -30,6 +30,19 @@ LLAMA = """{{ bos_token }}
     {% if loop.index > 50 %}{% break %}{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}{{ ' ' }}{% endif %}"""
+# Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Mistral-7B-Instruct-v0.1's: no system role, roles must alternate
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token + ' ' }}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
 JSONY = "{% for m in messages %}{{ m | tojson }}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<answer>{% endif %}"
 
 MESSAGES = [
@@ -57,14 +70,14 @@ def checkpoint(model_pair, tmp_path):
     return make
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA, JSONY], ids=["chatml", "llama", "tojson"])
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, MISTRAL, LLAMA, JSONY], ids=["chatml", "llama3", "mistral", "llama2", "tojson"])
 @pytest.mark.parametrize("as_file", [False, True], ids=["config", "jinja-file"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_like_transformers(checkpoint, template, as_file, add_generation_prompt):
     folder = checkpoint(template, as_file)
     ours = ChatTemplate.load(folder)
     assert ours is not None
-    messages = check_messages(MESSAGES)
+    messages = check_messages(MESSAGES[1:] if template == MISTRAL else MESSAGES)  # Mistral's has no system role
     hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
     theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     text = ours.render(messages, add_generation_prompt)
