@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -359,3 +361,12 @@ def test_openai_client_errors(stack):
     with pytest.raises(openai.NotFoundError):
         oa.completions.create(model="gpt-4", prompt="x")
     assert oa.completions.create(model=stack.config.llm.name, prompt="x", max_tokens=2).choices  # a good request still completes
+
+
+def test_the_readme_openai_example_runs(stack):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:] if "from openai import OpenAI" in b]
+    code = block.replace("http://localhost:8000/v1", url(stack, "/v1"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "num_drafts" in proc.stdout and len(proc.stdout) > 100
