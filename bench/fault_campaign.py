@@ -184,7 +184,10 @@ class Campaign:
         return refs
 
     def pick_faults(self) -> list[tuple[str, str]]:
-        """A non-empty random subset of {one worker, the verifier, the manager}, each with a fault kind."""
+        """A non-empty random subset of {one worker, the verifier, the manager}, each with a fault kind
+        (``--only``: the given faults every round)."""
+        if self.args.only:
+            return [tuple(f.strip().split(" ", 1)) for f in self.args.only.split(",")]  # type: ignore[misc]
         worker = f"ssm-worker-{self.rng.randrange(2)}"
         while True:
             chosen = [n for n in (worker, "llm-verifier", "request-manager") if self.rng.random() < 0.5]
@@ -226,7 +229,8 @@ class Campaign:
         self.rng.shuffle(killed)
         timers = []
         for name in stopped:
-            t = threading.Timer(self.rng.uniform(0.5, 4.0), self.stack.process(name).popen.send_signal, (signal.SIGCONT,))
+            pause = self.args.stop_seconds or self.rng.uniform(0.5, 4.0)
+            t = threading.Timer(pause, self.stack.process(name).popen.send_signal, (signal.SIGCONT,))
             t.start()
             timers.append(t)
         restarted = []
@@ -323,6 +327,8 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=48)
     ap.add_argument("--fault-window", type=float, default=1.0, help="faults land within this many seconds after every stream has tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-seconds", type=float, default=0.0, help="how long a SIGSTOP lasts (0: 0.5-4 s at random)")
+    ap.add_argument("--only", default="", help='the same faults every round, e.g. "ssm-worker-0 kill,request-manager stop" (reproducing one)')
     ap.add_argument("--out", help="folder for summary.json and rounds.jsonl")
     args = ap.parse_args()
     campaign = Campaign(args)

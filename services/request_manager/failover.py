@@ -6,6 +6,11 @@ its SSM worker: no more work goes to it, and :class:`HealthProbes` checks its gR
 other workers serving the same SSM (:class:`.worker_pool.WorkerPool`). The channels' keepalive and
 reconnect settings (``CHANNEL_OPTIONS``) make a dead peer show up as a failed call and a restarted one
 reachable again within seconds, for the workers and the verifier alike.
+
+A deadline missed, or a connection dropped, because the request manager itself was not running
+(SIGSTOP, a paused VM, a long stall of its event loop) is not the worker's fault: :class:`StallWatch`
+notices such gaps, and a call that failed across one is retried once on the same worker instead of
+taking it out (which would also change what sampling requests draw: their drafts would be missing).
 """
 
 from __future__ import annotations
@@ -75,3 +80,41 @@ class HealthProbes:
                 break
         del self._probes[address]
         self._on_serving(address)
+
+
+class StallWatch:
+    """Notices when this process stopped running: a task ticks every ``tick`` seconds, and a gap
+    between ticks longer than ``gap`` seconds is a stall (the event loop, or the whole process, was
+    not running). :meth:`stalled_since` says whether a stall ended after a given time."""
+
+    def __init__(self, tick: float = 0.05, gap: float = 0.5) -> None:
+        self.tick, self.gap = tick, gap
+        self._last_stall_end = float("-inf")
+        self._last_tick = float("inf")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._last_tick = loop.time()
+        while True:
+            await asyncio.sleep(self.tick)
+            now = loop.time()
+            if now - self._last_tick > self.gap:
+                self._last_stall_end = now
+            self._last_tick = now
+
+    def stalled_since(self, started: float) -> bool:
+        """Whether a stall ended after ``started`` (``loop.time()``), or one is just ending (the
+        ticker has not run for over ``gap``: after SIGCONT a timed-out call may be handled before
+        it): a call that began before may have timed out only because of it."""
+        if self._task is None:
+            return False
+        return self._last_stall_end > started or asyncio.get_running_loop().time() - self._last_tick > self.gap
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -27,6 +27,8 @@ from .worker_pool import WorkerPool
 
 log = logging.getLogger("specinfer.request_manager")
 
+STALL_FAULTS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # what a stall of ours can cause
+
 
 @dataclass(frozen=True)
 class Drafts:
@@ -69,6 +71,7 @@ class SsmWorkers(WorkerPool):
         result (their tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
         out = Drafts({}, [])
         pending = list(calls)
+        retried: set[str] = set()  # workers given a second try after a stall of our own
         while pending:
             by_worker: dict[str, list[DraftSpec]] = {}
             for c in pending:
@@ -79,11 +82,19 @@ class SsmWorkers(WorkerPool):
                 break  # no worker left for this SSM: the remaining requests verify their root alone
             # stubs and trackers are taken now: a refresh may drop a worker while its call runs
             jobs = [self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()]
+            started = asyncio.get_running_loop().time()
             pending = []
             for (address, cs), part in zip(by_worker.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
                 if isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
-                    self.take_out(address, part)
-                    pending += cs  # to another live worker, if any
+                    # a deadline that passed, or a connection the worker dropped (its keepalive pings unanswered),
+                    # while we were not running
+                    stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
+                    if stalled and address not in retried:  # we were not running, not the worker: once more there
+                        retried.add(address)
+                        log.info("Speculate timed out across a stall of the request manager; retrying", extra={"address": address})
+                    else:
+                        self.take_out(address, part)
+                    pending += cs  # to the same worker after a stall, else to another live worker, if any
                 elif isinstance(part, BaseException):
                     raise part
                 else:

@@ -30,7 +30,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker
 from .discovery import DNS_REFRESH_SECONDS, DnsTarget, resolve_targets
-from .failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes
+from .failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes, StallWatch
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -61,6 +61,7 @@ class WorkerPool:
         self.probe_seconds = probe_seconds
         self.auth = auth or ClientAuth()
         self._down = HealthProbes(probe_seconds, self.auth.metadata, self._back)
+        self.stalls = StallWatch()  # started by discover(), on the running loop
         self.on_change: Callable[[], object] | None = None  # called when a worker is taken out or back
         self.refresh_seconds = refresh_seconds
         self.addresses: list[str] = []  # the workers, in the order of the stable hashing
@@ -103,6 +104,7 @@ class WorkerPool:
         most ``join_seconds``. The workers that answer join; the others stay pending and join in the
         background when they answer (so start-up never waits for a worker that is down). Raises
         ValueError for a worker whose vocabulary is not the pool's: that is a configuration error."""
+        self.stalls.start()
         try:
             addresses = await resolve_targets(self.targets, self._dns)
         except OSError as exc:
@@ -243,6 +245,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         self._down.close()
+        self.stalls.close()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
