@@ -19,7 +19,12 @@ redis-server on its state dir is left running.
 Why at most one of the two workers per round: under sampling the tokens drawn depend on the draft
 trees, which stay the same as long as a worker of the SSM drafts them (drafts are seeded per
 request and step); with both workers down the requests decode without drafts and draw other
-(equally distributed, but not equal) samples. Greedy outputs do not depend on drafts at all.
+(equally distributed, but not equal) samples. Greedy outputs do not depend on drafts at all. For
+the same reason a round starts only once the request manager has taken both workers back into
+service (its specinfer_ssm_workers_live gauge): a restarted worker that answers its own health check
+is not yet drafting, and a fault on the other one meanwhile leaves none. Recovery time runs from the
+fault to that point; re-adoption time is its last part, from every process serving to the manager
+using both workers again.
 
     python bench/fault_campaign.py --llm ../shared/models/pycode-a/llm --ssm ../shared/models/pycode-a/ssm \\
         --prompts ../shared/models/pycode-a/prompts.jsonl --rounds 200 --out bench/results/faults
@@ -36,6 +41,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +151,8 @@ class Campaign:
         self.tokenizer = load_tokenizer(args.llm)
         self.faults: Counter[str] = Counter()
         self.rows: list[dict] = []
+        self.round = 0
+        self.readoption = 0.0  # last round: from every process serving to the manager using both workers
 
     def token_prompt(self, i: int) -> list[int]:
         """Prompt ``i`` (cycling), its last ``--max-prompt-tokens`` tokens."""
@@ -185,9 +193,11 @@ class Campaign:
 
     def pick_faults(self) -> list[tuple[str, str]]:
         """A non-empty random subset of {one worker, the verifier, the manager}, each with a fault kind
-        (``--only``: the given faults every round)."""
+        (``--only``: the given fault sets, one per round in turn)."""
         if self.args.only:
-            return [tuple(f.strip().split(" ", 1)) for f in self.args.only.split(",")]  # type: ignore[misc]
+            sets = self.args.only.split(";")
+            chosen = sets[self.round % len(sets)]
+            return [tuple(f.strip().split(" ", 1)) for f in chosen.split(",")]  # type: ignore[misc]
         worker = f"ssm-worker-{self.rng.randrange(2)}"
         while True:
             chosen = [n for n in (worker, "llm-verifier", "request-manager") if self.rng.random() < 0.5]
@@ -249,6 +259,28 @@ class Campaign:
             t.join()
         for proc in restarted:
             self.stack.wait_ready(proc, 300)
+        ready = time.monotonic()
+        self.wait_workers_adopted(60)
+        self.readoption = time.monotonic() - ready
+
+    def wait_workers_adopted(self, timeout: float) -> None:
+        """Wait until the request manager has both workers in service again (its
+        specinfer_ssm_workers_live gauge), so the next round's single worker fault never leaves the
+        SSM with none: a worker's process answering is not yet the manager having taken it back."""
+        url = f"http://{self.stack.process('request-manager').metrics_address}/metrics"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    text = reply.read().decode()
+                live = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specinfer_ssm_workers_live{")]
+                if live and min(live) >= self.stack.config.workers:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the request manager did not take every SSM worker back in {timeout:.0f} s")
+            time.sleep(0.05)
 
     def run(self) -> dict:
         started = time.monotonic()
@@ -257,8 +289,9 @@ class Campaign:
             prompts = [self.token_prompt(i) for i in range(self.args.streams)]
             refs = self.references(prompts)
             totals = Counter()
-            max_recovery = 0.0
+            max_recovery = max_readoption = 0.0
             for r in range(self.args.rounds):
+                self.round = r
                 reqs = self.requests(r, prompts)
                 deadline = time.monotonic() + 600
                 live = [Outcome() for _ in reqs]
@@ -277,6 +310,7 @@ class Campaign:
                     recovery = time.monotonic() - hit
                     outcomes = [f.result(timeout=900) for f in futures]
                 max_recovery = max(max_recovery, recovery)
+                max_readoption = max(max_readoption, self.readoption)
                 exact = sum(o.tokens == refs[i] for i, o in enumerate(outcomes))
                 row = {
                     "round": r,
@@ -289,6 +323,7 @@ class Campaign:
                     "retries": sum(o.retries for o in outcomes),
                     "resubmitted": sum(o.resubmitted for o in outcomes),
                     "recovery_seconds": round(recovery, 2),
+                    "readoption_seconds": round(self.readoption, 2),
                 }
                 for i, o in enumerate(outcomes):
                     if o.tokens != refs[i]:
@@ -311,6 +346,7 @@ class Campaign:
             **totals,
             "exact_percent": round(100.0 * totals["exact"] / max(1, totals["requests"]), 2),
             "max_recovery_seconds": round(max_recovery, 2),
+            "max_readoption_seconds": round(max_readoption, 2),
             "orphans": len(orphans),
             "seconds": round(time.monotonic() - started, 1),
         }
@@ -328,18 +364,22 @@ def main() -> None:
     ap.add_argument("--fault-window", type=float, default=1.0, help="faults land within this many seconds after every stream has tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-seconds", type=float, default=0.0, help="how long a SIGSTOP lasts (0: 0.5-4 s at random)")
-    ap.add_argument("--only", default="", help='the same faults every round, e.g. "ssm-worker-0 kill,request-manager stop" (reproducing one)')
+    ap.add_argument(
+        "--only",
+        default="",
+        help='fixed faults, e.g. "ssm-worker-0 kill,request-manager stop"; sets separated by ";" take turns, one per round (reproducing a sequence)',
+    )
     ap.add_argument("--out", help="folder for summary.json and rounds.jsonl")
     args = ap.parse_args()
     campaign = Campaign(args)
     summary = campaign.run()
     print()
-    print("| rounds | requests | exact % | duplicated | lost | client retries | resubmitted | max recovery s | orphans | seconds |")
-    print("| --- " * 10 + "|")
+    print("| rounds | requests | exact % | duplicated | lost | client retries | resubmitted | max recovery s | max re-adoption s | orphans | seconds |")
+    print("| --- " * 11 + "|")
     s = summary
     print(
         f"| {s['rounds']} | {s['requests']} | {s['exact_percent']} | {s['duplicated']} | {s['lost']} | {s['retries']} | {s['resubmitted']} "
-        f"| {s['max_recovery_seconds']} | {s['orphans']} | {s['seconds']} |"
+        f"| {s['max_recovery_seconds']} | {s['max_readoption_seconds']} | {s['orphans']} | {s['seconds']} |"
     )
     print()
     print("| fault | count |")

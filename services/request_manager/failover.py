@@ -23,14 +23,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PROBE_SECONDS = 1.0  # how often a worker taken out is health-checked
 # keepalive pings find a dead peer on an idle connection (the servers permit pings every 10 s);
-# reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a restarted worker or verifier
-# is back in seconds, and calls to it fail fast until it is
+# reconnect backoff capped at PROBE_SECONDS (gRPC's default grows to 120 s): a health probe of a
+# worker taken out runs on the worker's own channel and fails fast while that channel backs off, so
+# a longer cap delays taking a restarted worker back by up to the cap (the fault campaign measured
+# up to 5 s with a 5 s cap, long enough for the other worker to fail meanwhile and leave its SSM
+# with none); a connection attempt a second to a dead address costs nothing worth saving
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", int(PROBE_SECONDS * 1000)),
 )
 # statuses that say the call was wrong, not the worker: they do not take the worker out
 CALLER_FAULTS = frozenset(
