@@ -198,6 +198,15 @@ async def serve(cfg: RequestManagerConfig) -> int:
             requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
             await requests.recover()
             running.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
+
+            def verifier_changed(reachable: bool) -> None:
+                # health follows the verifier: NOT_SERVING while requests cannot be answered (they wait)
+                log.warning("health SERVING: the verifier answers again" if reachable else "health NOT_SERVING: the verifier is unreachable")
+                task = asyncio.get_running_loop().create_task(service.set_serving(reachable))
+                reports.add(task)
+                task.add_done_callback(reports.discard)
+
+            scheduler.on_verifier_change = verifier_changed
             servicer.open(requests)
             if workers is not None:
                 ssms = SsmSet(cfg, info, verifier, workers, scheduler, requests, scheduler_metrics)

@@ -6,8 +6,9 @@ chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers con
 :func:`.admission.build_live` as the gRPC servicer, call :meth:`.lifecycle.Requests.start` once per
 choice, and wrap the events; they hold no logic of their own. Errors are OpenAI error objects: 400
 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404 for an
-unknown model, 429 when the queue is full, 503 while the verifier has not answered yet. A client
-that disconnects cancels its requests.
+unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after
+start-up, while it is unreachable (requests already running wait for it). A client that
+disconnects cancels its requests.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ class HttpMetrics:
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status)
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
+        return JSONResponse(ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers)
 
 
 def http_error(exc: Exception) -> HttpError:
@@ -78,7 +80,7 @@ def http_error(exc: Exception) -> HttpError:
     if isinstance(exc, ResourceExhausted):
         return HttpError(429, str(exc), "rate_limit_error", None, "queue_full")
     if isinstance(exc, Unavailable):
-        return HttpError(503, str(exc), "service_unavailable", None, "unavailable")
+        return HttpError(503, str(exc), "service_unavailable", None, "unavailable", retry_after=1)
     if isinstance(exc, FieldError):
         return HttpError(400, str(exc), "invalid_request_error", ow.openai_param(exc.field))
     log.exception("HTTP request failed")
@@ -139,11 +141,20 @@ class HttpApi:
 
     # -- endpoints -------------------------------------------------------------------------
 
+    def _check_verifier(self) -> None:
+        """503 for a new request while the verifier is unreachable after start-up: requests in
+        flight wait for it, but a new caller is better told to retry (OpenAI clients retry 503
+        with backoff) than kept waiting for an outage of unknown length."""
+        if not self.servicer.requests.scheduler.verifier_reachable:
+            raise HttpError(503, "the LLM verifier is unreachable; retry later", "service_unavailable", None, "verifier_unavailable", retry_after=1)
+
     async def health(self, request: Request) -> Response:
         try:
             self.servicer.requests  # noqa: B018 - raises Unavailable while starting
         except Unavailable as exc:
             return JSONResponse({"status": "starting", "detail": str(exc)}, status_code=503)
+        if not self.servicer.requests.scheduler.verifier_reachable:
+            return JSONResponse({"status": "unavailable", "detail": "the LLM verifier is unreachable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
@@ -183,6 +194,7 @@ class HttpApi:
         """Admit every choice of ``body`` (a completions body), then answer: one object, or a stream."""
         params = ow.completion_params(body)
         model = self._model(params.model)
+        self._check_verifier()
         requests = self.servicer.requests
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         msgs = ow.generate_requests(body, params, response_id)

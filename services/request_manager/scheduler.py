@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -128,9 +128,17 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
-        self.verifier_failures = 0  # failed verifier calls in a row (a hook for health and metrics)
+        self.verifier_failures = 0  # failed verifier calls in a row
+        # called with False when a verifier call fails after one that answered, with True when it
+        # answers again (the request manager's health follows it)
+        self.on_verifier_change: Callable[[bool], object] | None = None
 
     # -- requests -----------------------------------------------------------------------
+
+    @property
+    def verifier_reachable(self) -> bool:
+        """False from a failed verifier call until one answers (requests in flight wait meanwhile)."""
+        return self.verifier_failures == 0
 
     def get(self, request_id: str) -> Live | None:
         live = self._active.get(request_id)
@@ -224,12 +232,16 @@ class Scheduler:
             log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details(), "retry_in_s": wait})
             m.verifier_failures.inc()
             self.verifier.lost_caches()
+            if self.verifier_failures == 1 and self.on_verifier_change is not None:
+                self.on_verifier_change(False)
             await asyncio.sleep(wait)
             return
         verified = time.perf_counter()
         if self.verifier_failures:
             log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
             self.verifier_failures = 0
+            if self.on_verifier_change is not None:
+                self.on_verifier_change(True)
         if self.planner is not None:
             self.planner.observe_verify(calls, verified - speculated)
         for live, call in zip(batch, calls, strict=True):

@@ -4,11 +4,15 @@ or is killed. Real processes on 127.0.0.1; outputs checked against transformers'
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from email.message import Message
 from pathlib import Path
 
 import grpc
@@ -151,9 +155,10 @@ def test_starts_with_the_verifier_and_every_worker_down(stack, model_pair, greed
     """Nothing but the manager is up: it listens (health NOT_SERVING, calls UNAVAILABLE), serves once a
     verifier comes up (generating without speculation: no SSM is known yet), then speculates once a
     worker comes up, exactly."""
-    verifier_port, worker_port = free_tcp_port(), free_tcp_port()
+    verifier_port, worker_port, http_port = free_tcp_port(), free_tcp_port(), free_tcp_port()
     name = "rm-all-down"
-    rm = spawn(stack, name, "specinfer.request_manager", manager_args(stack, name, f"127.0.0.1:{verifier_port}", [f"127.0.0.1:{worker_port}"]))
+    args = manager_args(stack, name, f"127.0.0.1:{verifier_port}", [f"127.0.0.1:{worker_port}"])
+    rm = spawn(stack, name, "specinfer.request_manager", [*args, "--http-port", str(http_port)])
     started: list[subprocess.Popen] = []
     try:
         address = port_of(stack, name, rm)
@@ -163,6 +168,10 @@ def test_starts_with_the_verifier_and_every_worker_down(stack, model_pair, greed
         with pytest.raises(grpc.RpcError) as refused:
             generate(address, model_pair.prompts[0])
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "starting" in refused.value.details()
+        base = f"http://127.0.0.1:{http_port}"
+        assert http_call(f"{base}/health")[:2] == (503, {"status": "starting", "detail": refused.value.details()})
+        status, body, headers = http_call(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 503 and body["error"]["code"] == "unavailable" and headers.get("Retry-After") == "1"
 
         verifier_args = ["--port", str(verifier_port), "--llm", str(stack.config.llm), "--torch-threads", "1", "--backend", stack.config.backend]
         started.append(spawn(stack, "llm-verifier-late", "specinfer.llm_verifier", verifier_args))
@@ -184,6 +193,57 @@ def test_starts_with_the_verifier_and_every_worker_down(stack, model_pair, greed
         assert stop(rm) == 0
         for proc in started:
             stop(proc)
+    assert redis_servers_in(stack.workdir / f"{name}-state") == []
+
+
+def http_call(url: str, body: dict | None = None) -> tuple[int, dict, Message]:
+    """(status, JSON body, headers: case-insensitive) of a GET, or a POST of ``body``."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return reply.status, json.loads(reply.read()), reply.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers
+
+
+def test_verifier_lost_after_start_up(stack, model_pair, greedy):
+    """The verifier dies after start-up: a running request waits for it; meanwhile health is
+    NOT_SERVING (gRPC) and 503 (HTTP /health), and a new HTTP request is answered 503 with
+    Retry-After at once. Once a verifier is back on the address, the waiting request finishes
+    exactly and everything serves again."""
+    verifier_port, http_port = free_tcp_port(), free_tcp_port()
+    verifier_args = ["--port", str(verifier_port), "--llm", str(stack.config.llm), "--torch-threads", "1", "--backend", stack.config.backend]
+    verifier = spawn(stack, "llm-verifier-lost", "specinfer.llm_verifier", verifier_args)
+    name = "rm-verifier-lost"
+    args = manager_args(stack, name, f"127.0.0.1:{verifier_port}", [stack.process("ssm-worker-0").address])
+    rm = spawn(stack, name, "specinfer.request_manager", [*args, "--http-port", str(http_port)])
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        address = port_of(stack, name, rm)
+        wait_until(lambda: check(address, timeout=2) == "SERVING", 120, "request manager serving")
+        assert http_call(f"{base}/health")[0] == 200
+        verifier.kill()
+        verifier.wait()
+        prompt = model_pair.prompts[4]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(generate, address, prompt)  # its verify call fails: the manager learns
+            wait_until(lambda: check(address, timeout=2) == "NOT_SERVING", 30, "health NOT_SERVING without a verifier")
+            status, body, _ = http_call(f"{base}/health")
+            assert status == 503 and "verifier" in body["detail"]
+            status, body, headers = http_call(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 4})
+            assert status == 503 and body["error"]["code"] == "verifier_unavailable" and headers.get("Retry-After") == "1"
+            assert not waiting.done()  # the running request waits instead
+            verifier = spawn(stack, "llm-verifier-lost", "specinfer.llm_verifier", verifier_args)
+            result = waiting.result(timeout=180)
+        assert list(result.token_ids) == greedy(prompt, NEW_TOKENS)
+        wait_until(lambda: check(address, timeout=2) == "SERVING", 30, "health SERVING again")
+        status, body, _ = http_call(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True})
+        assert status == 200 and body["choices"][0]["text"]
+        assert http_call(f"{base}/health")[0] == 200
+    finally:
+        assert stop(rm) == 0
+        stop(verifier)
     assert redis_servers_in(stack.workdir / f"{name}-state") == []
 
 
