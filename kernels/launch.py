@@ -61,7 +61,7 @@ def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMet
     """
     forced = forced or Forced()
     block_m, block_n, num_splits = forced.block_m, forced.block_n, forced.num_splits
-    group = q.shape[1] // k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[-2]  # k_cache: [capacity, H_kv, D] or paged [num_blocks, block_size, H_kv, D]
     head_dim = q.shape[2]
     rows = meta.max_queries * group
     fp32 = q.dtype == torch.float32
@@ -72,7 +72,7 @@ def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMet
     if num_splits is None:
         num_splits = 1
         if q.is_cuda:
-            programs = _num_tiles(meta, group, block_m) * k_cache.shape[1]
+            programs = _num_tiles(meta, group, block_m) * k_cache.shape[-2]
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
             if programs < sms:
                 num_splits = max(1, min(-(-sms // programs), meta.max_prefix_len // (4 * block_n), 32))

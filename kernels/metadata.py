@@ -10,9 +10,20 @@ Terms (see also :mod:`specinfer.core.tree`):
 - *chain*: a tree with ``parents == [-1, 0, 1, ..., n-2]``. Its mask is plain causal attention (``j <= i``),
   which is how prefill and single-token decode use the same kernel. Chains need no stored mask at all.
 
-KV layout (token-major pools shared by all requests, ``[capacity, num_kv_heads, head_dim]``): request b owns the
-contiguous rows ``kv_start[b] .. kv_start[b] + prefix_len[b] + tree_len[b] - 1``; row ``kv_start[b] + p`` holds
-prefix position ``p`` for ``p < prefix_len[b]`` and tree node ``p - prefix_len[b]`` after that.
+*Logical position* p of request b: prefix position ``p`` for ``p < prefix_len[b]``, tree node ``p - prefix_len[b]``
+after that (``0 <= p < prefix_len[b] + tree_len[b]``). Both KV layouts below store exactly these positions.
+
+Contiguous KV layout (token-major pools shared by all requests, ``[capacity, num_kv_heads, head_dim]``, built by
+:func:`build_tree_metadata`): request b owns the contiguous rows ``kv_start[b] .. kv_start[b] + prefix_len[b] +
+tree_len[b] - 1``; row ``kv_start[b] + p`` holds logical position ``p``.
+
+Paged KV layout (vLLM style, built by :func:`build_paged_tree_metadata`): the pools are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, cut into *KV blocks* of ``block_size`` token slots (a KV block is the unit the cache
+manager hands out; not to be confused with the kernel's ``BLOCK_N``-key tiles). Request b's *block table* row lists
+its physical KV blocks in logical order: logical position ``p`` lives in block ``block_table[b, p // block_size]``,
+slot ``p % block_size``. Only the first ``ceil((prefix_len[b] + tree_len[b]) / block_size)`` entries of a row are
+read; a row may hold more (blocks reserved for later tokens) and is padded with -1 to the widest row. Blocks may be
+shared between requests (prefix caching); nothing here assumes they are not. ``kv_start`` is all zero.
 
 Query layout (cu_seqlens style): request b's queries are rows ``q_start[b] .. q_start[b + 1] - 1`` of the packed
 ``[total_queries, num_heads, head_dim]`` query tensor. By default every tree node has a query (``total_queries ==
@@ -48,10 +59,15 @@ class TreeAttentionMetadata:
 
     Device tensors (int32, on ``device``) are read by the Triton kernel; the host tuples mirror them so the
     PyTorch paths and launch configuration never synchronise with the device.
+
+    One class for both KV layouts (``paged``: ``block_size > 0``) rather than a sibling class: the queries, trees and
+    masks, which are most of it, do not depend on the layout, and every consumer (kernel, PyTorch paths, launch
+    heuristics, the native runtime's signatures) then takes one type; only where a logical position's K/V row lives
+    differs, and the caches' rank must match (3-D: contiguous, 4-D: paged; checked at every call).
     """
 
     q_start: torch.Tensor  # [B + 1] int32, cu_seqlens of the packed queries (request b has q_start[b+1]-q_start[b] queries)
-    kv_start: torch.Tensor  # [B] int32, first KV-cache row of each request
+    kv_start: torch.Tensor  # [B] int32, first KV-cache row of each request (all zero when paged)
     prefix_len: torch.Tensor  # [B] int32, committed tokens already in the cache
     tree_len: torch.Tensor  # [B] int32, tree nodes (>= 1) written right behind the prefix
     anc_row_start: torch.Tensor  # [B] int32, anc_bits row of node 0, -1 for chains
@@ -70,11 +86,25 @@ class TreeAttentionMetadata:
     max_queries: int  # max over requests of num_queries (launch grid)
     max_prefix_len: int  # max over requests of prefix_len (split heuristic)
     num_words: int  # int32 words per anc_bits row
+    cache_len: int  # least first dimension of the KV caches: rows (contiguous) or blocks (paged: max block id read + 1)
     _dense_masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # Paged layout only (defaults: contiguous).
+    block_size: int = 0  # token slots per KV block; 0: contiguous layout
+    block_table: torch.Tensor | None = None  # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded
+    block_tables: tuple[tuple[int, ...], ...] = ()  # host copy of each request's block-table row, unpadded
 
     @property
     def device(self) -> torch.device:
         return self.q_start.device
+
+    @property
+    def paged(self) -> bool:
+        """K/V are read through block tables from ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches."""
+        return self.block_size > 0
+
+    def kv_len(self, b: int) -> int:
+        """Logical positions of request b (prefix + tree nodes), i.e. keys each of its queries may see."""
+        return self.prefix_lens[b] + self.tree_lens[b]
 
 
 def is_chain(parents: Sequence[int]) -> bool:
@@ -116,7 +146,7 @@ def build_tree_metadata(
     device: torch.device | str,
     num_queries: Sequence[int] | None = None,
 ) -> TreeAttentionMetadata:
-    """Build the metadata of one verify step (see the module docstring for every layout).
+    """Build the metadata of one verify step over the contiguous KV layout (see the module docstring for every layout).
 
     Args:
         parents_list: per request, the parent array of its token tree (``parents[0] == -1``, ``parents[i] < i``).
@@ -128,18 +158,61 @@ def build_tree_metadata(
 
     Chains are detected automatically and get no bit rows.
     """
+    if len(prefix_lens) != len(parents_list) or len(kv_starts) != len(parents_list):
+        raise ValueError(f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(kv_starts)} kv starts")
+    starts = tuple(int(s) for s in kv_starts)
+    if starts and min(starts) < 0:
+        raise ValueError("kv starts must be non-negative")
+    return _build(parents_list, prefix_lens, starts, device, num_queries, block_tables=None, block_size=0)
+
+
+def build_paged_tree_metadata(
+    parents_list: Sequence[Sequence[int]],
+    prefix_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+    num_queries: Sequence[int] | None = None,
+) -> TreeAttentionMetadata:
+    """Build the metadata of one verify step over the paged KV layout (module docstring); as :func:`build_tree_metadata`
+    but with block tables instead of ``kv_starts``.
+
+    Args:
+        block_tables: per request, its physical KV blocks in logical order (a list, or a row of a -1 padded 2-D
+            array). The first ``ceil((prefix_len + tree_len) / block_size)`` entries must be block ids (>= 0); later
+            ones are not read and may be -1. Whether ids are below the caches' ``num_blocks`` is checked per call.
+        block_size: token slots per KV block (>= 1; any value, powers of two are cheapest in the kernel).
+
+    Raises ValueError when a block table is too short for its request's prefix + tree, or holds a negative id
+    where a block is needed.
+    """
+    if int(block_size) < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if len(prefix_lens) != len(parents_list) or len(block_tables) != len(parents_list):
+        raise ValueError(f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(block_tables)} block tables")
+    tables = tuple(tuple(int(x) for x in t) for t in block_tables)
+    return _build(parents_list, prefix_lens, (0,) * len(tables), device, num_queries, block_tables=tables, block_size=int(block_size))
+
+
+def _build(
+    parents_list: Sequence[Sequence[int]],
+    prefix_lens: Sequence[int],
+    starts: tuple[int, ...],
+    device: torch.device | str,
+    num_queries: Sequence[int] | None,
+    block_tables: tuple[tuple[int, ...], ...] | None,
+    block_size: int,
+) -> TreeAttentionMetadata:
+    """The two public builders' common part; ``block_tables is None`` for the contiguous layout."""
     batch = len(parents_list)
     if batch == 0:
         raise ValueError("empty batch")
-    if len(prefix_lens) != batch or len(kv_starts) != batch:
-        raise ValueError(f"got {batch} trees, {len(prefix_lens)} prefix lengths and {len(kv_starts)} kv starts")
     parents = tuple(tuple(int(p) for p in ps) for ps in parents_list)
     for ps in parents:
         validate_parents(ps)
     prefix = tuple(int(p) for p in prefix_lens)
-    starts = tuple(int(s) for s in kv_starts)
-    if min(prefix) < 0 or min(starts) < 0:
-        raise ValueError("prefix lengths and kv starts must be non-negative")
+    if min(prefix) < 0:
+        raise ValueError("prefix lengths must be non-negative")
 
     tree_lens = tuple(len(ps) for ps in parents)
     queries = tuple(tree_lens) if num_queries is None else tuple(int(x) for x in num_queries)
@@ -163,8 +236,20 @@ def build_tree_metadata(
         rows += len(ps)
     bits = np.concatenate(blocks) if blocks else np.zeros((1, 1), dtype=np.int32)  # [num_bit_rows, num_words]
 
+    if block_tables is None:
+        cache_len = max(s + p + n for s, p, n in zip(starts, prefix, tree_lens, strict=True))
+        extra: list[np.ndarray] = []
+    else:
+        cache_len = _check_block_tables(block_tables, block_size, prefix, tree_lens)
+        width = max(len(t) for t in block_tables)
+        table = np.full((batch, width), -1, dtype=np.int32)  # [B, max_blocks_per_request]
+        for b, t in enumerate(block_tables):
+            table[b, : len(t)] = t
+        extra = [table]
+
     q_starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(queries)]))
-    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits = _to_device([q_starts, starts, prefix, tree_lens, row_start, bits], device)
+    arrays = [q_starts, starts, prefix, tree_lens, row_start, bits, *extra]
+    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits, *paged = _to_device(arrays, device)  # one transfer
     return TreeAttentionMetadata(
         q_start=q_start,
         kv_start=kv_start,
@@ -186,4 +271,23 @@ def build_tree_metadata(
         max_queries=max(queries),
         max_prefix_len=max(prefix),
         num_words=num_words,
+        cache_len=cache_len,
+        block_size=block_size,
+        block_table=paged[0] if paged else None,
+        block_tables=block_tables or (),
     )
+
+
+def _check_block_tables(tables: tuple[tuple[int, ...], ...], block_size: int, prefix: tuple[int, ...], tree_lens: tuple[int, ...]) -> int:
+    """Validate each request's block table against its length; returns the number of blocks the caches need."""
+    max_id = -1
+    for b, (t, p, n) in enumerate(zip(tables, prefix, tree_lens, strict=True)):
+        need = -(-(p + n) // block_size)
+        if len(t) < need:
+            raise ValueError(
+                f"request {b}: block table has {len(t)} blocks but prefix_len {p} + tree_len {n} = {p + n} positions need {need} blocks of {block_size}"
+            )
+        if min(t[:need]) < 0 or (len(t) > need and min(t[need:]) < -1):
+            raise ValueError(f"request {b}: block table {list(t)} has a negative block id among its first {need} entries, or one below -1 (padding)")
+        max_id = max(max_id, *t[:need])
+    return max_id + 1

@@ -20,8 +20,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def tree_attention(
     q: torch.Tensor,  # [total_queries, num_heads, head_dim] (total_nodes unless num_queries was given)
-    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim], or paged [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # same shape as k_cache
     meta: TreeAttentionMetadata,
     sm_scale: float | None = None,
     impl: Impl = "auto",
@@ -32,6 +32,11 @@ def tree_attention(
     call), ``"torch"`` the per-request SDPA-with-mask path, ``"ref"`` the slow fp32 reference, ``"auto"`` the kernel
     for CUDA tensors when Triton is installed and the SDPA path otherwise. ``sm_scale`` defaults to
     ``1 / sqrt(head_dim)``.
+
+    The KV layout follows the caches' rank, which must match ``meta``: 3-D caches with metadata from
+    :func:`~specinfer.kernels.metadata.build_tree_metadata` (contiguous rows per request), 4-D caches with metadata from
+    :func:`~specinfer.kernels.metadata.build_paged_tree_metadata` (KV blocks through block tables); every ``impl``
+    takes both, and a mismatch raises ValueError.
     """
     if impl == "auto":
         impl = "triton" if q.is_cuda and HAS_TRITON else "torch"

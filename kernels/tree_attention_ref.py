@@ -35,11 +35,33 @@ def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.devic
 def _request_views(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Request b's queries ``[nq, H, D]`` and keys/values ``[prefix_len + n, H_kv, D]`` (views, no copies)."""
+    """Request b's queries ``[nq, H, D]`` and keys/values ``[prefix_len + n, H_kv, D]`` in logical order.
+
+    Contiguous layout: views, no copies. Paged layout: copies gathered through the device block table (whole KV
+    blocks, then the unused slots of the last one cut off), so the math after this is the same for both layouts.
+    """
     q0, q1 = meta.q_starts[b], meta.q_starts[b + 1]
+    length = meta.kv_len(b)
+    if meta.paged:
+        assert meta.block_table is not None
+        blocks = meta.block_table[b, : -(-length // meta.block_size)].to(k_cache.device)  # [num_request_blocks] int32 (no copy when same device)
+        return q[q0:q1], k_cache.index_select(0, blocks).flatten(0, 1)[:length], v_cache.index_select(0, blocks).flatten(0, 1)[:length]
     kv0 = meta.kv_starts[b]
-    kv1 = kv0 + meta.prefix_lens[b] + len(meta.parents[b])
-    return q[q0:q1], k_cache[kv0:kv1], v_cache[kv0:kv1]
+    return q[q0:q1], k_cache[kv0 : kv0 + length], v_cache[kv0 : kv0 + length]
+
+
+def _request_kv_by_position(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's keys/values ``[prefix_len + n, H_kv, D]``, each logical position looked up on its own from the
+    *host* block table: the reference's deliberately naive gather, so it also checks the device table the faster
+    paths read. Contiguous layout: the same views as :func:`_request_views`."""
+    length = meta.kv_len(b)
+    if not meta.paged:
+        kv0 = meta.kv_starts[b]
+        return k_cache[kv0 : kv0 + length], v_cache[kv0 : kv0 + length]
+    table = meta.block_tables[b]
+    block = torch.tensor([table[p // meta.block_size] for p in range(length)], device=k_cache.device)  # [L]
+    slot = torch.tensor([p % meta.block_size for p in range(length)], device=k_cache.device)  # [L]
+    return k_cache[block, slot], v_cache[block, slot]
 
 
 def _query_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
@@ -49,30 +71,44 @@ def _query_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> to
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata) -> int:
-    """Validate shapes; returns the GQA group size ``num_heads // num_kv_heads``."""
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"expected q [T, H, D] and k/v caches [capacity, H_kv, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    """Validate shapes, and that the caches' layout (3-D contiguous, 4-D paged) is the metadata's; returns the GQA
+    group size ``num_heads // num_kv_heads``."""
+    if q.dim() != 3 or k_cache.dim() not in (3, 4) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "expected q [T, H, D] and k/v caches [capacity, H_kv, D] or paged [num_blocks, block_size, H_kv, D]; "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if (k_cache.dim() == 4) != meta.paged:
+        layout = f"paged (block_size {meta.block_size})" if meta.paged else "contiguous"
+        raise ValueError(f"{k_cache.dim()}-D k/v caches but the metadata describes the {layout} KV layout")
+    if meta.paged and k_cache.shape[1] != meta.block_size:
+        raise ValueError(f"the paged caches hold KV blocks of {k_cache.shape[1]} slots but the metadata's block_size is {meta.block_size}")
     if q.shape[0] != meta.total_queries:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.total_queries} queries")
-    if q.shape[2] != k_cache.shape[2]:
-        raise ValueError(f"head_dim differs: q {q.shape[2]} vs cache {k_cache.shape[2]}")
-    if q.shape[1] % k_cache.shape[1] != 0:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[1]}")
-    end = max(s + p + n for s, p, n in zip(meta.kv_starts, meta.prefix_lens, meta.tree_lens, strict=True))
-    if end > k_cache.shape[0]:
-        raise ValueError(f"requests reach KV row {end} but the cache holds {k_cache.shape[0]} rows")
-    return q.shape[1] // k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"head_dim differs: q {q.shape[2]} vs cache {head_dim}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if meta.cache_len > k_cache.shape[0]:
+        if meta.paged:
+            raise ValueError(f"the block tables name KV block {meta.cache_len - 1} but the cache holds {k_cache.shape[0]} blocks")
+        raise ValueError(f"requests reach KV row {meta.cache_len} but the cache holds {k_cache.shape[0]} rows")
+    return q.shape[1] // num_kv_heads
 
 
 def tree_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None
 ) -> torch.Tensor:
-    """Reference tree attention: per request, dense fp32 ``softmax(q k^T * scale + mask) v``. Slow and obvious."""
+    """Reference tree attention: per request, dense fp32 ``softmax(q k^T * scale + mask) v``. Slow and obvious.
+
+    Paged caches are first gathered position by position into the contiguous ``[prefix_len + n, H_kv, D]`` view."""
     group = _check_shapes(q, k_cache, v_cache, meta)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
-        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
+        qb = q[meta.q_starts[b] : meta.q_starts[b + 1]]  # [nq, H, D]
+        kb, vb = _request_kv_by_position(k_cache, v_cache, meta, b)  # [L, H_kv, D] each
         kb = kb.float().repeat_interleave(group, dim=1)  # [L, H, D]; query head h reads kv head h // group
         vb = vb.float().repeat_interleave(group, dim=1)  # [L, H, D]
         scores = torch.einsum("qhd,khd->hqk", qb.float(), kb) * scale  # [H, nq, L]
@@ -101,6 +137,7 @@ def tree_attention_sdpa(
 
     The "SDPA with explicit mask" baseline and the CPU path of :func:`tree_attention`. A chain without prefix
     (all of whose nodes have queries) uses ``is_causal=True`` instead (same result, lets SDPA pick its flash backend).
+    Paged caches are gathered block-wise through the block table first (:func:`_request_views`).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)

@@ -21,6 +21,13 @@ Keys of the tile are visited in up to three phases, each on ``BLOCK_N``-key bloc
 Split-KV (flash-decoding): when (tiles x KV heads) would leave most SMs idle, e.g. one request with a long prefix,
 phase 1 is cut into ``NUM_SPLITS`` chunks computed by separate programs; the last chunk also runs phases 2-3.
 Each writes a normalised partial output and its log-sum-exp, and :func:`_combine_kernel` merges them.
+
+Paged KV (``PAGED``, see :mod:`specinfer.kernels.metadata` for the layout): the same kernel, phases and masks; only the
+address of a key's K/V row changes. Each key row of a tile looks its KV block up in the request's block-table row
+(``block_table[b, pos // KV_BLOCK_SIZE]``, slot ``pos % KV_BLOCK_SIZE``), see :func:`_kv_offsets`. Per row rather
+than per tile, so ``KV_BLOCK_SIZE`` and ``BLOCK_N`` are independent (either may divide the other, or neither) and
+phase 3's unaligned tiles need no special case; a tile's few distinct table entries come from L1, and the loads
+along ``head_dim`` stay as contiguous as in the contiguous layout, whose rows are a runtime stride apart too.
 """
 
 from __future__ import annotations
@@ -74,6 +81,40 @@ def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr
 
 
 @triton.jit
+def _kv_offsets(
+    pos,
+    pos_ok,
+    table_row,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    MASK_ROWS: tl.constexpr,
+    PAGED: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+):
+    """Offsets of the K and V rows of logical positions ``pos`` (``[BLOCK_N]``) from the request's K/V base pointers.
+
+    Contiguous: ``pos`` rows after the request's first row. Paged: block ``table_row[pos // KV_BLOCK_SIZE]``, slot
+    ``pos % KV_BLOCK_SIZE``, in int64 (a pool of many blocks passes 2^31 elements). Positions past the request
+    (``~pos_ok`` with ``MASK_ROWS``) would index past its table row, so their lookup is masked (block 0; the K/V
+    loads are masked too).
+    """
+    if PAGED:
+        if MASK_ROWS:
+            blk = tl.load(table_row + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)  # [BLOCK_N]
+        else:
+            blk = tl.load(table_row + pos // KV_BLOCK_SIZE).to(tl.int64)
+        slot = pos % KV_BLOCK_SIZE
+        k_off = blk * stride_kb + slot * stride_kt
+        v_off = blk * stride_vb + slot * stride_vt
+    else:
+        k_off = pos * stride_kt
+        v_off = pos * stride_vt
+    return k_off, v_off
+
+
+@triton.jit
 def _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax update with a ``[BLOCK_N, BLOCK_D]`` K/V block; returns the new (acc, l_i, m_i).
 
@@ -96,8 +137,8 @@ def _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, MASKED: tl.constexp
 @triton.jit
 def _tree_attn_fwd_kernel(
     Q,  # [total_queries, num_heads, head_dim]
-    K,  # [capacity, num_kv_heads, head_dim]
-    V,  # [capacity, num_kv_heads, head_dim]
+    K,  # [capacity, num_kv_heads, head_dim], or PAGED [num_blocks, KV_BLOCK_SIZE, num_kv_heads, head_dim]
+    V,  # same shape as K
     Out,  # [total_queries, num_heads, head_dim] (NUM_SPLITS == 1)
     PartO,  # [NUM_SPLITS, total_queries, num_heads, head_dim] fp32 (NUM_SPLITS > 1)
     PartLse,  # [NUM_SPLITS, total_queries, num_heads] fp32, base-2 log-sum-exp (NUM_SPLITS > 1)
@@ -107,16 +148,20 @@ def _tree_attn_fwd_kernel(
     tree_len_ptr,  # [B] int32
     anc_row_ptr,  # [B] int32, -1 = chain
     anc_bits_ptr,  # [num_bit_rows, num_words] int32
+    block_table_ptr,  # PAGED: [B, max_blocks_per_request] int32; else unused
     qk_scale,  # sm_scale * log2(e)
     stride_qt,
     stride_qh,
-    stride_kt,
+    stride_kb,  # PAGED: between KV blocks; else unused
+    stride_kt,  # between token rows (slots of a block when PAGED)
     stride_kh,
+    stride_vb,
     stride_vt,
     stride_vh,
     stride_ot,
     stride_oh,
     stride_anc,  # int32 words per anc_bits row
+    stride_bt,  # PAGED: entries per block_table row
     total_queries,
     num_heads,
     GROUP: tl.constexpr,
@@ -127,6 +172,8 @@ def _tree_attn_fwd_kernel(
     NUM_SPLITS: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,  # PAGED: token slots per KV block; else 1
 ):
     tl.static_assert(BLOCK_N <= 64, "phase 3 reads at most two bitmask words per block")
     pid_m = tl.program_id(0)
@@ -141,7 +188,7 @@ def _tree_attn_fwd_kernel(
         return  # the grid is sized for the request with most queries; others have fewer tiles
     n_tree = tl.load(tree_len_ptr + b)
     first = n_tree - n_q  # tree node of query 0
-    kv0 = tl.load(kv_start_ptr + b).to(tl.int64)
+    table_row = block_table_ptr + b.to(tl.int64) * stride_bt  # request b's block-table row (read only when PAGED)
     prefix = tl.load(prefix_len_ptr + b)
     anc_row = tl.load(anc_row_ptr + b)
     is_tree = anc_row >= 0
@@ -157,10 +204,15 @@ def _tree_attn_fwd_kernel(
 
     q_ptrs = Q + qrow.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = _load_tile(q_ptrs, row_ok, d_ok, True, EVEN_D)  # [BLOCK_M, BLOCK_D]
-    # Scalar 64-bit base of the request's region; offsets inside it stay int32 (cheaper in the loops), which
-    # limits one request to 2^31 / stride_kt cache rows (2M tokens at 8 KV heads x 128).
-    k_req = K + kv0 * stride_kt + kvh * stride_kh
-    v_req = V + kv0 * stride_vt + kvh * stride_vh
+    if PAGED:
+        k_req = K + kvh * stride_kh  # rows are addressed from the pool's base, through the block table
+        v_req = V + kvh * stride_vh
+    else:
+        # Scalar 64-bit base of the request's region; offsets inside it stay int32 (cheaper in the loops), which
+        # limits one request to 2^31 / stride_kt cache rows (2M tokens at 8 KV heads x 128).
+        kv0 = tl.load(kv_start_ptr + b).to(tl.int64)
+        k_req = K + kv0 * stride_kt + kvh * stride_kh
+        v_req = V + kv0 * stride_vt + kvh * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -176,16 +228,18 @@ def _tree_attn_fwd_kernel(
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
 
     for start_n in range(lo, full_end, BLOCK_N):
-        pos = start_n + offs_n  # [BLOCK_N] positions in the request's region
-        k = _load_tile(k_req + pos[:, None] * stride_kt + offs_d[None, :], pos, d_ok, False, EVEN_D)
-        v = _load_tile(v_req + pos[:, None] * stride_vt + offs_d[None, :], pos, d_ok, False, EVEN_D)
+        pos = start_n + offs_n  # [BLOCK_N] logical positions
+        k_off, v_off = _kv_offsets(pos, pos, table_row, stride_kb, stride_kt, stride_vb, stride_vt, False, PAGED, KV_BLOCK_SIZE)
+        k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
+        v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, 0, qk_scale, False, DOT_PRECISION)
 
     if full_end < hi:  # phase 2: partial block at the end of this split's dense chunk
         pos = full_end + offs_n
         in_bounds = pos < hi
-        k = _load_tile(k_req + pos[:, None] * stride_kt + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
-        v = _load_tile(v_req + pos[:, None] * stride_vt + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
+        k_off, v_off = _kv_offsets(pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE)
+        k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
+        v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, in_bounds[None, :], qk_scale, True, DOT_PRECISION)
 
     # Phase 3 (last split only): tree nodes the tile does not uniformly see.
@@ -198,8 +252,9 @@ def _tree_attn_fwd_kernel(
         pos = start_n + offs_n
         in_bounds = pos < tree_hi
         j = pos - prefix  # [BLOCK_N] tree node of each key
-        k = _load_tile(k_req + pos[:, None] * stride_kt + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
-        v = _load_tile(v_req + pos[:, None] * stride_vt + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
+        k_off, v_off = _kv_offsets(pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE)
+        k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
+        v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         # For a non-chain tree the blocks start at node j0 = a multiple of BLOCK_N (tree_lo == prefix), so with
         # BLOCK_N <= 64 a block's bits are word j0 // 32 of each row, plus the next word when BLOCK_N == 64:
         # two [BLOCK_M] loads instead of a [BLOCK_M, BLOCK_N] gather. Chains load nothing (tree_row is False).
@@ -257,7 +312,8 @@ def _combine_kernel(
 def tree_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None, forced: Forced | None = None
 ) -> torch.Tensor:
-    """Run the fused tree-attention kernel (see the module docstring); arguments and result as :func:`specinfer.kernels.tree_attention`.
+    """Run the fused tree-attention kernel (see the module docstring); arguments and result as :func:`specinfer.kernels.tree_attention`,
+    contiguous or paged caches alike.
 
     ``forced`` overrides :func:`choose_config`. q, k_cache and v_cache must share one dtype (fp16/bf16/fp32; fp32/fp16 under the
     interpreter) and be contiguous in head_dim; any other strides work (e.g. q as a view of a fused qkv output).
@@ -274,7 +330,10 @@ def tree_attention_triton(
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     cfg = choose_config(q, k_cache, meta, forced)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    total, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[1]
+    total, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[-2]
+    paged = meta.paged
+    # Contiguous: the block-table pointer is any valid int32 tensor (never read) and the block strides are 0.
+    block_table = meta.block_table if meta.block_table is not None else meta.kv_start
     out = torch.empty_like(q)
     if cfg.num_splits > 1:
         part_o = torch.empty(cfg.num_splits, total, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -284,13 +343,16 @@ def tree_attention_triton(
     grid = (triton.cdiv(meta.max_queries * group, cfg.block_m), meta.batch_size * cfg.num_splits, num_kv_heads)
     _tree_attn_fwd_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
-        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits,
+        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits, block_table,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), meta.anc_bits.stride(0),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0) if paged else 0, k_cache.stride(-3), k_cache.stride(-2),
+        v_cache.stride(0) if paged else 0, v_cache.stride(-3), v_cache.stride(-2),
+        out.stride(0), out.stride(1), meta.anc_bits.stride(0), block_table.stride(0) if paged else 0,
         total, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         NUM_SPLITS=cfg.num_splits, EVEN_D=head_dim == block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=paged, KV_BLOCK_SIZE=meta.block_size if paged else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:

@@ -494,24 +494,29 @@ from specinfer.kernels.launch import Forced, choose_config
 kernel = m._tree_attn_fwd_kernel
 assert not triton.knobs.runtime.interpret
 # Mimic a real launch: pointers and multiple-of-16 strides get Triton's divisibility-16 specialisation.
-div16 = {(i,): [["tt.divisibility", 16]] for i in list(range(12)) + list(range(13, 21))}
+# Arguments: 6 tensor pointers, 7 int32 pointers, qk_scale, 14 ints (the first 10 of them q/k/v/out strides).
+div16 = {(i,): [["tt.divisibility", 16]] for i in list(range(13)) + list(range(14, 24))}
 SHAPES = ((1, 1), (8, 4), (64, 4), (2048, 1))  # (tree_len, group): block_m 16, 32 (+ splits), 64, 128
-CASES = [(90, torch.bfloat16, "bf16", d, s) for d in (64, 128) for s in SHAPES]
-CASES += [(90, torch.float16, "fp16", 128, SHAPES[0]), (90, torch.float32, "fp32", 128, SHAPES[0]), (90, torch.float32, "fp32", 64, SHAPES[2])]
-CASES += [(80, torch.bfloat16, "bf16", 128, s) for s in SHAPES[1:3]]
-for cap, dtype, tname, head_dim, (tree_len, group) in CASES:
+# (arch, dtype, name, head_dim, shape, KV block size of the paged layout or 0 for contiguous)
+CASES = [(90, torch.bfloat16, "bf16", d, s, 0) for d in (64, 128) for s in SHAPES]
+CASES += [(90, torch.float16, "fp16", 128, SHAPES[0], 0), (90, torch.float32, "fp32", 128, SHAPES[0], 0), (90, torch.float32, "fp32", 64, SHAPES[2], 0)]
+CASES += [(80, torch.bfloat16, "bf16", 128, s, 0) for s in SHAPES[1:3]]
+CASES += [(90, torch.bfloat16, "bf16", 128, s, 16) for s in SHAPES[2:]]
+CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 16), (80, torch.bfloat16, "bf16", 128, SHAPES[1], 16)]
+for cap, dtype, tname, head_dim, (tree_len, group), kv_block in CASES:
     meta = build_tree_metadata([list(range(-1, tree_len - 1))], [4096], [0], "cpu")
     q = torch.empty(tree_len, 8 * group, head_dim, dtype=dtype)
     k = torch.empty(1, 8, head_dim, dtype=dtype)
     cfg = choose_config(q, k, meta, Forced(num_splits=1 + (tree_len == 8) * 3))
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      NUM_SPLITS=cfg.num_splits, EVEN_D=True, DOT_PRECISION="ieee" if tname == "fp32" else "tf32")
-    sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 6 + ["fp32"] + ["i32"] * 11))
+                      NUM_SPLITS=cfg.num_splits, EVEN_D=True, DOT_PRECISION="ieee" if tname == "fp32" else "tf32",
+                      PAGED=kv_block > 0, KV_BLOCK_SIZE=max(kv_block, 1))
+    sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 7 + ["fp32"] + ["i32"] * 14))
     src = ASTSource(kernel, sig, constexprs, div16)
     compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     assert "cubin" in compiled.asm
     limit = 232448 if cap == 90 else 166912
-    assert compiled.metadata.shared <= limit, (cap, tname, head_dim, cfg, compiled.metadata.shared)
+    assert compiled.metadata.shared <= limit, (cap, tname, head_dim, cfg, kv_block, compiled.metadata.shared)
 sig = dict(zip(m._combine_kernel.arg_names, ["*fp32", "*fp32", "*bf16", "i32", "i32", "i32", "i32"]))
 src = ASTSource(m._combine_kernel, sig, dict(NUM_SPLITS=5, SPLITS_P2=8, HEAD_DIM=128, BLOCK_D=128))
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2))
@@ -523,7 +528,7 @@ print("compiled")
 @pytest.mark.slow
 def test_kernel_builds_for_sm90_and_sm80() -> None:
     """Compile (Triton -> PTX -> cubin with the bundled ptxas) the configurations choose_config picks, for H100 and
-    A100, without needing a GPU: catches what the interpreter cannot (types across control flow, dot shapes,
+    A100, contiguous and paged KV, without needing a GPU: catches what the interpreter cannot (types across control flow, dot shapes,
     shared-memory overflow). Runs in a subprocess because this process has Triton in interpreter mode."""
     import os
     import subprocess
