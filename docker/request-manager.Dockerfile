@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# specinfer request manager: the public gRPC API (specinfer.v1.SpecInfer) on port 50051.
+# specinfer request manager: the public gRPC API (specinfer.v1.SpecInfer) on port 50051 and the
+# OpenAI-compatible HTTP API on port 8000.
 #
 #   docker build -f docker/request-manager.Dockerfile -t specinfer/request-manager:0.1.0 .
 #
@@ -35,10 +36,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     SPECINFER_HOST=0.0.0.0 \
     SPECINFER_PORT=50051 \
+    SPECINFER_HTTP_PORT=8000 \
     SPECINFER_STATE_DIR=/home/specinfer/state
 WORKDIR /home/specinfer
 USER 10001:10001
-EXPOSE 50051
+EXPOSE 50051 8000
 # the request manager serves once the verifier and the SSM workers answer
 HEALTHCHECK --interval=10s --timeout=5s --start-period=90s --retries=3 CMD ["python", "-m", "specinfer.serving.healthcheck"]
 ENTRYPOINT ["specinfer-request-manager"]

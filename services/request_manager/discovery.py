@@ -6,6 +6,11 @@ A *target* is a plain ``host:port`` address (one worker) or a ``dns:`` name in g
 dns resolver would spread calls over them, but a request must keep drafting on the worker that holds
 its cache, so the request manager resolves the name itself and keeps one channel per address (see
 :class:`.worker_pool.WorkerPool`), looking the names up again every ``DNS_REFRESH_SECONDS``.
+
+*TLS name* of an address: the name its server's certificate must carry. A plain ``host:port`` is checked
+against its own host (gRPC's default); an address a ``dns:`` name resolved to is dialled by IP but checked
+against the name looked up, since no certificate can list the addresses replicas will get (the deployments'
+certificates name ``ssm-worker``).
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ class DnsTarget:
         return sorted({f"[{addr[0]}]:{self.port}" if family == socket.AF_INET6 else f"{addr[0]}:{self.port}" for family, _, _, _, addr in infos})
 
 
-async def resolve_targets(targets: Sequence[str], parsed: Sequence[DnsTarget | None]) -> list[str]:
-    """The worker addresses ``targets`` stand for now (plain addresses as given, duplicates once), given
-    each one's :meth:`DnsTarget.parse`. Raises OSError when a lookup fails (e.g. a name with no address yet)."""
-    out: list[str] = []
+async def resolve_targets(targets: Sequence[str], parsed: Sequence[DnsTarget | None]) -> dict[str, str]:
+    """The worker addresses ``targets`` stand for now, in order (plain addresses as given, duplicates once),
+    each with its TLS name (module docstring; "" for a plain address: its own host), given each target's
+    :meth:`DnsTarget.parse`. Raises OSError when a lookup fails (e.g. a name with no address yet)."""
+    out: dict[str, str] = {}
     for target, dns in zip(targets, parsed, strict=True):
         found = await dns.resolve() if dns is not None else [target]
-        out += [a for a in found if a not in out]
+        for address in found:
+            out.setdefault(address, dns.host if dns is not None else "")
     return out

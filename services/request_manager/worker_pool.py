@@ -72,6 +72,7 @@ class WorkerPool:
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = vocab_size
         self.pending: list[str] = []  # addresses found but not joined yet (down, or still starting)
+        self._tls_names: dict[str, str] = {}  # address -> TLS name (discovery module), from the last lookup
         self._resolved = False  # whether the last lookup found any address
         self.profiles: dict[str, internal_pb2.SsmProfile] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
         self._refresher: asyncio.Task | None = None
@@ -106,10 +107,11 @@ class WorkerPool:
         ValueError for a worker whose vocabulary is not the pool's: that is a configuration error."""
         self.stalls.start()
         try:
-            addresses = await resolve_targets(self.targets, self._dns)
+            self._tls_names = await resolve_targets(self.targets, self._dns)
         except OSError as exc:
-            addresses = []
+            self._tls_names = {}
             log.warning("SSM worker lookup failed; trying again in the background", extra={"targets": self.targets, "error": repr(exc)})
+        addresses = list(self._tls_names)
         self._resolved = bool(addresses)
         if self.uses_dns:
             log.info("SSM workers resolved", extra={"targets": self.targets, "addresses": addresses})
@@ -132,7 +134,7 @@ class WorkerPool:
         address that refuses connections fails at once); those that answer with the pool's
         vocabulary join, in the order given. ``strict``: a vocabulary mismatch raises ValueError
         (otherwise it is logged and the address stays out)."""
-        channels = [self.auth.aio_channel(a, CHANNEL_OPTIONS) for a in addresses]
+        channels = [self.auth.aio_channel(a, CHANNEL_OPTIONS, tls_name=self._tls_names.get(a, "")) for a in addresses]
         calls = [
             internal_pb2_grpc.SsmWorkerStub(ch).ListModels(internal_pb2.ListModelsRequest(), timeout=self.join_seconds, metadata=self.auth.metadata)
             for ch in channels
@@ -180,13 +182,15 @@ class WorkerPool:
         which rebuild the caches through the context protocol). A failed or empty lookup keeps
         the current workers."""
         try:
-            found = await resolve_targets(self.targets, self._dns)
+            names = await resolve_targets(self.targets, self._dns)
         except OSError as exc:
             log.warning("SSM worker lookup failed; keeping the current workers", extra={"error": repr(exc)})
             return
-        if not found:
+        if not names:
             log.warning("SSM worker lookup found no address; keeping the current workers", extra={"targets": self.targets})
             return
+        self._tls_names = names
+        found = list(names)
         self._resolved = True
         joined = await self._try_join([a for a in found if a not in self._stubs], strict=False)
         self.pending = [a for a in found if a not in self._stubs]

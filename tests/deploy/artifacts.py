@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -26,9 +27,23 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE_PREFIX = "specinfer"
 DOCKERFILES = {"request-manager": REPO / "docker/request-manager.Dockerfile", "model-service": REPO / "docker/model-service.Dockerfile"}
 K8S = REPO / "deploy/k8s"
-KUSTOMIZATIONS = {"base": K8S / "base", "cpu-dev": K8S / "overlays/cpu-dev", "gpu": K8S / "overlays/gpu", "multi-gpu": K8S / "overlays/multi-gpu"}
+KUSTOMIZATIONS = {
+    "base": K8S / "base",
+    "cpu-dev": K8S / "overlays/cpu-dev",
+    "gpu": K8S / "overlays/gpu",
+    "multi-gpu": K8S / "overlays/multi-gpu",
+    "tls": K8S / "overlays/tls",
+}
 SERVICES = ("request-manager", "ssm-worker", "llm-verifier")
-PORTS = {"request-manager": 50051, "ssm-worker": 50052, "llm-verifier": 50053}
+PORTS = {"request-manager": 50051, "ssm-worker": 50052, "llm-verifier": 50053}  # gRPC
+HTTP_PORTS = {"request-manager": 8000}  # the request manager's OpenAI-compatible HTTP API
+
+
+def public_ports(service: str) -> list[int]:
+    """The ports ``service`` serves its API on (the image's EXPOSE); metrics are not among them."""
+    return [PORTS[service], *([HTTP_PORTS[service]] if service in HTTP_PORTS else [])]
+
+
 # settings a deployment must give each service: the defaults are for one machine (127.0.0.1,
 # an embedded Redis, no SSM) or there is none
 REQUIRED = {
@@ -188,13 +203,67 @@ def interpolate(value: Any, variables: dict[str, str]) -> Any:
     return value
 
 
-def compose_raw() -> dict[str, Any]:
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+# the stacks users run: `docker compose -f FILE -f FILE ...`, merged in this order
+STACKS = {"default": ("docker-compose.yml",), "tls": ("docker-compose.yml", "docker-compose.tls.yml")}
+# compose's merge rules (compose-spec 13-merge.md) for what our files use: mappings merge, these
+# replace, and service secrets merge by target; other sequences raise (a file that starts merging
+# one fails here instead of being merged differently from compose)
+REPLACED = {("command",), ("entrypoint",), ("healthcheck", "test")}
 
 
-def compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
-    """The compose file as ``docker compose config`` would see it with ``variables`` in the environment."""
-    return interpolate(compose_raw(), variables or {})
+def _service_secrets(items: list[Any]) -> dict[str, dict[str, Any]]:
+    long = [{"source": i} if isinstance(i, str) else i for i in items]
+    return {i.get("target", i["source"]): i for i in long}
+
+
+def merge_compose(base: Any, override: Any, path: tuple[str, ...] = ()) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: merge_compose(base[k], v, (*path, k)) if k in base else v for k, v in override.items()}}
+    if isinstance(base, list):
+        service_path = path[2:] if path[:1] == ("services",) else None
+        if service_path in REPLACED:
+            return override
+        if service_path == ("secrets",):
+            merged = _service_secrets(base)
+            for target, item in _service_secrets(override).items():
+                merged[target] = {**merged.get(target, {}), **item}
+            return list(merged.values())
+        raise NotImplementedError(f"merging {'.'.join(path)}: only the merge rules this repository's compose files use are implemented")
+    return override
+
+
+def compose_raw(stack: str = "default") -> dict[str, Any]:
+    """The stack's compose files merged, before interpolation."""
+    documents = [yaml.safe_load((REPO / name).read_text()) for name in STACKS[stack]]
+    merged = documents[0]
+    for document in documents[1:]:
+        merged = merge_compose(merged, document)
+    return merged
+
+
+def compose(variables: dict[str, str] | None = None, stack: str = "default") -> dict[str, Any]:
+    """The stack as ``docker compose config`` would see it with ``variables`` in the environment."""
+    return interpolate(compose_raw(stack), variables or {})
+
+
+def secret_files(stack: str, service: str, variables: dict[str, str] | None = None) -> dict[str, str]:
+    """Where ``service``'s compose secrets appear in its container (``/run/secrets/<target>``) ->
+    the host file each one is read from."""
+    document = compose(variables, stack)
+    defined = document.get("secrets", {})
+    mounted = _service_secrets(document["services"][service].get("secrets", []))
+    return {f"/run/secrets/{target}": defined[item["source"]]["file"] for target, item in mounted.items()}
+
+
+# -- TLS material -----------------------------------------------------------------------------
+
+MAKE_CERTS = REPO / "deploy/tls/make-certs.sh"
+
+
+def make_certs(folder: Path, *names: str) -> Path:
+    """Run deploy/tls/make-certs.sh into ``folder`` (extra names of the request manager: ``names``)."""
+    subprocess.run(["bash", str(MAKE_CERTS), "-o", str(folder), *names], check=True, capture_output=True, text=True, timeout=60)
+    return folder
 
 
 # -- Kubernetes -------------------------------------------------------------------------------

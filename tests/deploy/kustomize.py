@@ -1,6 +1,7 @@
 """A small kustomize: renders deploy/k8s without kubectl, for the features deploy/k8s uses.
 
 Supported kustomization fields: ``resources`` (files and folders with a kustomization),
+``components`` (folders with a ``kind: Component`` kustomization),
 ``patches`` (strategic-merge patch files, several documents each, ``$patch: delete``),
 ``images`` (``newName``, ``newTag``) and ``namespace``. Anything else raises, so a manifest that
 starts using another feature fails here instead of rendering differently from kustomize;
@@ -18,7 +19,7 @@ import yaml
 
 Obj = dict[str, Any]
 
-FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
+FIELDS = {"apiVersion", "kind", "namespace", "resources", "components", "patches", "images"}
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 # strategic-merge keys of the lists deploy/k8s patches (k8s.io/api patchMergeKey tags); other lists are replaced
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath"}
@@ -28,15 +29,22 @@ def load_documents(path: Path) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def render(folder: Path) -> list[Obj]:
+def render(folder: Path, parent: list[Obj] | None = None) -> list[Obj]:
+    """The objects of the kustomization in ``folder``; a Component (``parent``: the objects of the
+    kustomization that lists it) adds its resources to the parent's and patches them all, as
+    kustomize applies components after the parent's resources and before its own patches."""
     spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
     unknown = set(spec) - FIELDS
     if unknown:
         raise NotImplementedError(f"{folder}: kustomization fields {sorted(unknown)} are not supported by this renderer")
-    objects: list[Obj] = []
+    if (spec.get("kind") == "Component") != (parent is not None):
+        raise ValueError(f"{folder}: a kind: Component kustomization goes under components:, and only there")
+    objects: list[Obj] = list(parent or [])
     for entry in spec.get("resources", []):
         path = folder / entry
         objects += render(path) if path.is_dir() else load_documents(path)
+    for entry in spec.get("components", []):
+        objects = render(folder / entry, objects)
     for entry in spec.get("patches", []):
         if set(entry) != {"path"}:
             raise NotImplementedError(f"{folder}: only `patches: - path: FILE` is supported, got {entry}")

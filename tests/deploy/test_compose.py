@@ -1,27 +1,54 @@
-"""docker-compose.yml: valid against the compose specification, consistent with the images and the
-services' settings, and its command lines start the services (run here as local processes)."""
+"""docker-compose.yml (and with docker-compose.tls.yml merged over it): valid against the compose
+specification, consistent with the images and the services' settings, and its command lines start
+the services (run here as local processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.resources
 import json
 import os
+import shutil
+import ssl
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import jsonschema
 import pytest
+import yaml
 
-from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.request_manager.redis_server import EmbeddedRedis, free_tcp_port
+from specinfer.serving.security import ClientAuth, ClientTls
 from specinfer.v1 import api_pb2, api_pb2_grpc
 
-from .artifacts import PORTS, REQUIRED, compose, compose_raw, image_for, image_key, images, settings
+from .artifacts import (
+    HTTP_PORTS,
+    PORTS,
+    REPO,
+    REQUIRED,
+    STACKS,
+    compose,
+    compose_raw,
+    image_for,
+    image_key,
+    images,
+    make_certs,
+    public_ports,
+    secret_files,
+    settings,
+)
 
 HEALTHCHECK = ["CMD", "python", "-m", "specinfer.serving.healthcheck"]
 OURS = ("request-manager", "ssm-worker", "llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu")
+STACK_IDS = [pytest.param(stack, id=f"compose-{stack}") for stack in STACKS]
 
 
 def compose_schema() -> dict[str, Any]:
@@ -36,9 +63,12 @@ def validate(document: dict[str, Any]) -> None:
     jsonschema.validators.validator_for(schema)(schema).validate(document)
 
 
-def test_compose_file_validates_against_the_compose_spec():
-    validate(compose_raw())
-    validate(compose({"SPECINFER_MODELS": "/srv/models", "SPECINFER_IMAGE_TAG": "0.2.0"}))
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_compose_file_validates_against_the_compose_spec(stack):
+    for name in STACKS[stack]:  # each file alone (an override file is a compose file too)
+        validate(yaml.safe_load((REPO / name).read_text()))
+    validate(compose_raw(stack))
+    validate(compose({"SPECINFER_MODELS": "/srv/models", "SPECINFER_IMAGE_TAG": "0.2.0", "SPECINFER_TLS_DIR": "/srv/tls"}, stack))
 
 
 def test_the_schema_check_catches_mistakes():
@@ -47,10 +77,15 @@ def test_the_schema_check_catches_mistakes():
         document["services"][service][key] = value
         with pytest.raises(jsonschema.ValidationError):
             validate(document)
+    document = copy.deepcopy(compose_raw("tls"))
+    document["services"]["ssm-worker"]["secrets"][0]["targt"] = "tls.crt"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(document)
 
 
-def test_services_and_profiles():
-    services = compose()["services"]
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_services_and_profiles(stack):
+    services = compose(stack=stack)["services"]
     assert set(services) == {"redis", *OURS}
     assert {name: s.get("profiles") for name, s in services.items() if s.get("profiles")} == {
         "llm-verifier": ["gpu"],
@@ -78,15 +113,20 @@ def test_multi_gpu_profile_reserves_a_gpu_per_rank():
     assert env["SPECINFER_DEVICE"] == "cuda" and service["shm_size"]
 
 
-def test_only_the_request_manager_publishes_a_port():
-    services = compose()["services"]
-    assert {name: s["ports"] for name, s in services.items() if "ports" in s} == {"request-manager": ["50051:50051"]}
-    assert compose({"SPECINFER_PUBLIC_PORT": "8443"})["services"]["request-manager"]["ports"] == ["8443:50051"]
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_only_the_request_manager_publishes_ports(stack):
+    """Its gRPC and HTTP ports, each from a variable of its own."""
+    services = compose(stack=stack)["services"]
+    assert {name: s["ports"] for name, s in services.items() if "ports" in s} == {"request-manager": ["50051:50051", "8000:8000"]}
+    published = compose({"SPECINFER_PUBLIC_PORT": "8443", "SPECINFER_PUBLIC_HTTP_PORT": "8080"}, stack)["services"]["request-manager"]["ports"]
+    assert published == ["8443:50051", "8080:8000"]
+    assert [int(p.split(":")[1]) for p in published] == public_ports("request-manager")
 
 
-def test_images_are_the_dockerfiles_targets():
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_images_are_the_dockerfiles_targets(stack):
     for name in OURS:
-        service = compose()["services"][name]
+        service = compose(stack=stack)["services"][name]
         built = image_for(service["build"])
         named = images()[image_key(service["image"])]
         assert (built.dockerfile, built.target, built.variant) == (named.dockerfile, named.target, named.variant), name
@@ -97,9 +137,10 @@ def test_images_are_the_dockerfiles_targets():
     assert compose({"SPECINFER_IMAGE_PREFIX": "ghcr.io/me", "SPECINFER_IMAGE_TAG": "1.0"})["services"]["ssm-worker"]["image"] == "ghcr.io/me/ssm-worker:1.0-cpu"
 
 
-def test_every_variable_is_a_setting_and_every_required_one_is_set():
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_every_variable_is_a_setting_and_every_required_one_is_set(stack):
     for name in OURS:
-        service = compose()["services"][name]
+        service = compose(stack=stack)["services"][name]
         image = image_for(service["build"])
         env = {**image.env(), **service["environment"]}
         ours = {k for k in env if k.startswith("SPECINFER_")}
@@ -107,15 +148,21 @@ def test_every_variable_is_a_setting_and_every_required_one_is_set():
         assert ours <= set(settings(image.service)), (name, sorted(ours - set(settings(image.service))))
         assert REQUIRED[image.service] <= {k for k, v in env.items() if v}, (name, sorted(REQUIRED[image.service] - set(env)))
         assert env["SPECINFER_HOST"] == "0.0.0.0"
-        assert env["SPECINFER_PORT"] == str(PORTS[image.service]) and image.stage.expose == [PORTS[image.service]]
+        assert env["SPECINFER_PORT"] == str(PORTS[image.service]) and image.stage.expose == public_ports(image.service)
+        assert env.get("SPECINFER_HTTP_PORT") == (str(HTTP_PORTS[image.service]) if image.service in HTTP_PORTS else None)
         if image.variant:
             assert env["SPECINFER_DEVICE"] == image.variant
 
 
-def test_health_checks_and_start_order():
-    services = compose()["services"]
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_health_checks_and_start_order(stack):
+    services = compose(stack=stack)["services"]
     for name in OURS:
-        assert services[name]["healthcheck"]["test"] == HEALTHCHECK == ["CMD", *image_for(services[name]["build"]).stage.healthcheck]
+        test = services[name]["healthcheck"]["test"]
+        # the image's HEALTHCHECK, plus flags only (the TLS files): it dials 127.0.0.1:$SPECINFER_PORT
+        assert test[:4] == HEALTHCHECK == ["CMD", *image_for(services[name]["build"]).stage.healthcheck]
+        assert all(flag.startswith("--") for flag in test[4::2]) and len(test[4:]) % 2 == 0, (name, test)
+        assert len(test) == 4 or stack == "tls"
     assert services["redis"]["healthcheck"]["test"]
     depends = services["request-manager"]["depends_on"]
     assert set(depends) == {"redis", "ssm-worker", "llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu"}
@@ -124,18 +171,20 @@ def test_health_checks_and_start_order():
     assert not any(depends[name]["required"] for name in ("llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu"))
 
 
-def test_models_are_mounted_read_only():
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_models_are_mounted_read_only(stack):
     for name in OURS:
-        service = compose({"SPECINFER_MODELS": "/srv/models"})["services"][name]
+        service = compose({"SPECINFER_MODELS": "/srv/models"}, stack)["services"][name]
         assert service["volumes"] == [{"type": "bind", "source": "/srv/models", "target": "/models", "read_only": True}]
         paths = [v for k, v in service["environment"].items() if k in ("SPECINFER_SSM", "SPECINFER_LLM", "SPECINFER_MODEL_DIR")]
         assert paths and all("/models/" in p for p in paths)
-    assert compose()["services"]["ssm-worker"]["volumes"][0]["source"] == "./models/demo"
+    assert compose(stack=stack)["services"]["ssm-worker"]["volumes"][0]["source"] == "./models/demo"
 
 
+@pytest.mark.parametrize("stack", STACK_IDS)
 @pytest.mark.parametrize("variables", [{}, {"SPECINFER_REDIS_PASSWORD": "s3cret"}])
-def test_redis_and_the_request_manager_share_the_password(variables):
-    services = compose(variables)["services"]
+def test_redis_and_the_request_manager_share_the_password(variables, stack):
+    services = compose(variables, stack)["services"]
     command = services["redis"]["command"]
     password = command[command.index("--requirepass") + 1]
     assert password == variables.get("SPECINFER_REDIS_PASSWORD", "specinfer-local")
@@ -144,8 +193,9 @@ def test_redis_and_the_request_manager_share_the_password(variables):
     assert services["request-manager"]["environment"]["SPECINFER_REDIS_URL"] == "redis://redis:6379/0"
 
 
-def test_the_request_manager_finds_every_ssm_worker_replica():
-    env = compose()["services"]["request-manager"]["environment"]
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_the_request_manager_finds_every_ssm_worker_replica(stack):
+    env = compose(stack=stack)["services"]["request-manager"]["environment"]
     assert env["SPECINFER_SSM_WORKERS"] == f"dns:///ssm-worker:{PORTS['ssm-worker']}"
     assert env["SPECINFER_VERIFIER"] == f"llm-verifier:{PORTS['llm-verifier']}"
 
@@ -156,11 +206,12 @@ def test_the_request_manager_finds_every_ssm_worker_replica():
 TEST_OVERRIDES = {"SPECINFER_TORCH_THREADS": "1", "SPECINFER_KV_CACHE_BYTES": str(256 << 20)}
 
 
-def local_command(name: str, variables: dict[str, str], replace: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def local_command(name: str, variables: dict[str, str], replace: dict[str, str], stack: str = "default") -> tuple[list[str], dict[str, str]]:
     """The command line and environment compose gives ``name`` (profile cpu), for this machine:
     the image's ENTRYPOINT from this virtual environment, its SPECINFER_* ENV plus the service's
-    environment, with the container's names and paths replaced (``replace``: substrings)."""
-    service = compose(variables)["services"][name]
+    environment, with the container's names and paths replaced (``replace``: substrings) and each
+    /run/secrets/ file by the host file its secret reads."""
+    service = compose(variables, stack)["services"][name]
     image = image_for(service["build"])
     env = {k: v for k, v in image.env().items() if k.startswith("SPECINFER_")}
     env.update(service["environment"])
@@ -170,41 +221,126 @@ def local_command(name: str, variables: dict[str, str], replace: dict[str, str])
     env["SPECINFER_METRICS_PORT"] = "0"  # containers each have their own 9464; processes on one host do not
     for old, new in replace.items():
         env = {k: v.replace(old, new) for k, v in env.items()}
+    secrets = secret_files(stack, name, variables)
+    env = {k: secrets.get(v, v) for k, v in env.items()}
     script = Path(sys.executable).parent / image.stage.entrypoint[0]
     return [str(script), *image.stage.entrypoint[1:], *service.get("command", [])], {**os.environ, **env}
 
 
+def local_healthcheck(name: str, variables: dict[str, str], stack: str, address: str) -> list[str]:
+    """The service's compose health check, for this machine: this interpreter, the secrets' host
+    files, and ``address`` (in the container: 127.0.0.1:$SPECINFER_PORT, its default)."""
+    test = compose(variables, stack)["services"][name]["healthcheck"]["test"]
+    assert test[:4] == HEALTHCHECK
+    secrets = secret_files(stack, name, variables)
+    return [sys.executable, *test[2:4], *(secrets.get(arg, arg) for arg in test[4:]), address]
+
+
+@contextlib.contextmanager
+def serving(name: str, command: list[str], env: dict[str, str], variables: dict[str, str], stack: str, logs: Path) -> Iterator[Any]:
+    """``command`` started by the test harness (which adds --host, --port 0 and --port-file), once
+    the service's own compose health check passes against it (over TLS in the tls stack, where the
+    harness's plaintext wait would not do); stopped at the end, exit code 0."""
+    from services.harness import start_service  # tests/services/harness.py
+
+    svc = start_service(command, name, env, logs)
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            if svc.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{name} did not pass its health check (exit code {svc.process.poll()})\n{svc.log_tail()}")
+            with contextlib.suppress(OSError, ValueError):
+                svc.address = svc.address or f"127.0.0.1:{int(svc.port_file.read_text())}"
+            if svc.address and subprocess.run(local_healthcheck(name, variables, stack, svc.address), env=env, capture_output=True, timeout=30).returncode == 0:
+                break
+            time.sleep(0.2)
+    except BaseException:
+        svc.kill()
+        raise
+    try:
+        yield svc
+    except BaseException:
+        svc.kill()
+        raise
+    code = svc.stop()
+    assert code == 0, f"{name}: exit code {code} after SIGTERM\n{svc.log_tail()}"
+
+
+def http_get(url: str, context: ssl.SSLContext | None, key: str = "") -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 @pytest.mark.slow
-def test_compose_services_start_as_local_processes(model_pair, tmp_path):
-    from services.harness import running_services  # tests/services/harness.py
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
+    """The stack's command lines and environments serve: the health checks pass, the request manager
+    finds the worker and the verifier and generates, over gRPC and HTTP. In the tls stack, with the
+    certificates and tokens deploy/tls/make-certs.sh makes: every port refuses plaintext, the
+    workers' and the verifier's refuse a client without a certificate, the public API a caller
+    without the token."""
+    from specinfer.serving.healthcheck import check
 
     variables = {"SPECINFER_REDIS_PASSWORD": "compose-test-password"}
+    tls = stack == "tls"
+    if tls:
+        if not shutil.which("openssl"):
+            pytest.skip("deploy/tls/make-certs.sh needs openssl")
+        variables["SPECINFER_TLS_DIR"] = str(make_certs(tmp_path / "tls"))
     models = tmp_path / "models"
     models.mkdir()
     (models / "llm").symlink_to(model_pair.llm)
     (models / "ssm").symlink_to(model_pair.ssm)
     paths = {"/models/": f"{models}/", "/home/specinfer/": f"{tmp_path}/"}
-    redis_command = compose(variables)["services"]["redis"]["command"]
+    redis_command = compose(variables, stack)["services"]["redis"]["command"]
     password = redis_command[redis_command.index("--requirepass") + 1]
     logs = tmp_path / "logs"
     logs.mkdir()
-    (worker_command, worker_env), (verifier_command, verifier_env) = (local_command(name, variables, paths) for name in ("ssm-worker", "llm-verifier-cpu"))
+    worker_command, worker_env = local_command("ssm-worker", variables, paths, stack)
+    verifier_command, verifier_env = local_command("llm-verifier-cpu", variables, paths, stack)
     assert worker_env["SPECINFER_SSM"] == f"ssm={models}/ssm" and verifier_env["SPECINFER_LLM"] == f"llm={models}/llm"
     with (
         EmbeddedRedis(tmp_path / "redis", transport="tcp", password=password) as redis,
-        running_services([worker_command], ["ssm-worker"], env=worker_env, workdir=logs, startup_timeout=90) as (worker,),
-        running_services([verifier_command], ["llm-verifier"], env=verifier_env, workdir=logs, startup_timeout=90) as (verifier,),
+        serving("ssm-worker", worker_command, worker_env, variables, stack, logs) as worker,
+        serving("llm-verifier-cpu", verifier_command, verifier_env, variables, stack, logs) as verifier,
     ):
         replace = {**paths, "redis:6379": f"127.0.0.1:{redis.port}", "llm-verifier:50053": verifier.address, "ssm-worker:50052": worker.address}
-        command, env = local_command("request-manager", variables, replace)
+        command, env = local_command("request-manager", variables, replace, stack)
         assert env["SPECINFER_SSM_WORKERS"] == f"dns:///{worker.address}"  # the DNS code path, on a numeric name
-        with running_services([command], ["request-manager"], env=env, workdir=logs, startup_timeout=60) as (rm,), grpc.insecure_channel(rm.address) as ch:
-            stub = api_pb2_grpc.SpecInferStub(ch)
-            info = stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=10)
-            assert list(info.ssms) == ["ssm"] and info.has_tokenizer and info.default_speculation == "auto"
-            # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone; a static
-            # tree, since the adaptive default may rightly decline to speculate on this machine)
-            static = api_pb2.SpeculationParams(expansion=[1, 1, 3])
-            request = api_pb2.GenerateRequest(text="def main():\n", max_new_tokens=8, ignore_eos=True, speculation=static)
-            *_, last = stub.Generate(request, timeout=30)
-            assert last.finished.usage.completion_tokens == 8 and last.finished.usage.mean_tree_size > 1
+        assert env["SPECINFER_HTTP_PORT"] == "8000"
+        env["SPECINFER_HTTP_PORT"] = str(free_tcp_port())  # 8000 is the container's own; on this host another process may hold it
+        with serving("request-manager", command, env, variables, stack, logs) as rm:
+            auth, context = ClientAuth(), None
+            if tls:
+                secrets = Path(variables["SPECINFER_TLS_DIR"])
+                auth = ClientAuth(ClientTls.from_files(str(secrets / "ca.crt")), (secrets / "auth-token").read_text().strip())
+                context = ssl.create_default_context(cafile=str(secrets / "ca.crt"))
+                for svc in (worker, verifier, rm):
+                    assert check(svc.address, timeout=5) == "UNAVAILABLE", svc.name  # plaintext: no handshake
+                for svc in (worker, verifier):  # mTLS: the CA alone is not enough
+                    assert check(svc.address, timeout=5, tls=ClientTls.from_files(str(secrets / "ca.crt"))) == "UNAVAILABLE", svc.name
+            with auth.channel(rm.address) as ch:
+                stub = api_pb2_grpc.SpecInferStub(ch)
+                if tls:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=10)
+                    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                info = stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=10, metadata=auth.metadata)
+                assert list(info.ssms) == ["ssm"] and info.has_tokenizer and info.default_speculation == "auto"
+                # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone; a static
+                # tree, since the adaptive default may rightly decline to speculate on this machine)
+                static = api_pb2.SpeculationParams(expansion=[1, 1, 3])
+                request = api_pb2.GenerateRequest(text="def main():\n", max_new_tokens=8, ignore_eos=True, speculation=static)
+                *_, last = stub.Generate(request, timeout=30, metadata=auth.metadata)
+                assert last.finished.usage.completion_tokens == 8 and last.finished.usage.mean_tree_size > 1
+            # the HTTP API on the port the stack sets: HTTPS with the gRPC port's certificate in the tls stack
+            base = f"{'https' if tls else 'http'}://127.0.0.1:{env['SPECINFER_HTTP_PORT']}"
+            assert http_get(f"{base}/health", context) == (200, {"status": "ok"})  # probes need no key
+            if tls:
+                assert http_get(f"{base}/v1/models", context)[0] == 401
+            status, models_list = http_get(f"{base}/v1/models", context, auth.token)
+            assert status == 200 and [m["id"] for m in models_list["data"]] == ["llm"]

@@ -8,17 +8,24 @@ changes.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from specinfer.request_manager.discovery import DnsTarget
 from specinfer.request_manager.redis_server import free_tcp_port
 from specinfer.request_manager.remote import SsmWorkers
+from specinfer.serving.security import ClientAuth, ClientTls
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 VOCAB = 259
@@ -267,3 +274,76 @@ def test_refresh_runs_in_the_background(monkeypatch):
         assert workers._refresher is not None and workers._refresher.done()
 
     run(test)
+
+
+# -- TLS: which name the workers' certificates must carry ----------------------------------------
+
+
+def worker_certificate(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a worker certificate for the DNS name ``localhost`` only, no IP address: as in a
+    cluster, where the name is known in advance and the pods' addresses are not. (CA, cert, key)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, issuer: str, key, signer, ca: bool, names: list[x509.GeneralName]) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        )
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("test CA", "test CA", ca_key, ca_key, True, [])
+    leaf = cert("ssm-worker", "test CA", key, ca_key, False, [x509.DNSName("localhost")])
+    paths = folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return paths
+
+
+async def start_tls_fake(worker: FakeWorker, cert: Path, key: Path) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    internal_pb2_grpc.add_SsmWorkerServicer_to_server(worker, server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    await server.start()
+    return server, port
+
+
+def joined_over_tls(tmp_path: Path, target: str) -> list[str]:
+    """The addresses that join a pool of ``target`` (``{port}`` filled in), calling with TLS and
+    trusting only the CA of a worker certificate that names ``localhost``."""
+    ca, cert, key = worker_certificate(tmp_path)
+    found: list[str] = []
+
+    async def test() -> None:
+        server, port = await start_tls_fake(FakeWorker(), cert, key)
+        workers = SsmWorkers([target.format(port=port)], timeout=5.0, auth=ClientAuth(ClientTls.from_files(str(ca))), refresh_seconds=0)
+        try:
+            await workers.discover()
+            found.extend(workers.addresses)
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    run(test)
+    return found
+
+
+def test_tls_to_a_worker_named_by_host_checks_that_name(tmp_path):
+    """The control for the test below: the certificate and CA are good, and a plain host:port
+    target is dialled (and its certificate checked) by that name."""
+    assert len(joined_over_tls(tmp_path, "localhost:{port}")) == 1
+
+
+def test_tls_to_dns_discovered_workers_checks_the_looked_up_name(tmp_path):
+    """docker-compose.tls.yml and deploy/k8s/overlays/tls reach the SSM workers through
+    dns:///ssm-worker:50052, whose addresses no certificate can list in advance."""
+    assert joined_over_tls(tmp_path, "dns:///localhost:{port}")

@@ -6,7 +6,7 @@ hadolint's version says:
 
 - every base image is pinned to a full version tag (no ``latest``, no bare name);
 - the stage that runs (has an ENTRYPOINT) runs as the non-root user 10001, has a HEALTHCHECK
-  (the gRPC health service through ``python -m specinfer.serving.healthcheck``) and EXPOSEs its port;
+  (the gRPC health service through ``python -m specinfer.serving.healthcheck``) and EXPOSEs its ports;
 - the ENTRYPOINT is one of pyproject.toml's console scripts, in exec form;
 - no ADD (nothing is fetched from a URL); COPY takes only the package's sources, its metadata
   and the lock files (.dockerignore lets nothing else into the build context);
@@ -27,7 +27,7 @@ import textwrap
 import pytest
 import tomllib
 
-from .artifacts import DOCKERFILES, PORTS, REPO, console_scripts, dockerfile_instructions, dockerfile_stages, images, script_service
+from .artifacts import DOCKERFILES, HTTP_PORTS, PORTS, REPO, console_scripts, dockerfile_instructions, dockerfile_stages, images, public_ports, script_service
 
 REQUIREMENTS = REPO / "requirements"
 BASE_IMAGE = re.compile(r"^python:3\.11\.\d+-slim-bookworm$")
@@ -80,8 +80,11 @@ def test_dockerfile_rules(dockerfile):
         assert stage.user == "10001:10001", stage.name
         assert stage.healthcheck == ["python", "-m", "specinfer.serving.healthcheck"], stage.name
         assert stage.entrypoint[0] in console_scripts() and len(stage.entrypoint) == 1
-        assert stage.expose == [PORTS[script_service(stage.entrypoint[0])]]
-        assert stage.env["SPECINFER_PORT"] == str(stage.expose[0]) and stage.env["SPECINFER_HOST"] == "0.0.0.0"
+        service = script_service(stage.entrypoint[0])
+        assert stage.expose == public_ports(service)
+        assert stage.env["SPECINFER_PORT"] == str(PORTS[service]) and stage.env["SPECINFER_HOST"] == "0.0.0.0"
+        if service in HTTP_PORTS:
+            assert stage.env["SPECINFER_HTTP_PORT"] == str(HTTP_PORTS[service])
     assert not [args for ins, args in instructions if ins == "ADD"], "use COPY; nothing is downloaded with ADD"
     assert not re.search(r":latest\b", dockerfile.read_text())
     for ins, args in instructions:

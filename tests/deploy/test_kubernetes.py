@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .artifacts import K8S, KUSTOMIZATIONS, PORTS, REQUIRED, SERVICES, image_key, images, rendered, settings
+from .artifacts import HTTP_PORTS, K8S, KUSTOMIZATIONS, PORTS, REQUIRED, SERVICES, image_key, images, public_ports, rendered, settings
 from .kustomize import load_documents
 
 # the oldest Kubernetes the manifests are for (gRPC probes are GA since 1.27) and the newest schema
@@ -24,9 +24,11 @@ WORKLOADS = ("Deployment", "StatefulSet")
 # ids other than "gpu": tests/conftest.py skips every test with a "gpu" keyword where there is no CUDA device
 NAMES = [pytest.param(name, id=f"k8s-{name}") for name in KUSTOMIZATIONS]
 # created by the operator before `kubectl apply -k` (deploy/README.md), so absent from the render
+TLS_SECRETS = {("Secret", f"specinfer-tls-{service}") for service in SERVICES} | {("Secret", "specinfer-tokens")}
 EXTERNAL = {
     "gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
     "multi-gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
+    "tls": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models"), *TLS_SECRETS},
     "base": {("PersistentVolumeClaim", "specinfer-models")},
 }
 
@@ -141,12 +143,31 @@ def test_selectors_match_the_pods(name):
 
 
 METRICS_PORT = 9464
+HEALTHCHECK = ["python", "-m", "specinfer.serving.healthcheck"]
+
+
+def probe_port(container: Obj, probe: Obj, env: dict[str, str]) -> tuple[str, int]:
+    """(kind, port number) a probe checks: ``grpc`` health, ``tcp`` connect, ``http`` GET, or ``exec``
+    of the image's health check, which dials 127.0.0.1:$SPECINFER_PORT when given no address
+    (``env``: the container's variables)."""
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if "grpc" in probe:
+        return "grpc", probe["grpc"]["port"]
+    if "tcpSocket" in probe:
+        return "tcp", named.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
+    if "httpGet" in probe:
+        assert probe["httpGet"]["path"] == "/health"
+        return "http", named.get(probe["httpGet"]["port"], probe["httpGet"]["port"])
+    command = probe["exec"]["command"]
+    assert command[:3] == HEALTHCHECK and all(a.startswith("--") for a in command[3::2]), command  # flags only: no address
+    return "exec", int(env["SPECINFER_PORT"])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ports_agree(name):
-    """Container port = SPECINFER_PORT = the port of every probe, Service and NetworkPolicy; the
-    metrics port = SPECINFER_METRICS_PORT = the scrape annotation = its NetworkPolicy's port."""
+    """Container ports = SPECINFER_PORT (grpc) and SPECINFER_HTTP_PORT (http, the request manager) =
+    the image's EXPOSE = the ports of the probes, Services and NetworkPolicies; the metrics port =
+    SPECINFER_METRICS_PORT = the scrape annotation = its NetworkPolicy's port."""
     objects = rendered(name)
     seen = set()
     for workload, container in containers(objects):
@@ -155,26 +176,34 @@ def test_ports_agree(name):
             continue
         seen.add(service)
         port = PORTS[service]
-        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": port, "metrics": METRICS_PORT}
-        assert environment(objects, container)["SPECINFER_PORT"] == str(port)
-        assert environment(objects, container)["SPECINFER_METRICS_PORT"] == str(METRICS_PORT)
-        assert workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, (service, probe)
-        assert images()[image_key(container["image"])].stage.expose == [port]
-        labels = workload["spec"]["template"]["metadata"]["labels"]
+        public = public_ports(service)
+        env = environment(objects, container)
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert named == {"grpc": port, "metrics": METRICS_PORT} | ({"http": HTTP_PORTS[service]} if service in HTTP_PORTS else {})
+        assert env["SPECINFER_PORT"] == str(port)
+        assert env.get("SPECINFER_HTTP_PORT") == (str(HTTP_PORTS[service]) if service in HTTP_PORTS else None)
+        assert env["SPECINFER_METRICS_PORT"] == str(METRICS_PORT)
+        assert workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
+        probes = {probe: probe_port(container, container[probe], env) for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+        if service == "request-manager":
+            # ready when HTTP /health says so (start-up done, the verifier reachable); alive while the gRPC port accepts
+            assert probes == {"startupProbe": ("tcp", port), "readinessProbe": ("http", HTTP_PORTS[service]), "livenessProbe": ("tcp", port)}
+        else:
+            assert {kind for kind, _ in probes.values()} <= {"grpc", "exec"} and {p for _, p in probes.values()} == {port}, probes
+        assert images()[image_key(container["image"])].stage.expose == public
+        labels = workload["spec"]["template"]["metadata"]["labels"]
         services = [s for s in by_kind(objects, "Service").values() if matches(s["spec"]["selector"], labels)]
         assert services, service
         for s in services:
+            assert sorted(p["port"] for p in s["spec"]["ports"]) == sorted(public), s["metadata"]["name"]
             for p in s["spec"]["ports"]:
-                assert p["port"] == port and named.get(p["targetPort"], p["targetPort"]) == port
+                assert named.get(p["targetPort"], p["targetPort"]) == p["port"]
         policies = [
             p
             for p in by_kind(objects, "NetworkPolicy").values()
             if p["spec"]["podSelector"].get("matchLabels") and matches(p["spec"]["podSelector"]["matchLabels"], labels)
         ]
-        assert sorted([q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]] for p in policies) == sorted([[port], [METRICS_PORT]])
+        assert sorted(sorted(q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]) for p in policies) == sorted([sorted(public), [METRICS_PORT]])
     assert seen == set(SERVICES)
 
 
@@ -199,7 +228,7 @@ def test_every_variable_is_a_setting_and_every_required_one_is_set(name):
                 kind = "ConfigMap" if "configMapRef" in var else "Secret"
                 assert (kind, ref["name"]) in present | EXTERNAL.get(name, set()), ref
     for cm in by_kind(objects, "ConfigMap").values():  # fixed in the Deployments, next to the ports
-        assert not {"SPECINFER_HOST", "SPECINFER_PORT"} & set(cm["data"]), cm["metadata"]["name"]
+        assert not {"SPECINFER_HOST", "SPECINFER_PORT", "SPECINFER_HTTP_PORT"} & set(cm["data"]), cm["metadata"]["name"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -216,7 +245,7 @@ def test_images_run_the_dockerfiles_entry_points(name):
 
 
 def test_gpu_overlay_puts_the_models_on_gpus():
-    for name, device in (("gpu", "cuda"), ("multi-gpu", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
+    for name, device in (("gpu", "cuda"), ("multi-gpu", "cuda"), ("tls", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
         objects = rendered(name)
         for _, container in containers(objects):
             service = service_of(container)
@@ -240,8 +269,8 @@ def test_only_the_request_manager_reaches_the_internal_services(name):
     policies = by_kind(rendered(name), "NetworkPolicy")
     deny = policies.pop("default-deny-ingress")
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
-    public = policies.pop("request-manager-public-api")
-    assert public["spec"]["ingress"] == [{"ports": [{"port": PORTS["request-manager"], "protocol": "TCP"}]}]  # from anywhere
+    public = policies.pop("request-manager-public-api")  # gRPC and HTTP, from anywhere
+    assert public["spec"]["ingress"] == [{"ports": [{"port": port, "protocol": "TCP"} for port in public_ports("request-manager")]}]
     metrics = policies.pop("metrics-from-monitoring")  # the metrics port only, from one other namespace
     assert metrics["spec"]["ingress"] == [
         {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}

@@ -126,10 +126,14 @@ class ClientAuth:
         creds = self.tls.credentials()
         return grpc.secure_channel(address, creds, options=list(options)) if creds else grpc.insecure_channel(address, options=list(options))
 
-    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-        """An asyncio channel to ``address``, TLS when configured."""
+    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = (), tls_name: str = "") -> grpc.aio.Channel:
+        """An asyncio channel to ``address``, TLS when configured. ``tls_name``: the name the server's
+        certificate must carry when it is not ``address``'s host (an IP found by a DNS lookup of that name)."""
         creds = self.tls.credentials()
-        return grpc.aio.secure_channel(address, creds, options=list(options)) if creds else grpc.aio.insecure_channel(address, options=list(options))
+        if not creds:
+            return grpc.aio.insecure_channel(address, options=list(options))
+        override = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+        return grpc.aio.secure_channel(address, creds, options=[*options, *override])
 
 
 def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
