@@ -38,6 +38,7 @@ import json
 import os
 import random
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -145,6 +146,9 @@ class Campaign:
             state_dir=self.workdir / "state",
             threads=1,
             rm_args=("--max-batch", "16", "--ssm-failure-seconds", "3", "--rpc-timeout-seconds", "10"),
+            # fp32, the exactness oracle's dtype: --dtype auto is bf16 on AVX512-BF16/AMX CPUs, whose greedy
+            # output is bf16's own (near-tied tokens flip), not transformers' fp32 output checked here
+            model_args=("--dtype", "float32"),
         )
         self.stack = Stack(cfg, workdir=self.workdir)
         self.hf = AutoModelForCausalLM.from_pretrained(args.llm, dtype=torch.float32)
@@ -371,6 +375,8 @@ def main() -> None:
     )
     ap.add_argument("--out", help="folder for summary.json and rounds.jsonl")
     args = ap.parse_args()
+    # SIGTERM (kill, a CI time-out) unwinds like Ctrl-C, so run()'s finally stops the stack: no orphans
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     campaign = Campaign(args)
     summary = campaign.run()
     print()

@@ -97,6 +97,7 @@ class Process:
     port_file: Path
     address: str = ""
     metrics_address: str = ""  # host:port of its Prometheus /metrics endpoint
+    args: tuple[str, ...] = ()  # the service's own flags (what _spawn was given), which a respawn reuses
 
 
 def wait_serving(address: str, timeout: float, tls: ClientTls | None = None) -> None:
@@ -127,7 +128,7 @@ class Stack:
         metrics_file = self.workdir / f"{name}.metrics-port"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
-        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file, address)
+        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file, address, args=tuple(args))
         self.processes.append(proc)
         if address:
             return proc
@@ -199,13 +200,14 @@ class Stack:
         old = self.process(name)
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running")
-        args = list(old.popen.args)
-        module = args[args.index("-m") + 1]
-        rest = args[args.index("--port-file") + 2 :]
+        module = old.popen.args[old.popen.args.index("-m") + 1]
+        args = list(old.args)
+        if "--port" in args:  # the first start's port (0: any) becomes the port it got
+            del args[args.index("--port") : args.index("--port") + 2]
         port = old.address.rpartition(":")[2]
         old.port_file.unlink(missing_ok=True)
         self.processes.remove(old)
-        proc = self._spawn(name, module, [*rest, "--port", port], timeout, address="" if wait else old.address)  # the last --port wins
+        proc = self._spawn(name, module, [*args, "--port", port], timeout, address="" if wait else old.address)
         self.processes.remove(proc)
         # the verifier first, the main request manager last (Stack.address), the rest before it
         if name == "llm-verifier":
