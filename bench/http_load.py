@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API under load, against the same load through gRPC (issue 15).
 
 One local stack (LLM verifier, SSM workers, request manager with its HTTP API); ``--streams``
-client threads generate greedy requests back to back for ``--seconds``, first through gRPC
-(``Generate`` streams, as bench/soak.py does), then through HTTP (``/v1/completions`` with
-``stream: true``, server-sent events read with the standard library). Both phases use the same
+client threads generate greedy requests back to back for ``--seconds`` per path, through gRPC
+(``Generate`` streams, as bench/soak.py does) and through HTTP (``/v1/completions`` with
+``stream: true``, server-sent events read with the standard library), after an uncounted warm-up,
+in the order gRPC, HTTP, HTTP, gRPC (half of ``--seconds`` each). Both paths use the same
 prompts, lengths and speculation. Reports, per path: finished requests, errors, tokens/s, time to
 first token and inter-token latency (p50/p99), and HTTP's tokens/s relative to gRPC's.
 
@@ -88,16 +89,17 @@ def http_stream_loop(port: int, prompts: list[list[int]], index: int, args, stop
     conn.close()
 
 
-def run_phase(target, address, prompts, args) -> tuple[Totals, float]:
-    totals = Totals()
+def run_phase(target, address, prompts, args, totals: Totals, seconds: float) -> float:
+    """``args.streams`` clients of ``target`` for ``seconds`` (requests in flight then finish), counted
+    into ``totals``; returns the phase's wall time."""
     start = time.monotonic()
-    stop_at = start + args.seconds
+    stop_at = start + seconds
     threads = [threading.Thread(target=target, args=(address, prompts, i, args, stop_at, totals), daemon=True) for i in range(args.streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return totals, time.monotonic() - start
+    return time.monotonic() - start
 
 
 def summary(totals: Totals, elapsed: float) -> dict:
@@ -119,7 +121,8 @@ def main() -> int:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PAIR / "prompts.jsonl", help="JSON lines with 'text'")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--seconds", type=float, default=60.0, help="per path, in two halves (gRPC, HTTP, HTTP, gRPC)")
+    p.add_argument("--warmup-seconds", type=float, default=10.0, help="gRPC load before the measured phases (not counted)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--expansion", default="auto")
@@ -142,10 +145,18 @@ def main() -> int:
         http_port=free_tcp_port(),
         rm_args=("--max-batch", str(args.max_batch), "--max-queue", str(4 * args.streams)),
     )
+    totals = {"grpc": Totals(), "http": Totals()}
+    seconds = {"grpc": 0.0, "http": 0.0}
     with Stack(cfg) as stack:
-        grpc_totals, grpc_s = run_phase(stream_loop, stack.address, prompts, args)
-        http_totals, http_s = run_phase(http_stream_loop, cfg.http_port, prompts, args)
-    out = {"streams": args.streams, "new_tokens": args.new_tokens, "grpc": summary(grpc_totals, grpc_s), "http": summary(http_totals, http_s)}
+        targets = {"grpc": (stream_loop, stack.address), "http": (http_stream_loop, cfg.http_port)}
+        if args.warmup_seconds > 0:  # not counted: first allocations, and the cost model's first refinements
+            run_phase(stream_loop, stack.address, prompts, args, Totals(), args.warmup_seconds)
+        # ABBA: each path runs twice for half of --seconds, so a drift over the run (warm-up, the online
+        # cost model, other load on the machine) weighs on both paths alike
+        for path in ("grpc", "http", "http", "grpc"):
+            print(f"{path}: {args.seconds / 2:.0f} s with {args.streams} streams", flush=True)
+            seconds[path] += run_phase(*targets[path], prompts, args, totals[path], args.seconds / 2)
+    out = {"streams": args.streams, "new_tokens": args.new_tokens, **{path: summary(totals[path], seconds[path]) for path in ("grpc", "http")}}
     out["http_vs_grpc_tokens_per_s"] = round(out["http"]["tokens_per_s"] / max(1e-9, out["grpc"]["tokens_per_s"]), 3)
     print("| path | requests | errors | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("| --- " * 8 + "|")
