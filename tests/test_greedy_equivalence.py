@@ -27,10 +27,15 @@ def expected(model_pair):
     return prompts, expected, eos
 
 
-@pytest.fixture(scope="module", params=["reference", "native"])
+# native-paged: the native backend on a paged KV pool of 3-token KV blocks (trees cross block boundaries)
+@pytest.fixture(scope="module", params=["reference", "native", "native-paged"])
 def setup(request, model_pair, expected):
     prompts, tokens, eos = expected
-    models = [load_backend(p, "model", "float32", backend=request.param, kv_cache_bytes=1 << 28) for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)]
+    backend, _, paged = request.param.partition("-")
+    models = [
+        load_backend(p, "model", "float32", backend=backend, kv_cache_bytes=1 << 28, kv_block_size=3 if paged else 0)
+        for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)
+    ]
     return prompts, tokens, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos))
 
 

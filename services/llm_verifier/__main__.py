@@ -86,7 +86,7 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
 
 def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
     device = rank_device(args.device, launch.local_rank)
-    return NativeOptions(DTYPES[resolve_dtype(args.dtype, device)], device, args.kv_cache_bytes, 0, args.attention)
+    return NativeOptions(DTYPES[resolve_dtype(args.dtype, device)], device, args.kv_cache_bytes, 0, args.attention, kv_block_size=args.kv_block_size)
 
 
 def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:

@@ -1,12 +1,13 @@
 """One rank of a parallel run of a fixed sequence of verifier steps (run as a script per rank).
 
-``python scenario.py CHECKPOINT TP PP RANK PORT OUT``: every rank joins the group on
-127.0.0.1:PORT (gloo); rank 0 drives :func:`steps` and saves the logits of every step to OUT
-(``torch.save``), the others replay. The test runs :func:`steps` on a single-process backend too.
+``python scenario.py CHECKPOINT TP PP RANK PORT OUT [KV_BLOCK_SIZE]``: every rank joins the group
+on 127.0.0.1:PORT (gloo); rank 0 drives :func:`steps` and saves the logits of every step to OUT
+(``torch.save``), the others replay. ``KV_BLOCK_SIZE`` > 0: a paged KV pool (default 0: slots). The test runs :func:`steps` on a single-process backend too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,18 +45,19 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
 
 
 def main(argv: list[str]) -> None:
-    checkpoint, tp, pp, rank, port, out = argv
+    checkpoint, tp, pp, rank, port, out, *block = argv
+    options = dataclasses.replace(OPTIONS, kv_block_size=int(block[0]) if block else 0)
     torch.set_num_threads(1)
     layout = ParallelLayout(int(tp), int(pp), int(rank))
     rendezvous = Rendezvous("127.0.0.1", int(port), 60.0)
     try:
         if layout.rank == 0:
-            backend, runner = load_driver(checkpoint, OPTIONS, layout, rendezvous)
+            backend, runner = load_driver(checkpoint, options, layout, rendezvous)
             logits = steps(backend, backend.vocab_size)
             runner.shutdown()
             torch.save(logits, Path(out))
         else:
-            run_rank(checkpoint, OPTIONS, layout, rendezvous)
+            run_rank(checkpoint, options, layout, rendezvous)
     finally:
         close_groups()
 

@@ -56,10 +56,13 @@ def single(checkpoint) -> list[list[torch.Tensor]]:
     return steps(backend, backend.vocab_size)
 
 
-def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path) -> list[list[torch.Tensor]]:
+def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path, kv_block_size: int = 0) -> list[list[torch.Tensor]]:
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(HERE / "scenario.py"), str(checkpoint), str(tp), str(pp), str(rank), str(port), str(out)], stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(HERE / "scenario.py"), str(checkpoint), str(tp), str(pp), str(rank), str(port), str(out), str(kv_block_size)],
+            stderr=subprocess.PIPE,
+        )
         for rank in range(tp * pp)
     ]
     errors = []
@@ -80,10 +83,26 @@ def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path) -> list[list[tor
 CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("opt", 2, 1)]
 
 
+# KV blocks of 3 tokens on every rank (tables from rank 0, moves replayed in physical rows)
+PAGED_CASES = [("llama-gqa", 2, 1, 3), ("llama-gqa", 2, 2, 3)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("checkpoint", "tp", "pp"), CASES, indirect=["checkpoint"], ids=[f"{m}-tp{t}xpp{p}" for m, t, p in CASES])
 def test_parallel_logits_equal_single_process(checkpoint, single, tp, pp, tmp_path):
-    parallel = run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt")
+    assert_same_logits(run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt"), single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("checkpoint", "tp", "pp", "block"), PAGED_CASES, indirect=["checkpoint"], ids=[f"{m}-tp{t}xpp{p}-kvblock{b}" for m, t, p, b in PAGED_CASES]
+)
+def test_paged_parallel_logits_equal_single_process(checkpoint, single, tp, pp, block, tmp_path):
+    """Against the single-process backend on contiguous slots."""
+    assert_same_logits(run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt", block), single)
+
+
+def assert_same_logits(parallel: list[list[torch.Tensor]], single: list[list[torch.Tensor]]) -> None:
     assert len(parallel) == len(single)
     for step, (got_step, want_step) in enumerate(zip(parallel, single, strict=True)):
         assert len(got_step) == len(want_step)

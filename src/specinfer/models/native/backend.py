@@ -19,6 +19,7 @@ from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
+from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool, blocks_for
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
 from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
@@ -33,7 +34,9 @@ class NativeOptions:
     ``triton`` or ``torch``; ``max_tree_nodes``: extra rows per slot for tree nodes beyond the
     sequence (a tree's nodes share positions, so they need rows but no positions); ``gemm``:
     ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`),
-    ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows)."""
+    ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows);
+    ``kv_block_size``: 0 for one contiguous slot per request (:mod:`.kv_pool`), else a paged pool
+    of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -42,10 +45,13 @@ class NativeOptions:
     attention: str = "auto"
     max_tree_nodes: int = 256
     gemm: str = "auto"
+    kv_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
+        if self.kv_block_size < 0:
+            raise ValueError(f"kv_block_size must be >= 0, got {self.kv_block_size}")
 
 
 def slot_len(spec: ModelSpec, options: NativeOptions) -> int:
@@ -57,8 +63,34 @@ def slot_len(spec: ModelSpec, options: NativeOptions) -> int:
 def pool_slots(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     """``(rows per slot, slots)`` of a KV pool for ``spec`` within ``options.kv_cache_bytes``:
     each slot holds a whole sequence plus ``max_tree_nodes`` tree rows."""
-    rows = slot_len(spec, options) + options.max_tree_nodes
+    rows = request_rows(spec, options)
     return rows, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * rows)
+
+
+def request_rows(spec: ModelSpec, options: NativeOptions) -> int:
+    """KV rows one request may need: a whole sequence plus ``max_tree_nodes`` tree rows."""
+    return slot_len(spec, options) + options.max_tree_nodes
+
+
+def pool_geometry(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
+    """``(rows per unit, units)`` of the KV pool for ``spec`` within ``options.kv_cache_bytes``:
+    slots (:func:`pool_slots`), or KV blocks of ``kv_block_size`` rows for a paged pool."""
+    if options.kv_block_size:
+        return options.kv_block_size, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size)
+    return pool_slots(spec, options)
+
+
+def new_pool(
+    spec: ModelSpec,
+    options: NativeOptions,
+    device: torch.device,
+    geometry: tuple[int, int],
+    contiguous: type[KVPool] = KVPool,
+    paged: type[PagedKVPool] = PagedKVPool,
+) -> AnyKVPool:
+    """A pool of ``spec``'s shape with ``geometry`` (:func:`pool_geometry`) in the layout ``options``
+    asks for, of class ``contiguous`` or ``paged`` (a parallel driver passes its recording ones)."""
+    return (paged if options.kv_block_size else contiguous)(spec, options.dtype, device, *geometry)
 
 
 def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
@@ -89,20 +121,42 @@ def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torc
 
 
 class NativeBackend:
-    """Per-request bookkeeping (which tokens each KV slot holds, what a step must compute) on
-    top of a :class:`StepRunner` that executes the packed steps: the whole model in this
-    process, or a group of ranks (:mod:`specinfer.models.native.parallel`)."""
+    """Per-request bookkeeping (which tokens each request's KV slot or KV blocks hold, what a step
+    must compute) on top of a :class:`StepRunner` that executes the packed steps: the whole model
+    in this process, or a group of ranks (:mod:`specinfer.models.native.parallel`)."""
 
     def __init__(self, spec: ModelSpec, runner: StepRunner, options: NativeOptions) -> None:
         self.spec = spec
         self.runner = runner
         self.options = options
         self.device = torch.device(options.device)
-        self.pool: KVPool = runner.pool
+        self.pool: AnyKVPool = runner.pool
+        self.block_size = options.kv_block_size  # 0: contiguous slots
+        if isinstance(self.pool, PagedKVPool) != bool(self.block_size):
+            raise ValueError(f"kv_block_size {self.block_size} does not match the runner's {type(self.pool).__name__}")
         self.vocab_size = spec.vocab_size
         self.max_positions = slot_len(spec, options)
-        self.max_requests = self.pool.num_slots  # concurrent requests the KV pool holds
+        self.rows_per_request = request_rows(spec, options)  # KV rows a request may use (its slot, paged: its most blocks' rows)
+        # Concurrent requests the KV pool holds, each at its longest. Paged, a request takes its
+        # blocks as it grows, so more may fit; admission on free blocks is the next step, until
+        # then the same guarantee as slots.
+        if self.block_size:
+            self.max_requests = self.pool.num_blocks // blocks_for(self.rows_per_request, self.block_size)
+            if self.max_requests == 0:
+                raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
+        else:
+            self.max_requests = self.pool.num_slots
         self._caches: dict[str, RequestCache] = {}
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """KV blocks of the pool (contiguous layout: slots, each a block of a whole request)."""
+        return self.pool.num_blocks if self.block_size else self.pool.num_slots
+
+    @property
+    def kv_blocks_free(self) -> int:
+        """KV blocks no request holds (contiguous layout: free slots)."""
+        return self.pool.free_blocks if self.block_size else self.pool.free_slots
 
     @classmethod
     def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
@@ -111,8 +165,7 @@ class NativeBackend:
         device = torch.device(options.device)
         weights = build_weights(spec, read_state_dict(path), options.dtype, device)
         model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention, gemm_plan(weights, options))
-        rows, slots = pool_slots(spec, options)
-        return cls(spec, LocalRunner(model, KVPool(spec, options.dtype, device, rows, slots), device), options)
+        return cls(spec, LocalRunner(model, new_pool(spec, options, device, pool_geometry(spec, options)), device), options)
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)
@@ -120,12 +173,13 @@ class NativeBackend:
     def release(self, request_id: str) -> None:
         cache = self._caches.pop(request_id, None)
         if cache is not None:
-            self.pool.release(cache.storage.slot)
+            cache.storage.release()
 
     def _cache(self, request_id: str) -> RequestCache:
         cache = self._caches.get(request_id)
         if cache is None:
-            cache = RequestCache(SlotStorage(self.pool, self.pool.allocate()))
+            storage = BlockStorage(self.pool) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
+            cache = RequestCache(storage)
             self._caches[request_id] = cache
         return cache
 
@@ -138,11 +192,13 @@ class NativeBackend:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
-            if lc + m > self.max_positions or lp + n > self.pool.slot_len - lc - m:
-                raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, its slot holds {self.pool.slot_len}")
-            requests.append(StepRequest(cache.storage.start, lc, chain, item.tokens, cache.node_parents(item.parents)))
+            if lc + m > self.max_positions or lp + n > self.rows_per_request - lc - m:
+                raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, a request holds {self.rows_per_request}")
+            storage = cache.storage
+            storage.reserve(lc + m, lc + m + lp + n)
+            requests.append(StepRequest(storage.start, lc, chain, item.tokens, cache.node_parents(item.parents), tuple(storage.block_table)))
             plans.append((item, cache, chain))
-        step = PackedStep.from_trees(requests)
+        step = PackedStep.from_trees(requests, self.block_size)
         if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch]
         logits = self.runner.run(step)  # [sum n, vocab]

@@ -1,7 +1,7 @@
 """Our own Llama-family (Llama 1/2/3, Mistral, Qwen2) and OPT forward pass over packed tokens.
 
 Every token of every request of a batch is one row of the packed activations; attention reads
-and writes the :class:`KVPool` through the tree-attention kernel, whose per-step metadata is
+and writes the KV pool (either layout) through the tree-attention kernel, whose per-step metadata is
 built once by the backend and reused by every layer.
 """
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata, tree_attention
 from specinfer.models.native.gemm import GemmPlan
-from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import ModelWeights
 
@@ -56,7 +56,7 @@ class NativeModel:
         positions: torch.Tensor,  # [T] int64
         cache_rows: torch.Tensor,  # [T] int64, pool row where each token's K/V go
         meta: TreeAttentionMetadata,
-        pool: KVPool,
+        pool: PoolTensors,
         logit_rows: torch.Tensor,  # [N] int64, rows whose logits are wanted
     ) -> torch.Tensor:  # [N, vocab] float32
         h = self.embed(tokens, positions)
@@ -67,7 +67,7 @@ class NativeModel:
         """Token (and for OPT, position) embeddings of the packed tokens."""
         return self._embed_extra(self._embed_tokens(tokens), positions)
 
-    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: KVPool) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: PoolTensors) -> torch.Tensor:
         """Every decoder layer of ``self.w`` over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
         rope = None if self.inv_freq is None else self._rope(positions, h.dtype)  # once per step, shared by every layer
         for i, layer in enumerate(self.w.layers):
@@ -117,8 +117,10 @@ class NativeModel:
         if rope is not None:
             q = self._rotate(q, *rope)
             k = self._rotate(k, *rope)
-        pool.k[i][cache_rows] = k
-        pool.v[i][cache_rows] = v
+        # rows of layer i: [capacity, kv_heads, head_dim], a paged pool's [num_blocks, block_size, ...]
+        # flattened (a view, so the write lands in the pool); cache_rows index them in either layout
+        pool.k[i].flatten(0, -3)[cache_rows] = k
+        pool.v[i].flatten(0, -3)[cache_rows] = v
         out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
         return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 

@@ -2,8 +2,9 @@
 
 A *packed step* is everything a forward pass needs besides the weights and the KV pool: the
 tokens of every request of the batch as one packed row list, their positions and KV-pool rows,
-the tree-attention segments (:func:`specinfer.kernels.build_tree_metadata`'s inputs) and the
-rows whose logits are wanted. It holds Python ints only, so a distributed driver can ship it to
+the tree-attention segments (:func:`specinfer.kernels.build_tree_metadata`'s inputs, or
+:func:`specinfer.kernels.build_paged_tree_metadata`'s for a paged pool) and the rows whose logits
+are wanted. It holds Python ints only, so a distributed driver can ship it to
 the other ranks (:mod:`specinfer.models.native.parallel`) and each rebuilds the same tensors.
 :meth:`PackedStep.from_trees` packs one from a :class:`StepRequest` per request; it is pure, so
 tests build steps without a backend.
@@ -18,22 +19,32 @@ from typing import Protocol
 import torch
 
 from specinfer.core.tree import node_depths
-from specinfer.kernels import TreeAttentionMetadata, build_tree_metadata
-from specinfer.models.native.kv_pool import KVPool
+from specinfer.kernels import TreeAttentionMetadata, build_paged_tree_metadata, build_tree_metadata
 from specinfer.models.native.model import NativeModel
+from specinfer.models.native.paged_pool import AnyKVPool, physical_rows
 
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One request's share of a packed step. Its KV rows start at ``kv_start``: ``cached`` context
+    """One request's share of a packed step. Its logical KV positions hold ``cached`` context
     tokens already there, then ``chain`` (context tokens computed now), then its pending tree nodes
-    (cached earlier), then the new ``tokens``."""
+    (cached earlier), then the new ``tokens``. Logical position p is pool row ``kv_start + p``
+    (contiguous pool) or row ``p % block_size`` of KV block ``block_table[p // block_size]``
+    (paged pool; ``kv_start`` is then 0)."""
 
-    kv_start: int  # pool row of the request's position 0
+    kv_start: int  # pool row of the request's position 0 (contiguous layout)
     cached: int  # context tokens whose K/V the pool already holds
     chain: Sequence[int]  # context tokens to compute, right after the cached ones
     tokens: Sequence[int]  # new tree nodes (their logits are wanted)
     parents: Sequence[int]  # parent array of the pending nodes then the new ones; -1 attaches to the context
+    block_table: Sequence[int] = ()  # paged layout: the request's KV blocks, covering every position above
+
+    def rows(self, block_size: int, start: int, stop: int) -> list[int]:
+        """Pool rows of logical positions ``[start, stop)``; paged (``block_size > 0``): rows of the
+        pool flattened to ``[num_blocks * block_size]``."""
+        if block_size:
+            return physical_rows(self.block_table, block_size, range(start, stop))
+        return list(range(self.kv_start + start, self.kv_start + stop))
 
 
 @dataclass(frozen=True)
@@ -48,42 +59,61 @@ class PackedStep:
     seg_starts: tuple[int, ...]  # per segment, pool row of its prefix position 0
     seg_queries: tuple[int, ...]  # per segment, rows with queries (its last nodes)
     logit_rows: tuple[int, ...]  # [N] rows whose logits are wanted
+    # Paged layout only (defaults: contiguous): then cache_rows are rows of the pool flattened to
+    # [num_blocks * block_size] and seg_starts are all 0.
+    block_size: int = 0  # token rows per KV block; 0: contiguous layout
+    seg_tables: tuple[tuple[int, ...], ...] = ()  # per segment, its request's block table
 
     @staticmethod
-    def from_trees(requests: Sequence[StepRequest]) -> PackedStep:
+    def from_trees(requests: Sequence[StepRequest], block_size: int = 0) -> PackedStep:
         """Pack ``requests`` in order: per request its chain (a causal segment behind the cached
         context), then its new nodes (a tree segment of pending + new nodes behind the whole
-        context, where only the new nodes have queries). Logit rows are the new nodes', in order."""
+        context, where only the new nodes have queries). Logit rows are the new nodes', in order.
+        ``block_size``: 0 for a contiguous pool, else the paged pool's (requests carry block tables)."""
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
-        segments: list[tuple[tuple[int, ...], int, int, int]] = []  # (parents, prefix, kv start, queries)
+        segments: list[tuple[tuple[int, ...], int, int, int, tuple[int, ...]]] = []  # (parents, prefix, kv start, queries, block table)
         logit_rows: list[int] = []
         for r in requests:
             m, n = len(r.chain), len(r.tokens)
             context = r.cached + m
+            table = tuple(int(b) for b in r.block_table)
             if m:
-                segments.append((tuple(range(-1, m - 1)), r.cached, r.kv_start, m))
+                segments.append((tuple(range(-1, m - 1)), r.cached, r.kv_start, m, table))
                 tokens.extend(int(t) for t in r.chain)
                 positions.extend(range(r.cached, context))
-                rows.extend(range(r.kv_start + r.cached, r.kv_start + context))
+                rows.extend(r.rows(block_size, r.cached, context))
             if n:
                 if any(p < 0 for p in r.parents[1:]):
                     raise ValueError("only the first pending node may attach to the context (parent -1)")
-                first = r.kv_start + context + len(r.parents) - n  # KV row of the first new node
-                segments.append((tuple(int(p) for p in r.parents), context, r.kv_start, n))
+                first = context + len(r.parents) - n  # logical position of the first new node
+                segments.append((tuple(int(p) for p in r.parents), context, r.kv_start, n, table))
                 logit_rows.extend(range(len(tokens), len(tokens) + n))
                 tokens.extend(int(t) for t in r.tokens)
                 positions.extend((node_depths(r.parents)[-n:] + context).tolist())
-                rows.extend(range(first, first + n))
-        seg_parents, seg_prefix, seg_starts, seg_queries = (tuple(column) for column in zip(*segments, strict=True)) if segments else ((),) * 4
-        return PackedStep(tuple(tokens), tuple(positions), tuple(rows), seg_parents, seg_prefix, seg_starts, seg_queries, tuple(logit_rows))
+                rows.extend(r.rows(block_size, first, first + n))
+        seg_parents, seg_prefix, seg_starts, seg_queries, seg_tables = (tuple(column) for column in zip(*segments, strict=True)) if segments else ((),) * 5
+        return PackedStep(
+            tuple(tokens),
+            tuple(positions),
+            tuple(rows),
+            seg_parents,
+            seg_prefix,
+            seg_starts,
+            seg_queries,
+            tuple(logit_rows),
+            block_size,
+            seg_tables if block_size else (),
+        )
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device``."""
         return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (self.tokens, self.positions, self.cache_rows, self.logit_rows))
 
     def metadata(self, device: torch.device) -> TreeAttentionMetadata:
+        if self.block_size:
+            return build_paged_tree_metadata(self.seg_parents, self.seg_prefix, self.seg_tables, self.block_size, device, num_queries=self.seg_queries)
         return build_tree_metadata(self.seg_parents, self.seg_prefix, self.seg_starts, device, num_queries=self.seg_queries)
 
 
@@ -91,7 +121,7 @@ class StepRunner(Protocol):
     """Executes packed steps on the KV pool it owns (one process, or a group of ranks)."""
 
     @property
-    def pool(self) -> KVPool: ...
+    def pool(self) -> AnyKVPool: ...
 
     def run(self, step: PackedStep) -> torch.Tensor:
         """Logits of ``step.logit_rows``.  # [N, vocab] float32"""
@@ -101,13 +131,13 @@ class StepRunner(Protocol):
 class LocalRunner:
     """The whole model in this process."""
 
-    def __init__(self, model: NativeModel, pool: KVPool, device: torch.device) -> None:
+    def __init__(self, model: NativeModel, pool: AnyKVPool, device: torch.device) -> None:
         self.model = model
         self._pool = pool
         self.device = device
 
     @property
-    def pool(self) -> KVPool:
+    def pool(self) -> AnyKVPool:
         return self._pool
 
     def run(self, step: PackedStep) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Rank 0 runs the ordinary :class:`NativeBackend` (request caches, slot allocation, packed steps)
 on a :class:`DriverRunner`. Everything that changes device state goes to every rank as one
 :class:`Operation` broadcast on the control group: a forward step, preceded by the KV row moves
-made since the last step (adopting an accepted path compacts the pool: :class:`RecordingPool`
+made since the last step (adopting an accepted path compacts the pool: :class:`MoveRecorder`
 records those moves on rank 0, every other rank applies them to its own shard before the step,
-so all pools stay in the same order). Slot allocation and release touch no tensor and stay on
-rank 0. The other ranks loop in :func:`serve_rank` until a shutdown operation.
+so all pools stay in the same order). Slot and KV block allocation and release touch no tensor
+and stay on rank 0; a paged step carries its block tables. The other ranks loop in
+:func:`serve_rank` until a shutdown operation.
 
 A failed collective (a dead peer closes its sockets; a stuck one runs into the group timeout)
 raises :class:`RankFailure` on rank 0 and marks the runner failed: the service turns
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from specinfer.core.errors import Unavailable
-from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.kv_pool import KVPool, PoolTensors
+from specinfer.models.native.paged_pool import AnyKVPool, PagedKVPool
 from specinfer.models.native.parallel.stage import StageModel, run_stage
 from specinfer.models.native.step import PackedStep
 
@@ -41,20 +43,28 @@ class Operation:
     step: PackedStep | None = None
 
 
-class RecordingPool(KVPool):
-    """Rank 0's pool: applies moves like any pool and keeps them for the other ranks."""
+class MoveRecorder(PoolTensors):
+    """Rank 0's pools: apply moves like any pool and keep them for the other ranks. A mixin for
+    both layouts (the moves are rows of the flattened pool in either)."""
 
-    def __init__(self, spec, dtype: torch.dtype, device: torch.device, slot_len: int, num_slots: int) -> None:
-        super().__init__(spec, dtype, device, slot_len, num_slots)
-        self._moves: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    _moves: Moves = ()  # since the last take_moves; a tuple, so no constructor of its own is needed
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         super().move(src, dst)
-        self._moves.append((tuple(src.tolist()), tuple(dst.tolist())))
+        self._moves = (*self._moves, (tuple(src.tolist()), tuple(dst.tolist())))
 
     def take_moves(self) -> Moves:
-        moves, self._moves = tuple(self._moves), []
+        moves, self._moves = self._moves, ()
         return moves
+
+
+class RecordingPool(MoveRecorder, KVPool):
+    """Rank 0's contiguous pool."""
+
+
+class RecordingPagedPool(MoveRecorder, PagedKVPool):
+    """Rank 0's paged pool. Its KV blocks are handed out on rank 0 only (that touches no tensor);
+    block tables reach the other ranks inside each :class:`PackedStep`."""
 
 
 def broadcast(op: Operation | None, control: dist.ProcessGroup) -> Operation:
@@ -67,7 +77,7 @@ def broadcast(op: Operation | None, control: dist.ProcessGroup) -> Operation:
 class DriverRunner:
     """:class:`specinfer.models.native.step.StepRunner` of rank 0: the step runs on every rank."""
 
-    def __init__(self, model: StageModel, pool: RecordingPool, device: torch.device) -> None:
+    def __init__(self, model: StageModel, pool: RecordingPool | RecordingPagedPool, device: torch.device) -> None:
         self.model = model
         self._pool = pool
         self.device = device
@@ -75,7 +85,7 @@ class DriverRunner:
         self.failure: str | None = None  # why the group broke, once it has
 
     @property
-    def pool(self) -> KVPool:
+    def pool(self) -> AnyKVPool:
         return self._pool
 
     def run(self, step: PackedStep) -> torch.Tensor:
@@ -107,7 +117,7 @@ class DriverRunner:
 
 
 @torch.inference_mode()
-def serve_rank(model: StageModel, pool: KVPool, device: torch.device) -> None:
+def serve_rank(model: StageModel, pool: AnyKVPool, device: torch.device) -> None:
     """The loop of every rank but 0: replay operations until shutdown (returns) or a failed
     collective (raises)."""
     groups = model.groups

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from specinfer.models.native.backend import NativeBackend, NativeOptions, gemm_plan, pool_slots, rope_tables
-from specinfer.models.native.kv_pool import KVPool
-from specinfer.models.native.parallel.driver import DriverRunner, RecordingPool, serve_rank
+from specinfer.models.native.backend import NativeBackend, NativeOptions, gemm_plan, new_pool, pool_geometry, rope_tables
+from specinfer.models.native.parallel.driver import DriverRunner, RecordingPagedPool, RecordingPool, serve_rank
 from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, init_groups
 from specinfer.models.native.parallel.layout import ParallelLayout, check_layout, shard_spec
 from specinfer.models.native.parallel.shard import shard_weights
@@ -24,9 +23,9 @@ def _moved(obj: ModelWeights | LayerWeights, device: torch.device) -> ModelWeigh
 
 
 def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: ParallelGroups) -> tuple[StageModel, int, int]:
-    """This rank's model on its device, and the pool geometry ``(rows per slot, slots)``, which
-    every rank computes alike: for the largest stage (the first), so ``kv_cache_bytes`` bounds
-    each rank's pool."""
+    """This rank's model on its device, and the pool geometry (:func:`pool_geometry`: rows per
+    slot and slots, or rows per KV block and blocks), which every rank computes alike: for the
+    largest stage (the first), so ``kv_cache_bytes`` bounds each rank's pool."""
     layout = groups.layout
     device = torch.device(options.device)
     # build and shard on the CPU, so the device only ever holds this rank's shard
@@ -36,15 +35,15 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
     gemm = gemm_plan(weights, options)
     model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm)
-    rows, slots = pool_slots(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
-    return model, rows, slots
+    rows, units = pool_geometry(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
+    return model, rows, units
 
 
 def _join_and_load(
     path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous
 ) -> tuple[ModelSpec, torch.device, tuple[StageModel, int, int]]:
     """What every rank does first: check the layout, join the process groups, load its stage's
-    shard. Returns (the model's spec, the device, (stage model, KV rows per slot, slots))."""
+    shard. Returns (the model's spec, the device, (stage model, KV rows per slot or block, slots or blocks))."""
     path = Path(path)
     spec = ModelSpec.from_dir(path)
     check_layout(spec, layout.tp, layout.pp)
@@ -56,12 +55,12 @@ def _join_and_load(
 def load_driver(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> tuple[NativeBackend, DriverRunner]:
     """Rank 0: joins the group, loads its shard; returns the backend to serve and its runner
     (``runner.shutdown()`` stops the other ranks; ``runner.failure`` says whether the group broke)."""
-    spec, device, (model, rows, slots) = _join_and_load(path, options, layout, rendezvous)
-    runner = DriverRunner(model, RecordingPool(model.spec, options.dtype, device, rows, slots), device)
+    spec, device, (model, rows, units) = _join_and_load(path, options, layout, rendezvous)
+    runner = DriverRunner(model, new_pool(model.spec, options, device, (rows, units), RecordingPool, RecordingPagedPool), device)
     return NativeBackend(spec, runner, options), runner
 
 
 def run_rank(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> None:
     """Every rank but 0: join the group, load the shard, replay rank 0's operations until shutdown."""
-    _, device, (model, rows, slots) = _join_and_load(path, options, layout, rendezvous)
-    serve_rank(model, KVPool(model.spec, options.dtype, device, rows, slots), device)
+    _, device, (model, rows, units) = _join_and_load(path, options, layout, rendezvous)
+    serve_rank(model, new_pool(model.spec, options, device, (rows, units)), device)

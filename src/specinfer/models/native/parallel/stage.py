@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata
 from specinfer.models.native.gemm import GemmPlan
-from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.parallel.groups import ParallelGroups
 from specinfer.models.native.spec import ModelSpec
@@ -72,7 +72,7 @@ class StageModel(NativeModel):
         return x
 
 
-def run_stage(model: StageModel, pool: KVPool, step: PackedStep, meta: TreeAttentionMetadata, device: torch.device) -> torch.Tensor | None:
+def run_stage(model: StageModel, pool: PoolTensors, step: PackedStep, meta: TreeAttentionMetadata, device: torch.device) -> torch.Tensor | None:
     """This rank's share of ``step`` (``meta``: its tree-attention metadata); the logits
     # [N, vocab] float32 on the last stage, else None."""
     layout, world = model.groups.layout, model.groups.world
