@@ -138,7 +138,7 @@ def main() -> None:
                 versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None else ""
                 same = f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}" if base is not None else ""
                 latency = 1000 * statistics.mean(run.per_token)
-                row = f"| {batch} | {path} | {method} | {run.seconds:.1f} | {rate:.2f} | {versus} | {latency:.0f} | {run.steps} | {same} |"
+                row = f"| {batch} | {path} | {method} | {run.seconds:.3f} | {rate:.2f} | {versus} | {latency:.1f} | {run.steps} | {same} |"
                 table.append(row)
                 print(row, flush=True)
     print()
