@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CORE_TESTS = ("tests/test_tree.py", "tests/test_verify.py", "tests/test_sampling.py", "tests/test_adaptive_core.py")  # the tests of specinfer.core
+CORE_TESTS = (
+    "tests/test_tree.py",
+    "tests/test_verify.py",
+    "tests/test_sampling.py",
+    "tests/test_adaptive_core.py",
+    "tests/test_kv_budget.py",
+)  # the tests of specinfer.core
 NO_TORCH_PLUGIN = """
 import sys
 

@@ -29,6 +29,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.costs import StepCosts
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, select_drafts, static_shape, verify_shape, verify_specs
+from specinfer.core.kv_budget import schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs
@@ -69,11 +70,15 @@ class SpeculativeEngine:
         self.llm = llm
         self.ssms = list(ssms)
         self.config = config
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, _Active] = {}  # in admission order, oldest first
         self._waiting: list[_Active] = []
-        # a request holds a KV cache in every model until it finishes: admit no more than all hold
-        limits = [m.max_requests for m in (llm, *ssms) if m.max_requests is not None]
+        # A request holds a KV cache in every model until it finishes. Models that size their cache
+        # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
+        # many requests their caches hold.
+        self._budgets = [(name, m.kv_budget) for name, m in (("llm", llm), *((f"ssms[{i}]", s) for i, s in enumerate(ssms))) if m.kv_budget is not None]
+        limits = [m.max_requests for m in (llm, *ssms) if m.kv_budget is None and m.max_requests is not None]
         self._capacity = min([config.max_batch, *limits])
+        self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
         self._adaptive: AdaptiveSpeculation | None = None
         self._draft_seconds = 0.0  # SSM seconds of the current iteration
@@ -103,6 +108,17 @@ class SpeculativeEngine:
             unknown = [s for s in spec.ssms if not 0 <= s < len(self.ssms)]
             if unknown:
                 raise InvalidArgument("speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})")
+        # alone, at its longest, it must fit every KV cache: then the oldest request always runs
+        rows = self._step_rows(request, len(request.prompt_tokens) + request.max_new_tokens)
+        for name, budget in self._budgets:
+            if budget.blocks_for(rows) > budget.blocks:
+                raise InvalidArgument(
+                    "max_new_tokens",
+                    f"prompt + max_new_tokens + tree take {rows} KV rows, more than the {name} KV cache holds ({budget.blocks} x {budget.block_size})",
+                )
+
+    def _step_rows(self, request: GenerationRequest, committed: int) -> int:
+        return step_rows(request, committed, len(self.ssms), self.config.planner.max_nodes)
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
@@ -153,9 +169,7 @@ class SpeculativeEngine:
 
     def step(self) -> list[GenerationResult]:
         """One speculate/verify/commit iteration; returns the requests that finished."""
-        while self._waiting and len(self._active) < self._capacity:
-            w = self._waiting.pop(0)
-            self._active[w.request.request_id] = w
+        self._admit()
         states = list(self._active.values())
         if not states:
             return []
@@ -185,6 +199,31 @@ class SpeculativeEngine:
             self._adaptive.observe_verify(verify_shape(jobs), verified - verify_started)
             self._adaptive.observe_overhead(time.perf_counter() - started - (verified - verify_started) - self._draft_seconds)
         return finished
+
+    def _admit(self) -> None:
+        """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`): a
+        preempted request's caches are released and it waits at the head of the queue with its
+        output; re-admitted, its caches are rebuilt from its committed tokens."""
+        if not self._budgets:
+            while self._waiting and len(self._active) < self._capacity:
+                w = self._waiting.pop(0)
+                self._active[w.request.request_id] = w
+            return
+        plan = schedule(
+            [budget for _, budget in self._budgets],
+            [(rid, self._step_rows(s.request, len(s.committed))) for rid, s in self._active.items()],
+            [(w.request_id, self._step_rows(w.request, len(w.committed))) for w in self._waiting],
+            self._capacity,
+        )
+        back = [self._active.pop(rid) for rid in plan.preempted]
+        for state in back:
+            self._release(state.request_id)
+        self._waiting[:0] = back
+        self.preemptions += len(back)
+        for rid in plan.admitted:
+            w = self._waiting.pop(0)  # schedule admits a prefix of the queue
+            assert w.request_id == rid
+            self._active[rid] = w
 
     def _speculate(self, states: list[_Active], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
         """Every SSM drafts for the requests that name it (static) or that the plan gave it

@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from specinfer.core.kv_budget import KVBudget
+
 
 @dataclass(frozen=True)
 class TreeForward:
@@ -52,7 +54,14 @@ class CausalLM(Protocol):
 
     @property
     def max_requests(self) -> int | None:
-        """Most requests whose caches fit at once (None: bounded only by memory)."""
+        """Most requests whose caches fit at once, each at its longest (None: bounded only by memory)."""
+        ...
+
+    @property
+    def kv_budget(self) -> KVBudget | None:
+        """The KV cache's size in KV blocks (:mod:`specinfer.core.kv_budget`; one block per request
+        for a cache of contiguous slots), which drivers admit and preempt by; None: bounded only by
+        memory."""
         ...
 
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:

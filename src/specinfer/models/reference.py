@@ -61,6 +61,10 @@ class ReferenceBackend:
     def max_requests(self) -> int | None:
         return None
 
+    @property
+    def kv_budget(self) -> None:
+        return None  # growable tensors per request
+
     def release(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specinfer.core.kv_budget import KVBudget
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -147,6 +148,13 @@ class NativeBackend:
         else:
             self.max_requests = self.pool.num_slots
         self._caches: dict[str, RequestCache] = {}
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        """Paged: the pool's KV blocks; contiguous: its slots, each one block of a whole request's rows."""
+        if self.block_size:
+            return KVBudget(self.block_size, self.pool.num_blocks)
+        return KVBudget(self.pool.slot_len, self.pool.num_slots)
 
     @property
     def kv_blocks_total(self) -> int:

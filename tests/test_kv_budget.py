@@ -1,0 +1,134 @@
+"""The KV admission rule (specinfer.core.kv_budget): which requests run, which are preempted, which
+join, when KV blocks are the limit. Unit cases, then hypothesis properties over random budgets and
+queues checked against a direct reading of the rule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specinfer.core.drafts import ExpansionConfig
+from specinfer.core.kv_budget import KVBudget, schedule, step_rows
+from specinfer.core.requests import GenerationRequest, SpeculationConfig
+
+
+def test_blocks_round_up():
+    b = KVBudget(block_size=16, blocks=10)
+    assert [b.blocks_for(r) for r in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+    with pytest.raises(ValueError):
+        KVBudget(0, 4)
+
+
+def test_admits_in_order_while_blocks_last():
+    budget = KVBudget(4, 10)  # 40 rows
+    s = schedule([budget], [], [("a", 12), ("b", 16), ("c", 8), ("d", 4)], max_batch=8)  # 3 + 4 + 2 + 1 blocks
+    assert s.run == s.admitted == ("a", "b", "c", "d") and s.preempted == () and s.blocks_used == (10,)
+    s = schedule([budget], [], [("a", 12), ("b", 16), ("c", 8), ("d", 5)], max_batch=8)  # d needs 2: 11 > 10
+    assert s.run == ("a", "b", "c") and s.blocks_used == (9,)
+    assert schedule([budget], [], [("a", 12), ("b", 16), ("c", 8)], max_batch=2).run == ("a", "b")
+
+
+def test_first_come_first_served_a_long_request_is_not_passed_over():
+    s = schedule([KVBudget(4, 10)], [("a", 20)], [("long", 24), ("short", 4)], max_batch=8)
+    assert s.run == ("a",) and s.admitted == ()  # 5 + 6 > 10: the short one waits behind the long one
+
+
+def test_growing_requests_preempt_the_newest():
+    budget = KVBudget(4, 10)
+    s = schedule([budget], [("old", 16), ("mid", 12), ("new", 8)], [("waiting", 4)], max_batch=8)  # 4 + 3 + 2 + 1
+    assert s.run == ("old", "mid", "new", "waiting") and s.admitted == ("waiting",) and s.blocks_used == (10,)
+    s = schedule([budget], [("old", 20), ("mid", 16), ("new", 8)], [("waiting", 4)], max_batch=8)  # 5 + 4, then new needs 2
+    assert s.run == ("old", "mid") and s.preempted == ("new",) and s.admitted == () and s.blocks_used == (9,)
+    s = schedule([budget], [("old", 24), ("mid", 24), ("new", 1)], [], max_batch=8)  # 6, then mid needs 6: new goes too
+    assert s.run == ("old",) and s.preempted == ("mid", "new")
+
+
+def test_every_budget_must_hold_the_request():
+    small_blocks, few_slots = KVBudget(4, 100), KVBudget(2048, 2)  # e.g. a paged LLM and an SSM with 2 slots
+    s = schedule([small_blocks, few_slots], [("a", 10)], [("b", 10), ("c", 10)], max_batch=8)
+    assert s.run == ("a", "b") and s.blocks_used == (6, 2)
+
+
+def test_max_batch_and_no_budgets():
+    assert schedule([], [("a", 10**9)], [("b", 1), ("c", 1)], max_batch=2).run == ("a", "b")
+
+
+def test_oldest_must_fit_alone():
+    with pytest.raises(ValueError, match="'a'"):
+        schedule([KVBudget(4, 2)], [("a", 9)], [], max_batch=4)
+
+
+def test_step_rows_by_speculation():
+    prompt = (1, 2, 3)
+    plain = GenerationRequest("a", prompt, 8)
+    adaptive = GenerationRequest("b", prompt, 8, speculation=SpeculationConfig(None, ssms=(0,)))
+    static = GenerationRequest("c", prompt, 8, speculation=SpeculationConfig(ExpansionConfig((1, 1, 3)), ssms=(0, 1)))
+    assert step_rows(plain, 10, num_ssms=2, adaptive_max_nodes=32) == 11
+    assert step_rows(adaptive, 10, num_ssms=2, adaptive_max_nodes=32) == 42
+    assert step_rows(static, 10, num_ssms=2, adaptive_max_nodes=32) == 10 + 1 + 2 * 5  # two SSMs' <1,1,3> trees merged
+    assert step_rows(adaptive, 10, num_ssms=0, adaptive_max_nodes=32) == 11  # no SSM: no tree
+
+
+budgets_st = st.lists(st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64)), max_size=3)
+queue_st = st.lists(st.integers(1, 200), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(budgets_st, queue_st, queue_st, st.integers(1, 10))
+def test_schedule_follows_the_rule(budgets, running_rows, waiting_rows, max_batch):
+    running = [(f"r{i}", rows) for i, rows in enumerate(running_rows)][:max_batch]
+    waiting = [(f"w{i}", rows) for i, rows in enumerate(waiting_rows)]
+    if running and any(b.blocks_for(running[0][1]) > b.blocks for b in budgets):
+        with pytest.raises(ValueError):
+            schedule(budgets, running, waiting, max_batch)
+        return
+    s = schedule(budgets, running, waiting, max_batch)
+    rows = dict(running + waiting)
+
+    def used(ids):
+        return tuple(sum(b.blocks_for(rows[r]) for r in ids) for b in budgets)
+
+    def fits(ids):
+        return all(u <= b.blocks for u, b in zip(used(ids), budgets, strict=True)) and len(ids) <= max_batch
+
+    # kept running requests are a prefix (oldest first), preempted ones the rest, in order
+    k = len(s.run) - len(s.admitted)
+    assert s.run[:k] == tuple(r for r, _ in running[:k]) and s.preempted == tuple(r for r, _ in running[k:])
+    # admitted requests are a prefix of the queue, and only when nothing was preempted
+    assert s.admitted == tuple(r for r, _ in waiting[: len(s.admitted)])
+    assert not (s.preempted and s.admitted)
+    # what runs fits every budget, and the blocks are counted right
+    assert fits(s.run) and s.blocks_used == used(s.run)
+    # maximal: the next request in line (the first preempted, else the next waiting) would not fit
+    line = [r for r, _ in running[k:]] or [r for r, _ in waiting[len(s.admitted) :]]
+    if line:
+        assert not fits((*s.run, line[0]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(4, 40), st.lists(st.integers(1, 30), min_size=1, max_size=8))
+def test_requests_that_grow_all_finish_in_order_of_arrival(block_size, extra_blocks, lengths):
+    """Simulate the drivers: each iteration every running request grows by a token until it reaches
+    its length; preempted requests go back to the head of the queue. With a budget that holds the
+    longest request alone, everything finishes, and requests start for the first time in arrival order."""
+    longest = max(lengths) + 1
+    budget = KVBudget(block_size, -(-longest // block_size) + extra_blocks // block_size)
+    grown = dict.fromkeys(range(len(lengths)), 0)
+    waiting, running, started, finished = list(range(len(lengths))), [], [], []
+    for _ in range(10_000):
+        if not waiting and not running:
+            break
+        s = schedule([budget], [(str(r), grown[r] + 1) for r in running], [(str(w), grown[w] + 1) for w in waiting], max_batch=4)
+        preempted = [int(r) for r in s.preempted]
+        admitted = [int(r) for r in s.admitted]
+        running = [int(r) for r in s.run]
+        waiting = preempted + [w for w in waiting if w not in admitted]
+        started += [r for r in admitted if r not in started]
+        for r in list(running):
+            grown[r] += 1
+            if grown[r] == lengths[r]:
+                running.remove(r)
+                finished.append(r)
+    assert sorted(finished) == list(range(len(lengths)))
+    assert started == sorted(started)

@@ -1,0 +1,97 @@
+"""Admission and preemption by KV blocks in the in-process engine (specinfer.core.kv_budget): with
+KV pools too small for the batch, requests are preempted and re-admitted (their caches rebuilt
+from their committed tokens), and what is generated does not change: greedy output equals
+transformers', and seeded sampling on a static tree draws the same tokens as with room for all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.sampling import SamplingParams
+from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.models.loading import eos_token_id
+from specinfer.models.native import NativeBackend, NativeOptions
+from specinfer.models.native.kv_pool import KVPool
+from specinfer.models.native.spec import ModelSpec
+
+NEW_TOKENS = 40
+NUM_PROMPTS = 12
+TREE_ROWS = 40  # tree rows of a request's slot (NativeOptions.max_tree_nodes): the adaptive planner's 32 fit
+
+
+def backend(path, max_seq_len: int, block_size: int, requests_at_longest: float) -> NativeBackend:
+    """A native backend whose KV pool holds ``requests_at_longest`` requests of ``max_seq_len`` + tree
+    rows (paged with ``block_size``-token KV blocks; 0: contiguous slots)."""
+    spec = ModelSpec.from_dir(path)
+    rows = int((max_seq_len + TREE_ROWS) * requests_at_longest)
+    options = NativeOptions(torch.float32, "cpu", KVPool.bytes_per_token(spec, torch.float32) * rows, max_seq_len, "torch", TREE_ROWS, "linear", block_size)
+    return NativeBackend.load(path, options)
+
+
+@pytest.fixture(scope="module")
+def pair(model_pair):
+    prompts = [tuple(p) for p in model_pair.prompts[:NUM_PROMPTS]]
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
+    eos = eos_token_id(model_pair.llm)
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()
+            expected.append(out[: out.index(eos) + 1] if eos in out else out)
+    return model_pair, prompts, longest, expected, eos
+
+
+def tight_engine(model_pair, longest: int, eos, llm_block: int = 3, ssm_block: int = 5) -> SpeculativeEngine:
+    """Pools of about 1.5 requests at their longest for a batch of NUM_PROMPTS: they run together
+    while short, and the newest are preempted as contexts grow."""
+    llm = backend(model_pair.llm, longest, llm_block, 1.5)
+    ssm = backend(model_pair.ssm, longest, ssm_block, 1.5)
+    return SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos))
+
+
+@pytest.mark.parametrize("speculation", ["none", "auto", "1,1,3,1"])
+def test_greedy_output_is_transformers_with_preemption(pair, speculation):
+    model_pair, prompts, longest, expected, eos = pair
+    engine = tight_engine(model_pair, longest, eos)
+    spec = None if speculation == "none" else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
+    results = engine.generate([GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)])
+    for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
+        assert res.output_tokens == exp, f"prompt {i} differs"
+    assert engine.preemptions > 0, "the pools were meant to be too small for the batch"
+    budget = engine.llm.kv_budget
+    assert engine.llm.kv_blocks_free == budget.blocks  # every block back once all finished
+
+
+def test_contiguous_slots_are_one_block_each(pair):
+    """Slots (kv_block_size 0) admit by the same rule, one block per request: with room for one
+    and a half requests at their longest, one runs at a time, and none is ever preempted."""
+    model_pair, prompts, longest, expected, eos = pair
+    llm = backend(model_pair.llm, longest, 0, 1.5)
+    assert llm.kv_budget.blocks == 1 and llm.kv_budget.block_size == longest + TREE_ROWS
+    engine = SpeculativeEngine(llm, [], EngineConfig(eos_token_id=eos))
+    results = engine.generate([GenerationRequest(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(prompts[:3])])
+    assert [r.output_tokens for r in results] == expected[:3] and engine.preemptions == 0
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_preemption(pair):
+    model_pair, prompts, longest, _, eos = pair
+    spec = SpeculationConfig(ExpansionConfig.parse("1,1,3,1"))
+    requests = [GenerationRequest(f"s{i}", p, NEW_TOKENS, SamplingParams(temperature=1.0, seed=100 + i), spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    tight = tight_engine(model_pair, longest, eos)
+    room = NUM_PROMPTS + 1
+    roomy = SpeculativeEngine(backend(model_pair.llm, longest, 3, room), [backend(model_pair.ssm, longest, 5, room)], EngineConfig(eos_token_id=eos))
+    got, want = tight.generate(requests), roomy.generate(requests)
+    assert tight.preemptions > 0 and roomy.preemptions == 0
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in want]
+
+
+def test_a_request_that_cannot_fit_alone_is_refused(pair):
+    model_pair, prompts, longest, _, eos = pair
+    engine = tight_engine(model_pair, longest, eos)
+    with pytest.raises(InvalidArgument, match="KV cache") as err:
+        engine.add(GenerationRequest("big", prompts[0], NEW_TOKENS, speculation=SpeculationConfig(ExpansionConfig.parse("8,8,8"))))
+    assert err.value.field == "max_new_tokens"
