@@ -146,3 +146,26 @@ def test_cli_generates_adaptively(model_pair, capsys):
     assert main([*argv, "--expansion", "none"]) == 0
     incremental = capsys.readouterr().out
     assert adaptive.split("--- generated")[1].split("--- LLM steps")[0] == incremental.split("--- generated")[1].split("--- LLM steps")[0]
+
+
+def test_admission_refuses_a_request_no_kv_budget_holds_alone():
+    """prompt + max_new_tokens + the largest tree must fit every KV budget (the request manager's
+    scheduler could never run it otherwise): refused naming max_new_tokens; the tree counts."""
+    import dataclasses
+
+    from specinfer.core.kv_budget import KVBudget
+    from specinfer.request_manager.admission import build_live
+    from specinfer.v1 import api_pb2
+
+    limits = dataclasses.replace(_limits(default_adaptive=True), kv_budgets=(KVBudget(100, 4), KVBudget(4, 10)))  # 40 rows in the second
+
+    def request(max_new_tokens: int, adaptive: bool) -> api_pb2.GenerateRequest:
+        spec = api_pb2.SpeculationParams(adaptive=True) if adaptive else api_pb2.SpeculationParams(disabled=True)
+        return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[1, 2, 3, 4]), max_new_tokens=max_new_tokens, speculation=spec)
+
+    assert build_live(request(20, adaptive=False), limits, None, None).request.max_new_tokens == 20  # 4 + 20 + the root: 25 rows
+    with pytest.raises(InvalidArgument) as err:
+        build_live(request(20, adaptive=True), limits, None, None)  # 4 + 20 + 32 tree nodes: 56 rows
+    assert err.value.field == "max_new_tokens" and "56 KV rows" in err.value.message
+    assert _field(lambda: build_live(request(36, adaptive=False), limits, None, None)) == "max_new_tokens"  # 41 rows
+    assert build_live(request(35, adaptive=False), limits, None, None).request.max_new_tokens == 35  # 40 rows: exactly the budget

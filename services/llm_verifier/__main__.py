@@ -86,7 +86,8 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
 
 def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
     device = rank_device(args.device, launch.local_rank)
-    return NativeOptions(DTYPES[resolve_dtype(args.dtype, device)], device, args.kv_cache_bytes, 0, args.attention, kv_block_size=args.kv_block_size)
+    dtype = DTYPES[resolve_dtype(args.dtype, device)]
+    return NativeOptions(dtype, device, args.kv_cache_bytes, args.max_seq_len, args.attention, kv_block_size=args.kv_block_size)
 
 
 def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:

@@ -50,6 +50,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire.verify_result_to_proto))
         seconds = time.monotonic() - started
         self.metrics.observe(self.name, len(call.jobs), sum(len(job.draft.tree) for job in call.jobs), call.misses, seconds, len(self._contexts))
+        self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         log.debug("verify", extra={"items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 
@@ -58,13 +59,23 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         for rid in request.request_ids:
             self._contexts.forget(rid)
         await self.runner.release(request.request_ids)
+        self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         return internal_pb2.ReleaseResponse()
 
     @rpc_errors
     async def GetInfo(self, request: internal_pb2.LlmInfoRequest, context: grpc.aio.ServicerContext) -> internal_pb2.LlmInfo:
         llm = self.llm
         # proto3 has no "unset" for uint32: 0 stands for "bounded only by memory"
-        info = internal_pb2.LlmInfo(model=self.name, vocab_size=llm.vocab_size, max_positions=llm.max_positions, max_requests=llm.max_requests or 0)
+        block_size, blocks = wire.kv_budget_to_proto(llm.kv_budget)
+        info = internal_pb2.LlmInfo(
+            model=self.name,
+            vocab_size=llm.vocab_size,
+            max_positions=llm.max_positions,
+            max_requests=llm.max_requests or 0,
+            kv_block_size=block_size,
+            kv_blocks=blocks,
+            kv_blocks_free=llm.kv_blocks_free or 0,
+        )
         if self.costs is not None:
             info.verify_costs.extend(wire.cost_points_to_proto(self.costs.verify_table))
             info.verify_seconds_per_context_token = self.costs.per_context

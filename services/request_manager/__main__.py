@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
+from specinfer import wire
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import merged_tree_nodes
+from specinfer.core.kv_budget import KVBudget
 from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.chat_template import ChatTemplate
@@ -59,10 +61,20 @@ async def wait_for_verifier(verifier: Verifier) -> internal_pb2.LlmInfo:
         wait = min(2 * wait, VERIFIER_RETRY_MAX_SECONDS)
 
 
-def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names: tuple[str, ...], eos: int | None) -> ApiLimits:
+def kv_budgets(info: internal_pb2.LlmInfo, workers: SsmWorkers | None) -> tuple[KVBudget, ...]:
+    """The KV budgets requests are admitted by: the verifier's, and every distinct one the workers
+    reported for their SSMs. Each worker's counts, not the smallest per SSM only: when a worker fails,
+    its requests move to another, so any one worker may come to hold every running request."""
+    reported = [wire.kv_budget_from_proto(info)]
+    if workers is not None:
+        reported += sorted((b for budgets in workers.kv_budgets.values() for b in budgets), key=lambda b: (b.block_size, b.blocks))
+    return tuple(dict.fromkeys(b for b in reported if b is not None))
+
+
+def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names: tuple[str, ...], eos: int | None, budgets: tuple[KVBudget, ...]) -> ApiLimits:
     """What the API accepts while the workers serve ``ssm_names`` (``--default-ssms`` not among them
-    are left out until a worker serving them joins). Raises ValueError when the default static tree
-    would exceed ``--max-tree-nodes``."""
+    are left out until a worker serving them joins) and the scheduler admits by the KV ``budgets``.
+    Raises ValueError when the default static tree would exceed ``--max-tree-nodes``."""
     default_ssms = tuple(n for n in cfg.default_ssms if n in ssm_names) or ssm_names
     limits = ApiLimits(
         vocab_size=info.vocab_size,
@@ -77,6 +89,7 @@ def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names:
         llm_name=info.model,
         eos_token_id=eos,
         default_adaptive=cfg.adaptive and bool(ssm_names),
+        kv_budgets=budgets,
     )
     if limits.default_expansion:
         nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))
@@ -115,7 +128,8 @@ class SsmSet:
                 return
             names += new
             try:
-                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id)
+                # the KV budgets stay those known at start-up: workers that join later are not counted
+                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id, self.scheduler.config.kv_budgets)
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
@@ -185,16 +199,21 @@ async def serve(cfg: RequestManagerConfig) -> int:
             if unknown and (workers is None or not workers.pending):
                 raise StartUpError(f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})")
             eos = eos_token_id(cfg.model_dir) if cfg.model_dir else None
-            # a running request holds a KV slot in the verifier until it finishes: never run more than it has
-            max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests else cfg.max_batch
+            budgets = kv_budgets(info, workers)
+            # with KV budgets the scheduler admits by KV blocks; without, a running request holds a KV
+            # slot in the verifier until it finishes: never run more than it has
+            max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests and not budgets else cfg.max_batch
             if max_batch < cfg.max_batch:
                 log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
+            if budgets:
+                log.info("admitting by KV blocks", extra={"kv_budgets": [f"{b.blocks} x {b.block_size}" for b in budgets]})
             try:
-                limits = api_limits(cfg, info, ssm_names, eos)
+                limits = api_limits(cfg, info, ssm_names, eos, budgets)
             except ValueError as exc:
                 raise StartUpError(str(exc)) from None
             planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
-            scheduler = Scheduler(SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner), store, workers, verifier, scheduler_metrics, planner)
+            scheduler_config = SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=budgets)
+            scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, planner)
             requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
             await requests.recover()
             running.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))

@@ -107,6 +107,11 @@ async def calibrate_through_calls(verifier: Verifier, workers: SsmWorkers | None
     return costs
 
 
+def planner_config(max_tree_nodes: int) -> PlannerConfig:
+    """The planner's settings when the API allows trees of at most ``max_tree_nodes`` nodes: its trees stay within them."""
+    return PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
+
+
 class AdaptivePlanner:
     """The scheduler's side of adaptive speculation: plans, observations and their metrics."""
 
@@ -122,8 +127,12 @@ class AdaptivePlanner:
         costs: StepCosts, priors: Mapping[int, Sequence[float]], max_tree_nodes: int, metrics: SchedulerMetrics, ssm_names: Sequence[str]
     ) -> AdaptivePlanner:
         """A planner whose trees stay within the API's ``max_tree_nodes``."""
-        config = PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
-        return AdaptivePlanner(AdaptiveSpeculation(costs, config, priors), metrics, ssm_names)
+        return AdaptivePlanner(AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors), metrics, ssm_names)
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes of a tree the planner gives a request, root included."""
+        return self.adaptive.config.max_nodes
 
     def plan(self, batch: Sequence[Running]) -> dict[str, Choice]:
         """This iteration's choices for the batch's adaptive requests (a request left out verifies its root alone)."""

@@ -16,7 +16,9 @@ from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
+from specinfer.core.kv_budget import KVBudget, step_rows
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
+from specinfer.request_manager.adaptive import planner_config
 from specinfer.request_manager.records import validate_id
 from specinfer.request_manager.scheduler import Live
 from specinfer.request_manager.text import TextStream
@@ -47,6 +49,12 @@ class ApiLimits:
     max_prompt_tokens: int = 8192
     max_tree_nodes: int = 64  # of the merged tree, root included
     default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
+    kv_budgets: tuple[KVBudget, ...] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
+
+    @property
+    def adaptive_max_nodes(self) -> int:
+        """Most nodes of an adaptive request's tree: the planner's limit."""
+        return planner_config(self.max_tree_nodes).max_nodes
 
     @property
     def default_speculation(self) -> str:
@@ -162,6 +170,18 @@ def _check_length(prompt: tuple[int, ...], max_new_tokens: int, limits: ApiLimit
         raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens exceeds the model's {limits.max_positions} positions")
 
 
+def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
+    """Refuses a request that would not fit a KV budget alone at its longest (prompt, every new token
+    and its largest tree): the scheduler could never run it (:func:`~specinfer.core.kv_budget.schedule`)."""
+    rows = step_rows(request, len(request.prompt_tokens) + request.max_new_tokens, len(limits.ssm_names), limits.adaptive_max_nodes)
+    for budget in limits.kv_budgets:
+        if not budget.holds(rows):
+            raise InvalidArgument(
+                "max_new_tokens",
+                f"prompt + max_new_tokens + tree take {rows} KV rows, more than a KV cache holds ({budget.blocks} blocks of {budget.block_size} rows)",
+            )
+
+
 def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None) -> Live:
     """A validated :class:`Live` request from the wire message (``deadline``: ``time.monotonic()`` after which it is
     abandoned; None: never). A request without an ID gets a random one, a sampling request without a seed a random seed."""
@@ -179,6 +199,7 @@ def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Token
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
     )
+    check_kv_fit(request, limits)
     seed = request_seed(sampling)
     text = TextStream(tokenizer, tuple(msg.stop)) if tokenizer is not None else None
     return Live(request, seed, tuple(msg.stop), text, deadline)

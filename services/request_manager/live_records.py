@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
-from specinfer.request_manager.admission import ApiLimits
+from specinfer.request_manager.admission import ApiLimits, check_kv_fit
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
 from specinfer.request_manager.scheduler import Finish, Live, Usage
 from specinfer.request_manager.text import TextStream
@@ -59,6 +59,7 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
         stop_token_ids=tuple(params["stop_token_ids"]),
         ignore_eos=bool(params["ignore_eos"]),
     )
+    check_kv_fit(request, limits)  # the KV caches may be smaller than before the restart
     stop = tuple(params["stop"])
     text = TextStream(tokenizer, stop) if tokenizer is not None else None
     live = Live(request, int(params["seed"]), stop, text)

@@ -1,6 +1,8 @@
 """The request manager's serving loop: continuous batching over remote SSM workers and verifier.
 
-Each iteration admits waiting requests (up to ``max_batch`` running), drops cancelled or
+Each iteration admits waiting requests (up to ``max_batch`` running and, where the verifier and
+workers report KV budgets, while their KV blocks hold them: :func:`~specinfer.core.kv_budget.schedule`,
+the in-process engine's rule, which may also preempt the newest running ones), drops cancelled or
 expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
 has the verifier check every tree in one call, and commits: tokens are persisted in Redis
 *before* they are published to the client streams. The bookkeeping of an iteration (which jobs,
@@ -24,6 +26,7 @@ from specinfer.core import DraftTree
 from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
+from specinfer.core.kv_budget import KVBudget, schedule, step_rows
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
@@ -41,7 +44,10 @@ class QueueFull(ResourceExhausted):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``max_batch``: most running requests per iteration; ``max_queue``: most waiting ones;
-    ``ssm_names``: the SSMs in a fixed order (SSM i drafts on a request's ``draft_stream(i)``)."""
+    ``ssm_names``: the SSMs in a fixed order (SSM i drafts on a request's ``draft_stream(i)``);
+    ``kv_budgets``: the KV caches every running request holds blocks of (the verifier's LLM, each
+    worker's SSMs; :mod:`specinfer.core.kv_budget`), which requests are admitted and preempted by
+    (none: ``max_batch`` alone limits)."""
 
     max_batch: int
     max_queue: int
@@ -50,6 +56,7 @@ class SchedulerConfig:
     owner: str = "default"
     verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
     verifier_backoff_max_seconds: float = 8.0
+    kv_budgets: tuple[KVBudget, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,8 @@ class Scheduler:
         self.verifier = verifier
         self.metrics = metrics
         self._waiting: deque[Live] = deque()
-        self._active: dict[str, Live] = {}
+        self._active: dict[str, Live] = {}  # in admission order, oldest first
+        self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
@@ -199,9 +207,7 @@ class Scheduler:
         self._wake.set()
 
     async def iteration(self) -> None:
-        while self._waiting and len(self._active) < self.config.max_batch:
-            live = self._waiting.popleft()
-            self._active[live.request_id] = live
+        await self._admit()
         now = time.monotonic()
         for live in list(self._active.values()):
             if live.stop_reason is None and live.deadline is not None and now > live.deadline:
@@ -257,6 +263,44 @@ class Scheduler:
         m.iteration_seconds.observe(time.perf_counter() - started)
         if self.planner is not None:
             self.planner.end_iteration(time.perf_counter() - started, verified - speculated)
+
+    async def _admit(self) -> None:
+        """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`, as the
+        in-process engine does). A preempted request's caches are released on the verifier and the
+        workers and it waits at the head of the queue with its output (its stream pauses);
+        re-admitted, its whole context goes out again and the caches are rebuilt from it."""
+        budgets = self.config.kv_budgets
+        if not budgets:
+            while self._waiting and len(self._active) < self.config.max_batch:
+                live = self._waiting.popleft()
+                self._active[live.request_id] = live
+            return
+        plan = schedule(
+            budgets,
+            [(rid, self._step_rows(live)) for rid, live in self._active.items()],
+            [(live.request_id, self._step_rows(live)) for live in self._waiting],
+            self.config.max_batch,
+        )
+        back = [self._active.pop(rid) for rid in plan.preempted]
+        if back:
+            self._waiting.extendleft(reversed(back))
+            self.metrics.preemptions.inc(len(back))
+            log.info("preempted for lack of KV blocks", extra={"request_ids": list(plan.preempted), "kv_blocks_used": list(plan.blocks_used)})
+            if self.planner is not None:
+                for live in back:
+                    self.planner.forget(live.request_id)
+            await self._release(plan.preempted)
+        for rid in plan.admitted:
+            live = self._waiting.popleft()  # schedule admits a prefix of the queue
+            assert live.request_id == rid
+            self._active[rid] = live
+        # the blocks of requests that finished are free only once their release is through
+        await asyncio.gather(*self._releases)
+
+    def _step_rows(self, live: Live) -> int:
+        # an adaptive tree obeys the planner's node limit; without a planner it is the root alone
+        max_nodes = self.planner.max_nodes if self.planner is not None else 1
+        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), max_nodes)
 
     async def _speculate(self, batch: Sequence[Live], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
         """Every SSM drafts for the requests that name it (static) or that the plan gave it
@@ -325,12 +369,14 @@ class Scheduler:
         text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
         event = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
         live.publish(event)
-        asyncio.get_running_loop().create_task(self._release(live.request_id))
+        task = asyncio.get_running_loop().create_task(self._release((live.request_id,)))
+        self._releases.add(task)  # referenced until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._releases.discard)
 
-    async def _release(self, request_id: str) -> None:
+    async def _release(self, request_ids: Sequence[str]) -> None:
         try:
-            await self.verifier.release([request_id])
+            await self.verifier.release(request_ids)
             if self.workers is not None:
-                await self.workers.release([request_id])
+                await self.workers.release(request_ids)
         except grpc.aio.AioRpcError as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
-            log.info("release failed", extra={"request_id": request_id, "code": str(exc.code())})
+            log.info("release failed", extra={"request_ids": list(request_ids), "code": str(exc.code())})

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from specinfer import wire
+from specinfer.core.kv_budget import KVBudget
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
@@ -75,6 +77,7 @@ class WorkerPool:
         self._tls_names: dict[str, str] = {}  # address -> TLS name (discovery module), from the last lookup
         self._resolved = False  # whether the last lookup found any address
         self.profiles: dict[str, internal_pb2.SsmProfile] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
+        self.kv_budgets: dict[str, set[KVBudget]] = {}  # SSM name -> the KV budgets its workers reported, each worker's SSM cache
         self._refresher: asyncio.Task | None = None
 
     @property
@@ -93,6 +96,9 @@ class WorkerPool:
         for profile in info.profiles:
             if profile.model not in self.profiles or not self.profiles[profile.model].draft_costs:
                 self.profiles[profile.model] = profile
+            budget = wire.kv_budget_from_proto(profile)
+            if budget is not None:
+                self.kv_budgets.setdefault(profile.model, set()).add(budget)
 
     def _index(self) -> None:
         self.models = {}

@@ -52,6 +52,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             raise InvalidArgument("ssm", f"the SSMs' vocabulary sizes differ: {sizes}")
         self.vocab_size = next(iter(sizes.values()))
         self._runners = {name: ModelRunner(name, m) for name, m in ssms.items()}
+        self._budgets = {name: m.kv_budget for name, m in ssms.items()}
         self._contexts = ContextStore()
 
     @property
@@ -92,5 +93,5 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     @rpc_errors
     async def ListModels(self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ListModelsResponse:
         return internal_pb2.ListModelsResponse(
-            models=self.models, vocab_size=self.vocab_size, profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors)
+            models=self.models, vocab_size=self.vocab_size, profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors, self._budgets)
         )

@@ -16,6 +16,7 @@ from specinfer.core.costs import CostTable
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core.kv_budget import KVBudget
 from specinfer.v1 import api_pb2, internal_pb2
 
 
@@ -132,9 +133,26 @@ def cost_table_from_proto(points: Sequence[internal_pb2.CostPoint]) -> CostTable
     return CostTable(seconds) if seconds else None
 
 
-def ssm_profiles_to_proto(names: Sequence[str], costs: Mapping[str, CostTable], priors: Mapping[str, Sequence[float]]) -> list[internal_pb2.SsmProfile]:
-    """ListModels' profile of each SSM: its calibrated draft costs and its slot prior (either may be missing)."""
-    return [internal_pb2.SsmProfile(model=n, draft_costs=cost_points_to_proto(costs.get(n)), slot_prior=priors.get(n, ())) for n in names]
+def ssm_profiles_to_proto(
+    names: Sequence[str], costs: Mapping[str, CostTable], priors: Mapping[str, Sequence[float]], budgets: Mapping[str, KVBudget | None]
+) -> list[internal_pb2.SsmProfile]:
+    """ListModels' profile of each SSM: its calibrated draft costs, its slot prior (either may be missing) and its KV budget."""
+    profiles = []
+    for n in names:
+        block_size, blocks = kv_budget_to_proto(budgets.get(n))
+        draft_costs = cost_points_to_proto(costs.get(n))
+        profiles.append(internal_pb2.SsmProfile(model=n, draft_costs=draft_costs, slot_prior=priors.get(n, ()), kv_block_size=block_size, kv_blocks=blocks))
+    return profiles
+
+
+def kv_budget_to_proto(budget: KVBudget | None) -> tuple[int, int]:
+    """The ``kv_block_size`` and ``kv_blocks`` fields of ``LlmInfo`` / ``SsmProfile`` (0, 0: no budget)."""
+    return (budget.block_size, budget.blocks) if budget is not None else (0, 0)
+
+
+def kv_budget_from_proto(msg: internal_pb2.LlmInfo | internal_pb2.SsmProfile) -> KVBudget | None:
+    """The KV budget a service reported (None: bounded only by memory, or not reported)."""
+    return KVBudget(msg.kv_block_size, msg.kv_blocks) if msg.kv_block_size > 0 and msg.kv_blocks > 0 else None
 
 
 def slot_prior_from_proto(values: Sequence[float]) -> tuple[float, ...] | None:

@@ -50,6 +50,10 @@ class KVBudget:
         """KV blocks that hold ``rows`` token rows."""
         return -(-rows // self.block_size)
 
+    def holds(self, rows: int) -> bool:
+        """Whether the whole budget holds ``rows`` token rows (of one request alone)."""
+        return self.blocks_for(rows) <= self.blocks
+
 
 @dataclass(frozen=True)
 class Schedule:

@@ -111,7 +111,7 @@ class SpeculativeEngine:
         # alone, at its longest, it must fit every KV cache: then the oldest request always runs
         rows = self._step_rows(request, len(request.prompt_tokens) + request.max_new_tokens)
         for name, budget in self._budgets:
-            if budget.blocks_for(rows) > budget.blocks:
+            if not budget.holds(rows):
                 raise InvalidArgument(
                     "max_new_tokens",
                     f"prompt + max_new_tokens + tree take {rows} KV rows, more than the {name} KV cache holds ({budget.blocks} x {budget.block_size})",

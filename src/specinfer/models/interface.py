@@ -64,6 +64,11 @@ class CausalLM(Protocol):
         memory."""
         ...
 
+    @property
+    def kv_blocks_free(self) -> int | None:
+        """KV blocks of :attr:`kv_budget` no request holds now (None: no budget)."""
+        ...
+
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         """Logits for the new nodes of each request, in ``batch`` order.  # each [n_new, V]"""
         ...

@@ -40,18 +40,22 @@ def load_backend(
     kv_cache_bytes: int = 1 << 30,
     attention: str = "auto",
     kv_block_size: int = 0,
+    max_seq_len: int = 0,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; Llama family and
     OPT), ``reference`` (any causal LM through transformers) or ``auto`` (native where the
     architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
     :mod:`specinfer.models.dtypes`); ``kv_block_size``: 0 for contiguous KV slots, else a paged KV
-    pool with KV blocks of that many tokens (native backend only)."""
+    pool with KV blocks of that many tokens (native backend only); ``max_seq_len``: most positions
+    of a request, prompt and output (native backend; 0: the model's limit)."""
     requested, dtype = dtype, resolve_dtype(dtype, device)
     log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
         raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {backend!r}")
     if kv_block_size < 0:
         raise InvalidArgument("kv-block-size", f"must be >= 0, got {kv_block_size}")
+    if max_seq_len < 0:
+        raise InvalidArgument("max-seq-len", f"must be >= 0, got {max_seq_len}")
     path = check_checkpoint(path, field)
     if backend != "reference":
         from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
@@ -62,7 +66,7 @@ def load_backend(
             if backend == "native":
                 raise InvalidArgument("backend", f"native backend cannot run {path}: {exc}") from exc
         else:
-            return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, 0, attention, kv_block_size=kv_block_size))
+            return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, max_seq_len, attention, kv_block_size=kv_block_size))
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
 
 

@@ -65,6 +65,10 @@ class ReferenceBackend:
     def kv_budget(self) -> None:
         return None  # growable tensors per request
 
+    @property
+    def kv_blocks_free(self) -> None:
+        return None
+
     def release(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
 

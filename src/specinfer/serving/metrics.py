@@ -19,6 +19,8 @@ from http.server import ThreadingHTTPServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specinfer.core.kv_budget import KVBudget
+
 # seconds: from sub-millisecond RPCs (Release, health) to multi-second verify steps of a big LLM
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # tokens accepted per verify step: 0 .. a deep tree's depth
@@ -144,6 +146,9 @@ class SchedulerMetrics:
         self.running = Gauge("specinfer_running_requests", "Requests in the running batch", registry=registry)
         self.ssm_failures = Counter("specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry)
         self.verifier_failures = Counter("specinfer_verifier_call_failures", "Failed verify calls (requests wait and retry)", registry=registry)
+        self.preemptions = Counter(
+            "specinfer_preemptions", "Running requests put back at the head of the queue for lack of KV blocks (they resume later)", registry=registry
+        )
         self.ssm_workers_live = Gauge(
             "specinfer_ssm_workers_live", "Workers in service per SSM (0: its requests decode incrementally)", ["ssm"], registry=registry
         )
@@ -190,6 +195,9 @@ class ModelMetrics:
         self.cache_misses = Counter("specinfer_context_cache_misses", "Items whose context had to be resent", ["role", "model"], registry=registry)
         self.call_seconds = Histogram("specinfer_model_call_seconds", "Batched model call time", ["role", "model"], buckets=LATENCY_BUCKETS, registry=registry)
         self.requests_held = Gauge("specinfer_requests_held", "Requests whose context and KV cache the service holds", ["role"], registry=registry)
+        self.kv_blocks = Gauge("specinfer_kv_blocks", "KV blocks of the model's KV cache (contiguous slots: one block each)", ["role"], registry=registry)
+        self.kv_blocks_free = Gauge("specinfer_kv_blocks_free", "KV blocks no request holds, after the last model call", ["role"], registry=registry)
+        self.kv_usage = Gauge("specinfer_kv_usage_ratio", "Share of the KV blocks requests hold, after the last model call", ["role"], registry=registry)
         self.role = role
 
     def observe(self, model: str, requests: int, nodes: int, misses: int, seconds: float, held: int) -> None:
@@ -200,3 +208,11 @@ class ModelMetrics:
         self.cache_misses.labels(*labels).inc(misses)
         self.call_seconds.labels(*labels).observe(seconds)
         self.requests_held.labels(self.role).set(held)
+
+    def observe_kv(self, budget: KVBudget | None, free: int | None) -> None:
+        """The KV cache after a model call (nothing without a KV budget: the cache is bounded only by memory)."""
+        if budget is None or free is None or budget.blocks == 0:
+            return
+        self.kv_blocks.labels(self.role).set(budget.blocks)
+        self.kv_blocks_free.labels(self.role).set(free)
+        self.kv_usage.labels(self.role).set(1.0 - free / budget.blocks)

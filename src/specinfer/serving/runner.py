@@ -25,7 +25,17 @@ def load_model(path: str, field: str, settings: argparse.Namespace) -> CausalLM:
     """The model at ``path`` with the settings of :func:`specinfer.serving.config.add_model_settings`."""
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
-    return load_backend(path, field, settings.dtype, settings.device, settings.backend, settings.kv_cache_bytes, settings.attention, settings.kv_block_size)
+    return load_backend(
+        path,
+        field,
+        settings.dtype,
+        settings.device,
+        settings.backend,
+        settings.kv_cache_bytes,
+        settings.attention,
+        settings.kv_block_size,
+        settings.max_seq_len,
+    )
 
 
 def calibrate_verifier(llm: CausalLM, max_tokens: int) -> StepCosts | None:

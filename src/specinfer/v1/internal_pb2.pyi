@@ -126,14 +126,18 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SsmProfile(_message.Message):
-    __slots__ = ("model", "draft_costs", "slot_prior")
+    __slots__ = ("model", "draft_costs", "slot_prior", "kv_block_size", "kv_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COSTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     draft_costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
     slot_prior: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ...) -> None: ...
+    kv_block_size: int
+    kv_blocks: int
+    def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "vocab_size", "profiles")
@@ -188,17 +192,23 @@ class LlmInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LlmInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token")
+    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token", "kv_block_size", "kv_blocks", "kv_blocks_free")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
     max_requests: int
     verify_costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
     verify_seconds_per_context_token: float
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ...) -> None: ...
+    kv_block_size: int
+    kv_blocks: int
+    kv_blocks_free: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
