@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specinfer.core.drafts import ExpansionConfig
-from specinfer.core.kv_budget import KVBudget, schedule, step_rows
+from specinfer.core.kv_budget import KVBudget, StepRows, schedule, step_rows
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
+
+
+def R(rows: int, draft: int | None = None) -> StepRows:
+    """Step rows: ``rows`` in the LLM's cache, ``draft`` (default the same) in an SSM's."""
+    return StepRows(rows, rows if draft is None else draft)
 
 
 def test_blocks_round_up():
@@ -22,41 +28,41 @@ def test_blocks_round_up():
 
 def test_admits_in_order_while_blocks_last():
     budget = KVBudget(4, 10)  # 40 rows
-    s = schedule([budget], [], [("a", 12), ("b", 16), ("c", 8), ("d", 4)], max_batch=8)  # 3 + 4 + 2 + 1 blocks
+    s = schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(4))], max_batch=8)  # 3 + 4 + 2 + 1 blocks
     assert s.run == s.admitted == ("a", "b", "c", "d") and s.preempted == () and s.blocks_used == (10,)
-    s = schedule([budget], [], [("a", 12), ("b", 16), ("c", 8), ("d", 5)], max_batch=8)  # d needs 2: 11 > 10
+    s = schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(5))], max_batch=8)  # d needs 2: 11 > 10
     assert s.run == ("a", "b", "c") and s.blocks_used == (9,)
-    assert schedule([budget], [], [("a", 12), ("b", 16), ("c", 8)], max_batch=2).run == ("a", "b")
+    assert schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8))], max_batch=2).run == ("a", "b")
 
 
 def test_first_come_first_served_a_long_request_is_not_passed_over():
-    s = schedule([KVBudget(4, 10)], [("a", 20)], [("long", 24), ("short", 4)], max_batch=8)
+    s = schedule([KVBudget(4, 10)], [("a", R(20))], [("long", R(24)), ("short", R(4))], max_batch=8)
     assert s.run == ("a",) and s.admitted == ()  # 5 + 6 > 10: the short one waits behind the long one
 
 
 def test_growing_requests_preempt_the_newest():
     budget = KVBudget(4, 10)
-    s = schedule([budget], [("old", 16), ("mid", 12), ("new", 8)], [("waiting", 4)], max_batch=8)  # 4 + 3 + 2 + 1
+    s = schedule([budget], [("old", R(16)), ("mid", R(12)), ("new", R(8))], [("waiting", R(4))], max_batch=8)  # 4 + 3 + 2 + 1
     assert s.run == ("old", "mid", "new", "waiting") and s.admitted == ("waiting",) and s.blocks_used == (10,)
-    s = schedule([budget], [("old", 20), ("mid", 16), ("new", 8)], [("waiting", 4)], max_batch=8)  # 5 + 4, then new needs 2
+    s = schedule([budget], [("old", R(20)), ("mid", R(16)), ("new", R(8))], [("waiting", R(4))], max_batch=8)  # 5 + 4, then new needs 2
     assert s.run == ("old", "mid") and s.preempted == ("new",) and s.admitted == () and s.blocks_used == (9,)
-    s = schedule([budget], [("old", 24), ("mid", 24), ("new", 1)], [], max_batch=8)  # 6, then mid needs 6: new goes too
+    s = schedule([budget], [("old", R(24)), ("mid", R(24)), ("new", R(1))], [], max_batch=8)  # 6, then mid needs 6: new goes too
     assert s.run == ("old",) and s.preempted == ("mid", "new")
 
 
 def test_every_budget_must_hold_the_request():
     small_blocks, few_slots = KVBudget(4, 100), KVBudget(2048, 2)  # e.g. a paged LLM and an SSM with 2 slots
-    s = schedule([small_blocks, few_slots], [("a", 10)], [("b", 10), ("c", 10)], max_batch=8)
+    s = schedule([small_blocks, few_slots], [("a", R(10))], [("b", R(10)), ("c", R(10))], max_batch=8)
     assert s.run == ("a", "b") and s.blocks_used == (6, 2)
 
 
 def test_max_batch_and_no_budgets():
-    assert schedule([], [("a", 10**9)], [("b", 1), ("c", 1)], max_batch=2).run == ("a", "b")
+    assert schedule([], [("a", R(10**9))], [("b", R(1)), ("c", R(1))], max_batch=2).run == ("a", "b")
 
 
 def test_oldest_must_fit_alone():
     with pytest.raises(ValueError, match="'a'"):
-        schedule([KVBudget(4, 2)], [("a", 9)], [], max_batch=4)
+        schedule([KVBudget(4, 2)], [("a", R(9))], [], max_batch=4)
 
 
 def test_step_rows_by_speculation():
@@ -64,30 +70,49 @@ def test_step_rows_by_speculation():
     plain = GenerationRequest("a", prompt, 8)
     adaptive = GenerationRequest("b", prompt, 8, speculation=SpeculationConfig(None, ssms=(0,)))
     static = GenerationRequest("c", prompt, 8, speculation=SpeculationConfig(ExpansionConfig((1, 1, 3)), ssms=(0, 1)))
-    assert step_rows(plain, 10, num_ssms=2, adaptive_max_nodes=32) == 11
-    assert step_rows(adaptive, 10, num_ssms=2, adaptive_max_nodes=32) == 42
-    assert step_rows(static, 10, num_ssms=2, adaptive_max_nodes=32) == 10 + 1 + 2 * 5  # two SSMs' <1,1,3> trees merged
-    assert step_rows(adaptive, 10, num_ssms=0, adaptive_max_nodes=32) == 11  # no SSM: no tree
+    planner = PlannerConfig(max_nodes=32, max_depth=8)
+    assert step_rows(plain, 10, 2, planner) == StepRows(11, 11)
+    # the LLM verifies at most 32 nodes; the SSM may expand 1 + 8 passes x 31 nodes
+    assert step_rows(adaptive, 10, 2, planner) == StepRows(42, 10 + 1 + 8 * 31)
+    # the LLM verifies two SSMs' <1,1,3> trees merged; each SSM expands its own
+    assert step_rows(static, 10, 2, planner) == StepRows(10 + 1 + 2 * 5, 10 + 6)
+    assert step_rows(adaptive, 10, 0, planner) == StepRows(11, 11)  # no SSM: no tree
 
 
-budgets_st = st.lists(st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64)), max_size=3)
-queue_st = st.lists(st.integers(1, 200), max_size=12)
+def test_admission_per_iteration_is_capped_past_the_first():
+    queue = [("a", R(300)), ("b", R(300)), ("c", R(300)), ("d", R(5000))]
+    assert schedule([], [], queue, max_batch=8, max_admit_rows=700).admitted == ("a", "b")
+    assert schedule([], [("r", R(10))], queue[3:], max_batch=8, max_admit_rows=700).admitted == ("d",)  # the first always fits the cap
+    assert schedule([], [], queue, max_batch=8).admitted == ("a", "b", "c", "d")  # 0: no cap
+
+
+def test_a_draft_budget_counts_draft_rows():
+    llm, ssm = KVBudget(16, 10), KVBudget(16, 10, drafts=True)
+    rows = StepRows(verify=40, draft=100)
+    assert (llm.needs(rows), ssm.needs(rows)) == (3, 7)
+    s = schedule([llm, ssm], [], [("a", rows), ("b", rows)], max_batch=8)
+    assert s.run == ("a",) and s.blocks_used == (3, 7)  # b would need 14 of the SSM's 10 blocks
+
+
+budgets_st = st.lists(st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64), st.booleans()), max_size=3)
+rows_st = st.builds(lambda v, extra: StepRows(v, v + extra), st.integers(1, 200), st.integers(0, 100))
+queue_st = st.lists(rows_st, max_size=12)
 
 
 @settings(max_examples=300, deadline=None)
-@given(budgets_st, queue_st, queue_st, st.integers(1, 10))
-def test_schedule_follows_the_rule(budgets, running_rows, waiting_rows, max_batch):
+@given(budgets_st, queue_st, queue_st, st.integers(1, 10), st.sampled_from([0, 50, 300]))
+def test_schedule_follows_the_rule(budgets, running_rows, waiting_rows, max_batch, cap):
     running = [(f"r{i}", rows) for i, rows in enumerate(running_rows)][:max_batch]
     waiting = [(f"w{i}", rows) for i, rows in enumerate(waiting_rows)]
-    if running and any(b.blocks_for(running[0][1]) > b.blocks for b in budgets):
+    if running and not all(b.holds(running[0][1]) for b in budgets):
         with pytest.raises(ValueError):
-            schedule(budgets, running, waiting, max_batch)
+            schedule(budgets, running, waiting, max_batch, cap)
         return
-    s = schedule(budgets, running, waiting, max_batch)
+    s = schedule(budgets, running, waiting, max_batch, cap)
     rows = dict(running + waiting)
 
     def used(ids):
-        return tuple(sum(b.blocks_for(rows[r]) for r in ids) for b in budgets)
+        return tuple(sum(b.needs(rows[r]) for r in ids) for b in budgets)
 
     def fits(ids):
         return all(u <= b.blocks for u, b in zip(used(ids), budgets, strict=True)) and len(ids) <= max_batch
@@ -100,10 +125,15 @@ def test_schedule_follows_the_rule(budgets, running_rows, waiting_rows, max_batc
     assert not (s.preempted and s.admitted)
     # what runs fits every budget, and the blocks are counted right
     assert fits(s.run) and s.blocks_used == used(s.run)
+    # the admitted requests' rows stay within the cap, past the first
+    admitted_rows = [rows[r].verify for r in s.admitted]
+    assert not cap or len(admitted_rows) <= 1 or sum(admitted_rows) <= cap
     # maximal: the next request in line (the first preempted, else the next waiting) would not fit
+    # (KV, batch or, for a waiting one after others were admitted, the cap)
     line = [r for r, _ in running[k:]] or [r for r, _ in waiting[len(s.admitted) :]]
     if line:
-        assert not fits((*s.run, line[0]))
+        capped = bool(cap and s.admitted and sum(admitted_rows) + rows[line[0]].verify > cap)
+        assert capped or not fits((*s.run, line[0]))
 
 
 @settings(max_examples=100, deadline=None)
@@ -119,7 +149,7 @@ def test_requests_that_grow_all_finish_in_order_of_arrival(block_size, extra_blo
     for _ in range(10_000):
         if not waiting and not running:
             break
-        s = schedule([budget], [(str(r), grown[r] + 1) for r in running], [(str(w), grown[w] + 1) for w in waiting], max_batch=4)
+        s = schedule([budget], [(str(r), R(grown[r] + 1)) for r in running], [(str(w), R(grown[w] + 1)) for w in waiting], max_batch=4)
         preempted = [int(r) for r in s.preempted]
         admitted = [int(r) for r in s.admitted]
         running = [int(r) for r in s.run]

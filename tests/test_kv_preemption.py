@@ -19,15 +19,16 @@ from specinfer.models.native.spec import ModelSpec
 
 NEW_TOKENS = 40
 NUM_PROMPTS = 12
-TREE_ROWS = 40  # tree rows of a request's slot (NativeOptions.max_tree_nodes): the adaptive planner's 32 fit
+TREE_ROWS = 40  # the LLM's tree rows per request (NativeOptions.max_tree_nodes): the adaptive planner's 32 nodes fit
+DRAFT_ROWS = 256  # the SSM's: an adaptive draft expands up to 1 + 8 passes x 31 nodes (core.kv_budget.step_rows)
 
 
-def backend(path, max_seq_len: int, block_size: int, requests_at_longest: float) -> NativeBackend:
-    """A native backend whose KV pool holds ``requests_at_longest`` requests of ``max_seq_len`` + tree
-    rows (paged with ``block_size``-token KV blocks; 0: contiguous slots)."""
+def backend(path, max_seq_len: int, block_size: int, requests_at_longest: float, tree_rows: int = TREE_ROWS) -> NativeBackend:
+    """A native backend whose KV pool holds ``requests_at_longest`` requests of ``max_seq_len`` +
+    ``tree_rows`` rows (paged with ``block_size``-token KV blocks; 0: contiguous slots)."""
     spec = ModelSpec.from_dir(path)
-    rows = int((max_seq_len + TREE_ROWS) * requests_at_longest)
-    options = NativeOptions(torch.float32, "cpu", KVPool.bytes_per_token(spec, torch.float32) * rows, max_seq_len, "torch", TREE_ROWS, "linear", block_size)
+    rows = int((max_seq_len + tree_rows) * requests_at_longest)
+    options = NativeOptions(torch.float32, "cpu", KVPool.bytes_per_token(spec, torch.float32) * rows, max_seq_len, "torch", tree_rows, "linear", block_size)
     return NativeBackend.load(path, options)
 
 
@@ -45,25 +46,38 @@ def pair(model_pair):
     return model_pair, prompts, longest, expected, eos
 
 
-def tight_engine(model_pair, longest: int, eos, llm_block: int = 3, ssm_block: int = 5) -> SpeculativeEngine:
-    """Pools of about 1.5 requests at their longest for a batch of NUM_PROMPTS: they run together
-    while short, and the newest are preempted as contexts grow."""
-    llm = backend(model_pair.llm, longest, llm_block, 1.5)
-    ssm = backend(model_pair.ssm, longest, ssm_block, 1.5)
+def tight_engine(model_pair, longest: int, eos, ssm_room: float = 1.5) -> SpeculativeEngine:
+    """The LLM's pool holds about 1.5 requests at their longest, for a batch of NUM_PROMPTS: they run
+    together while short, and the newest are preempted as contexts grow. The SSM's pool holds
+    ``ssm_room`` requests of its longest drafts."""
+    llm = backend(model_pair.llm, longest, 3, 1.5)
+    ssm = backend(model_pair.ssm, longest, 5, ssm_room, DRAFT_ROWS)
     return SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos))
 
 
 @pytest.mark.parametrize("speculation", ["none", "auto", "1,1,3,1"])
 def test_greedy_output_is_transformers_with_preemption(pair, speculation):
     model_pair, prompts, longest, expected, eos = pair
-    engine = tight_engine(model_pair, longest, eos)
     spec = None if speculation == "none" else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
-    results = engine.generate([GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)])
+    requests = [GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
+    # an adaptive draft may expand 249 nodes (core.kv_budget.step_rows), so a tight SSM pool would
+    # run such requests one at a time: the LLM's pool is what makes them preempt
+    engine = tight_engine(model_pair, longest, eos, ssm_room=NUM_PROMPTS + 1 if speculation == "auto" else 1.5)
+    results = engine.generate(requests)
     for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
         assert res.output_tokens == exp, f"prompt {i} differs"
     assert engine.preemptions > 0, "the pools were meant to be too small for the batch"
-    budget = engine.llm.kv_budget
-    assert engine.llm.kv_blocks_free == budget.blocks  # every block back once all finished
+    assert engine.llm.kv_blocks_free == engine.llm.kv_budget.blocks  # every block back once all finished
+
+
+def test_adaptive_drafts_never_overflow_a_tight_ssm_pool(pair):
+    """The SSM's cache keeps every node a best-first draft expands, more than the tree it returns:
+    admission counts those rows, so no draft runs out of KV blocks (it did when it counted the tree)."""
+    model_pair, prompts, longest, expected, eos = pair
+    engine = tight_engine(model_pair, longest, eos, ssm_room=1.5)
+    results = engine.generate([GenerationRequest(f"t{i}", p, NEW_TOKENS, speculation=SpeculationConfig(None)) for i, p in enumerate(prompts)])
+    assert [r.output_tokens for r in results] == expected
+    assert engine.ssms[0].kv_blocks_free == engine.ssms[0].kv_budget.blocks
 
 
 def test_contiguous_slots_are_one_block_each(pair):
@@ -83,7 +97,9 @@ def test_seeded_sampling_draws_the_same_tokens_with_preemption(pair):
     requests = [GenerationRequest(f"s{i}", p, NEW_TOKENS, SamplingParams(temperature=1.0, seed=100 + i), spec, ignore_eos=True) for i, p in enumerate(prompts)]
     tight = tight_engine(model_pair, longest, eos)
     room = NUM_PROMPTS + 1
-    roomy = SpeculativeEngine(backend(model_pair.llm, longest, 3, room), [backend(model_pair.ssm, longest, 5, room)], EngineConfig(eos_token_id=eos))
+    roomy = SpeculativeEngine(
+        backend(model_pair.llm, longest, 3, room), [backend(model_pair.ssm, longest, 5, room, DRAFT_ROWS)], EngineConfig(eos_token_id=eos)
+    )
     got, want = tight.generate(requests), roomy.generate(requests)
     assert tight.preemptions > 0 and roomy.preemptions == 0
     assert [r.output_tokens for r in got] == [r.output_tokens for r in want]

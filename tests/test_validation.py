@@ -166,6 +166,10 @@ def test_admission_refuses_a_request_no_kv_budget_holds_alone():
     assert build_live(request(20, adaptive=False), limits, None, None).request.max_new_tokens == 20  # 4 + 20 + the root: 25 rows
     with pytest.raises(InvalidArgument) as err:
         build_live(request(20, adaptive=True), limits, None, None)  # 4 + 20 + 32 tree nodes: 56 rows
-    assert err.value.field == "max_new_tokens" and "56 KV rows" in err.value.message
+    assert err.value.field == "max_new_tokens" and "14 KV blocks" in err.value.message  # 56 rows in blocks of 4
     assert _field(lambda: build_live(request(36, adaptive=False), limits, None, None)) == "max_new_tokens"  # 41 rows
     assert build_live(request(35, adaptive=False), limits, None, None).request.max_new_tokens == 35  # 40 rows: exactly the budget
+    # an SSM worker's cache holds every node it expands: 4 + 20 + 1 + 8 passes x 31 nodes = 273 rows for an adaptive tree
+    drafting = dataclasses.replace(_limits(default_adaptive=True), kv_budgets=(KVBudget(4, 68, drafts=True),))  # 272 rows
+    assert _field(lambda: build_live(request(20, adaptive=True), drafting, None, None)) == "max_new_tokens"
+    assert build_live(request(20, adaptive=False), drafting, None, None).request.max_new_tokens == 20

@@ -212,7 +212,9 @@ async def serve(cfg: RequestManagerConfig) -> int:
             except ValueError as exc:
                 raise StartUpError(str(exc)) from None
             planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
-            scheduler_config = SchedulerConfig(max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=budgets)
+            scheduler_config = SchedulerConfig(
+                max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=budgets, max_prefill_tokens=cfg.max_prefill_tokens
+            )
             scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, planner)
             requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
             await requests.recover()

@@ -130,9 +130,9 @@ class AdaptivePlanner:
         return AdaptivePlanner(AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors), metrics, ssm_names)
 
     @property
-    def max_nodes(self) -> int:
-        """Most nodes of a tree the planner gives a request, root included."""
-        return self.adaptive.config.max_nodes
+    def config(self) -> PlannerConfig:
+        """The planner's limits (tree nodes, depth), which its trees obey."""
+        return self.adaptive.config
 
     def plan(self, batch: Sequence[Running]) -> dict[str, Choice]:
         """This iteration's choices for the batch's adaptive requests (a request left out verifies its root alone)."""

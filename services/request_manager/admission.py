@@ -52,11 +52,6 @@ class ApiLimits:
     kv_budgets: tuple[KVBudget, ...] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
 
     @property
-    def adaptive_max_nodes(self) -> int:
-        """Most nodes of an adaptive request's tree: the planner's limit."""
-        return planner_config(self.max_tree_nodes).max_nodes
-
-    @property
     def default_speculation(self) -> str:
         """The default as ``ModelInfo.default_speculation`` spells it: "auto", "none" or the widths "1,1,3"."""
         if self.default_adaptive:
@@ -173,12 +168,12 @@ def _check_length(prompt: tuple[int, ...], max_new_tokens: int, limits: ApiLimit
 def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
     """Refuses a request that would not fit a KV budget alone at its longest (prompt, every new token
     and its largest tree): the scheduler could never run it (:func:`~specinfer.core.kv_budget.schedule`)."""
-    rows = step_rows(request, len(request.prompt_tokens) + request.max_new_tokens, len(limits.ssm_names), limits.adaptive_max_nodes)
+    rows = step_rows(request, len(request.prompt_tokens) + request.max_new_tokens, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
     for budget in limits.kv_budgets:
         if not budget.holds(rows):
             raise InvalidArgument(
                 "max_new_tokens",
-                f"prompt + max_new_tokens + tree take {rows} KV rows, more than a KV cache holds ({budget.blocks} blocks of {budget.block_size} rows)",
+                f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks, more than a KV cache holds ({budget.blocks} of {budget.block_size} rows)",
             )
 
 

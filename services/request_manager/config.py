@@ -32,6 +32,7 @@ class RequestManagerConfig:
     default_ssms: tuple[str, ...]
     draft_support: int
     max_batch: int
+    max_prefill_tokens: int
     max_queue: int
     max_new_tokens: int
     owner: str
@@ -70,6 +71,7 @@ class RequestManagerConfig:
         add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
         add_setting(p, "--draft-support", int, DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
         add_setting(p, "--max-batch", int, 32, "most requests per iteration")
+        add_setting(p, "--max-prefill-tokens", int, 2048, "most tokens of the requests admitted in one iteration, past the first (0: no cap)")
         add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
         add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")
         add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner)")
@@ -111,6 +113,7 @@ class RequestManagerConfig:
             default_ssms=tuple(split_list(a.default_ssms)),
             draft_support=a.draft_support,
             max_batch=a.max_batch,
+            max_prefill_tokens=a.max_prefill_tokens,
             max_queue=a.max_queue,
             max_new_tokens=a.max_new_tokens,
             owner=a.owner,

@@ -26,7 +26,8 @@ from specinfer.core import DraftTree
 from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
-from specinfer.core.kv_budget import KVBudget, schedule, step_rows
+from specinfer.core.kv_budget import KVBudget, StepRows, schedule, step_rows
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
@@ -57,6 +58,7 @@ class SchedulerConfig:
     verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
     verifier_backoff_max_seconds: float = 8.0
     kv_budgets: tuple[KVBudget, ...] = ()
+    max_prefill_tokens: int = 0  # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
 
 
 @dataclass(frozen=True)
@@ -269,17 +271,12 @@ class Scheduler:
         in-process engine does). A preempted request's caches are released on the verifier and the
         workers and it waits at the head of the queue with its output (its stream pauses);
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
-        budgets = self.config.kv_budgets
-        if not budgets:
-            while self._waiting and len(self._active) < self.config.max_batch:
-                live = self._waiting.popleft()
-                self._active[live.request_id] = live
-            return
         plan = schedule(
-            budgets,
+            self.config.kv_budgets,
             [(rid, self._step_rows(live)) for rid, live in self._active.items()],
             [(live.request_id, self._step_rows(live)) for live in self._waiting],
             self.config.max_batch,
+            self.config.max_prefill_tokens,
         )
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:
@@ -294,13 +291,13 @@ class Scheduler:
             live = self._waiting.popleft()  # schedule admits a prefix of the queue
             assert live.request_id == rid
             self._active[rid] = live
-        # the blocks of requests that finished are free only once their release is through
-        await asyncio.gather(*self._releases)
+        if self.config.kv_budgets:  # the blocks of requests that finished are free only once their release is through
+            await asyncio.gather(*self._releases)
 
-    def _step_rows(self, live: Live) -> int:
-        # an adaptive tree obeys the planner's node limit; without a planner it is the root alone
-        max_nodes = self.planner.max_nodes if self.planner is not None else 1
-        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), max_nodes)
+    def _step_rows(self, live: Live) -> StepRows:
+        # adaptive trees obey the planner's limits; without a planner they verify the root alone
+        planner = self.planner.config if self.planner is not None else PlannerConfig(max_nodes=1, max_depth=0)
+        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), planner)
 
     async def _speculate(self, batch: Sequence[Live], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
         """Every SSM drafts for the requests that name it (static) or that the plan gave it

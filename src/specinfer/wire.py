@@ -151,8 +151,11 @@ def kv_budget_to_proto(budget: KVBudget | None) -> tuple[int, int]:
 
 
 def kv_budget_from_proto(msg: internal_pb2.LlmInfo | internal_pb2.SsmProfile) -> KVBudget | None:
-    """The KV budget a service reported (None: bounded only by memory, or not reported)."""
-    return KVBudget(msg.kv_block_size, msg.kv_blocks) if msg.kv_block_size > 0 and msg.kv_blocks > 0 else None
+    """The KV budget a service reported (None: bounded only by memory, or not reported); an SSM's
+    (``SsmProfile``) holds what it expands while drafting (:attr:`KVBudget.drafts`)."""
+    if msg.kv_block_size == 0 or msg.kv_blocks == 0:
+        return None
+    return KVBudget(msg.kv_block_size, msg.kv_blocks, drafts=isinstance(msg, internal_pb2.SsmProfile))
 
 
 def slot_prior_from_proto(values: Sequence[float]) -> tuple[float, ...] | None:

@@ -5,9 +5,10 @@ Terms:
 - *KV budget* of one model: ``blocks`` KV blocks of ``block_size`` token rows (a *KV block* as in
   :mod:`specinfer.kernels.metadata`). A contiguous KV slot per request is the case of one block per
   request: ``block_size`` is the slot's rows and ``blocks`` the number of slots.
-- *Step rows* of a request: the KV rows it may hold in every model during its next step, its
-  committed tokens (prompt and output so far) plus the most tree nodes the step may add
-  (:func:`step_rows`). It needs ``ceil(step rows / block_size)`` blocks of each budget.
+- *Step rows* of a request (:class:`StepRows`, :func:`step_rows`): the KV rows it may hold during its
+  next step, its committed tokens (prompt and output so far) plus the nodes the step adds: in the
+  LLM's cache the tree it verifies, in an SSM's cache every node that SSM expands while drafting
+  (more than the tree for a dynamic tree). It needs ``ceil(rows / block_size)`` blocks of a budget.
 
 :func:`schedule` is the admission rule of both drivers, the in-process engine and the request
 manager. It is first come, first served on KV:
@@ -32,15 +33,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specinfer.core.drafts import merged_tree_nodes
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest
 
 
 @dataclass(frozen=True)
+class StepRows:
+    """The most KV rows a request may hold during its next step: ``verify`` in the LLM's cache,
+    ``draft`` in an SSM's (see :func:`step_rows`)."""
+
+    verify: int
+    draft: int
+
+
+@dataclass(frozen=True)
 class KVBudget:
-    """One model's KV memory: ``blocks`` KV blocks of ``block_size`` token rows (see the module docstring)."""
+    """One model's KV memory: ``blocks`` KV blocks of ``block_size`` token rows (see the module
+    docstring). ``drafts``: an SSM's cache, which holds a request's :attr:`StepRows.draft` rows; else
+    the LLM's, which holds its :attr:`StepRows.verify` rows."""
 
     block_size: int
     blocks: int
+    drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.blocks < 0:
@@ -50,9 +64,13 @@ class KVBudget:
         """KV blocks that hold ``rows`` token rows."""
         return -(-rows // self.block_size)
 
-    def holds(self, rows: int) -> bool:
-        """Whether the whole budget holds ``rows`` token rows (of one request alone)."""
-        return self.blocks_for(rows) <= self.blocks
+    def needs(self, rows: StepRows) -> int:
+        """KV blocks of this budget a request with ``rows`` takes."""
+        return self.blocks_for(rows.draft if self.drafts else rows.verify)
+
+    def holds(self, rows: StepRows) -> bool:
+        """Whether the whole budget holds a request with ``rows`` alone."""
+        return self.needs(rows) <= self.blocks
 
 
 @dataclass(frozen=True)
@@ -68,36 +86,47 @@ class Schedule:
     blocks_used: tuple[int, ...]
 
 
-def step_rows(request: GenerationRequest, committed: int, num_ssms: int, adaptive_max_nodes: int) -> int:
-    """The most KV rows ``request`` may hold in any model during its next step, with ``committed``
-    tokens (prompt and output so far) behind it: those, plus its tree's most nodes. A static tree of
-    several SSMs is merged (:func:`~specinfer.core.drafts.merged_tree_nodes`); an adaptive one has at
-    most ``adaptive_max_nodes`` (the planner's limit); without speculation the tree is the root."""
+def step_rows(request: GenerationRequest, committed: int, num_ssms: int, planner: PlannerConfig) -> StepRows:
+    """The most KV rows ``request`` may hold during its next step with ``committed`` tokens (prompt
+    and output so far) behind it.
+
+    - No speculation (or no SSM): the root alone.
+    - A static tree: the LLM verifies the trees of its SSMs merged
+      (:func:`~specinfer.core.drafts.merged_tree_nodes`); each SSM expands the nodes of its own tree.
+    - An adaptive tree: the LLM verifies at most ``planner.max_nodes`` nodes. The SSM expands more:
+      each of its at most ``planner.max_depth`` passes expands the newest depth's nodes of the tree
+      so far (at most ``max_nodes - 1`` after the root's pass), and slots drafted later may push them
+      out of the tree, while the SSM's cache keeps every node it ran on.
+    """
     spec = request.speculation
     if spec is None or num_ssms == 0:
-        nodes = 1
-    elif spec.expansion is None:
-        nodes = adaptive_max_nodes
-    else:
-        nodes = merged_tree_nodes(spec.expansion, len(spec.ssms))
-    return committed + nodes
+        return StepRows(committed + 1, committed + 1)
+    if spec.expansion is None:
+        return StepRows(committed + planner.max_nodes, committed + 1 + planner.max_depth * (planner.max_nodes - 1))
+    return StepRows(committed + merged_tree_nodes(spec.expansion, len(spec.ssms)), committed + spec.expansion.max_nodes)
 
 
-def schedule(budgets: Sequence[KVBudget], running: Sequence[tuple[str, int]], waiting: Sequence[tuple[str, int]], max_batch: int) -> Schedule:
+def schedule(
+    budgets: Sequence[KVBudget], running: Sequence[tuple[str, StepRows]], waiting: Sequence[tuple[str, StepRows]], max_batch: int, max_admit_rows: int = 0
+) -> Schedule:
     """Decide an iteration's requests (module docstring). ``running``: (request ID, step rows) of the
     running requests, oldest first; ``waiting``: the same of the waiting ones, in queue order;
     ``max_batch``: most requests an iteration runs. With no budgets, only ``max_batch`` limits.
+    ``max_admit_rows``: most verify rows the requests admitted in one iteration may hold together,
+    past the first one admitted (0: no cap). Their prompts are prefilled in the iteration's one
+    forward pass, and on a CPU a pass of tens of thousands of tokens runs slower per token than
+    several smaller ones (BENCHMARKS.md, "Paged KV cache"), while running requests wait for it.
 
     Raises ValueError when the oldest running request does not fit alone (a request the driver
     should have refused)."""
     used = [0] * len(budgets)
 
-    def fits(rows: int) -> bool:
-        return all(u + b.blocks_for(rows) <= b.blocks for u, b in zip(used, budgets, strict=True))
+    def fits(rows: StepRows) -> bool:
+        return all(u + b.needs(rows) <= b.blocks for u, b in zip(used, budgets, strict=True))
 
-    def take(rows: int) -> None:
+    def take(rows: StepRows) -> None:
         for i, b in enumerate(budgets):
-            used[i] += b.blocks_for(rows)
+            used[i] += b.needs(rows)
 
     kept: list[str] = []
     for request_id, rows in running:
@@ -110,9 +139,13 @@ def schedule(budgets: Sequence[KVBudget], running: Sequence[tuple[str, int]], wa
     preempted = tuple(request_id for request_id, _ in running[len(kept) :])
     admitted: list[str] = []
     if not preempted:  # else the queue's head is the first preempted request, which did not fit just now
+        admitted_rows = 0
         for request_id, rows in waiting:
             if len(kept) + len(admitted) >= max_batch or not fits(rows):
                 break
+            if admitted and max_admit_rows and admitted_rows + rows.verify > max_admit_rows:
+                break
             take(rows)
             admitted.append(request_id)
+            admitted_rows += rows.verify
     return Schedule(tuple(kept + admitted), preempted, tuple(admitted), tuple(used))

@@ -18,6 +18,7 @@ KV caches live in the backends and follow the committed tokens automatically (se
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.costs import StepCosts
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, select_drafts, static_shape, verify_shape, verify_specs
-from specinfer.core.kv_budget import schedule, step_rows
+from specinfer.core.kv_budget import StepRows, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs
@@ -44,6 +45,7 @@ class EngineConfig:
     ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default)."""
 
     max_batch: int = 64
+    max_prefill_tokens: int = 2048  # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
     eos_token_id: int | None = None
     planner: PlannerConfig = PlannerConfig()
     slot_priors: tuple[tuple[float, ...], ...] = ()
@@ -75,7 +77,9 @@ class SpeculativeEngine:
         # A request holds a KV cache in every model until it finishes. Models that size their cache
         # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
         # many requests their caches hold.
-        self._budgets = [(name, m.kv_budget) for name, m in (("llm", llm), *((f"ssms[{i}]", s) for i, s in enumerate(ssms))) if m.kv_budget is not None]
+        self._budgets = [("llm", llm.kv_budget)] if llm.kv_budget is not None else []
+        # an SSM's cache holds what it expands while drafting (StepRows.draft)
+        self._budgets += [(f"ssms[{i}]", dataclasses.replace(s.kv_budget, drafts=True)) for i, s in enumerate(ssms) if s.kv_budget is not None]
         limits = [m.max_requests for m in (llm, *ssms) if m.kv_budget is None and m.max_requests is not None]
         self._capacity = min([config.max_batch, *limits])
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
@@ -114,11 +118,11 @@ class SpeculativeEngine:
             if not budget.holds(rows):
                 raise InvalidArgument(
                     "max_new_tokens",
-                    f"prompt + max_new_tokens + tree take {rows} KV rows, more than the {name} KV cache holds ({budget.blocks} x {budget.block_size})",
+                    f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks; the {name} KV cache holds {budget.blocks} of {budget.block_size}",
                 )
 
-    def _step_rows(self, request: GenerationRequest, committed: int) -> int:
-        return step_rows(request, committed, len(self.ssms), self.config.planner.max_nodes)
+    def _step_rows(self, request: GenerationRequest, committed: int) -> StepRows:
+        return step_rows(request, committed, len(self.ssms), self.config.planner)
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
@@ -204,16 +208,12 @@ class SpeculativeEngine:
         """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`): a
         preempted request's caches are released and it waits at the head of the queue with its
         output; re-admitted, its caches are rebuilt from its committed tokens."""
-        if not self._budgets:
-            while self._waiting and len(self._active) < self._capacity:
-                w = self._waiting.pop(0)
-                self._active[w.request.request_id] = w
-            return
         plan = schedule(
             [budget for _, budget in self._budgets],
             [(rid, self._step_rows(s.request, len(s.committed))) for rid, s in self._active.items()],
             [(w.request_id, self._step_rows(w.request, len(w.committed))) for w in self._waiting],
             self._capacity,
+            self.config.max_prefill_tokens,
         )
         back = [self._active.pop(rid) for rid in plan.preempted]
         for state in back:
