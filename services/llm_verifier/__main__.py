@@ -24,7 +24,7 @@ from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.loading import check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
-from specinfer.models.native.parallel import check_layout, close_groups, load_driver, run_rank
+from specinfer.models.native.parallel import check_layout, close_groups, exit_rank, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_verifier, load_model
@@ -101,7 +101,7 @@ def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:
         os._exit(1)  # not sys.exit: a failed process group may hold threads that never end
     close_groups()
     log.info("rank stopped", extra={"rank": launch.layout.rank})
-    return 0
+    exit_rank(0)
 
 
 def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics, security: ServerSecurity) -> int:

@@ -25,6 +25,8 @@ def test_http_load_runs_both_paths_without_errors(model_pair, tmp_path):
         s = result[path]
         assert s["errors"] == {} and s["requests"] >= 3, s
         assert s["tokens"] == 8 * s["requests"]  # EOS ignored: every request runs to max_tokens
-        assert s["tokens_per_s"] > 0 and s["ttft_ms"]["p99"] >= s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p99"] >= s["itl_ms"]["p50"] > 0
+        assert s["tokens_per_s"] > 0 and s["ttft_ms"]["p99"] >= s["ttft_ms"]["p50"] > 0
+        # chunks that arrive in one read are microseconds apart: a median gap may round to 0.0 ms
+        assert s["itl_ms"]["p99"] >= s["itl_ms"]["p50"] >= 0 and s["itl_ms"]["p99"] > 0
         assert s["seconds"] >= 4  # two halves of 2 s, each waiting for its requests in flight
     assert result["http_vs_grpc_tokens_per_s"] > 0

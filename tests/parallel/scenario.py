@@ -15,7 +15,7 @@ import torch
 
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.native import NativeOptions
-from specinfer.models.native.parallel import ParallelLayout, Rendezvous, close_groups, load_driver, run_rank
+from specinfer.models.native.parallel import ParallelLayout, Rendezvous, close_groups, exit_rank, load_driver, run_rank
 
 OPTIONS = NativeOptions(kv_cache_bytes=1 << 22, max_seq_len=128, attention="torch", max_tree_nodes=32)
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 4]
@@ -60,6 +60,7 @@ def main(argv: list[str]) -> None:
             run_rank(checkpoint, options, layout, rendezvous)
     finally:
         close_groups()
+    exit_rank(0)  # as the verifier's ranks do (see exit_rank); an exception above exits 1 as usual
 
 
 if __name__ == "__main__":
