@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, block_size: int, prompts: list[tuple[int, ...]
         ssm_spec = ModelSpec.from_dir(args.ssm)
         room = KVPool.bytes_per_token(ssm_spec, dtype) * (ssm_spec.positions_limit + 256) * (len(prompts) + 1)
         ssms = [NativeBackend.load(args.ssm, NativeOptions(dtype, "cpu", room, kv_block_size=16))]
-    engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=args.max_batch))
+    engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens))
     spec = None if args.speculation == "none" else SpeculationConfig(None if args.speculation == "auto" else ExpansionConfig.parse(args.speculation))
     requests = [GenerationRequest(f"r{i}", p, args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
     if spec is not None and spec.expansion is None:
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes to run beside slots")
     ap.add_argument("--speculation", default="auto", help="none, auto or a static tree such as 1,1,3,1")
     ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens, help="admission's prefill cap per iteration (0: none)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -100,7 +101,9 @@ def main() -> None:
     prompts = prompts_of(args.llm, args.prompts, args.requests, args.context - args.new_tokens)
     rows = [run(args, bs, prompts) for bs in (0, *(int(b) for b in args.block_sizes.split(",")))]
     dtype = resolve_dtype(args.dtype, "cpu")
-    print(f"{args.requests} requests of {args.context} tokens, speculation {args.speculation}, LLM KV pool {args.kv_cache_bytes / 2**20:.0f} MiB, {dtype}")
+    cap = args.max_prefill_tokens or "none"
+    pool = f"LLM KV pool {args.kv_cache_bytes / 2**20:.0f} MiB"
+    print(f"{args.requests} requests of {args.context} tokens, speculation {args.speculation}, {pool}, {dtype}, prefill cap {cap}")
     print("| layout | pool | most requests running at once | vs slots | preemptions | iterations | tokens/s |")
     print("| --- " * 7 + "|")
     for r in rows:
