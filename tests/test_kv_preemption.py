@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from oracles import hf_greedy  # tests/oracles.py
 
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.sampling import SamplingParams
@@ -36,13 +36,8 @@ def backend(path, max_seq_len: int, block_size: int, requests_at_longest: float,
 def pair(model_pair):
     prompts = [tuple(p) for p in model_pair.prompts[:NUM_PROMPTS]]
     longest = max(len(p) for p in prompts) + NEW_TOKENS
-    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
     eos = eos_token_id(model_pair.llm)
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()
-            expected.append(out[: out.index(eos) + 1] if eos in out else out)
+    expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
     return model_pair, prompts, longest, expected, eos
 
 

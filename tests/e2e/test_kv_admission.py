@@ -9,13 +9,11 @@ import json
 
 import grpc
 import pytest
-import torch
+from oracles import hf_greedy, serving  # tests/oracles.py
 from test_stack import scrape, total  # tests/e2e/test_stack.py (pytest puts tests/e2e on the path)
-from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
-from specinfer.launcher import Stack, StackConfig
-from specinfer.models.loading import eos_token_id
+from specinfer.launcher import StackConfig
 from specinfer.v1 import api_pb2, internal_pb2, internal_pb2_grpc
 
 BLOCK = 4
@@ -53,26 +51,14 @@ def stack(model_pair, tmp_path_factory):
         model_args=model,
         rm_args=("--max-batch", "8", "--max-new-tokens", "256"),
     )
-    s = Stack(cfg).start()
-    try:
+    with serving(cfg) as s:
         yield s
-    finally:
-        codes = s.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown on SIGTERM: {codes}"
 
 
 @pytest.fixture(scope="module")
 def expected(model_pair, prompts):
     """transformers' greedy continuation of each prompt."""
-    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
-    eos = eos_token_id(model_pair.llm)
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            tokens = gen[0, len(ids) :].tolist()
-            out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
-    return out
+    return hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
 
 
 def test_services_report_their_kv_budgets(stack):

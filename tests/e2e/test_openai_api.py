@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from oracles import serving  # tests/oracles.py
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -59,12 +60,8 @@ def stack(model_pair, llm_with_template, tmp_path_factory):
         http_port=free_tcp_port(),
         rm_args=("--max-queue", "8", "--max-new-tokens", "4096"),
     )
-    s = Stack(cfg).start()
-    try:
+    with serving(cfg) as s:
         yield s
-    finally:
-        codes = s.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown on SIGTERM: {codes}"
 
 
 @pytest.fixture(scope="module")

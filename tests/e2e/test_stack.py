@@ -18,6 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from oracles import hf_greedy, serving  # tests/oracles.py
 from prometheus_client.parser import text_string_to_metric_families
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM
@@ -25,8 +26,7 @@ from transformers import AutoModelForCausalLM
 from specinfer.client import Client
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR
 from specinfer.core.drafts import PAPER_EXPANSION
-from specinfer.launcher import Stack, StackConfig
-from specinfer.models.loading import eos_token_id
+from specinfer.launcher import StackConfig
 from specinfer.v1 import api_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,26 +45,14 @@ def stack(model_pair, tmp_path_factory):
         threads=1,
         rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
     )
-    s = Stack(cfg).start()
-    try:
+    with serving(cfg) as s:
         yield s
-    finally:
-        codes = s.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown on SIGTERM: {codes}"
 
 
 @pytest.fixture(scope="module")
 def expected(model_pair):
     """transformers' greedy continuation of each prompt."""
-    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
-    eos = eos_token_id(model_pair.llm)
-    out = []
-    with torch.inference_mode():
-        for ids in model_pair.prompts[:16]:
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            tokens = gen[0, len(ids) :].tolist()
-            out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
-    return out
+    return hf_greedy(model_pair.llm, model_pair.prompts[:16], NEW_TOKENS)
 
 
 def _run(client: Client, request: api_pb2.GenerateRequest):

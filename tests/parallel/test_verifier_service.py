@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from oracles import hf_greedy, serving  # tests/oracles.py
 from services.conftest import llm_verifier_command
 from services.harness import start_service
 from transformers import AutoModelForCausalLM
@@ -27,7 +28,6 @@ from specinfer.client import Client
 from specinfer.core import DraftTree, SamplingParams, TokenTree
 from specinfer.launcher import Stack, StackConfig
 from specinfer.llm_verifier.__main__ import main as llm_verifier_main
-from specinfer.models.loading import eos_token_id
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 TP2 = ("--tensor-parallel", "2")
@@ -65,14 +65,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_greedy_generation_through_the_stack_with_tp2(model_pair, tmp_path):
     prompts = model_pair.prompts[:4]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
-    eos = eos_token_id(model_pair.llm)
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            tokens = gen[0, len(ids) :].tolist()
-            expected.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
+    expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
     config = StackConfig(
         llm=model_pair.llm,
         ssms=(model_pair.ssm,),
@@ -84,12 +77,8 @@ def test_greedy_generation_through_the_stack_with_tp2(model_pair, tmp_path):
         verifier_args=TP2,
         rm_args=("--max-new-tokens", "256"),
     )
-    stack = Stack(config).start()
-    try:
+    with serving(config) as stack:
         greedy_streams(stack, prompts, expected)
-    finally:
-        codes = stack.stop()
-    assert codes == dict.fromkeys(codes, 0), f"unclean shutdown on SIGTERM: {codes}"
     verifier_log = (stack.workdir / "llm-verifier.log").read_text()
     assert '"tensor_parallel": 2' in verifier_log and '"rank stopped"' in verifier_log  # rank 1 stopped cleanly too
 

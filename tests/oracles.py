@@ -1,0 +1,40 @@
+"""What the end-to-end tests compare with and how they hold a stack, in one place: transformers'
+greedy output (the exactness oracle, fp32), and a local stack that must stop cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer.launcher import Stack, StackConfig
+from specinfer.models.loading import eos_token_id
+
+
+def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' fp32 greedy continuation of each prompt (``new_tokens`` at most), ending at the
+    checkpoint's EOS token included, as our services end a request."""
+    hf = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
+    eos = eos_token_id(llm)
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = hf.generate(torch.tensor([list(ids)]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            tokens = gen[0, len(ids) :].tolist()
+            out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
+    return out
+
+
+@contextmanager
+def serving(config: StackConfig) -> Iterator[Stack]:
+    """The local stack of ``config``, started; when the block ends it is stopped with SIGTERM, and
+    every process must exit 0 (an unclean shutdown fails the test)."""
+    stack = Stack(config).start()
+    try:
+        yield stack
+    finally:
+        codes = stack.stop()
+    assert codes == dict.fromkeys(codes, 0), f"unclean shutdown on SIGTERM: {codes}"
