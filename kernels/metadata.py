@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specinfer.core.kv_budget import blocks_for
 from specinfer.core.tree import ancestor_matrix, validate_parents
 
 BITS_PER_WORD = 32
@@ -282,7 +283,7 @@ def _check_block_tables(tables: tuple[tuple[int, ...], ...], block_size: int, pr
     """Validate each request's block table against its length; returns the number of blocks the caches need."""
     max_id = -1
     for b, (t, p, n) in enumerate(zip(tables, prefix, tree_lens, strict=True)):
-        need = -(-(p + n) // block_size)
+        need = blocks_for(p + n, block_size)
         if len(t) < need:
             raise ValueError(
                 f"request {b}: block table has {len(t)} blocks but prefix_len {p} + tree_len {n} = {p + n} positions need {need} blocks of {block_size}"

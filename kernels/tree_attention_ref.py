@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from specinfer.core.kv_budget import blocks_for
 from specinfer.core.tree import ancestor_matrix
 
 from .metadata import TreeAttentionMetadata, is_chain
@@ -44,7 +45,7 @@ def _request_views(
     length = meta.kv_len(b)
     if meta.paged:
         assert meta.block_table is not None
-        blocks = meta.block_table[b, : -(-length // meta.block_size)].to(k_cache.device)  # [num_request_blocks] int32 (no copy when same device)
+        blocks = meta.block_table[b, : blocks_for(length, meta.block_size)].to(k_cache.device)  # [num_request_blocks] int32 (no copy when same device)
         return q[q0:q1], k_cache.index_select(0, blocks).flatten(0, 1)[:length], v_cache.index_select(0, blocks).flatten(0, 1)[:length]
     kv0 = meta.kv_starts[b]
     return q[q0:q1], k_cache[kv0 : kv0 + length], v_cache[kv0 : kv0 + length]

@@ -37,6 +37,11 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest
 
 
+def blocks_for(rows: int, block_size: int) -> int:
+    """KV blocks of ``block_size`` rows that hold ``rows`` token rows (logical positions)."""
+    return -(-rows // block_size)
+
+
 @dataclass(frozen=True)
 class StepRows:
     """The most KV rows a request may hold during its next step: ``verify`` in the LLM's cache,
@@ -61,8 +66,8 @@ class KVBudget:
             raise ValueError(f"invalid KV budget {self}")
 
     def blocks_for(self, rows: int) -> int:
-        """KV blocks that hold ``rows`` token rows."""
-        return -(-rows // self.block_size)
+        """KV blocks of this budget that hold ``rows`` token rows."""
+        return blocks_for(rows, self.block_size)
 
     def needs(self, rows: StepRows) -> int:
         """KV blocks of this budget a request with ``rows`` takes."""

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import KVBudget, blocks_for
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
-from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool, blocks_for
+from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
 from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict

@@ -15,13 +15,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from specinfer.core.kv_budget import blocks_for
 from specinfer.models.native.kv_pool import KVCacheFull, KVPool, PoolTensors
 from specinfer.models.native.spec import ModelSpec
-
-
-def blocks_for(rows: int, block_size: int) -> int:
-    """KV blocks that hold ``rows`` logical positions."""
-    return -(-rows // block_size)
 
 
 def physical_rows(block_table: Sequence[int], block_size: int, positions: Iterable[int]) -> list[int]:
