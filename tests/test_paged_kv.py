@@ -200,10 +200,10 @@ def test_paged_logits_equal_contiguous(model_pair, contiguous_logits, block_size
     for a, b in zip(got, contiguous_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     held = sum(len(native._caches[r].storage.block_table) for r in native.cached_requests())
-    assert native.kv_blocks_free == native.kv_blocks_total - held
+    assert native.kv_blocks_free == native.kv_budget.blocks - held
     for r in native.cached_requests():
         native.release(r)
-    assert native.kv_blocks_free == native.kv_blocks_total
+    assert native.kv_blocks_free == native.kv_budget.blocks
 
 
 def test_paged_capacity(model_pair):
@@ -213,11 +213,11 @@ def test_paged_capacity(model_pair):
     slots = NativeBackend.load(model_pair.llm, options)
     paged = NativeBackend.load(model_pair.llm, dataclasses.replace(options, kv_block_size=16))
     per_token = KVPool.bytes_per_token(paged.spec, torch.float32)
-    assert paged.kv_blocks_total == (1 << 24) // (per_token * 16)
-    assert paged.max_requests == paged.kv_blocks_total // 16  # 256 rows a request: 16 blocks
-    assert slots.max_requests == (1 << 24) // (per_token * 256) == slots.kv_blocks_total
+    assert paged.kv_budget.blocks == (1 << 24) // (per_token * 16)
+    assert paged.max_requests == paged.kv_budget.blocks // 16  # 256 rows a request: 16 blocks
+    assert slots.max_requests == (1 << 24) // (per_token * 256) == slots.kv_budget.blocks
     # a short request holds only its context's blocks
     paged.forward_tree([TreeForward("a", [], [1, 2, 3], [-1, 0, 1])])
-    assert paged.kv_blocks_free == paged.kv_blocks_total - 1
+    assert paged.kv_blocks_free == paged.kv_budget.blocks - 1
     with pytest.raises(ValueError, match="kv_block_size"):
         NativeOptions(kv_block_size=-1)

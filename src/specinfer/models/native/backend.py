@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget, blocks_for
+from specinfer.core.kv_budget import KVBudget
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -138,15 +138,13 @@ class NativeBackend:
         self.vocab_size = spec.vocab_size
         self.max_positions = slot_len(spec, options)
         self.rows_per_request = request_rows(spec, options)  # KV rows a request may use (its slot, paged: its most blocks' rows)
-        # Concurrent requests the KV pool holds, each at its longest. Paged, a request takes its
-        # blocks as it grows, so more may fit; admission on free blocks is the next step, until
-        # then the same guarantee as slots.
-        if self.block_size:
-            self.max_requests = self.pool.num_blocks // blocks_for(self.rows_per_request, self.block_size)
-            if self.max_requests == 0:
-                raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
-        else:
-            self.max_requests = self.pool.num_slots
+        # Concurrent requests the KV pool holds, each at its longest (a slot is one block of a whole
+        # request's rows). Paged, a request takes its blocks as it grows, so more fit at once: the
+        # drivers admit by kv_budget (core.kv_budget.schedule).
+        budget = self.kv_budget
+        self.max_requests = budget.blocks // budget.blocks_for(self.rows_per_request)
+        if self.max_requests == 0:
+            raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
         self._caches: dict[str, RequestCache] = {}
 
     @property
@@ -155,11 +153,6 @@ class NativeBackend:
         if self.block_size:
             return KVBudget(self.block_size, self.pool.num_blocks)
         return KVBudget(self.pool.slot_len, self.pool.num_slots)
-
-    @property
-    def kv_blocks_total(self) -> int:
-        """KV blocks of the pool (contiguous layout: slots, each a block of a whole request)."""
-        return self.pool.num_blocks if self.block_size else self.pool.num_slots
 
     @property
     def kv_blocks_free(self) -> int:
