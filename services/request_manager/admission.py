@@ -16,7 +16,7 @@ from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
-from specinfer.core.kv_budget import KVBudget, step_rows
+from specinfer.core.kv_budget import KVBudget, check_fits_alone
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.adaptive import planner_config
 from specinfer.request_manager.records import validate_id
@@ -166,15 +166,8 @@ def _check_length(prompt: tuple[int, ...], max_new_tokens: int, limits: ApiLimit
 
 
 def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
-    """Refuses a request that would not fit a KV budget alone at its longest (prompt, every new token
-    and its largest tree): the scheduler could never run it (:func:`~specinfer.core.kv_budget.schedule`)."""
-    rows = step_rows(request, len(request.prompt_tokens) + request.max_new_tokens, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
-    for budget in limits.kv_budgets:
-        if not budget.holds(rows):
-            raise InvalidArgument(
-                "max_new_tokens",
-                f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks, more than a KV cache holds ({budget.blocks} of {budget.block_size} rows)",
-            )
+    """Refuses a request the scheduler's KV budgets could never run (:func:`~specinfer.core.kv_budget.check_fits_alone`)."""
+    check_fits_alone(request, limits.kv_budgets, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
 
 
 def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None) -> Live:

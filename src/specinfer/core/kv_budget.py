@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specinfer.core.drafts import merged_tree_nodes
+from specinfer.core.errors import InvalidArgument
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest
 
@@ -109,6 +110,20 @@ def step_rows(request: GenerationRequest, committed: int, num_ssms: int, planner
     if spec.expansion is None:
         return StepRows(committed + planner.max_nodes, committed + 1 + planner.max_depth * (planner.max_nodes - 1))
     return StepRows(committed + merged_tree_nodes(spec.expansion, len(spec.ssms)), committed + spec.expansion.max_nodes)
+
+
+def check_fits_alone(request: GenerationRequest, budgets: Sequence[KVBudget], num_ssms: int, planner: PlannerConfig) -> None:
+    """Refuse ``request`` (InvalidArgument naming ``max_new_tokens``) unless, alone and at its longest
+    (prompt, every new token and its largest tree), it fits every budget: a driver could never run
+    it, and :func:`schedule` relies on the oldest running request fitting."""
+    rows = step_rows(request, len(request.prompt_tokens) + request.max_new_tokens, num_ssms, planner)
+    for budget in budgets:
+        if not budget.holds(rows):
+            cache = "an SSM's" if budget.drafts else "the LLM's"
+            raise InvalidArgument(
+                "max_new_tokens",
+                f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks; {cache} KV cache holds {budget.blocks} of {budget.block_size} rows",
+            )
 
 
 def schedule(

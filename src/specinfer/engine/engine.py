@@ -30,7 +30,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.costs import StepCosts
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, select_drafts, static_shape, verify_shape, verify_specs
-from specinfer.core.kv_budget import StepRows, schedule, step_rows
+from specinfer.core.kv_budget import StepRows, check_fits_alone, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs
@@ -77,9 +77,9 @@ class SpeculativeEngine:
         # A request holds a KV cache in every model until it finishes. Models that size their cache
         # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
         # many requests their caches hold.
-        self._budgets = [("llm", llm.kv_budget)] if llm.kv_budget is not None else []
+        self._budgets = [llm.kv_budget] if llm.kv_budget is not None else []
         # an SSM's cache holds what it expands while drafting (StepRows.draft)
-        self._budgets += [(f"ssms[{i}]", dataclasses.replace(s.kv_budget, drafts=True)) for i, s in enumerate(ssms) if s.kv_budget is not None]
+        self._budgets += [dataclasses.replace(s.kv_budget, drafts=True) for s in ssms if s.kv_budget is not None]
         limits = [m.max_requests for m in (llm, *ssms) if m.kv_budget is None and m.max_requests is not None]
         self._capacity = min([config.max_batch, *limits])
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
@@ -112,14 +112,7 @@ class SpeculativeEngine:
             unknown = [s for s in spec.ssms if not 0 <= s < len(self.ssms)]
             if unknown:
                 raise InvalidArgument("speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})")
-        # alone, at its longest, it must fit every KV cache: then the oldest request always runs
-        rows = self._step_rows(request, len(request.prompt_tokens) + request.max_new_tokens)
-        for name, budget in self._budgets:
-            if not budget.holds(rows):
-                raise InvalidArgument(
-                    "max_new_tokens",
-                    f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks; the {name} KV cache holds {budget.blocks} of {budget.block_size}",
-                )
+        check_fits_alone(request, self._budgets, len(self.ssms), self.config.planner)
 
     def _step_rows(self, request: GenerationRequest, committed: int) -> StepRows:
         return step_rows(request, committed, len(self.ssms), self.config.planner)
@@ -209,7 +202,7 @@ class SpeculativeEngine:
         preempted request's caches are released and it waits at the head of the queue with its
         output; re-admitted, its caches are rebuilt from its committed tokens."""
         plan = schedule(
-            [budget for _, budget in self._budgets],
+            self._budgets,
             [(rid, self._step_rows(s.request, len(s.committed))) for rid, s in self._active.items()],
             [(w.request_id, self._step_rows(w.request, len(w.committed))) for w in self._waiting],
             self._capacity,
