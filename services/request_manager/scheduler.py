@@ -36,6 +36,7 @@ from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
+ROOT_ONLY = PlannerConfig(max_nodes=1, max_depth=0)  # the tree limits without a planner: the root alone
 
 
 class QueueFull(ResourceExhausted):
@@ -295,9 +296,9 @@ class Scheduler:
             await asyncio.gather(*self._releases)
 
     def _step_rows(self, live: Live) -> StepRows:
-        # adaptive trees obey the planner's limits; without a planner they verify the root alone
-        planner = self.planner.config if self.planner is not None else PlannerConfig(max_nodes=1, max_depth=0)
-        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), planner)
+        # adaptive trees obey the planner's limits (it may come later, when SSMs join); without one they verify the root alone
+        limits = self.planner.config if self.planner is not None else ROOT_ONLY
+        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), limits)
 
     async def _speculate(self, batch: Sequence[Live], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
         """Every SSM drafts for the requests that name it (static) or that the plan gave it
