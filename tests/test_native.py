@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import KVCacheFull, NativeBackend, NativeOptions
@@ -18,24 +18,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# head_dim 16: 8 factors each; the short ones differ from 1 so that a default RoPE would not pass
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.25 * i for i in range(8)],
+    "long_factor": [3.0 + 0.5 * i for i in range(8)],
+    "original_max_position_embeddings": 64,
+}
+
+PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+PHI3_TOKENS = dict(eos_token_id=2, pad_token_id=0)  # Phi-3's defaults (32000) lie outside a tiny vocabulary
+
+
 def _tiny_configs():
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
     return {
         "llama-gqa": LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False),
-        "llama3-rope": LlamaConfig(
-            **common,
-            num_key_value_heads=1,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
+        "llama3-rope": LlamaConfig(**common, num_key_value_heads=1, rope_parameters=LLAMA3_ROPE),
+        # Llama 3.2 (1B/3B): tied embeddings, head_dim 64 of 2048 / 32 heads, 4:1 GQA, llama3 RoPE
+        "llama3.2-tied": LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
         "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=512),
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+        # Qwen3 (0.6B): head_dim set apart from hidden / heads (128 of 1024 / 16), q/k RMSNorm, no qkv
+        # bias, tied embeddings
+        "qwen3": Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+        # Qwen3 with attention_bias (q/k/v/o biases), untied
+        "qwen3-bias": Qwen3Config(**common, num_key_value_heads=1, head_dim=8, attention_bias=True, tie_word_embeddings=False),
+        # Phi-3-mini-128k: fused qkv_proj and gate_up_proj, LongRoPE (exact up to its switch, 64 here)
+        "phi3-longrope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=4, original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE),
+        # Phi-4-mini (model_type phi3): GQA, RoPE on the leading 3/4 of each head, tied embeddings
+        "phi3-partial-rope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
         "opt": OPTConfig(
             vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64
         ),

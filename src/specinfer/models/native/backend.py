@@ -102,7 +102,7 @@ def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
 
 
 def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torch.Tensor | None, float]:
-    """RoPE inverse frequencies on ``device``  # [head_dim / 2] float32
+    """RoPE inverse frequencies on ``device``  # [rotary_dim / 2] float32
     and the cos/sin scale of the checkpoint at ``path``; ``(None, 1.0)`` for OPT (learned positions)."""
     if spec.arch == "opt":
         return None, 1.0
@@ -117,7 +117,8 @@ def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torc
         if rope_type != "default":
             inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
             return inv.float().to(device), float(scale)
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+    dim = spec.rotary_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     return inv.to(device), 1.0
 
 

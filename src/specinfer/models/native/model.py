@@ -1,4 +1,4 @@
-"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2) and OPT forward pass over packed tokens.
+"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3) and OPT forward pass over packed tokens.
 
 Every token of every request of a batch is one row of the packed activations; attention reads
 and writes the KV pool (either layout) through the tree-attention kernel, whose per-step metadata is
@@ -29,10 +29,13 @@ class NativeModel:
         self.spec = spec
         self.w = weights
         self.linear = (gemm or GemmPlan()).linear  # x @ w.T (+ b) in the form measured fastest for the shape
-        self.inv_freq = inv_freq  # [head_dim / 2] float32, None for OPT
+        self.inv_freq = inv_freq  # [rotary_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
         self.attention_impl = attention_impl
         self._dims = (spec.hidden_size,)  # normalized shape of every norm
+        self._head_dims = (spec.head_dim,)  # normalized shape of Qwen3's query and key norms
+        self._qk_norm = self._rms_qk_norm if spec.qk_norm else self._no_qk_norm
+        self._rotate = self._rotate_all if spec.rotary_dim == spec.head_dim else self._rotate_leading
         if spec.arch == "opt":
             # transformers, which knows every activation name, takes seconds to import: only
             # for an unusual one
@@ -94,17 +97,31 @@ class NativeModel:
     # Shared by both families.
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
-        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, head_dim]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
         sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
         return cos, sin
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_all(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    @staticmethod
+    def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the leading ``rotary_dim`` of each head (``partial_rotary_factor`` < 1), the rest unchanged."""
+        rotary_dim = cos.shape[-1]
+        return torch.cat([NativeModel._rotate_all(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+
+    def _no_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def _rms_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3: each query and key head RMS-normalized over head_dim, one weight for all heads."""
+        eps = self.spec.norm_eps
+        return F.rms_norm(q, self._head_dims, layer.q_norm_w, eps), F.rms_norm(k, self._head_dims, layer.k_norm_w, eps)
 
     def _attention(self, i, layer, x, rope, cache_rows, meta, pool) -> torch.Tensor:
         spec = self.spec
@@ -114,6 +131,7 @@ class NativeModel:
         q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)  # [T, heads, head_dim]
         k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)  # [T, kv_heads, head_dim]
         v = qkv[:, q_size + kv_size :].view(t, spec.kv_heads, spec.head_dim)
+        q, k = self._qk_norm(layer, q, k)
         if rope is not None:
             q = self._rotate(q, *rope)
             k = self._rotate(k, *rope)
@@ -124,7 +142,7 @@ class NativeModel:
         out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
         return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
-    # Llama family: RoPE, RMSNorm before each sublayer, SwiGLU MLP.
+    # Llama family: RoPE, RMSNorm before each sublayer (Qwen3: and on query/key heads), SwiGLU MLP.
 
     def _no_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return h

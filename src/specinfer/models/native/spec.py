@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+# RMSNorm, RoPE and SwiGLU blocks; Qwen3 adds an RMSNorm on each query and key head, Phi-3 ships
+# q/k/v and gate/up fused in its checkpoint (the layout our weights use anyway)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED = (*LLAMA_FAMILY, "opt")
 
 
@@ -16,7 +18,12 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture facts of a Llama-family or OPT checkpoint."""
+    """Architecture facts of a Llama-family or OPT checkpoint.
+
+    Terms: the *rotary dimensions* are the leading ``rotary_dim`` of each head's ``head_dim`` that
+    RoPE rotates (all of them unless the config sets ``partial_rotary_factor``); the *RoPE switch*
+    of a LongRoPE config is its ``original_max_position_embeddings``, past which transformers
+    recomputes every position with the long factors instead of the short ones."""
 
     arch: str  # one of SUPPORTED
     vocab_size: int
@@ -33,6 +40,9 @@ class ModelSpec:
     rope_theta: float
     sliding_window: int | None
     rope_type: str = "default"  # Llama family: "default" or a scaled RoPE transformers computes (llama3, yarn, ...)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every query and key head, before RoPE
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
+    rope_switch: int | None = None  # LongRoPE: sequences up to this length use the short factors
     # OPT only
     layer_norm_before: bool = True
     final_layer_norm: bool = True
@@ -68,16 +78,26 @@ class ModelSpec:
             rope_theta=0.0 if opt else float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
             sliding_window=None if opt else _sliding_window(cfg),
             rope_type=rope_type,
+            qk_norm=arch == "qwen3",
+            partial_rotary_factor=1.0 if opt else _partial_rotary_factor(cfg),
+            rope_switch=_rope_switch(cfg) if rope_type == "longrope" else None,
             layer_norm_before=before if opt else True,
             final_layer_norm=before and not cfg.get("_remove_final_layer_norm", False) if opt else True,
             activation=str(cfg.get("activation_function", "relu")) if opt else "silu",
         )
 
     @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each head that RoPE rotates; the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def positions_limit(self) -> int:
         """Longest sequence the native runtime runs: without a sliding-window kernel, a
-        sliding-window model is exact only up to its window."""
-        return min(self.max_positions, self.sliding_window) if self.sliding_window else self.max_positions
+        sliding-window model is exact only up to its window; a LongRoPE model only up to its RoPE
+        switch (past it transformers rotates every position, cached ones included, with other
+        frequencies, which a KV cache that keeps rotated keys cannot follow)."""
+        return min(limit for limit in (self.max_positions, self.sliding_window, self.rope_switch) if limit)
 
 
 def _llama_rope_type(cfg: dict) -> str:
@@ -90,6 +110,20 @@ def _llama_rope_type(cfg: dict) -> str:
     if rope_type == "dynamic":
         raise UnsupportedModel("dynamic NTK RoPE changes with the sequence length")
     return rope_type
+
+
+def _partial_rotary_factor(cfg: dict) -> float:
+    """Fraction of head_dim that RoPE rotates (transformers 5 keeps it in rope_parameters, older configs at the top)."""
+    return float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def _rope_switch(cfg: dict) -> int:
+    """The sequence length past which a LongRoPE config's long factors apply."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    switch = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not switch:
+        raise UnsupportedModel("LongRoPE config without original_max_position_embeddings")
+    return int(switch)
 
 
 def _sliding_window(cfg: dict) -> int | None:

@@ -29,7 +29,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 @dataclass
 class LayerWeights:
     """One decoder layer. Llama family: norm1/norm2 are RMSNorm weights, ``up`` is the fused
-    gate+up projection. OPT: norms carry LayerNorm weight and bias, ``up`` is fc1."""
+    gate+up projection, Qwen3 adds the per-head query and key RMSNorm weights. OPT: norms carry
+    LayerNorm weight and bias, ``up`` is fc1."""
 
     qkv_w: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_b: torch.Tensor | None
@@ -43,6 +44,8 @@ class LayerWeights:
     up_b: torch.Tensor | None
     down_w: torch.Tensor  # [hidden, intermediate]
     down_b: torch.Tensor | None
+    q_norm_w: torch.Tensor | None = None  # Qwen3 [head_dim], shared by every query head
+    k_norm_w: torch.Tensor | None = None  # Qwen3 [head_dim], shared by every key head
 
 
 @dataclass
@@ -84,21 +87,24 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
     for i in range(spec.layers):
         p = f"layers.{i}."
         a = p + "self_attn."
-        bias = [s.get(a + f"{n}_proj.bias") for n in "qkv"]
+        qkv_w, qkv_b = _fused(s, a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        up_w, _ = _fused(s, p + "mlp.", "gate_up_proj", ("gate_proj", "up_proj"))
         layers.append(
             LayerWeights(
-                qkv_w=t(torch.cat([s[a + "q_proj.weight"], s[a + "k_proj.weight"], s[a + "v_proj.weight"]])),
-                qkv_b=t(torch.cat(bias)) if all(b is not None for b in bias) else None,
+                qkv_w=t(qkv_w),
+                qkv_b=t(qkv_b),
                 o_w=t(s[a + "o_proj.weight"]),
                 o_b=t(s.get(a + "o_proj.bias")),
                 norm1_w=t(s[p + "input_layernorm.weight"]),
                 norm1_b=None,
                 norm2_w=t(s[p + "post_attention_layernorm.weight"]),
                 norm2_b=None,
-                up_w=t(torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]])),
+                up_w=t(up_w),
                 up_b=None,
                 down_w=t(s[p + "mlp.down_proj.weight"]),
                 down_b=None,
+                q_norm_w=t(s[a + "q_norm.weight"]) if spec.qk_norm else None,
+                k_norm_w=t(s[a + "k_norm.weight"]) if spec.qk_norm else None,
             )
         )
     embed = t(s["embed_tokens.weight"])
@@ -110,6 +116,17 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
         final_norm_b=None,
         lm_head=embed if head is None or spec.tie_embeddings else t(head),
     )
+
+
+def _fused(s: dict[str, torch.Tensor], prefix: str, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias (None when any part lacks one) of the projection ``prefix + fused``, stored
+    fused (Phi-3's ``qkv_proj``, ``gate_up_proj``, already in our row order) or as ``parts`` that
+    are concatenated by rows in their order."""
+    if prefix + fused + ".weight" in s:
+        return s[prefix + fused + ".weight"], s.get(prefix + fused + ".bias")
+    bias = [s.get(f"{prefix}{part}.bias") for part in parts]
+    weight = torch.cat([s[f"{prefix}{part}.weight"] for part in parts])
+    return weight, torch.cat(bias) if all(b is not None for b in bias) else None
 
 
 def _opt_weights(spec: ModelSpec, s: dict[str, torch.Tensor], t) -> ModelWeights:
