@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Phi3Config, Qwen3Config
 
 from specinfer.models.native import NativeBackend
 
@@ -34,6 +34,32 @@ def _configs():
         "llama-gqa": LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=False),
         # biases everywhere (row-parallel biases must count once), tied embeddings
         "opt": OPTConfig(**common, ffn_dim=96, word_embed_proj_dim=64),
+        # q/k norms (replicated on every rank), head_dim apart from hidden / heads, tied embeddings
+        "qwen3": Qwen3Config(**common, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+        # Llama 3.2: tied embeddings, llama3 RoPE
+        "llama3.2-tied": LlamaConfig(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        # fused qkv_proj and gate_up_proj in the checkpoint, split by heads / MLP columns per rank; RoPE on 3/4 of each head
+        "phi3": Phi3Config(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            eos_token_id=2,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        ),
     }
 
 
@@ -79,8 +105,9 @@ def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path, kv_block_size: i
     return torch.load(out)
 
 
-# every layout on the GQA Llama; OPT (biases: row-parallel ones must count once; layer norms; tied embeddings) under TP
-CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("opt", 2, 1)]
+# every layout on the GQA Llama; OPT (biases: row-parallel ones must count once; layer norms; tied embeddings) and the
+# newer families under TP
+CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("opt", 2, 1), ("qwen3", 2, 1), ("llama3.2-tied", 2, 1), ("phi3", 2, 1)]
 
 
 # KV blocks of 3 tokens on every rank (tables from rank 0, moves replayed in physical rows)
