@@ -138,3 +138,29 @@ def test_qwen3_mixed_sliding_layers_are_refused():
     config = Qwen3Config(**COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     with pytest.raises(UnsupportedModel, match="mixed sliding/full"):
         ModelSpec.from_config(config.to_dict())
+
+
+def test_phi3_config_of_the_older_layout():
+    """Phi-3's hub configs from before transformers 5: ``rope_scaling`` with the LongRoPE factors and
+    ``original_max_position_embeddings`` at the top level; Phi-4-mini's ``partial_rotary_factor`` there too."""
+    factors = [1.0] * 48
+    phi3 = {
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": factors, "long_factor": factors},
+        "rope_theta": 10000.0,
+        "sliding_window": 262144,
+        "hidden_act": "silu",
+    }
+    spec = ModelSpec.from_config(phi3)
+    assert (spec.rope_type, spec.rope_switch, spec.positions_limit, spec.rotary_dim) == ("longrope", 4096, 4096, 96)
+    phi4_mini = {**phi3, "rope_scaling": None, "partial_rotary_factor": 0.75, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8}
+    spec = ModelSpec.from_config(phi4_mini)
+    assert (spec.rope_type, spec.rope_switch, spec.positions_limit, spec.head_dim, spec.rotary_dim) == ("default", None, 131072, 128, 96)
