@@ -17,7 +17,7 @@ from specinfer.core.acceptance import (
     DEFAULT_SLOT_PRIOR,
     MAX_POSITIONS,
     MAX_SLOTS,
-    Calibration,
+    EdgeCalibration,
     SlotAcceptance,
     StepOutcomes,
     node_values,
@@ -27,6 +27,7 @@ from specinfer.core.acceptance import (
 )
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
+from specinfer.core.drafts import EDGE_KNOTS, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
 VOCAB = 8
@@ -40,14 +41,17 @@ def budgets(draw) -> TreeBudget:
     depth = draw(st.integers(1, 6))
     width = draw(st.integers(1, 4))
     min_score = draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.2]))
-    return TreeBudget(nodes, depth, width, min_score)
+    # an edge curve: none (the identity), or any non-decreasing one, flat stretches included
+    steps = draw(st.lists(st.sampled_from([0.0, 0.0, 0.05, 0.1, 0.3]), min_size=len(EDGE_KNOTS), max_size=len(EDGE_KNOTS)))
+    curve = tuple(float(v) for v in np.minimum(1.0, np.cumsum(steps))) if draw(st.booleans()) else ()
+    return TreeBudget(nodes, depth, width, min_score, curve)
 
 
 class Slot:
     """The test's own record of one drafted slot (numbered in draft order, slot 0 the root)."""
 
-    def __init__(self, token: int, parent: int, score: float, depth: int) -> None:
-        self.token, self.parent, self.score, self.depth = token, parent, score, depth
+    def __init__(self, token: int, parent: int, score: float, depth: int, value: float = 1.0) -> None:
+        self.token, self.parent, self.score, self.depth, self.value = token, parent, score, depth, value
         self.children: list[int] = []  # draw order
 
 
@@ -87,8 +91,10 @@ def _drive(builder: BestFirstTreeBuilder, propose) -> tuple[list[Slot], dict[int
         for s, prop in zip(frontier, props, strict=True):
             proposals[s] = prop
             for token, p in zip(prop.tokens[: builder.width()], prop.slot_probs, strict=False):
+                p = min(1.0, max(0.0, p))
+                edge = float(np.interp(p, EDGE_KNOTS, builder.budget.edge_curve)) if builder.budget.edge_curve else p
                 slots[s].children.append(len(slots))
-                slots.append(Slot(token, s, slots[s].score * min(1.0, max(0.0, p)), slots[s].depth + 1))
+                slots.append(Slot(token, s, slots[s].score * p, slots[s].depth + 1, slots[s].value * edge))
     return slots, proposals, sent, rounds
 
 
@@ -104,8 +110,8 @@ def _tree_slots(draft: DraftTree, slots: list[Slot]) -> list[int]:
 
 
 def _best(slots: list[Slot], budget: TreeBudget) -> set[int]:
-    eligible = [i for i in range(1, len(slots)) if slots[i].score >= budget.min_score and slots[i].score > 0.0]
-    return {0, *sorted(eligible, key=lambda i: (-slots[i].score, i))[: budget.nodes - 1]}
+    eligible = [i for i in range(1, len(slots)) if slots[i].value >= budget.min_score and slots[i].value > 0.0 and slots[i].score > 0.0]
+    return {0, *sorted(eligible, key=lambda i: (-slots[i].value, i))[: budget.nodes - 1]}
 
 
 def _check_tree(builder: BestFirstTreeBuilder, slots, proposals, rounds) -> tuple[DraftTree, list[int]]:
@@ -117,11 +123,13 @@ def _check_tree(builder: BestFirstTreeBuilder, slots, proposals, rounds) -> tupl
     assert int(tree.depths.max()) <= budget.depth
     assert rounds <= budget.depth
     mine = _tree_slots(draft, slots)
-    assert set(mine) == _best(slots, budget), "the tree is the best nodes-1 slots by (score, draft order)"
+    assert set(mine) == _best(slots, budget), "the tree is the best nodes-1 slots by (value, draft order)"
     assert len(draft.scores) == len(tree) and draft.scores[0] == 1.0
+    values = tree_values(tree.parents, draft.scores, budget.edge_curve)
     for i in range(1, len(tree)):
         assert draft.scores[i] == slots[mine[i]].score
         assert draft.scores[i] <= draft.scores[tree.parents[i]]
+        assert np.isclose(values[i], slots[mine[i]].value), "the manager recovers each node's value from the scores"
     covered = []
     for u in range(len(tree)):
         kids = [mine[c] for c in tree.children[u]]
@@ -139,7 +147,7 @@ def _check_tree(builder: BestFirstTreeBuilder, slots, proposals, rounds) -> tupl
     assert sorted(covered) == list(range(1, len(tree)))
     # nothing worth drafting was left out: every tree node above the depth cap was expanded, except
     # the weakest one of a full tree (its children could not outrank it)
-    weakest = max((i for i in mine[1:]), key=lambda i: (-slots[i].score, i), default=None)
+    weakest = max((i for i in mine[1:]), key=lambda i: (-slots[i].value, i), default=None)
     for s in mine:
         if slots[s].depth < budget.depth and s not in proposals:
             assert len(tree) == budget.nodes and s == weakest, f"slot {s} in the tree was never expanded"
@@ -237,6 +245,9 @@ def test_tree_budget_checks_itself():
         TreeBudget(2, 0)
     with pytest.raises(ValueError):
         TreeBudget(4, 2, min_score=1.5)
+    for curve in ((0.5,), tuple(reversed(EDGE_KNOTS)), (1.5,) * len(EDGE_KNOTS)):  # wrong length, falling, above 1
+        with pytest.raises(ValueError):
+            TreeBudget(4, 2, edge_curve=curve)
     assert TreeBudget(3, 2, 4).width == 2 and TreeBudget(30, 2, 4).width == 4
     builder = BestFirstTreeBuilder(0, TreeBudget(3, 1))
     with pytest.raises(ValueError, match="one proposal per frontier node"):
@@ -381,25 +392,50 @@ def test_slot_acceptance_converges_to_the_truth():
     assert abs(slots.hit_rates()[0] - 0.9) < 0.04
 
 
-def test_calibration_converges_to_the_truth_and_stays_monotone():
-    cal = Calibration(decay=1.0)
+def _edges(probs, hits):
+    return StepOutcomes(np.zeros(MAX_SLOTS), np.zeros(MAX_SLOTS), np.asarray(probs, dtype=np.float64), np.asarray(hits, dtype=bool), np.zeros(MAX_POSITIONS))
+
+
+def test_edge_calibration_converges_to_the_truth_and_stays_monotone():
+    cal = EdgeCalibration(decay=1.0)
     rng = np.random.default_rng(1)
     for _ in range(400):
-        scores = rng.random(50)
-        accepted = rng.random(50) < scores**2  # the SSM is overconfident
-        cal.observe(StepOutcomes(np.zeros(MAX_SLOTS), np.zeros(MAX_SLOTS), scores, accepted, np.zeros(MAX_POSITIONS)))
+        p = rng.random(50)
+        cal.observe(_edges(p, rng.random(50) < np.sqrt(p)))  # the SSM is underconfident
     curve = cal.curve()
-    assert np.all(np.diff(curve) >= 0)
-    # bins are narrow, so the bin average of s^2 is near its center's square
-    assert np.allclose(curve, cal.centers**2, atol=0.05)
-    assert abs(cal.predict(0.5) - 0.25) < 0.05
-    s = cal.score_for(0.36)
-    assert abs(s - 0.6) < 0.05 and abs(cal.predict(s) - 0.36) < 0.05
-    assert cal.score_for(0.0) == 0.0 and cal.score_for(1.01) == 1.0
-    fresh = Calibration()
-    assert np.allclose(fresh.curve(), fresh.centers)  # the prior: calibrated
-    fresh.observe(StepOutcomes(np.zeros(MAX_SLOTS), np.zeros(MAX_SLOTS), np.zeros(0), np.zeros(0, dtype=bool), np.zeros(MAX_POSITIONS)))
-    assert np.allclose(fresh.curve(), fresh.centers)  # static trees carry no scores
+    assert np.all(np.diff(curve) >= 0) and len(cal.knot_values()) == len(EDGE_KNOTS)
+    # counted toward the two knots around each probability: a knot averages sqrt over its two
+    # neighbouring intervals (exact but for the curvature near 0)
+    assert np.allclose(curve[2:], np.sqrt(cal.knots[2:]), atol=0.04)
+    assert abs(float(np.interp(0.5, EDGE_KNOTS, curve)) - np.sqrt(0.5)) < 0.04
+    # the workload changes: a decaying calibration follows
+    moving = EdgeCalibration(decay=0.99)
+    for _ in range(300):
+        p = rng.random(50)
+        moving.observe(_edges(p, rng.random(50) < p))
+    for _ in range(300):
+        p = rng.random(50)
+        moving.observe(_edges(p, rng.random(50) < p**2))  # now overconfident
+    assert abs(float(np.interp(0.5, EDGE_KNOTS, moving.curve())) - 0.25) < 0.05
+    fresh = EdgeCalibration()
+    assert np.allclose(fresh.curve(), EDGE_KNOTS)  # the prior: calibrated
+    fresh.observe(_edges([], []))
+    assert np.allclose(fresh.curve(), EDGE_KNOTS)  # static trees carry no scores
+
+
+def test_an_underconfident_ssm_grows_the_chain_once_its_edges_are_known():
+    """Slot probs (0.5, 0.2, 0.1) everywhere, 6 nodes: by score the tree is a bush (0.25 for the second
+    chain node loses to the 0.2 sibling, and so on); with the edge curve saying 0.5 is worth 0.9
+    (and 0.2 worth 0.3), it is the chain of 5."""
+    propose = lambda s, slots: Proposal((1, 2, 3), None, (0.5, 0.2, 0.1))  # noqa: E731
+    bush = BestFirstTreeBuilder(0, TreeBudget(6, 8, 3))
+    _drive(bush, propose)
+    assert max(bush.build().tree.depths) < 5
+    curve = tuple(float(v) for v in np.interp(EDGE_KNOTS, [0.0, 0.2, 0.5, 1.0], [0.0, 0.3, 0.9, 1.0]))
+    chain = BestFirstTreeBuilder(0, TreeBudget(6, 8, 3, edge_curve=curve))
+    _drive(chain, propose)
+    tree = chain.build()
+    assert tree.tree.parents == (-1, 0, 1, 2, 3, 4) and tree.scores[-1] == pytest.approx(0.5**5)
 
 
 def _brute_force_values(rates, max_depth):
@@ -445,24 +481,36 @@ def _hand_tree(scored: bool = True) -> DraftTree:
 
 
 def test_step_outcomes_on_hand_built_trees():
+    # slot probabilities of the hand tree: 0.5, 0.3, 0.1 under the root, 0.5 and 0.2 under node 1
+    assert np.allclose(slot_probabilities(_hand_tree().tree.parents, _hand_tree().scores), [1.0, 0.5, 0.3, 0.1, 0.5, 0.2])
     out = step_outcomes(_hand_tree(), [21])  # the second child of the root
     assert out.slot_tries.tolist() == [1, 1, 0, 0] and out.slot_hits.tolist() == [0, 1, 0, 0]
     assert out.depth_hits.tolist() == [1] + [0] * (MAX_POSITIONS - 1)
-    assert out.accepted.tolist() == [False, True, False, False, False]
-    assert np.allclose(out.scores, [0.5, 0.3, 0.1, 0.25, 0.1])
+    # the edges tried: the root's children (node 21 has none)
+    assert np.allclose(out.edge_probs, [0.5, 0.3, 0.1]) and out.edge_hits.tolist() == [False, True, False]
 
     out = step_outcomes(_hand_tree(), [20, 31, 99])  # 99 came from another SSM's tree
     assert out.slot_tries.tolist() == [2, 1, 0, 0] and out.slot_hits.tolist() == [1, 1, 0, 0]
     assert out.depth_hits[:3].tolist() == [1, 1, 0]
-    assert out.accepted.tolist() == [True, False, False, False, True]
+    assert np.allclose(out.edge_probs, [0.5, 0.3, 0.1, 0.5, 0.2]) and out.edge_hits.tolist() == [True, False, False, False, True]
 
-    out = step_outcomes(_hand_tree(), [])  # everything rejected at the root
+    out = step_outcomes(_hand_tree(), [])  # everything rejected at the root: node 1's children were never tried
     assert out.slot_tries.tolist() == [1, 1, 1, 0] and out.slot_hits.sum() == 0 and out.depth_hits.sum() == 0
-    assert not out.accepted.any()
+    assert np.allclose(out.edge_probs, [0.5, 0.3, 0.1]) and not out.edge_hits.any()
 
     out = step_outcomes(_hand_tree(scored=False), [20, 30])
-    assert out.scores.size == 0 and out.accepted.size == 0
+    assert out.edge_probs.size == 0 and out.edge_hits.size == 0
     assert out.slot_tries.tolist() == [2, 0, 0, 0] and out.slot_hits.tolist() == [2, 0, 0, 0]
+
+
+def test_tree_values_are_edge_products():
+    tree = _hand_tree()
+    assert np.allclose(tree_values(tree.tree.parents, tree.scores, ()), tree.scores)  # the identity curve: values are scores
+    curve = tuple(float(np.sqrt(k)) for k in EDGE_KNOTS)  # an underconfident SSM
+    values = tree_values(tree.tree.parents, tree.scores, curve)
+    e = edge_values([0.5, 0.3, 0.1, 0.5, 0.2], curve)
+    assert np.allclose(values, [1.0, e[0], e[1], e[2], e[0] * e[3], e[0] * e[4]])
+    assert tree_values((-1, 0, 1), (1.0, 0.0, 0.0), curve)[2] == 0.0  # under a parent that scored 0
 
 
 # -- the planner -------------------------------------------------------------------------
@@ -730,7 +778,7 @@ def test_select_drafts_cuts_only_adaptive_greedy_trees():
     # tokens cost a whole step (the batch, 7 tokens committing 3, does 0.43 tokens per token: nodes
     # worth 0.3 do not pay) / almost nothing (every node pays)
     for per_token, expect in ((1.0, 1), (1e-4, 4)):
-        adaptive = AdaptiveSpeculation(_costs(per_token), PlannerConfig(), {0: (0.8, 0.1)})  # calibration prior: acceptance = score
+        adaptive = AdaptiveSpeculation(_costs(per_token), PlannerConfig(), {0: (0.8, 0.1)})  # edge prior: acceptance = slot probability, values = scores
         out = select_drafts(batch, drafted, adaptive, 0.0)
         assert len(out["greedy"][0][1].tree) == expect
         assert out["sampled"] == drafted["sampled"] and out["static"] == drafted["static"]

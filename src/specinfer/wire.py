@@ -7,7 +7,7 @@ is an :class:`InvalidArgument` naming the field as the public API spells it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -93,9 +93,15 @@ def budget_from_proto(item: internal_pb2.SpeculateItem, field: str) -> TreeBudge
     if item.budget_nodes > MAX_BUDGET_NODES:
         raise InvalidArgument(f"{field}.budget_nodes", f"at most {MAX_BUDGET_NODES}, got {item.budget_nodes}")
     try:
-        return TreeBudget(int(item.budget_nodes), int(item.budget_depth), int(item.budget_width), float(item.budget_min_score))
+        budget = TreeBudget(int(item.budget_nodes), int(item.budget_depth), int(item.budget_width), float(item.budget_min_score))
     except ValueError as exc:
         raise InvalidArgument(f"{field}.budget_nodes", str(exc)) from exc
+    if not item.budget_edge_curve:
+        return budget
+    try:
+        return replace(budget, edge_curve=tuple(float(v) for v in item.budget_edge_curve))
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.budget_edge_curve", str(exc)) from exc
 
 
 def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> internal_pb2.SpeculateItem:
@@ -114,6 +120,7 @@ def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> interna
     if job.budget is not None:
         b = job.budget
         item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = b.nodes, b.depth, b.max_width, b.min_score
+        item.budget_edge_curve.extend(b.edge_curve)
     return item
 
 

@@ -119,10 +119,11 @@ def test_wire_adaptive_round_trips():
     """Budgets, scores, cost tables and pass timings survive the wire; a broken one names its field."""
     from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
     from specinfer.core.costs import CostTable
-    from specinfer.core.drafts import TreeBudget
+    from specinfer.core.drafts import EDGE_KNOTS, TreeBudget
     from specinfer.core.iteration import DraftSpec
 
-    for expansion, budget in ((ExpansionConfig((2, 1)), None), (None, TreeBudget(9, 4, 3, 0.05))):
+    curve = tuple(min(1.0, 2 * k) for k in EDGE_KNOTS)
+    for expansion, budget in ((ExpansionConfig((2, 1)), None), (None, TreeBudget(9, 4, 3, 0.05)), (None, TreeBudget(9, 4, 3, 0.05, curve))):
         job = DraftSpec("r", [1, 2, 3], 4, expansion, SamplingParams(temperature=0.5, seed=3), 16, 11, 2, 1, budget)
         item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context, 0))
         back = wire.draft_job_from_proto(item, job.context, 100, 64, "items[0]")

@@ -12,7 +12,7 @@ import pytest
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
 from specinfer.core.costs import BUCKETS
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, EDGE_KNOTS, TreeBudget
 from specinfer.core.iteration import DraftSpec
 from specinfer.engine.steps import draft_trees
 from specinfer.models.loading import load_backend
@@ -136,8 +136,10 @@ def test_list_models(services):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
     """Items with a budget grow best-first dynamic trees, the same as draft_trees in process, with
-    their scores; the response carries the worker's SSM passes."""
-    budgets = [TreeBudget(8, 4), TreeBudget(5, 2, 2), TreeBudget(12, 6, 3, 0.01)]
+    their scores; the response carries the worker's SSM passes. The last budget carries an edge
+    curve (an underconfident SSM's), which reaches the worker and shapes its tree as in process."""
+    underconfident = tuple(float(np.sqrt(k)) for k in EDGE_KNOTS)
+    budgets = [TreeBudget(8, 4), TreeBudget(5, 2, 2), TreeBudget(12, 6, 3, 0.01, underconfident)]
     jobs = [
         DraftSpec(fresh_id("budget"), list(p[:-1]), p[-1], None, sampling, DEFAULT_DRAFT_SUPPORT, 7 + i, i, 1, b)
         for i, (p, b) in enumerate(zip(model_pair.prompts[:3], budgets, strict=True))
@@ -212,12 +214,13 @@ def _too_long(request):
     request.items[0].context.tokens[:] = [5] * 2047
 
 
-def _budget(nodes: int, depth: int = 3, width: int = 2, min_score: float = 0.0, keep_expansion: bool = False):
+def _budget(nodes: int, depth: int = 3, width: int = 2, min_score: float = 0.0, keep_expansion: bool = False, edge_curve: tuple[float, ...] = ()):
     def mutate(request):
         item = request.items[0]
         if not keep_expansion:
             del item.expansion[:]
         item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = nodes, depth, width, min_score
+        item.budget_edge_curve.extend(edge_curve)
 
     return mutate
 
@@ -240,6 +243,8 @@ BAD_REQUESTS = {
     "budget-nodes-1": (_budget(1), "items[0].budget_nodes"),
     "budget-too-big": (_budget(1 << 20), "items[0].budget_nodes"),
     "budget-min-score": (_budget(8, min_score=2.0), "items[0].budget_nodes"),
+    "budget-edge-curve-short": (_budget(8, edge_curve=(0.5, 0.6)), "items[0].budget_edge_curve"),
+    "budget-edge-curve-falling": (_budget(8, edge_curve=tuple(1.0 - k for k in EDGE_KNOTS)), "items[0].budget_edge_curve"),
 }
 
 

@@ -9,9 +9,12 @@ Terms.
   therefore the prior. The tree of ``n`` nodes with the most expected accepted tokens under this
   model is the best-first tree of path products (Sequoia's positional acceptance model), and
   :func:`node_values` lists its nodes.
-- *Calibration curve*: the probability that a node of a dynamic tree is accepted given its
-  score (the product of the SSM's slot probabilities along its path, see
-  :class:`~specinfer.core.drafts.BestFirstTreeBuilder`), by score bin, forced monotone.
+- *Edge acceptance*: the probability that a drafted child is accepted once its parent is,
+  given the slot probability the SSM drafted it with (:class:`EdgeCalibration`), forced
+  monotone. A dynamic tree's node is worth the product of its edges' acceptances along its path
+  (its *value*, see :class:`~specinfer.core.drafts.BestFirstTreeBuilder`). Calibrating edges,
+  not whole paths by their score, lets one curve serve every depth: it is learned at every
+  reached node, shallow ones included, and the product carries it to nodes never drafted yet.
 - *Per-position acceptance*: accepted tokens by depth, the counters vLLM exports.
 
 Everything here is arithmetic on counts: no I/O, no torch. Counts decay geometrically so the
@@ -26,11 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specinfer.core.drafts import DraftTree
+from specinfer.core.drafts import EDGE_KNOTS, DraftTree, slot_probabilities
 
 MAX_SLOTS = 4  # slot acceptance is tracked for the first children of a node
 MAX_POSITIONS = 16  # per-position acceptance counters (depths 1..16)
-SCORE_EDGES = (0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)  # calibration bins
 DEFAULT_SLOT_PRIOR = (0.5, 0.1, 0.04, 0.02)  # c[k] before any tuning or verification says otherwise
 
 
@@ -63,14 +65,16 @@ class StepOutcomes:
     """What one verify step says about one SSM's draft tree.
 
     ``slot_tries[k]`` / ``slot_hits[k]``: reached nodes with a k-th child / whose k-th child was
-    accepted; ``scores`` / ``accepted``: every non-root node's score and whether it was accepted
-    (empty for static trees, which carry no scores); ``depth_hits[d]``: accepted tokens at depth d + 1.
+    accepted; ``edge_probs`` / ``edge_hits``: the slot probability of every child of a reached
+    node and whether it was accepted (empty for static trees, which carry no scores);
+    ``depth_hits[d]``: accepted tokens at depth d + 1. A node is *reached* when it is the root or
+    on the accepted path: verification then looked at its children.
     """
 
     slot_tries: np.ndarray  # [MAX_SLOTS]
     slot_hits: np.ndarray  # [MAX_SLOTS]
-    scores: np.ndarray  # [nodes - 1]
-    accepted: np.ndarray  # [nodes - 1] bool
+    edge_probs: np.ndarray  # [children of reached nodes] float64
+    edge_hits: np.ndarray  # [children of reached nodes] bool
     depth_hits: np.ndarray  # [MAX_POSITIONS]
 
 
@@ -96,11 +100,13 @@ def step_outcomes(draft: DraftTree, accepted_tokens: Sequence[int]) -> StepOutco
     depth_hits = np.zeros(MAX_POSITIONS)
     depth_hits[: min(MAX_POSITIONS, len(on_path) - 1)] = 1
     if draft.scores:
-        scores = np.array(draft.scores[1:], dtype=np.float64)
-        accepted = np.array([i in path for i in range(1, len(tree))], dtype=bool)
+        probs = slot_probabilities(tree.parents, draft.scores)
+        children = [i for i in range(1, len(tree)) if tree.parents[i] in path]
+        edge_probs = np.array([probs[i] for i in children], dtype=np.float64)
+        edge_hits = np.array([i in path for i in children], dtype=bool)
     else:
-        scores, accepted = np.zeros(0), np.zeros(0, dtype=bool)
-    return StepOutcomes(tries, hits, scores, accepted, depth_hits)
+        edge_probs, edge_hits = np.zeros(0), np.zeros(0, dtype=bool)
+    return StepOutcomes(tries, hits, edge_probs, edge_hits, depth_hits)
 
 
 class SlotAcceptance:
@@ -136,58 +142,49 @@ class SlotAcceptance:
         return h * np.concatenate(([1.0], np.cumprod(1.0 - h)[:-1]))
 
 
-class Calibration:
-    """Decaying counts of drafted and accepted dynamic-tree nodes by score bin.
+class EdgeCalibration:
+    """Decaying counts, by slot probability, of the drafted children of reached nodes (see
+    :class:`StepOutcomes`) and of those accepted: the edge acceptance curve at
+    :data:`~specinfer.core.drafts.EDGE_KNOTS`.
 
-    The prior is the identity (a calibrated SSM: a node of score s is accepted with probability
-    s), scaled by ``prior_scale`` and worth ``prior_weight`` nodes per bin.
+    A child of slot probability p counts toward the two knots around p, in proportion to how near
+    it is (the curve is read by linear interpolation between knots, so it is learned the same
+    way). The prior is the identity (a calibrated SSM: a child of slot probability p is accepted
+    with probability p), worth ``prior_weight`` children per knot. Each observed step first
+    multiplies the counts by ``decay``.
     """
 
-    def __init__(self, prior_scale: float = 1.0, prior_weight: float = 4.0, decay: float = 0.999) -> None:
-        edges = np.array(SCORE_EDGES)
-        self.edges = edges
-        self.centers = (edges[:-1] + edges[1:]) / 2  # [bins]
-        self.prior = np.clip(self.centers * prior_scale, 0.0, 1.0)
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.999) -> None:
+        self.knots = np.array(EDGE_KNOTS)
+        self.prior = self.knots.copy()
         self.prior_weight = prior_weight
         self.decay = decay
-        self.drafted = np.zeros(len(self.centers))
-        self.accepted = np.zeros(len(self.centers))
-
-    def bins(self, scores: np.ndarray) -> np.ndarray:
-        return np.clip(np.searchsorted(self.edges, scores, side="right") - 1, 0, len(self.centers) - 1)
+        self.drafted = np.zeros(len(self.knots))
+        self.accepted = np.zeros(len(self.knots))
 
     def observe(self, outcome: StepOutcomes) -> None:
-        if outcome.scores.size == 0:
+        if outcome.edge_probs.size == 0:
             return
-        b = self.bins(outcome.scores)
+        p = np.clip(outcome.edge_probs, 0.0, 1.0)
+        upper = np.clip(np.searchsorted(self.knots, p, side="right"), 1, len(self.knots) - 1)  # knot at or above p
+        lower = upper - 1
+        t = (p - self.knots[lower]) / (self.knots[upper] - self.knots[lower])  # 0 at the lower knot, 1 at the upper
+        hits = outcome.edge_hits.astype(np.float64)
         self.drafted *= self.decay
         self.accepted *= self.decay
-        np.add.at(self.drafted, b, 1.0)
-        np.add.at(self.accepted, b, outcome.accepted.astype(np.float64))
+        np.add.at(self.drafted, lower, 1.0 - t)
+        np.add.at(self.drafted, upper, t)
+        np.add.at(self.accepted, lower, (1.0 - t) * hits)
+        np.add.at(self.accepted, upper, t * hits)
 
     def curve(self) -> np.ndarray:
-        """P(accepted) per score bin, non-decreasing in the score.  # [bins]"""
+        """Edge acceptance per knot, non-decreasing in the slot probability.  # [knots]"""
         weight = self.drafted + self.prior_weight
-        return nondecreasing((self.accepted + self.prior_weight * self.prior) / weight, weight)
+        return np.clip(nondecreasing((self.accepted + self.prior_weight * self.prior) / weight, weight), 0.0, 1.0)
 
-    def predict(self, score: float) -> float:
-        return float(np.interp(score, self.centers, self.curve()))
-
-    def score_for(self, value: float) -> float:
-        """The lowest score whose predicted acceptance reaches ``value`` (1.0 when none does)."""
-        if value <= 0.0:
-            return 0.0
-        curve = self.curve()
-        above = np.nonzero(curve >= value)[0]
-        if above.size == 0:
-            return 1.0
-        i = int(above[0])
-        if i == 0:
-            return 0.0
-        # interpolate between the bin below (curve < value) and this one
-        lo, hi = curve[i - 1], curve[i]
-        frac = (value - lo) / (hi - lo) if hi > lo else 1.0
-        return float(self.centers[i - 1] + frac * (self.centers[i] - self.centers[i - 1]))
+    def knot_values(self) -> tuple[float, ...]:
+        """:meth:`curve` as a :class:`~specinfer.core.drafts.TreeBudget`'s ``edge_curve``."""
+        return tuple(float(v) for v in self.curve())
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, Calibration, NodeValues, SlotAcceptance, node_values, step_outcomes
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, EdgeCalibration, NodeValues, SlotAcceptance, node_values, step_outcomes
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
-from specinfer.core.drafts import DraftTree, TreeBudget
+from specinfer.core.drafts import DraftTree, TreeBudget, tree_values
 from specinfer.core.planner import BatchPlan, DraftedNodes, PlanInput, PlannerConfig, RequestPlan, plan_batch, select_nodes
 
 
@@ -91,7 +91,7 @@ class AdaptiveSpeculation:
         self.costs = costs
         self.config = config
         self.ssm_slots = {s: SlotAcceptance(p, prior_weight=32.0, decay=0.999) for s, p in slot_priors.items()}
-        self.calibration = {s: Calibration() for s in slot_priors}
+        self.edges = {s: EdgeCalibration() for s in slot_priors}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
         self.kept_share = {s: 1.0 for s in slot_priors}
@@ -138,19 +138,19 @@ class AdaptiveSpeculation:
         # one depth of slack: a confident step may grow a chain deeper than the average plan, but
         # never past the request's token budget (the bonus token comes on top of the tree)
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
-        return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), self.calibration[rp.ssm].score_for(min_value))
+        return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, self.edges[rp.ssm].knot_values())
 
     def select(
         self, drafted: Sequence[Drafted], fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
     ) -> dict[str, DraftTree]:
         """Each tree cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`, whose
-        arguments these are), by request ID; a node's predicted acceptance comes from its score through
-        its SSM's calibration. Only for greedy requests (see :meth:`DraftTree.subtree`)."""
+        arguments these are), by request ID; a node's predicted acceptance is its value under its SSM's
+        edge acceptance (:func:`~specinfer.core.drafts.tree_values`). Only for greedy requests (see
+        :meth:`DraftTree.subtree`)."""
         nodes = []
         for d in drafted:
-            calibration = self.calibration.get(d.ssm)
-            scores = np.asarray(d.draft.scores[1:], dtype=np.float64)
-            values = np.array([calibration.predict(x) for x in scores]) if calibration is not None else scores
+            edges = self.edges.get(d.ssm)
+            values = np.array(tree_values(d.draft.tree.parents, d.draft.scores, edges.knot_values() if edges is not None else ())[1:], dtype=np.float64)
             nodes.append(DraftedNodes(d.request_id, d.context, values, np.asarray(d.draft.tree.parents[1:], dtype=np.int64)))
         keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
         out = {}
@@ -183,7 +183,7 @@ class AdaptiveSpeculation:
             self.totals.position_accepted += outcome.depth_hits
             if ssm in self.ssm_slots:
                 self.ssm_slots[ssm].observe(outcome)
-                self.calibration[ssm].observe(outcome)
+                self.edges[ssm].observe(outcome)
                 self._slots(request_id, ssm).observe(outcome)
 
     def observe_verify(self, shape: VerifyShape | None, seconds: float) -> None:

@@ -12,8 +12,11 @@ Under greedy decoding the groups carry ``q = None`` and only the tree matters.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
@@ -174,6 +177,33 @@ class TreeBuilder:
 
 
 MAX_DRAFT_WIDTH = 4  # most children one node of a dynamic tree gets (slots drafted per expanded node)
+# Slot probabilities at which an *edge curve* (see TreeBudget) gives the acceptance, between them
+# interpolated: finer where SSMs put most of their slots.
+EDGE_KNOTS = (0.0, 0.01, 0.035, 0.075, 0.125, 0.175, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.975, 1.0)
+
+
+def edge_values(slot_probs: Sequence[float], curve: Sequence[float]) -> list[float]:
+    """The acceptance ``curve`` (one value per :data:`EDGE_KNOTS`; empty: the identity) at ``slot_probs``."""
+    if not curve:
+        return [min(1.0, max(0.0, float(p))) for p in slot_probs]
+    return [float(v) for v in np.interp(np.clip(np.asarray(slot_probs, dtype=np.float64), 0.0, 1.0), EDGE_KNOTS, curve)]
+
+
+def slot_probabilities(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
+    """Each node's slot probability, recovered from the path *scores* of a dynamic tree (a node's
+    score over its parent's; 1.0 at the root, 0.0 under a parent that scored 0)."""
+    return [1.0 if parent < 0 else (scores[i] / scores[parent] if scores[parent] > 0.0 else 0.0) for i, parent in enumerate(parents)]
+
+
+def tree_values(parents: Sequence[int], scores: Sequence[float], curve: Sequence[float]) -> list[float]:
+    """Each node's *value* (see :class:`BestFirstTreeBuilder`) under the edge ``curve``, from the
+    tree's ``parents`` (parents first) and path ``scores``; 1.0 at the root."""
+    edges = edge_values(slot_probabilities(parents, scores), curve)
+    values = [1.0] * len(parents)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            values[i] = values[parent] * edges[i]
+    return values
 
 
 @dataclass(frozen=True)
@@ -181,20 +211,28 @@ class TreeBudget:
     """What the planner lets one dynamic draft tree grow to.
 
     ``nodes``: most tree nodes, the root included (>= 2); ``depth``: most depths, which is also
-    the most SSM passes; ``max_width``: most children per node; ``min_score``: a node whose score
-    is below this is not worth its verify cost (0: no floor).
+    the most SSM passes; ``max_width``: most children per node; ``edge_curve``: the SSM's *edge
+    acceptance* by slot probability, one non-decreasing value in [0, 1] per :data:`EDGE_KNOTS`:
+    the chance that a child drafted with slot probability p is accepted once its parent is (see
+    :class:`~specinfer.core.acceptance.EdgeCalibration`; empty: the slot probability itself);
+    ``min_score``: a node whose *value* (see :class:`BestFirstTreeBuilder`) is below this is not
+    worth its verify cost (0: no floor).
     """
 
     nodes: int
     depth: int
     max_width: int = MAX_DRAFT_WIDTH
     min_score: float = 0.0
+    edge_curve: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nodes < 2 or self.depth < 1 or self.max_width < 1:
             raise ValueError(f"a tree budget needs nodes >= 2, depth >= 1 and max_width >= 1, got {self}")
         if not 0.0 <= self.min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {self.min_score}")
+        curve = self.edge_curve
+        if curve and (len(curve) != len(EDGE_KNOTS) or any(not 0.0 <= v <= 1.0 for v in curve) or any(b < a for a, b in itertools.pairwise(curve))):
+            raise ValueError(f"edge_curve must be {len(EDGE_KNOTS)} non-decreasing values in [0, 1] (or none), got {curve}")
 
     @property
     def width(self) -> int:
@@ -221,25 +259,35 @@ class BestFirstTreeBuilder:
     """Grows one request's *dynamic* draft tree best-first by score, within a :class:`TreeBudget`.
 
     Terms. Expanding a node runs the SSM on it and drafts ``budget.width`` *slots*: the i-th slot
-    holds the i-th token drawn (sampling) or the i-th best token (greedy), and its *score* is the
-    parent's score times ``slot_probs[i]``; the root scores 1. The tree is always the best
-    ``budget.nodes - 1`` slots drafted so far (ties: the slot drafted first) whose score is at
-    least ``budget.min_score``. A slot never outscores its parent, so that set is a tree, and
-    each node's children in it are a prefix of its slots in draw order. Each round expands the
-    newest depth's tree nodes that could still add a child (all of them while the budget is not
-    full, else those scoring above the weakest node): one batched SSM pass per depth, as for
-    static trees, at most ``budget.depth`` of them.
+    holds the i-th token drawn (sampling) or the i-th best token (greedy). Its *score* is the
+    parent's score times ``slot_probs[i]`` (what the SSM says), its *value* the parent's value
+    times the budget's edge acceptance at ``slot_probs[i]`` (what verification has shown that
+    probability to be worth, :data:`TreeBudget.edge_curve`: the predicted chance the slot is
+    accepted); the root scores and is worth 1. The tree is always the ``budget.nodes - 1`` most
+    valuable slots drafted so far (ties: the slot drafted first) whose value is at least
+    ``budget.min_score``. A slot is never worth more than its parent and a later slot of a node
+    never more than an earlier one (slot probabilities fall, the edge curve does not), so that set
+    is a tree, and each node's children in it are a prefix of its slots in draw order. Each round
+    expands the newest depth's tree nodes that could still add a child (all of them while the
+    budget is not full, else those worth more than the weakest node): one batched SSM pass per
+    depth, as for static trees, at most ``budget.depth`` of them.
+
+    Why values and not scores: an SSM's probabilities are rarely calibrated, and a path product
+    compounds the error with depth. The pycode-a SSM, for one, is underconfident at low
+    probabilities (children of slot probability about 0.05 were accepted about 18% of the time),
+    so ranked by score the fourth node of a confident chain loses to second-choice siblings that
+    are accepted no more often, and the tree grows wide and shallow.
 
     Why this keeps multi-step speculative sampling exact. Verification at node u tries u's
     children in draw order, the i-th as a draw from q renormalised over the tokens not drawn
     before it; that is exact for any number of tries as long as whether the i-th draw is tried
     does not depend on the value it drew (then stopping before it leaves the target
     distribution unchanged, as every rejection step does). Here whether slot i of u stays in
-    the tree depends on scores: u's own (its ancestors' slots), slot i's (from u's distribution,
-    not from the token drawn into it), and other slots that outscore it, which are slots of other
-    nodes or descendants of u's earlier draws, never of the i-th draw or its descendants (they
-    score at most slot i's score and were drafted after it). Nothing decides on a drawn token's
-    own probability. A builder that kept or dropped a drawn child by q(token) instead would bias
+    the tree depends on values: u's own (its ancestors' slots), slot i's (from u's distribution
+    and the edge curve, fixed for the step, not from the token drawn into it), and other slots
+    worth more, which are slots of other nodes or descendants of u's earlier draws, never of the
+    i-th draw or its descendants (they are worth at most slot i's value and were drafted after
+    it). Nothing decides on a drawn token's own probability. A builder that kept or dropped a drawn child by q(token) instead would bias
     the output, which is the negative control of the statistical test.
     """
 
@@ -249,6 +297,7 @@ class BestFirstTreeBuilder:
         self._tokens = [int(root_token)]
         self._parents = [-1]
         self._scores = [1.0]
+        self._values = [1.0]
         self._depths = [0]
         self._q: dict[int, SparseDist | None] = {}  # expanded slot -> the distribution its children were drawn from
         self._sent: dict[int, int] = {}  # expanded slot -> its index among the nodes sent to the SSM
@@ -289,28 +338,32 @@ class BestFirstTreeBuilder:
             if len(prop.slot_probs) < len(prop.tokens):
                 raise ValueError("one slot probability per proposed token")
             self._q[parent] = prop.q
-            for token, p in zip(prop.tokens[: self.width()], prop.slot_probs, strict=False):
+            tokens = prop.tokens[: self.width()]
+            probs = [min(1.0, max(0.0, float(p))) for p in prop.slot_probs[: len(tokens)]]
+            for token, p, edge in zip(tokens, probs, edge_values(probs, self.budget.edge_curve), strict=True):
                 self._tokens.append(int(token))
                 self._parents.append(parent)
-                self._scores.append(self._scores[parent] * min(1.0, max(0.0, float(p))))
+                self._scores.append(self._scores[parent] * p)
+                self._values.append(self._values[parent] * edge)
                 self._depths.append(self._depths[parent] + 1)
         self._passes += 1
         self._select()
 
     def _select(self) -> None:
         budget = self.budget
-        eligible = (i for i in range(1, len(self._tokens)) if self._scores[i] >= budget.min_score and self._scores[i] > 0.0)
-        best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-self._scores[i], i))
+        values = self._values
+        eligible = (i for i in range(1, len(self._tokens)) if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] > 0.0)
+        best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-values[i], i))
         self._chosen = {0, *best}
         full = len(best) == budget.nodes - 1
-        weakest = (self._scores[best[-1]], best[-1]) if best else (1.0, 0)
+        weakest = (values[best[-1]], best[-1]) if best else (1.0, 0)
         newest = self._passes
         self._frontier = []
         if newest >= budget.depth:
             return
         for i in sorted(best):
-            # a child scores at most its parent: a slot that is itself the weakest cannot add one
-            if self._depths[i] == newest and (not full or (self._scores[i], -i) > (weakest[0], -weakest[1])):
+            # a child is worth at most its parent: a slot that is itself the weakest cannot add one
+            if self._depths[i] == newest and (not full or (values[i], -i) > (weakest[0], -weakest[1])):
                 self._frontier.append(i)
 
     def build(self) -> DraftTree:

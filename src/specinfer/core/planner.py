@@ -16,8 +16,8 @@ manager. It maximises the batch's expected committed tokens per second, draft co
 - Hysteresis: the previous iteration's N is kept unless another is ``hysteresis`` better, so
   budgets do not thrash on noise.
 - ``min_value``: the acceptance a node must reach to pay for its verify tokens at the planned rate
-  (rate x marginal seconds per token); the draft tree builder drops slots predicted below it, so a
-  step whose SSM is unsure verifies a smaller tree than planned.
+  (rate x the marginal seconds of the plan's last token); the draft tree builder drops slots
+  predicted below it, so a step whose SSM is unsure verifies a smaller tree than planned.
 
 The plan works from average acceptances; the trees the SSMs then draft carry each node's own
 predicted acceptance (from its score). :func:`select_nodes`, the second pure function, runs after
@@ -206,9 +206,13 @@ def plan_batch(
             continue
         values = inp.options[chosen_ssm[inp.request_id]]
         plans[inp.request_id] = RequestPlan(chosen_ssm[inp.request_id], 1 + len(ks), int(values.depths[ks].max()), float(values.values[ks].sum()))
-    # a node pays when its expected acceptance covers its marginal verify seconds at the planned rate
+    # a node pays when its expected acceptance covers its marginal verify seconds at the planned
+    # rate: those of the plan's last token. Not of the next one, past the plan: that is the node
+    # that did not pay, and where the table bends just after the plan (flat to 16 tokens, steep
+    # after, as on a CPU with AMX) its cost would cut most of the nodes the plan chose.
     t = int(tokens[best])
-    per_token = costs.verify_seconds(VerifyShape(t + 1, 0)) - costs.verify_seconds(VerifyShape(t, 0)) + costs.per_context * (base_work / max(1, base_tokens))
+    marginal = costs.verify_seconds(VerifyShape(t, 0)) - costs.verify_seconds(VerifyShape(max(1, t - 1), 0))
+    per_token = marginal + costs.per_context * (base_work / max(1, base_tokens))
     min_value = float(np.clip(rates[best] * per_token, 0.0, 1.0))
     return BatchPlan(plans, best, float(seconds[best]), float(rates[best]), min_value)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specinfer.v1 import api_pb2 as specinfer_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/internal.proto\x12\x0cspecinfer.v1\x1a\x16specinfer/v1/api.proto\"=\n\x07\x43ontext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"\xad\x02\n\rSpeculateItem\x12&\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x15.specinfer.v1.Context\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12\x11\n\texpansion\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x15\n\rdraft_support\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04step\x18\x07 \x01(\r\x12\x0e\n\x06stream\x18\x08 \x01(\r\x12\x14\n\x0c\x62udget_nodes\x18\t \x01(\r\x12\x14\n\x0c\x62udget_depth\x18\n \x01(\r\x12\x14\n\x0c\x62udget_width\x18\x0b \x01(\r\x12\x18\n\x10\x62udget_min_score\x18\x0c \x01(\x01\"K\n\x10SpeculateRequest\x12\x0b\n\x03ssm\x18\x01 \x01(\t\x12*\n\x05items\x18\x02 \x03(\x0b\x32\x1b.specinfer.v1.SpeculateItem\"Q\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\r\x12\x10\n\x08\x63hildren\x18\x02 \x03(\r\x12\x10\n\x08q_tokens\x18\x03 \x03(\x05\x12\x0f\n\x07q_probs\x18\x04 \x03(\x01\"f\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroup\x12\x0e\n\x06scores\x18\x04 \x03(\x01\"`\n\x0fSpeculateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncache_miss\x18\x02 \x01(\x08\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.specinfer.v1.DraftTree\"6\n\nPassTiming\x12\x17\n\x0f\x66rontier_tokens\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"m\n\x11SpeculateResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult\x12(\n\x06passes\x18\x02 \x03(\x0b\x32\x18.specinfer.v1.PassTiming\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x13\n\x11ListModelsRequest\",\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x87\x01\n\nSsmProfile\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x0b\x64raft_costs\x18\x02 \x03(\x0b\x32\x17.specinfer.v1.CostPoint\x12\x12\n\nslot_prior\x18\x03 \x03(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\"d\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12*\n\x08profiles\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.SsmProfile\"\xa7\x01\n\nVerifyItem\x12&\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x15.specinfer.v1.Context\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.DraftTree\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"8\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.VerifyItem\"d\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncache_miss\x18\x02 \x01(\x08\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\"=\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specinfer.v1.VerifyResult\"\x10\n\x0eLlmInfoRequest\"\xf4\x01\n\x07LlmInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x14\n\x0cmax_requests\x18\x04 \x01(\r\x12-\n\x0cverify_costs\x18\x05 \x03(\x0b\x32\x17.specinfer.v1.CostPoint\x12(\n verify_seconds_per_context_token\x18\x06 \x01(\x01\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x11\n\tkv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\r2\xf2\x01\n\tSsmWorker\x12L\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12O\n\nListModels\x12\x1f.specinfer.v1.ListModelsRequest\x1a .specinfer.v1.ListModelsResponse2\xda\x01\n\x0bLlmVerifier\x12\x43\n\x06Verify\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12>\n\x07GetInfo\x12\x1c.specinfer.v1.LlmInfoRequest\x1a\x15.specinfer.v1.LlmInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/internal.proto\x12\x0cspecinfer.v1\x1a\x16specinfer/v1/api.proto\"=\n\x07\x43ontext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"\xc8\x02\n\rSpeculateItem\x12&\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x15.specinfer.v1.Context\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12\x11\n\texpansion\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x15\n\rdraft_support\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04step\x18\x07 \x01(\r\x12\x0e\n\x06stream\x18\x08 \x01(\r\x12\x14\n\x0c\x62udget_nodes\x18\t \x01(\r\x12\x14\n\x0c\x62udget_depth\x18\n \x01(\r\x12\x14\n\x0c\x62udget_width\x18\x0b \x01(\r\x12\x18\n\x10\x62udget_min_score\x18\x0c \x01(\x01\x12\x19\n\x11\x62udget_edge_curve\x18\r \x03(\x01\"K\n\x10SpeculateRequest\x12\x0b\n\x03ssm\x18\x01 \x01(\t\x12*\n\x05items\x18\x02 \x03(\x0b\x32\x1b.specinfer.v1.SpeculateItem\"Q\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\r\x12\x10\n\x08\x63hildren\x18\x02 \x03(\r\x12\x10\n\x08q_tokens\x18\x03 \x03(\x05\x12\x0f\n\x07q_probs\x18\x04 \x03(\x01\"f\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroup\x12\x0e\n\x06scores\x18\x04 \x03(\x01\"`\n\x0fSpeculateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncache_miss\x18\x02 \x01(\x08\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.specinfer.v1.DraftTree\"6\n\nPassTiming\x12\x17\n\x0f\x66rontier_tokens\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"m\n\x11SpeculateResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult\x12(\n\x06passes\x18\x02 \x03(\x0b\x32\x18.specinfer.v1.PassTiming\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x13\n\x11ListModelsRequest\",\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x87\x01\n\nSsmProfile\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x0b\x64raft_costs\x18\x02 \x03(\x0b\x32\x17.specinfer.v1.CostPoint\x12\x12\n\nslot_prior\x18\x03 \x03(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\"d\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12*\n\x08profiles\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.SsmProfile\"\xa7\x01\n\nVerifyItem\x12&\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x15.specinfer.v1.Context\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.DraftTree\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04step\x18\x05 \x01(\r\"8\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.VerifyItem\"d\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncache_miss\x18\x02 \x01(\x08\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\"=\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specinfer.v1.VerifyResult\"\x10\n\x0eLlmInfoRequest\"\xf4\x01\n\x07LlmInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_positions\x18\x03 \x01(\r\x12\x14\n\x0cmax_requests\x18\x04 \x01(\r\x12-\n\x0cverify_costs\x18\x05 \x03(\x0b\x32\x17.specinfer.v1.CostPoint\x12(\n verify_seconds_per_context_token\x18\x06 \x01(\x01\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x11\n\tkv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\r2\xf2\x01\n\tSsmWorker\x12L\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12O\n\nListModels\x12\x1f.specinfer.v1.ListModelsRequest\x1a .specinfer.v1.ListModelsResponse2\xda\x01\n\x0bLlmVerifier\x12\x43\n\x06Verify\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12>\n\x07GetInfo\x12\x1c.specinfer.v1.LlmInfoRequest\x1a\x15.specinfer.v1.LlmInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,45 +35,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTEXT']._serialized_start=69
   _globals['_CONTEXT']._serialized_end=130
   _globals['_SPECULATEITEM']._serialized_start=133
-  _globals['_SPECULATEITEM']._serialized_end=434
-  _globals['_SPECULATEREQUEST']._serialized_start=436
-  _globals['_SPECULATEREQUEST']._serialized_end=511
-  _globals['_DRAFTGROUP']._serialized_start=513
-  _globals['_DRAFTGROUP']._serialized_end=594
-  _globals['_DRAFTTREE']._serialized_start=596
-  _globals['_DRAFTTREE']._serialized_end=698
-  _globals['_SPECULATERESULT']._serialized_start=700
-  _globals['_SPECULATERESULT']._serialized_end=796
-  _globals['_PASSTIMING']._serialized_start=798
-  _globals['_PASSTIMING']._serialized_end=852
-  _globals['_SPECULATERESPONSE']._serialized_start=854
-  _globals['_SPECULATERESPONSE']._serialized_end=963
-  _globals['_RELEASEREQUEST']._serialized_start=965
-  _globals['_RELEASEREQUEST']._serialized_end=1002
-  _globals['_RELEASERESPONSE']._serialized_start=1004
-  _globals['_RELEASERESPONSE']._serialized_end=1021
-  _globals['_LISTMODELSREQUEST']._serialized_start=1023
-  _globals['_LISTMODELSREQUEST']._serialized_end=1042
-  _globals['_COSTPOINT']._serialized_start=1044
-  _globals['_COSTPOINT']._serialized_end=1088
-  _globals['_SSMPROFILE']._serialized_start=1091
-  _globals['_SSMPROFILE']._serialized_end=1226
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1228
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1328
-  _globals['_VERIFYITEM']._serialized_start=1331
-  _globals['_VERIFYITEM']._serialized_end=1498
-  _globals['_VERIFYREQUEST']._serialized_start=1500
-  _globals['_VERIFYREQUEST']._serialized_end=1556
-  _globals['_VERIFYRESULT']._serialized_start=1558
-  _globals['_VERIFYRESULT']._serialized_end=1658
-  _globals['_VERIFYRESPONSE']._serialized_start=1660
-  _globals['_VERIFYRESPONSE']._serialized_end=1721
-  _globals['_LLMINFOREQUEST']._serialized_start=1723
-  _globals['_LLMINFOREQUEST']._serialized_end=1739
-  _globals['_LLMINFO']._serialized_start=1742
-  _globals['_LLMINFO']._serialized_end=1986
-  _globals['_SSMWORKER']._serialized_start=1989
-  _globals['_SSMWORKER']._serialized_end=2231
-  _globals['_LLMVERIFIER']._serialized_start=2234
-  _globals['_LLMVERIFIER']._serialized_end=2452
+  _globals['_SPECULATEITEM']._serialized_end=461
+  _globals['_SPECULATEREQUEST']._serialized_start=463
+  _globals['_SPECULATEREQUEST']._serialized_end=538
+  _globals['_DRAFTGROUP']._serialized_start=540
+  _globals['_DRAFTGROUP']._serialized_end=621
+  _globals['_DRAFTTREE']._serialized_start=623
+  _globals['_DRAFTTREE']._serialized_end=725
+  _globals['_SPECULATERESULT']._serialized_start=727
+  _globals['_SPECULATERESULT']._serialized_end=823
+  _globals['_PASSTIMING']._serialized_start=825
+  _globals['_PASSTIMING']._serialized_end=879
+  _globals['_SPECULATERESPONSE']._serialized_start=881
+  _globals['_SPECULATERESPONSE']._serialized_end=990
+  _globals['_RELEASEREQUEST']._serialized_start=992
+  _globals['_RELEASEREQUEST']._serialized_end=1029
+  _globals['_RELEASERESPONSE']._serialized_start=1031
+  _globals['_RELEASERESPONSE']._serialized_end=1048
+  _globals['_LISTMODELSREQUEST']._serialized_start=1050
+  _globals['_LISTMODELSREQUEST']._serialized_end=1069
+  _globals['_COSTPOINT']._serialized_start=1071
+  _globals['_COSTPOINT']._serialized_end=1115
+  _globals['_SSMPROFILE']._serialized_start=1118
+  _globals['_SSMPROFILE']._serialized_end=1253
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1255
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1355
+  _globals['_VERIFYITEM']._serialized_start=1358
+  _globals['_VERIFYITEM']._serialized_end=1525
+  _globals['_VERIFYREQUEST']._serialized_start=1527
+  _globals['_VERIFYREQUEST']._serialized_end=1583
+  _globals['_VERIFYRESULT']._serialized_start=1585
+  _globals['_VERIFYRESULT']._serialized_end=1685
+  _globals['_VERIFYRESPONSE']._serialized_start=1687
+  _globals['_VERIFYRESPONSE']._serialized_end=1748
+  _globals['_LLMINFOREQUEST']._serialized_start=1750
+  _globals['_LLMINFOREQUEST']._serialized_end=1766
+  _globals['_LLMINFO']._serialized_start=1769
+  _globals['_LLMINFO']._serialized_end=2013
+  _globals['_SSMWORKER']._serialized_start=2016
+  _globals['_SSMWORKER']._serialized_end=2258
+  _globals['_LLMVERIFIER']._serialized_start=2261
+  _globals['_LLMVERIFIER']._serialized_end=2479
 # @@protoc_insertion_point(module_scope)
