@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_settings(parser)
     add_setting(parser, "--tensor-parallel", int, 1, help="ranks each layer is split across (native backend; divides the heads, KV heads and MLP width)")
     add_setting(parser, "--pipeline-parallel", int, 1, help="pipeline stages, each a contiguous range of layers (native backend)")
+    add_setting(parser, "--offload", bool, False, help="LLM decoder layers in host memory, streamed to the device layer by layer (native backend)")
+    add_setting(parser, "--offload-reserve-bytes", int, 0, help="most device memory offloading may use: staging buffers and resident weights (0: no bound)")
     add_setting(parser, "--calibrate-tokens", int, 64, help="time verify calls up to this many tree tokens at start-up, for the planner (0: off)")
     add_setting(parser, "--rank-timeout-seconds", float, 60.0, help="with several ranks: how long a collective waits for a peer before the service fails")
     return parser
@@ -58,7 +60,7 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
-    llm = load_model(path, "llm", args)
+    llm = load_model(path, "llm", args, args.offload, args.offload_reserve_bytes)
     return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens))
 
 
@@ -71,6 +73,8 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
             raise InvalidArgument(field, f"must be >= 1, got {value}")
     if tp * pp == 1:
         return None
+    if args.offload_reserve_bytes and not args.offload:  # the single process's load_backend says the same
+        raise InvalidArgument("offload-reserve-bytes", "bounds offloading's device memory: it needs --offload")
     if args.backend == "reference":
         raise InvalidArgument("backend", "tensor and pipeline parallelism need the native backend")
     if args.dtype not in DTYPE_CHOICES:
@@ -87,7 +91,16 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
 def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
     device = rank_device(args.device, launch.local_rank)
     dtype = DTYPES[resolve_dtype(args.dtype, device)]
-    return NativeOptions(dtype, device, args.kv_cache_bytes, args.max_seq_len, args.attention, kv_block_size=args.kv_block_size)
+    return NativeOptions(
+        dtype,
+        device,
+        args.kv_cache_bytes,
+        args.max_seq_len,
+        args.attention,
+        kv_block_size=args.kv_block_size,
+        offload=args.offload,
+        offload_reserve_bytes=args.offload_reserve_bytes,
+    )
 
 
 def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:

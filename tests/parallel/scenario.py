@@ -45,8 +45,8 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
 
 
 def main(argv: list[str]) -> None:
-    checkpoint, tp, pp, rank, port, out, *block = argv
-    options = dataclasses.replace(OPTIONS, kv_block_size=int(block[0]) if block else 0)
+    checkpoint, tp, pp, rank, port, out, *extra = argv  # extra: [KV block size [, offload (0 or 1)]]
+    options = dataclasses.replace(OPTIONS, kv_block_size=int(extra[0]) if extra else 0, offload=len(extra) > 1 and extra[1] == "1")
     torch.set_num_threads(1)
     layout = ParallelLayout(int(tp), int(pp), int(rank))
     rendezvous = Rendezvous("127.0.0.1", int(port), 60.0)

@@ -82,11 +82,12 @@ def single(checkpoint) -> list[list[torch.Tensor]]:
     return steps(backend, backend.vocab_size)
 
 
-def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path, kv_block_size: int = 0) -> list[list[torch.Tensor]]:
+def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path, kv_block_size: int = 0, offload: bool = False) -> list[list[torch.Tensor]]:
     port = free_port()
+    args = [str(checkpoint), str(tp), str(pp), "RANK", str(port), str(out), str(kv_block_size), str(int(offload))]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "scenario.py"), str(checkpoint), str(tp), str(pp), str(rank), str(port), str(out), str(kv_block_size)],
+            [sys.executable, str(HERE / "scenario.py"), *(str(rank) if a == "RANK" else a for a in args)],
             stderr=subprocess.PIPE,
         )
         for rank in range(tp * pp)
@@ -127,6 +128,17 @@ def test_parallel_logits_equal_single_process(checkpoint, single, tp, pp, tmp_pa
 def test_paged_parallel_logits_equal_single_process(checkpoint, single, tp, pp, block, tmp_path):
     """Against the single-process backend on contiguous slots."""
     assert_same_logits(run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt", block), single)
+
+
+# offloading under TP and PP: each rank streams its own shard's layers (docs/offloading.md)
+OFFLOAD_CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("checkpoint", "tp", "pp"), OFFLOAD_CASES, indirect=["checkpoint"], ids=[f"{m}-tp{t}xpp{p}-offload" for m, t, p in OFFLOAD_CASES])
+def test_offloaded_parallel_logits_equal_single_process(checkpoint, single, tp, pp, tmp_path):
+    """Against the single-process backend with every layer resident."""
+    assert_same_logits(run_parallel(checkpoint, tp, pp, tmp_path / "logits.pt", offload=True), single)
 
 
 def assert_same_logits(parallel: list[list[torch.Tensor]], single: list[list[torch.Tensor]]) -> None:

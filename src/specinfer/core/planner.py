@@ -53,6 +53,12 @@ class PlannerConfig:
             raise ValueError(f"invalid planner config {self}")
 
 
+# Offloaded verifiers (docs/offloading.md): a verify step costs a transfer of the model whatever its
+# tokens, so the caps are what limits trees; these let the planner grow them as far as acceptance pays
+# (the native backend's default 256 tree rows per request hold them).
+OFFLOAD_PLANNER = PlannerConfig(max_nodes=128, max_depth=16)
+
+
 @dataclass(frozen=True)
 class PlanInput:
     """One request the planner may speculate for: its committed ``context`` length, tokens it may

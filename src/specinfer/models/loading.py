@@ -41,13 +41,17 @@ def load_backend(
     attention: str = "auto",
     kv_block_size: int = 0,
     max_seq_len: int = 0,
+    offload: bool = False,
+    offload_reserve_bytes: int = 0,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
     Qwen3, Phi-3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
     ``auto`` (native where the architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
     :mod:`specinfer.models.dtypes`); ``kv_block_size``: 0 for contiguous KV slots, else a paged KV
     pool with KV blocks of that many tokens (native backend only); ``max_seq_len``: most positions
-    of a request, prompt and output (native backend; 0: the model's limit)."""
+    of a request, prompt and output (native backend; 0: the model's limit); ``offload``: decoder layers
+    in host memory, streamed to the device layer by layer, within ``offload_reserve_bytes`` of device
+    memory (0: no bound; native backend only, docs/offloading.md)."""
     requested, dtype = dtype, resolve_dtype(dtype, device)
     log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
@@ -56,6 +60,12 @@ def load_backend(
         raise InvalidArgument("kv-block-size", f"must be >= 0, got {kv_block_size}")
     if max_seq_len < 0:
         raise InvalidArgument("max-seq-len", f"must be >= 0, got {max_seq_len}")
+    if offload_reserve_bytes < 0:
+        raise InvalidArgument("offload-reserve-bytes", f"must be >= 0, got {offload_reserve_bytes}")
+    if offload_reserve_bytes and not offload:
+        raise InvalidArgument("offload-reserve-bytes", "bounds offloading's device memory: it needs --offload")
+    if offload and backend == "reference":
+        raise InvalidArgument("offload", "offloading needs the native backend")
     path = check_checkpoint(path, field)
     if backend != "reference":
         from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
@@ -63,10 +73,20 @@ def load_backend(
         try:
             ModelSpec.from_dir(path)
         except UnsupportedModel as exc:
-            if backend == "native":
-                raise InvalidArgument("backend", f"native backend cannot run {path}: {exc}") from exc
+            if backend == "native" or offload:
+                raise InvalidArgument("offload" if offload else "backend", f"native backend cannot run {path}: {exc}") from exc
         else:
-            return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, max_seq_len, attention, kv_block_size=kv_block_size))
+            options = NativeOptions(
+                DTYPES[dtype],
+                device,
+                kv_cache_bytes,
+                max_seq_len,
+                attention,
+                kv_block_size=kv_block_size,
+                offload=offload,
+                offload_reserve_bytes=offload_reserve_bytes,
+            )
+            return NativeBackend.load(path, options)
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
 
 

@@ -21,8 +21,9 @@ log = logging.getLogger("specinfer.calibrate")
 T = TypeVar("T")
 
 
-def load_model(path: str, field: str, settings: argparse.Namespace) -> CausalLM:
-    """The model at ``path`` with the settings of :func:`specinfer.serving.config.add_model_settings`."""
+def load_model(path: str, field: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0) -> CausalLM:
+    """The model at ``path`` with the settings of :func:`specinfer.serving.config.add_model_settings`;
+    ``offload``, ``offload_reserve_bytes``: the LLM verifier's offloading settings (docs/offloading.md)."""
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     return load_backend(
@@ -35,6 +36,8 @@ def load_model(path: str, field: str, settings: argparse.Namespace) -> CausalLM:
         settings.attention,
         settings.kv_block_size,
         settings.max_seq_len,
+        offload,
+        offload_reserve_bytes,
     )
 
 

@@ -20,6 +20,7 @@ from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel
+from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
@@ -37,7 +38,10 @@ class NativeOptions:
     ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`),
     ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows);
     ``kv_block_size``: 0 for one contiguous slot per request (:mod:`.kv_pool`), else a paged pool
-    of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`)."""
+    of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`); ``offload``: keep
+    the decoder layers in host memory and stream them to the device layer by layer (:mod:`.offload`);
+    ``offload_reserve_bytes``: most device bytes offloading may use for staging and resident
+    weights (0: no bound)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -47,8 +51,12 @@ class NativeOptions:
     max_tree_nodes: int = 256
     gemm: str = "auto"
     kv_block_size: int = 0
+    offload: bool = False
+    offload_reserve_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.offload_reserve_bytes < 0:
+            raise ValueError(f"offload_reserve_bytes must be >= 0, got {self.offload_reserve_bytes}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.kv_block_size < 0:
@@ -165,8 +173,14 @@ class NativeBackend:
         path = Path(path)
         spec = ModelSpec.from_dir(path)
         device = torch.device(options.device)
-        weights = build_weights(spec, read_state_dict(path), options.dtype, device)
-        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention, gemm_plan(weights, options))
+        layers = None
+        if options.offload:  # built in host memory; only the resident weights move to the device
+            host = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
+            weights, layers = offload_weights(host, device, options.offload_reserve_bytes)
+        else:
+            weights = build_weights(spec, read_state_dict(path), options.dtype, device)
+        # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
+        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers)
         return cls(spec, LocalRunner(model, new_pool(spec, options, device, pool_geometry(spec, options)), device), options)
 
     def cached_requests(self) -> list[str]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from specinfer.kernels import TreeAttentionMetadata, tree_attention
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
+from specinfer.models.native.offload import OffloadedLayers, ResidentLayers
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import ModelWeights
 
@@ -24,10 +25,20 @@ class NativeModel:
     are picked once here, so the per-layer path runs no architecture branch."""
 
     def __init__(
-        self, spec: ModelSpec, weights: ModelWeights, inv_freq: torch.Tensor | None, rope_scale: float, attention_impl: str, gemm: GemmPlan | None = None
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        inv_freq: torch.Tensor | None,
+        rope_scale: float,
+        attention_impl: str,
+        gemm: GemmPlan | None = None,
+        layers: OffloadedLayers | None = None,
     ) -> None:
+        """``layers``: where the decoder layers come from when offloaded (:mod:`.offload`; ``weights.layers``
+        are then in host memory); None: ``weights.layers``, on the device."""
         self.spec = spec
         self.w = weights
+        self.layers = ResidentLayers(weights.layers) if layers is None else layers
         self.linear = (gemm or GemmPlan()).linear  # x @ w.T (+ b) in the form measured fastest for the shape
         self.inv_freq = inv_freq  # [rotary_dim / 2] float32, None for OPT
         self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
@@ -71,10 +82,11 @@ class NativeModel:
         return self._embed_extra(self._embed_tokens(tokens), positions)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: PoolTensors) -> torch.Tensor:
-        """Every decoder layer of ``self.w`` over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
+        """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
         rope = None if self.inv_freq is None else self._rope(positions, h.dtype)  # once per step, shared by every layer
-        for i, layer in enumerate(self.w.layers):
-            h = self._layer(i, layer, h, rope, cache_rows, meta, pool)
+        for i in range(len(self.layers)):
+            h = self._layer(i, self.layers.acquire(i), h, rope, cache_rows, meta, pool)
+            self.layers.release()  # after the layer's last kernel: its staging buffer may be refilled
         return h
 
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

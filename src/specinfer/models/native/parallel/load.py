@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specinfer.models.native.backend import NativeBackend, NativeOptions, gemm_plan, new_pool, pool_geometry, rope_tables
+from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.parallel.driver import DriverRunner, RecordingPagedPool, RecordingPool, serve_rank
 from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, init_groups
 from specinfer.models.native.parallel.layout import ParallelLayout, check_layout, shard_spec
@@ -32,9 +33,13 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     full = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
     shard = shard_weights(spec, full, layout)
     del full
-    weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
+    layers = None
+    if options.offload:  # each rank streams its own shard's layers; the reserve bounds each rank's device
+        weights, layers = offload_weights(shard, device, options.offload_reserve_bytes)
+    else:
+        weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
     gemm = gemm_plan(weights, options)
-    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm)
+    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm, layers)
     rows, units = pool_geometry(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
     return model, rows, units
 

@@ -20,6 +20,7 @@ from specinfer.kernels import TreeAttentionMetadata
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.model import NativeModel
+from specinfer.models.native.offload import OffloadedLayers
 from specinfer.models.native.parallel.groups import ParallelGroups
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import PackedStep
@@ -40,8 +41,9 @@ class StageModel(NativeModel):
         vocab_size: int,
         groups: ParallelGroups,
         gemm: GemmPlan,
+        layers: OffloadedLayers | None = None,
     ) -> None:
-        super().__init__(spec, weights, inv_freq, rope_scale, attention_impl, gemm)
+        super().__init__(spec, weights, inv_freq, rope_scale, attention_impl, gemm, layers)
         self.vocab_size = vocab_size
         self.groups = groups
         self.vocab = groups.layout.vocab_range(vocab_size)
