@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -37,7 +37,10 @@ class NativeOptions:
     ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`),
     ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows);
     ``kv_block_size``: 0 for one contiguous slot per request (:mod:`.kv_pool`), else a paged pool
-    of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`)."""
+    of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`);
+    ``prefix_caching``: with a paged pool, full blocks of committed context are cached and a
+    request whose context starts with cached blocks takes them instead of computing them
+    (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -47,6 +50,7 @@ class NativeOptions:
     max_tree_nodes: int = 256
     gemm: str = "auto"
     kv_block_size: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -146,6 +150,9 @@ class NativeBackend:
         if self.max_requests == 0:
             raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
         self._caches: dict[str, RequestCache] = {}
+        self.prefix_caching = bool(self.block_size) and options.prefix_caching
+        self._prefix_queried = 0  # PrefixCacheStats' totals
+        self._prefix_hits = 0
 
     @property
     def kv_budget(self) -> KVBudget:
@@ -176,10 +183,18 @@ class NativeBackend:
         if cache is not None:
             cache.storage.release()
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return PrefixCacheStats(self._prefix_queried, self._prefix_hits) if self.prefix_caching else None
+
+    def prefix_hits(self, request_id: str) -> int:
+        cache = self._caches.get(request_id)
+        return cache.reused if cache is not None else 0
+
     def _cache(self, request_id: str) -> RequestCache:
         cache = self._caches.get(request_id)
         if cache is None:
-            storage = BlockStorage(self.pool) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
+            storage = BlockStorage(self.pool, self.prefix_caching) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
             cache = RequestCache(storage)
             self._caches[request_id] = cache
         return cache
@@ -192,6 +207,9 @@ class NativeBackend:
         for item in batch:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
+            if chain or cache.reused:  # the cache lacked context tokens: a prefix cache lookup (a hit, for cache.reused of them)
+                self._prefix_queried += len(chain) + cache.reused
+                self._prefix_hits += cache.reused
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
             if lc + m > self.max_positions or lp + n > self.rows_per_request - lc - m:
                 raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, a request holds {self.rows_per_request}")
