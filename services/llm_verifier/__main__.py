@@ -87,7 +87,9 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
 def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
     device = rank_device(args.device, launch.local_rank)
     dtype = DTYPES[resolve_dtype(args.dtype, device)]
-    return NativeOptions(dtype, device, args.kv_cache_bytes, args.max_seq_len, args.attention, kv_block_size=args.kv_block_size)
+    return NativeOptions(
+        dtype, device, args.kv_cache_bytes, args.max_seq_len, args.attention, kv_block_size=args.kv_block_size, prefix_caching=args.prefix_caching
+    )
 
 
 def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:

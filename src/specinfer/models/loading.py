@@ -41,13 +41,15 @@ def load_backend(
     attention: str = "auto",
     kv_block_size: int = 0,
     max_seq_len: int = 0,
+    prefix_caching: bool = True,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; Llama family and
     OPT), ``reference`` (any causal LM through transformers) or ``auto`` (native where the
     architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
     :mod:`specinfer.models.dtypes`); ``kv_block_size``: 0 for contiguous KV slots, else a paged KV
     pool with KV blocks of that many tokens (native backend only); ``max_seq_len``: most positions
-    of a request, prompt and output (native backend; 0: the model's limit)."""
+    of a request, prompt and output (native backend; 0: the model's limit); ``prefix_caching``: with
+    a paged pool, requests share the KV blocks of common context prefixes (native backend)."""
     requested, dtype = dtype, resolve_dtype(dtype, device)
     log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
@@ -66,7 +68,8 @@ def load_backend(
             if backend == "native":
                 raise InvalidArgument("backend", f"native backend cannot run {path}: {exc}") from exc
         else:
-            return NativeBackend.load(path, NativeOptions(DTYPES[dtype], device, kv_cache_bytes, max_seq_len, attention, kv_block_size=kv_block_size))
+            options = NativeOptions(DTYPES[dtype], device, kv_cache_bytes, max_seq_len, attention, kv_block_size=kv_block_size, prefix_caching=prefix_caching)
+            return NativeBackend.load(path, options)
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
 
 

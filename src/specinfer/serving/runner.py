@@ -35,6 +35,7 @@ def load_model(path: str, field: str, settings: argparse.Namespace) -> CausalLM:
         settings.attention,
         settings.kv_block_size,
         settings.max_seq_len,
+        settings.prefix_caching,
     )
 
 
