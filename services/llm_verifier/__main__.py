@@ -100,6 +100,7 @@ def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
         kv_block_size=args.kv_block_size,
         offload=args.offload,
         offload_reserve_bytes=args.offload_reserve_bytes,
+        prefix_caching=args.prefix_caching,
     )
 
 

@@ -9,7 +9,9 @@ import time
 import grpc
 
 from specinfer import wire
+from specinfer.core import VerifyResult
 from specinfer.core.costs import StepCosts
+from specinfer.core.iteration import VerifySpec
 from specinfer.engine.steps import verify_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
@@ -21,6 +23,12 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["LlmVerifier"].full_name
 
 log = logging.getLogger("specinfer.llm_verifier")
+
+
+def verify_counting_hits(llm: CausalLM, jobs: list[VerifySpec]) -> list[tuple[VerifyResult, int]]:
+    """:func:`verify_trees`, each verdict with the context tokens the LLM took from its prefix cache
+    for that job (read in the model's thread, before another call changes them)."""
+    return [(verdict, llm.prefix_hits(job.request_id)) for verdict, job in zip(verify_trees(llm, jobs), jobs, strict=True)]
 
 
 class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
@@ -46,11 +54,12 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     async def Verify(self, request: internal_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> internal_pb2.VerifyResponse:
         started = time.monotonic()
         call = self._contexts.admit(request.items, self.vocab_size, self.llm.max_positions, wire.verify_job_from_proto)
-        verdicts = await self.runner.call(verify_trees, call.jobs) if call.jobs else []
+        verdicts = await self.runner.call(verify_counting_hits, call.jobs) if call.jobs else []
         response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire.verify_result_to_proto))
         seconds = time.monotonic() - started
         self.metrics.observe(self.name, len(call.jobs), sum(len(job.draft.tree) for job in call.jobs), call.misses, seconds, len(self._contexts))
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
+        self.metrics.observe_prefix_cache(self.name, self.llm.prefix_cache_stats)
         log.debug("verify", extra={"items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 

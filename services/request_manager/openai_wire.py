@@ -221,10 +221,22 @@ class Choice:
 
 
 def usage_object(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
-    """``usage`` of a response (prompts counted once per prompt, not per sample)."""
+    """``usage`` of a response (prompts counted once per prompt, not per sample; choice i samples
+    prompt ``i // n``). ``prompt_tokens_details.cached_tokens``: per prompt, the most prompt tokens
+    one of its samples took from the LLM's prefix cache (``Usage.cached_prompt_tokens``)."""
     completion = sum(c.token_ids for c in choices)
     prompt = sum(prompt_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    n = max(1, len(choices) // max(1, len(prompt_tokens)))
+    cached = [0] * len(prompt_tokens)
+    for c in choices:
+        if c.usage is not None and c.index // n < len(cached):
+            cached[c.index // n] = max(cached[c.index // n], c.usage.cached_prompt_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached)},
+    }
 
 
 def speculation_object(choices: Sequence[Choice]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Key layout (``P`` is the store's prefix, ``specinfer`` by default)::
 
     P:{<request_id>}:meta      hash    params (JSON), prompt (packed int32), status, reason, error,
-                                       llm_steps, accepted_tokens, tree_nodes, created, updated, owner
+                                       llm_steps, accepted_tokens, tree_nodes, cached_prompt_tokens,
+                                       created, updated, owner
     P:{<request_id>}:out       string  output token IDs, packed little-endian int32, grown by APPEND
     P:owner:{<owner>}:active   set     IDs of the owner's unfinished requests (an index, see below)
 
@@ -55,11 +56,12 @@ local m = redis.call('HMGET', KEYS[1], 'status', 'owner')
 if m[1] and m[1] ~= 'finished' then return {-5, m[2]} end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'status', 'queued',
-  'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'created', ARGV[4], 'updated', ARGV[4])
+  'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, 'created', ARGV[4], 'updated', ARGV[4])
 return {1, ARGV[3]}
 """
 
-# KEYS: meta, out. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1: any).
+# KEYS: meta, out. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1: any),
+# cached_prompt_tokens.
 # Reply {code, output length in tokens, owner}. With an offset, an append whose tokens already end the
 # output at that offset is a retry of an applied append: reported as UNCHANGED, not applied twice.
 APPEND = (
@@ -79,6 +81,7 @@ if #ARGV[1] > 0 then len = redis.call('APPEND', KEYS[2], ARGV[1]) end
 redis.call('HINCRBY', KEYS[1], 'llm_steps', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'accepted_tokens', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'tree_nodes', ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'cached_prompt_tokens', ARGV[8])
 redis.call('HSET', KEYS[1], 'status', 'running', 'updated', ARGV[5])
 return {1, len / 4, m[2]}
 """

@@ -41,10 +41,12 @@ class Drafts:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the verifier decided: accepted tree tokens and the bonus token."""
+    """What the verifier decided: accepted tree tokens and the bonus token; ``prefix_hits``: context
+    tokens its forward took from its prefix cache."""
 
     accepted_tokens: tuple[int, ...]
     bonus_token: int
+    prefix_hits: int = 0
 
 
 class SsmWorkers(WorkerPool):
@@ -151,7 +153,7 @@ class Verifier:
             return response.results
 
         results = await call_with_context(send, calls, self._tracker)
-        return {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token)) for rid, r in results.items()}
+        return {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens)) for rid, r in results.items()}
 
     def lost_caches(self) -> None:
         """After a verifier failure: assume it restarted and knows nothing."""

@@ -72,12 +72,13 @@ class Usage:
     mean_accepted_tokens: float
     tokens_per_step: float
     mean_tree_size: float
+    cached_prompt_tokens: int
 
     @staticmethod
     def of(prompt_tokens: int, completion_tokens: int, stats: StepStats) -> Usage:
         """The usage of a request with ``stats``, the totals of its verify steps."""
         n = max(1, stats.llm_steps)
-        return Usage(prompt_tokens, completion_tokens, stats.llm_steps, stats.accepted / n, completion_tokens / n, stats.tree_size / n)
+        return Usage(prompt_tokens, completion_tokens, stats.llm_steps, stats.accepted / n, completion_tokens / n, stats.tree_size / n, stats.cached_prompt)
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ class Scheduler:
         return drafted
 
     async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
-        outcome = live.outcome(draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id)
+        outcome = live.outcome(draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id, verdict.prefix_hits)
         delta = ""
         if live.text is not None:
             delta, stopped = live.text.update(live.output + list(outcome.tokens))

@@ -126,7 +126,7 @@ class RequestStore:
     ) -> int:
         """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step.
 
-        Its ``llm_steps``, ``accepted`` and ``tree_size`` are added (a snapshot's ``committed`` is its output's
+        Its ``llm_steps``, ``accepted``, ``tree_size`` and ``cached_prompt`` are added (a snapshot's ``committed`` is its output's
         length). Returns the output length after the append. A queued request becomes running.
         ``owner``, when given, fences a replica that no longer owns the request (OwnershipError).
         ``offset``, when given, is the output length the caller expects before ``tokens``: a mismatch raises
@@ -145,6 +145,7 @@ class RequestStore:
             repr(self._clock()),
             owner or "",
             -1 if offset is None else offset,
+            stats.cached_prompt,
         ]
         code, length, actual = await self._append(keys=self.keys.request(request_id), args=args)
         if code == ScriptCode.OFFSET_CONFLICT:
@@ -229,7 +230,7 @@ def _snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -
         output_tokens=output,
         finish_reason=FinishReason(reason) if reason else None,
         error=text("error"),
-        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output)),
+        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output), count("cached_prompt_tokens")),
         created=float(text("created") or 0),
         updated=float(text("updated") or 0),
     )

@@ -77,6 +77,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         drafted = await runner.call(draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs))) if call.jobs else []
         seconds = time.monotonic() - started
         self.metrics.observe(request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts))
+        self.metrics.observe_prefix_cache(request.ssm, runner.model.prefix_cache_stats)
         results = call.results(drafted, wire.speculate_result_to_proto)
         response = internal_pb2.SpeculateResponse(results=results, passes=wire.pass_timings_to_proto(passes))
         log.debug("speculate", extra={"ssm": request.ssm, "items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})

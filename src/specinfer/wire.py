@@ -268,8 +268,12 @@ def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> inter
     return internal_pb2.SpeculateResult(request_id=request_id, tree=draft_to_proto(draft))
 
 
-def verify_result_to_proto(request_id: str, result: VerifyResult | None) -> internal_pb2.VerifyResult:
-    """``result`` None: cache miss. The root is not among ``accepted_tokens``; the bonus token comes separately."""
+def verify_result_to_proto(request_id: str, result: tuple[VerifyResult, int] | None) -> internal_pb2.VerifyResult:
+    """``result``: the verdict and the context tokens the forward took from the prefix cache; None:
+    cache miss. The root is not among ``accepted_tokens``; the bonus token comes separately."""
     if result is None:
         return internal_pb2.VerifyResult(request_id=request_id, cache_miss=True)
-    return internal_pb2.VerifyResult(request_id=request_id, accepted_tokens=result.accepted_tokens, bonus_token=result.bonus_token)
+    verdict, prefix_hits = result
+    return internal_pb2.VerifyResult(
+        request_id=request_id, accepted_tokens=verdict.accepted_tokens, bonus_token=verdict.bonus_token, prefix_hit_tokens=prefix_hits
+    )

@@ -1,6 +1,8 @@
 """End to end: the request manager admits and preempts by the KV blocks the verifier and the SSM
 worker report. Both run paged KV pools of about 1.5 requests at their longest, so 8 concurrent
-requests must take turns (preemption), and still every output is transformers' greedy output."""
+requests must take turns (preemption), and still every output is transformers' greedy output.
+Prefix caching is on (the default): requests sharing a prompt prefix take its cached KV blocks,
+report them in ``finished.usage``, and their output does not change either."""
 
 from __future__ import annotations
 
@@ -92,3 +94,33 @@ def test_concurrent_requests_preempt_and_match_transformers(stack, prompts, expe
     verifier = scrape(stack.process("llm-verifier").metrics_address)
     assert total(verifier, "specinfer_kv_blocks", role="llm") > 0
     assert total(verifier, "specinfer_kv_blocks_free", role="llm") == total(verifier, "specinfer_kv_blocks", role="llm")  # all released
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(model_pair, prompts):
+    """8 prompts of 60 tokens: a 48-token prefix in common, then 12 of their own."""
+    prefix = list(prompts[0][:48])
+    return [prefix + list(ids[:12]) for ids in prompts]
+
+
+def test_shared_prefixes_are_cached_and_output_matches_transformers(stack, model_pair, shared_prompts):
+    expected = hf_greedy(model_pair.llm, shared_prompts, NEW_TOKENS)
+    verifier_address, rm = stack.process("llm-verifier").metrics_address, stack.process("request-manager").metrics_address
+    before, preemptions = scrape(verifier_address), total(scrape(rm), "specinfer_preemptions_total")
+    requests = [Client.request(ids, NEW_TOKENS, adaptive=bool(i % 2), expansion=() if i % 2 else (1, 1, 3)) for i, ids in enumerate(shared_prompts)]
+    with Client(stack.address, timeout=600) as client:
+        first = list(client.stream(requests[0]))  # alone: its blocks are cached once it ran
+        with concurrent.futures.ThreadPoolExecutor(len(requests) - 1) as pool:
+            streams = [first, *pool.map(lambda r: list(client.stream(r)), requests[1:])]
+    for i, messages in enumerate(streams):
+        assert messages[-1].HasField("finished"), f"request {i} did not finish"
+        assert [t for m in messages for t in m.token_ids] == expected[i], f"request {i} differs from transformers"
+    cached = [messages[-1].finished.usage.cached_prompt_tokens for messages in streams]
+    assert all(c % BLOCK == 0 and c < len(shared_prompts[0]) for c in cached)  # whole blocks; the root is always computed
+    assert all(c >= 48 for c in cached[1:]), f"later requests should reuse the 48-token prefix: {cached}"
+    assert total(scrape(rm), "specinfer_preemptions_total") > preemptions, "the pools were meant to be too small for the batch"
+    after = scrape(verifier_address)
+    hits = total(after, "specinfer_prefix_cache_hits_total", role="llm") - total(before, "specinfer_prefix_cache_hits_total", role="llm")
+    queries = total(after, "specinfer_prefix_cache_queries_total", role="llm") - total(before, "specinfer_prefix_cache_queries_total", role="llm")
+    assert sum(cached) <= hits <= queries  # resumed requests may hit more than their prompts
+    assert total(after, "specinfer_kv_blocks_free", role="llm") == total(after, "specinfer_kv_blocks", role="llm")  # idle cached blocks count as free

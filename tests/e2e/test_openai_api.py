@@ -122,7 +122,9 @@ def test_completion_equals_transformers_greedy(stack, model_pair, greedy_text):
     _, text = greedy_text(prompt, NEW_TOKENS)
     assert out["object"] == "text_completion" and out["model"] == model_pair.llm.name
     assert out["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
-    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": NEW_TOKENS, "total_tokens": len(prompt) + NEW_TOKENS}
+    usage = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
+    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": NEW_TOKENS, "total_tokens": len(prompt) + NEW_TOKENS}
+    assert 0 <= out["usage"]["prompt_tokens_details"]["cached_tokens"] < len(prompt)
     spec = out["speculation"]
     assert spec["num_drafts"] >= 1 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     assert spec["mean_accepted_length"] == pytest.approx(NEW_TOKENS / spec["num_drafts"], rel=1e-3)

@@ -24,7 +24,8 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 4]
 def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
     """Prefill three prompts (two as chains with logits, one without), then three tree-verify
     steps, each on the context that adopts an accepted path of the step before (KV moves), with a
-    request released and a new one joining in between (slot reuse)."""
+    request released and a new one joining in between (slot reuse) whose prompt starts with another
+    request's first 12 tokens (on a paged pool, it takes their cached KV blocks)."""
     gen = torch.Generator().manual_seed(3)
     prompts = {f"r{i}": torch.randint(0, vocab, (n,), generator=gen).tolist() for i, n in enumerate((5, 17, 11))}
     out = [llm.forward_tree([TreeForward(rid, [], p, list(range(-1, len(p) - 1))) for rid, p in list(prompts.items())[:2]])]
@@ -33,7 +34,7 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
         if step == 2:
             llm.release("r0")
             del prompts["r0"]
-            prompts["r3"] = torch.randint(0, vocab, (9,), generator=gen).tolist()
+            prompts["r3"] = prompts["r1"][:12] + torch.randint(0, vocab, (9,), generator=gen).tolist()
         items = []
         for i, (rid, p) in enumerate(prompts.items()):
             tree = [p[-1]] + [(7 * k + 5 * i + 3 * step) % vocab for k in range(1, len(TREE_PARENTS))]
@@ -55,6 +56,8 @@ def main(argv: list[str]) -> None:
             backend, runner = load_driver(checkpoint, options, layout, rendezvous)
             logits = steps(backend, backend.vocab_size)
             runner.shutdown()
+            if options.kv_block_size:  # the ranks computed on blocks r3 shares with r1 (block tables from rank 0)
+                assert backend.prefix_cache_stats.hit_tokens >= 12 // options.kv_block_size * options.kv_block_size
             torch.save(logits, Path(out))
         else:
             run_rank(checkpoint, options, layout, rendezvous)

@@ -150,13 +150,17 @@ class Running:
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.output)
 
-    def outcome(self, draft: DraftTree, accepted_tokens: Sequence[int], bonus_token: int, eos_token_id: int | None) -> StepOutcome:
+    def outcome(self, draft: DraftTree, accepted_tokens: Sequence[int], bonus_token: int, eos_token_id: int | None, prefix_hits: int = 0) -> StepOutcome:
         """The step that verified ``draft`` (accepting ``accepted_tokens``, then ``bonus_token``);
-        ``eos_token_id`` ends the request unless it ignores EOS."""
+        ``eos_token_id`` ends the request unless it ignores EOS; ``prefix_hits``: context tokens the
+        LLM's forward took from its prefix cache (:meth:`specinfer.models.interface.CausalLM.prefix_hits`).
+        Only the first step's count as cached prompt tokens: a later step reuses blocks only when it
+        rebuilds a cache (after a preemption), whose context holds output too."""
         req = self.request
         eos = None if req.ignore_eos else eos_token_id
         tokens, reason = commit_tokens((*accepted_tokens, bonus_token), self.remaining, eos, frozenset(req.stop_token_ids))
-        return StepOutcome(tokens, reason, StepStats(accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens)))
+        cached = prefix_hits if self.stats.llm_steps == 0 else 0
+        return StepOutcome(tokens, reason, StepStats(accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens), cached_prompt=cached))
 
     def commit(self, outcome: StepOutcome) -> None:
         self.output.extend(outcome.tokens)

@@ -80,6 +80,16 @@ class KVBudget:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """A backend's prefix cache so far (:mod:`specinfer.models.native.paged_pool`): ``queried_tokens``,
+    context tokens its requests' caches lacked when they were looked up in it (a new request's context,
+    a rebuild after preemption); ``hit_tokens``, those of them it held, which were not computed."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class Schedule:
     """What :func:`schedule` decided. ``run``: the iteration's requests, oldest first (kept running
     ones, then admitted ones); ``preempted``: running requests to put back at the head of the queue,

@@ -77,24 +77,34 @@ class StepStats:
 
     ``accepted``: tree tokens the LLM agreed with (the bonus token not counted); ``tree_size``:
     nodes of the verified trees, roots included; ``committed``: tokens appended to the output
-    (accepted + bonus, fewer when a stop condition cut a step short). The request store keeps
-    the first three as the ``llm_steps``, ``accepted_tokens`` and ``tree_nodes`` of a request.
+    (accepted + bonus, fewer when a stop condition cut a step short); ``cached_prompt``: prompt
+    tokens the LLM took from its prefix cache instead of computing them (only a request's first
+    step has any: :meth:`specinfer.core.iteration.Running.outcome`). The request store keeps all
+    but ``committed`` as the ``llm_steps``, ``accepted_tokens``, ``tree_nodes`` and
+    ``cached_prompt_tokens`` of a request.
     """
 
     llm_steps: int = 1
     accepted: int = 0
     tree_size: int = 0
     committed: int = 0
+    cached_prompt: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("llm_steps", "accepted", "tree_size", "committed"):
+        for name in ("llm_steps", "accepted", "tree_size", "committed", "cached_prompt"):
             value = getattr(self, name)
             # bool is an int subclass; a flag passed here is a caller bug, not a count.
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"StepStats.{name} must be a non-negative int, got {value!r}")
 
     def __add__(self, other: StepStats) -> StepStats:
-        return StepStats(self.llm_steps + other.llm_steps, self.accepted + other.accepted, self.tree_size + other.tree_size, self.committed + other.committed)
+        return StepStats(
+            self.llm_steps + other.llm_steps,
+            self.accepted + other.accepted,
+            self.tree_size + other.tree_size,
+            self.committed + other.committed,
+            self.cached_prompt + other.cached_prompt,
+        )
 
 
 @dataclass
@@ -119,3 +129,8 @@ class GenerationResult:
     @property
     def mean_accepted(self) -> float:
         return sum(s.accepted for s in self.steps) / max(1, len(self.steps))
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens the LLM took from its prefix cache instead of computing them."""
+        return sum(s.cached_prompt for s in self.steps)

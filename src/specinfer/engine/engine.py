@@ -184,7 +184,8 @@ class SpeculativeEngine:
         for state, job, verdict in zip(states, jobs, verdicts, strict=True):
             if self._adaptive is not None and drafted[state.request_id]:
                 self._adaptive.observe_step(state.request_id, dict(drafted[state.request_id]), verdict.accepted_tokens)
-            outcome = state.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id)
+            hits = self.llm.prefix_hits(state.request_id)
+            outcome = state.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id, hits)
             state.commit(outcome)
             state.result.steps.append(outcome.stats)
             state.result.finish_reason = outcome.finish_reason

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 
 
 @dataclass(frozen=True)
@@ -75,4 +75,14 @@ class CausalLM(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget a request's cache (finished or moved)."""
+        ...
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Totals of the prefix cache since load (None: the backend has none, or it is off)."""
+        ...
+
+    def prefix_hits(self, request_id: str) -> int:
+        """Context tokens of the request that its latest forward took from the prefix cache instead
+        of computing (0: none, no prefix cache, or an unknown request)."""
         ...

@@ -6,6 +6,8 @@ physically live is a :class:`KVStorage`: growable tensors for the reference back
 (:class:`BufferStorage`), a slot of a preallocated pool for the native backend. A backend asks
 :meth:`RequestCache.sync` which context tokens still need computing, runs its forward pass,
 stores the new keys/values and records them with :meth:`record_context` / :meth:`record_pending`.
+A storage with a prefix cache (:mod:`specinfer.models.native.paged_pool`) may hold some context
+tokens it never computed: :meth:`RequestCache.sync` asks it for them before answering.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 class KVStorage(Protocol):
     """Where one request's keys and values live: context entries, then pending entries."""
 
-    def truncate_context(self, length: int) -> None: ...
+    def truncate_context(self, length: int) -> int:
+        """Keep at most the first ``length`` context entries; returns how many it kept (fewer when
+        entries it shares with other requests would be overwritten)."""
+        ...
 
     def adopt_pending(self, context_len: int, path: list[int]) -> None:
         """Append pending entries ``path`` (indices, increasing) to the context (now
@@ -27,6 +32,17 @@ class KVStorage(Protocol):
         ...
 
     def clear_pending(self) -> None: ...
+
+    def reuse_cached(self, context: Sequence[int], held: int) -> int:
+        """Take entries for tokens of ``context`` past the ``held`` ones from a prefix cache
+        (entries other requests computed); returns how many leading tokens of ``context[held:]``
+        it now holds (0: no prefix cache, or no hit)."""
+        ...
+
+    def cache_context(self, context: Sequence[int]) -> None:
+        """The storage holds the entries of ``context`` (all of it is committed): a prefix cache
+        may offer them to other requests."""
+        ...
 
 
 class RequestCache:
@@ -37,6 +53,7 @@ class RequestCache:
         self.context_tokens: list[int] = []
         self.pending_tokens: list[int] = []
         self.pending_parents: list[int] = []  # -1: attached to the context; j: pending node j
+        self.reused = 0  # context tokens the last sync took from the storage's prefix cache
 
     @property
     def context_len(self) -> int:
@@ -55,6 +72,7 @@ class RequestCache:
         to the context), so pending nodes of an earlier round on the same context are dropped.
         """
         context = list(context)
+        self.reused = 0
         if context == self.context_tokens:
             if new_round:
                 self._drop_pending()
@@ -64,14 +82,16 @@ class RequestCache:
         while common < limit and context[common] == self.context_tokens[common]:
             common += 1
         if common < len(self.context_tokens):
-            self.storage.truncate_context(common)
-            del self.context_tokens[common:]
+            del self.context_tokens[self.storage.truncate_context(common) :]
         else:
             path = self._matching_path(context[common:])
             if path:
                 self.storage.adopt_pending(len(self.context_tokens), path)
                 self.context_tokens.extend(self.pending_tokens[j] for j in path)
         self._drop_pending()
+        held = len(self.context_tokens)
+        self.reused = self.storage.reuse_cached(context, held)
+        self.context_tokens.extend(context[held : held + self.reused])
         return context[len(self.context_tokens) :]
 
     def _drop_pending(self) -> None:
@@ -94,6 +114,7 @@ class RequestCache:
 
     def record_context(self, tokens: Sequence[int]) -> None:
         self.context_tokens.extend(int(t) for t in tokens)
+        self.storage.cache_context(self.context_tokens)
 
     def record_pending(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
         self.pending_tokens.extend(int(t) for t in tokens)
@@ -143,11 +164,18 @@ class BufferStorage:
         self.context = _Buffer(layers, kv_heads, head_dim, dtype, device)
         self.pending = _Buffer(layers, kv_heads, head_dim, dtype, device)
 
-    def truncate_context(self, length: int) -> None:
+    def truncate_context(self, length: int) -> int:
         self.context.truncate(length)
+        return length
 
     def adopt_pending(self, context_len: int, path: list[int]) -> None:
         self.context.append(self.pending.kv[:, :, :, path])
 
     def clear_pending(self) -> None:
         self.pending.truncate(0)
+
+    def reuse_cached(self, context: Sequence[int], held: int) -> int:
+        return 0  # no prefix cache
+
+    def cache_context(self, context: Sequence[int]) -> None:
+        """No prefix cache."""

@@ -43,6 +43,7 @@ def load_backend(
     max_seq_len: int = 0,
     offload: bool = False,
     offload_reserve_bytes: int = 0,
+    prefix_caching: bool = True,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
     Qwen3, Phi-3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
@@ -51,7 +52,8 @@ def load_backend(
     pool with KV blocks of that many tokens (native backend only); ``max_seq_len``: most positions
     of a request, prompt and output (native backend; 0: the model's limit); ``offload``: decoder layers
     in host memory, streamed to the device layer by layer, within ``offload_reserve_bytes`` of device
-    memory (0: no bound; native backend only, docs/offloading.md)."""
+    memory (0: no bound; native backend only, docs/offloading.md); ``prefix_caching``: with
+    a paged pool, requests share the KV blocks of common context prefixes (native backend)."""
     requested, dtype = dtype, resolve_dtype(dtype, device)
     log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
@@ -85,6 +87,7 @@ def load_backend(
                 kv_block_size=kv_block_size,
                 offload=offload,
                 offload_reserve_bytes=offload_reserve_bytes,
+                prefix_caching=prefix_caching,
             )
             return NativeBackend.load(path, options)
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)

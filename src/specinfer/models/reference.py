@@ -72,6 +72,13 @@ class ReferenceBackend:
     def release(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
 
+    @property
+    def prefix_cache_stats(self) -> None:
+        return None  # every request's cache is its own
+
+    def prefix_hits(self, request_id: str) -> int:
+        return 0
+
     def cached_requests(self) -> list[str]:
         return list(self._caches)
 

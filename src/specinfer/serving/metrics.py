@@ -19,7 +19,7 @@ from http.server import ThreadingHTTPServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 
 # seconds: from sub-millisecond RPCs (Release, health) to multi-second verify steps of a big LLM
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -198,6 +198,13 @@ class ModelMetrics:
         self.kv_blocks = Gauge("specinfer_kv_blocks", "KV blocks of the model's KV cache (contiguous slots: one block each)", ["role"], registry=registry)
         self.kv_blocks_free = Gauge("specinfer_kv_blocks_free", "KV blocks no request holds, after the last model call", ["role"], registry=registry)
         self.kv_usage = Gauge("specinfer_kv_usage_ratio", "Share of the KV blocks requests hold, after the last model call", ["role"], registry=registry)
+        self.prefix_queries = Counter(
+            "specinfer_prefix_cache_queries", "Context tokens looked up in the prefix cache (a cache lacked them)", ["role", "model"], registry=registry
+        )
+        self.prefix_hits = Counter(
+            "specinfer_prefix_cache_hits", "Context tokens the prefix cache held: their KV was reused, not computed", ["role", "model"], registry=registry
+        )
+        self._prefix_seen: dict[str, PrefixCacheStats] = {}  # each model's totals at the last observation
         self.role = role
 
     def observe(self, model: str, requests: int, nodes: int, misses: int, seconds: float, held: int) -> None:
@@ -208,6 +215,15 @@ class ModelMetrics:
         self.cache_misses.labels(*labels).inc(misses)
         self.call_seconds.labels(*labels).observe(seconds)
         self.requests_held.labels(self.role).set(held)
+
+    def observe_prefix_cache(self, model: str, stats: PrefixCacheStats | None) -> None:
+        """Count what ``model``'s prefix cache did since the last call (``stats``: its totals; None: it has none)."""
+        if stats is None:
+            return
+        seen = self._prefix_seen.get(model, PrefixCacheStats())
+        self.prefix_queries.labels(self.role, model).inc(stats.queried_tokens - seen.queried_tokens)
+        self.prefix_hits.labels(self.role, model).inc(stats.hit_tokens - seen.hit_tokens)
+        self._prefix_seen[model] = stats
 
     def observe_kv(self, budget: KVBudget | None, free: int | None) -> None:
         """The KV cache after a model call (nothing without a KV budget: the cache is bounded only by memory)."""

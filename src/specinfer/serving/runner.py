@@ -38,6 +38,7 @@ def load_model(path: str, field: str, settings: argparse.Namespace, offload: boo
         settings.max_seq_len,
         offload,
         offload_reserve_bytes,
+        settings.prefix_caching,
     )
 
 

@@ -88,20 +88,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., resume_from: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "llm_steps", "mean_accepted_tokens", "tokens_per_step", "mean_tree_size")
+    __slots__ = ("prompt_tokens", "completion_tokens", "llm_steps", "mean_accepted_tokens", "tokens_per_step", "mean_tree_size", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LLM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     MEAN_TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     llm_steps: int
     mean_accepted_tokens: float
     tokens_per_step: float
     mean_tree_size: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., llm_steps: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., mean_tree_size: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., llm_steps: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., mean_tree_size: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "usage", "error")

@@ -172,16 +172,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token")
+    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token", "prefix_hit_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache_miss: bool
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
-    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+    prefix_hit_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -41,7 +41,9 @@ class NativeOptions:
     of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`); ``offload``: keep
     the decoder layers in host memory and stream them to the device layer by layer (:mod:`.offload`);
     ``offload_reserve_bytes``: most device bytes offloading may use for staging and resident
-    weights (0: no bound)."""
+    weights (0: no bound); ``prefix_caching``: with a paged pool, full blocks of committed context
+    are cached and a request whose context starts with cached blocks takes them instead of
+    computing them (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -53,6 +55,7 @@ class NativeOptions:
     kv_block_size: int = 0
     offload: bool = False
     offload_reserve_bytes: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.offload_reserve_bytes < 0:
@@ -155,6 +158,9 @@ class NativeBackend:
         if self.max_requests == 0:
             raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
         self._caches: dict[str, RequestCache] = {}
+        self.prefix_caching = bool(self.block_size) and options.prefix_caching
+        self._prefix_queried = 0  # PrefixCacheStats' totals
+        self._prefix_hits = 0
 
     @property
     def kv_budget(self) -> KVBudget:
@@ -191,10 +197,18 @@ class NativeBackend:
         if cache is not None:
             cache.storage.release()
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return PrefixCacheStats(self._prefix_queried, self._prefix_hits) if self.prefix_caching else None
+
+    def prefix_hits(self, request_id: str) -> int:
+        cache = self._caches.get(request_id)
+        return cache.reused if cache is not None else 0
+
     def _cache(self, request_id: str) -> RequestCache:
         cache = self._caches.get(request_id)
         if cache is None:
-            storage = BlockStorage(self.pool) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
+            storage = BlockStorage(self.pool, self.prefix_caching) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
             cache = RequestCache(storage)
             self._caches[request_id] = cache
         return cache
@@ -207,6 +221,9 @@ class NativeBackend:
         for item in batch:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
+            if chain or cache.reused:  # the cache lacked context tokens: a prefix cache lookup (a hit, for cache.reused of them)
+                self._prefix_queried += len(chain) + cache.reused
+                self._prefix_hits += cache.reused
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
             if lc + m > self.max_positions or lp + n > self.rows_per_request - lc - m:
                 raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, a request holds {self.rows_per_request}")

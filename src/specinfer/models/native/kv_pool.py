@@ -10,6 +10,8 @@ context and the pending tree nodes follow, which is the layout the tree-attentio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specinfer.core.errors import ResourceExhausted
@@ -83,8 +85,9 @@ class SlotStorage:
     def release(self) -> None:
         self.pool.release(self.slot)
 
-    def truncate_context(self, length: int) -> None:
+    def truncate_context(self, length: int) -> int:
         """Nothing to free: rows past the context are overwritten by the next forward."""
+        return length
 
     def adopt_pending(self, context_len: int, path: list[int]) -> None:
         src = torch.tensor(path, dtype=torch.long) + self.start + context_len
@@ -94,3 +97,9 @@ class SlotStorage:
 
     def clear_pending(self) -> None:
         """Pending rows are simply overwritten later."""
+
+    def reuse_cached(self, context: Sequence[int], held: int) -> int:
+        return 0  # a slot is one request's alone: no prefix cache
+
+    def cache_context(self, context: Sequence[int]) -> None:
+        """No prefix cache."""
