@@ -140,6 +140,13 @@ def test_qwen3_mixed_sliding_layers_are_refused():
         ModelSpec.from_config(config.to_dict())
 
 
+def test_llama_with_mlp_biases_is_refused():
+    """Native Llama blocks have no MLP biases: a config with them goes to the reference backend instead of losing them."""
+    config = LlamaConfig(**COMMON, mlp_bias=True)
+    with pytest.raises(UnsupportedModel, match="mlp_bias"):
+        ModelSpec.from_config(config.to_dict())
+
+
 def test_phi3_config_of_the_older_layout():
     """Phi-3's hub configs from before transformers 5: ``rope_scaling`` with the LongRoPE factors and
     ``original_max_position_embeddings`` at the top level; Phi-4-mini's ``partial_rotary_factor`` there too."""

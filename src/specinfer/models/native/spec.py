@@ -104,6 +104,8 @@ def _llama_rope_type(cfg: dict) -> str:
     """The RoPE variant of a Llama-family config; raises :class:`UnsupportedModel` for what the native blocks cannot run."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {cfg.get('hidden_act')!r} (native Llama blocks use SwiGLU)")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModel("mlp_bias (native Llama blocks have no MLP biases; the reference backend runs it)")
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
