@@ -98,7 +98,7 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--dtype", default="auto", help="auto (bf16 where the device has bf16 arithmetic, else fp16 on GPU, fp32), float32, float16, bfloat16")
     add_setting(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_setting(parser, "--kv-cache-bytes", int, 1 << 30, help="KV pool memory per model (native backend)")
-    add_setting(parser, "--kv-block-size", int, 0, help="tokens per KV block of a paged KV pool (native backend; 0: one contiguous slot per request)")
+    add_setting(parser, "--kv-block-size", int, 16, help="tokens per KV block of a paged KV pool (native backend; 0: one contiguous slot per request)")
     add_setting(parser, "--prefix-caching", bool, True, help="with --kv-block-size > 0: requests share the KV blocks of common prompt prefixes (on/off)")
     add_setting(parser, "--max-seq-len", int, 0, help="most positions of a request, prompt and output (native backend; 0: the model's limit)")
     add_setting(parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch")
