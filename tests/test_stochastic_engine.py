@@ -27,6 +27,7 @@ from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig,
 from specinfer.engine import engine as engine_module
 from specinfer.engine import steps as steps_module
 from specinfer.models.interface import TreeForward
+from specinfer.models.loading import load_backend
 from specinfer.models.reference import ReferenceBackend
 from specinfer.models.tiny import tiny_llama
 
@@ -121,6 +122,23 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
     params, spec = CASES[case]
     counts = sample_engine(_engine(models), params, spec)
     assert sum(counts.values()) == SAMPLES
+    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
+    assert pvalue > 0.001, f"p-value {pvalue}"
+
+
+@pytest.mark.slow
+def test_sampling_on_paged_kv_with_prefix_caching_matches_llm_sampling(models, tmp_path):
+    """The native backend on a paged KV pool of 1-token blocks with prefix caching on, LLM and SSM:
+    requests whose contexts agree share their leading KV blocks (with 12 tokens, most of the 2500 in
+    a step share the prompt and their first tokens), and the sampled outputs keep the LLM's
+    distribution."""
+    for name, model in (("llm", models[0]), ("ssm", models[1])):
+        model.save_pretrained(tmp_path / name)
+    llm, ssm = (load_backend(tmp_path / n, n, "float32", "cpu", "native", 1 << 24, kv_block_size=1, prefix_caching=True) for n in ("llm", "ssm"))
+    params, spec = CASES["one-ssm-width-3"]
+    counts = sample_engine(SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=2500)), params, spec)
+    assert sum(counts.values()) == SAMPLES
+    assert llm.prefix_cache_stats.hit_tokens > 0 and ssm.prefix_cache_stats.hit_tokens > 0, "no request took a cached block: nothing shared"
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert pvalue > 0.001, f"p-value {pvalue}"
 
