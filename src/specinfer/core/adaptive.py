@@ -120,6 +120,7 @@ class AdaptiveSpeculation:
         plan = plan_batch(inputs, self.costs, cfg, fixed, previous)
         self.previous = plan
         remaining = {c.request_id: c.remaining for c in batch}
+        curves = self._edge_curves()
         choices = {}
         for rid, rp in plan.requests.items():
             if rp.ssm is None:
@@ -127,18 +128,22 @@ class AdaptiveSpeculation:
                 continue
             self.totals.speculative_steps += 1
             self._predicted[rid] = rp.predicted_accepted
-            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid]), rp.predicted_accepted)
+            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid], curves[rp.ssm]), rp.predicted_accepted)
         drafting = {c.ssm for c in choices.values()}
         for s, share in self.kept_share.items():
             if s not in drafting:
                 self.kept_share[s] = share + KEPT_SHARE_RECOVERY * (1.0 - share)
         return choices
 
-    def _budget(self, rp: RequestPlan, min_value: float, remaining: int) -> TreeBudget:
+    def _edge_curves(self) -> dict[int, tuple[float, ...]]:
+        """Each SSM's edge curve, fitted once per call of :meth:`plan` or :meth:`select`, not per request."""
+        return {s: edges.knot_values() for s, edges in self.edges.items()}
+
+    def _budget(self, rp: RequestPlan, min_value: float, remaining: int, edge_curve: tuple[float, ...]) -> TreeBudget:
         # one depth of slack: a confident step may grow a chain deeper than the average plan, but
         # never past the request's token budget (the bonus token comes on top of the tree)
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
-        return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, self.edges[rp.ssm].knot_values())
+        return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, edge_curve)
 
     def select(
         self, drafted: Sequence[Drafted], fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
@@ -147,10 +152,10 @@ class AdaptiveSpeculation:
         arguments these are), by request ID; a node's predicted acceptance is its value under its SSM's
         edge acceptance (:func:`~specinfer.core.drafts.tree_values`). Only for greedy requests (see
         :meth:`DraftTree.subtree`)."""
+        curves = self._edge_curves()
         nodes = []
         for d in drafted:
-            edges = self.edges.get(d.ssm)
-            values = np.array(tree_values(d.draft.tree.parents, d.draft.scores, edges.knot_values() if edges is not None else ())[1:], dtype=np.float64)
+            values = np.array(tree_values(d.draft.tree.parents, d.draft.scores, curves.get(d.ssm, ()))[1:], dtype=np.float64)
             nodes.append(DraftedNodes(d.request_id, d.context, values, np.asarray(d.draft.tree.parents[1:], dtype=np.int64)))
         keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
         out = {}
