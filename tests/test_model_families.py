@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from oracles import hf_greedy
+from rope_configs import LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, llama3_rope
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen3Config
 
 from specinfer.core import ExpansionConfig
@@ -25,52 +26,15 @@ VOCAB = 128
 NEW_TOKENS = 16
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256, **TOKENS)
-LONGROPE_SWITCH = 64
-# Llama 3.2's RoPE scaling (factor 32), its original context shrunk to the tiny model's
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 def _configs():
     return {
         "qwen3": Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-        "llama3.2-tied": LlamaConfig(
-            **COMMON,
-            num_key_value_heads=1,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
-        "phi3-longrope": Phi3Config(
-            **COMMON,
-            num_key_value_heads=4,
-            original_max_position_embeddings=LONGROPE_SWITCH,
-            rope_parameters={
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": [1.0 + 0.25 * i for i in range(8)],
-                "long_factor": [3.0 + 0.5 * i for i in range(8)],
-                "original_max_position_embeddings": LONGROPE_SWITCH,
-            },
-        ),
-        "phi3-partial-rope": Phi3Config(
-            **COMMON,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-        ),
+        # Llama 3.2's RoPE scaling (factor 32)
+        "llama3.2-tied": LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=llama3_rope(32.0)),
+        "phi3-longrope": Phi3Config(**COMMON, num_key_value_heads=4, original_max_position_embeddings=LONGROPE_SWITCH, rope_parameters=PHI3_LONGROPE),
+        "phi3-partial-rope": Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
     }
 
 

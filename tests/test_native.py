@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rope_configs import PARTIAL_ROPE, PHI3_LONGROPE, PHI3_TOKENS, llama3_rope
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from specinfer.models.interface import TreeForward
@@ -18,25 +19,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-# head_dim 16: 8 factors each; the short ones differ from 1 so that a default RoPE would not pass
-PHI3_LONGROPE = {
-    "rope_type": "longrope",
-    "rope_theta": 10000.0,
-    "short_factor": [1.0 + 0.25 * i for i in range(8)],
-    "long_factor": [3.0 + 0.5 * i for i in range(8)],
-    "original_max_position_embeddings": 64,
-}
-
-PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-PHI3_TOKENS = dict(eos_token_id=2, pad_token_id=0)  # Phi-3's defaults (32000) lie outside a tiny vocabulary
+LLAMA3_ROPE = llama3_rope(8.0)
 
 
 def _tiny_configs():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rope_configs import PARTIAL_ROPE, PHI3_TOKENS, llama3_rope
 from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Phi3Config, Qwen3Config
 
 from specinfer.models.native import NativeBackend
@@ -37,29 +38,9 @@ def _configs():
         # q/k norms (replicated on every rank), head_dim apart from hidden / heads, tied embeddings
         "qwen3": Qwen3Config(**common, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
         # Llama 3.2: tied embeddings, llama3 RoPE
-        "llama3.2-tied": LlamaConfig(
-            **common,
-            intermediate_size=96,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
+        "llama3.2-tied": LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=llama3_rope(8.0)),
         # fused qkv_proj and gate_up_proj in the checkpoint, split by heads / MLP columns per rank; RoPE on 3/4 of each head
-        "phi3": Phi3Config(
-            **common,
-            intermediate_size=96,
-            num_key_value_heads=2,
-            eos_token_id=2,
-            pad_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-        ),
+        "phi3": Phi3Config(**common, **PHI3_TOKENS, intermediate_size=96, num_key_value_heads=2, rope_parameters=PARTIAL_ROPE),
     }
 
 
