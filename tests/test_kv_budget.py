@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specinfer.core.drafts import ExpansionConfig
-from specinfer.core.kv_budget import KVBudget, StepRows, schedule, step_rows
+from specinfer.core.kv_budget import KVBudget, Replicas, StepRows, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 
@@ -162,3 +162,63 @@ def test_requests_that_grow_all_finish_in_order_of_arrival(block_size, extra_blo
                 finished.append(r)
     assert sorted(finished) == list(range(len(lengths)))
     assert started == sorted(started)
+
+
+def test_replicas_place_new_requests_on_the_most_free_and_keep_running_ones_home():
+    two = Replicas((KVBudget(4, 10), KVBudget(4, 6)))  # 40 and 24 rows
+    s = schedule([], [], [("a", R(12)), ("b", R(12)), ("c", R(8)), ("d", R(4))], 8, replicas=two)
+    # blocks left once in: a 7 vs 3 -> 0; b 4 vs 3 -> 0; c 2 vs 4 -> 1; d 3 vs 3, a tie -> the lower index
+    assert s.placement == {"a": 0, "b": 0, "c": 1, "d": 0} and s.replica_blocks_used == (7, 2)
+    # sticky: a running request stays on its replica while it fits there, even when the other has more room
+    s = schedule([], [("a", R(12)), ("b", R(4))], [], 8, replicas=Replicas(two.budgets, {"a": 1, "b": 1}))
+    assert s.placement == {"a": 1, "b": 1} and s.replica_blocks_used == (0, 4)
+    # one that outgrew its replica moves to one with room instead of being preempted
+    s = schedule([], [("a", R(28)), ("b", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 1, "b": 1}))  # 7 blocks > 6
+    assert s.run == ("a", "b") and s.preempted == () and s.placement == {"a": 0, "b": 1}
+    # no replica has room: preempted; a request placed on a replica that is gone (index past the end) is placed anew
+    s = schedule([], [("a", R(36)), ("b", R(24)), ("c", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 0, "b": 1, "c": 5}))
+    assert s.run == ("a", "b") and s.preempted == ("c",)
+    # replicas that report no budget: the rows placed are balanced
+    s = schedule([], [], [("a", R(30)), ("b", R(10)), ("c", R(10)), ("d", R(5))], 8, replicas=Replicas((None, None)))
+    assert s.placement == {"a": 0, "b": 1, "c": 1, "d": 1} and s.replica_blocks_used == (30, 25)
+    # the other budgets (SSM caches) still hold every request
+    s = schedule([KVBudget(4, 5, drafts=True)], [], [("a", R(12)), ("b", R(12))], 8, replicas=two)
+    assert s.run == ("a",) and s.blocks_used == (3,)
+    with pytest.raises(ValueError):
+        Replicas(())
+
+
+replica_budgets_st = st.lists(st.one_of(st.none(), st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64))), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(replica_budgets_st, queue_st, queue_st, st.integers(1, 10), st.data())
+def test_schedule_places_every_request_within_its_replica(replica_budgets, running_rows, waiting_rows, max_batch, data):
+    running = [(f"r{i}", rows) for i, rows in enumerate(running_rows)][:max_batch]
+    waiting = [(f"w{i}", rows) for i, rows in enumerate(waiting_rows)]
+    homes = {rid: data.draw(st.integers(-1, len(replica_budgets)), label=rid) for rid, _ in running}
+    replicas = Replicas(tuple(replica_budgets), {rid: r for rid, r in homes.items() if r >= 0})
+
+    def holds(b: KVBudget | None, rows: StepRows) -> bool:
+        return b is None or b.holds(rows)
+
+    if running and not any(holds(b, running[0][1]) for b in replica_budgets):
+        with pytest.raises(ValueError):
+            schedule([], running, waiting, max_batch, replicas=replicas)
+        return
+    s = schedule([], running, waiting, max_batch, replicas=replicas)
+    rows = dict(running + waiting)
+    assert set(s.placement) == set(s.run) and all(0 <= r < len(replica_budgets) for r in s.placement.values())
+    for r, b in enumerate(replica_budgets):  # every replica holds the requests placed on it
+        on = [rid for rid in s.run if s.placement[rid] == r]
+        assert s.replica_blocks_used[r] == sum(b.needs(rows[rid]) if b is not None else rows[rid].verify for rid in on)
+        assert b is None or s.replica_blocks_used[r] <= b.blocks
+    for rid, home in homes.items():  # a running request stays home whenever it fits there with the older ones
+        if rid in s.placement and 0 <= home < len(replica_budgets) and replica_budgets[home] is None:
+            assert s.placement[rid] == home
+    # maximal: the next request in line fits on no replica next to what runs (unless the batch is full)
+    k = len(s.run) - len(s.admitted)
+    line = [r for r, _ in running[k:]] or [r for r, _ in waiting[len(s.admitted) :]]
+    if line and len(s.run) < max_batch:
+        nxt = rows[line[0]]
+        assert not any(b is None or s.replica_blocks_used[r] + b.needs(nxt) <= b.blocks for r, b in enumerate(replica_budgets))

@@ -9,7 +9,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import grpc
 from grpc_health.v1 import health_pb2
 
 from specinfer import wire
@@ -24,7 +23,7 @@ from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.http_api import HttpApi, HttpMetrics, HttpServer
 from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.redis_server import EmbeddedRedis, RedisStartError, StateDirInUse, connect
-from specinfer.request_manager.remote import SsmWorkers, Verifier
+from specinfer.request_manager.remote import SsmWorkers, Verifiers
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import SpecInferServicer
 from specinfer.request_manager.store import RequestStore
@@ -43,32 +42,35 @@ class StartUpError(Exception):
     """The request manager cannot serve with this configuration (the message says why)."""
 
 
-VERIFIER_RETRY_MAX_SECONDS = 10.0  # longest wait between start-up tries to reach the verifier
+VERIFIER_RETRY_MAX_SECONDS = 10.0  # longest wait between start-up checks for a verifier replica
 
 
-async def wait_for_verifier(verifier: Verifier) -> internal_pb2.LlmInfo:
-    """The verifier's GetInfo, tried until it answers (a verifier that is down, or still loading and
-    calibrating its model, does not stop the request manager from starting), with backoff."""
-    wait = 0.5
-    while True:
-        try:
-            return await verifier.info()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise StartUpError(f"the LLM verifier at {verifier.address} refused our credentials: {exc.details()}") from None
-            log.warning("LLM verifier not reachable yet; retrying", extra={"address": verifier.address, "code": str(exc.code()), "retry_seconds": wait})
-        await asyncio.sleep(wait)
-        wait = min(2 * wait, VERIFIER_RETRY_MAX_SECONDS)
+async def wait_for_verifier(verifiers: Verifiers) -> internal_pb2.LlmInfo:
+    """The first verifier replica's GetInfo, once one has joined (replicas that are down, or still
+    loading and calibrating their model, do not stop the request manager from starting; they join
+    when they answer)."""
+    try:
+        await verifiers.discover()
+        return await verifiers.wait_ready(VERIFIER_RETRY_MAX_SECONDS)
+    except (ValueError, PermissionError) as exc:
+        raise StartUpError(str(exc)) from None
+
+
+def worker_kv_budgets(workers: SsmWorkers | None) -> tuple[KVBudget, ...]:
+    """The KV budgets every running request holds blocks of: each distinct one the workers reported
+    for their SSMs. Each worker's counts, not the smallest per SSM only: when a worker fails, its
+    requests move to another, so any one worker may come to hold every running request. (The
+    verifier replicas' budgets hold only the requests placed on each: :class:`~specinfer.core.kv_budget.Replicas`.)"""
+    if workers is None:
+        return ()
+    return tuple(dict.fromkeys(sorted((b for budgets in workers.kv_budgets.values() for b in budgets), key=lambda b: (b.block_size, b.blocks))))
 
 
 def kv_budgets(info: internal_pb2.LlmInfo, workers: SsmWorkers | None) -> tuple[KVBudget, ...]:
-    """The KV budgets requests are admitted by: the verifier's, and every distinct one the workers
-    reported for their SSMs. Each worker's counts, not the smallest per SSM only: when a worker fails,
-    its requests move to another, so any one worker may come to hold every running request."""
-    reported = [wire.kv_budget_from_proto(info)]
-    if workers is not None:
-        reported += sorted((b for budgets in workers.kv_budgets.values() for b in budgets), key=lambda b: (b.block_size, b.blocks))
-    return tuple(dict.fromkeys(b for b in reported if b is not None))
+    """Every KV budget one request must fit alone (what the API checks a request against): a
+    verifier replica's (``info``, the first's: replicas serve the same LLM) and the workers'."""
+    verifier = wire.kv_budget_from_proto(info)
+    return tuple(dict.fromkeys(b for b in (verifier, *worker_kv_budgets(workers)) if b is not None))
 
 
 def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names: tuple[str, ...], eos: int | None, budgets: tuple[KVBudget, ...]) -> ApiLimits:
@@ -110,7 +112,7 @@ class SsmSet:
         self,
         cfg: RequestManagerConfig,
         info: internal_pb2.LlmInfo,
-        verifier: Verifier,
+        verifier: Verifiers,
         workers: SsmWorkers,
         scheduler: Scheduler,
         requests: Requests,
@@ -129,7 +131,7 @@ class SsmSet:
             names += new
             try:
                 # the KV budgets stay those known at start-up: workers that join later are not counted
-                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id, self.scheduler.config.kv_budgets)
+                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id, self.requests.limits.kv_budgets)
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
@@ -158,7 +160,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
         resources.push_async_callback(client.aclose)
         store = RequestStore(client, finished_ttl_s=cfg.result_ttl_seconds)
         await store.ping()
-        verifier = Verifier(cfg.verifier, cfg.rpc_timeout_seconds, cfg.internal)
+        verifier = Verifiers(cfg.verifiers, cfg.rpc_timeout_seconds, cfg.internal)
         resources.push_async_callback(verifier.close)
         api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
         metrics = ServiceMetrics(api_name)
@@ -186,6 +188,12 @@ async def serve(cfg: RequestManagerConfig) -> int:
 
         async def start_up() -> None:
             info = await wait_for_verifier(verifier)
+
+            def verifiers_changed() -> None:
+                scheduler_metrics.verifier_replicas_live.set(verifier.live_count())
+
+            verifier.on_change = verifiers_changed
+            verifiers_changed()
             workers = None
             if cfg.ssm_workers:
                 workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds, cfg.internal, cfg.ssm_failure_seconds, vocab_size=info.vocab_size)
@@ -213,7 +221,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 raise StartUpError(str(exc)) from None
             planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
             scheduler_config = SchedulerConfig(
-                max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=budgets, max_prefill_tokens=cfg.max_prefill_tokens
+                max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=worker_kv_budgets(workers), max_prefill_tokens=cfg.max_prefill_tokens
             )
             scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, planner)
             requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)

@@ -29,7 +29,7 @@ from specinfer.core.costs import BUCKETS, CostTable, StepCosts
 from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, select_drafts, static_shape, verify_shape
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.tree import binary_tree_parents
-from specinfer.request_manager.remote import SsmWorkers, Verifier
+from specinfer.request_manager.remote import SsmWorkers, Verifiers
 from specinfer.serving.metrics import SchedulerMetrics
 from specinfer.v1 import internal_pb2
 
@@ -67,7 +67,7 @@ def _synthetic(tag: str, n: int, vocab: int, rng: np.random.Generator) -> tuple[
     return f"__calibrate-{tag}-{n}", rng.integers(0, vocab, size=CALIBRATION_CONTEXT).tolist(), rng.integers(0, vocab, size=n).tolist()
 
 
-async def calibrate_through_calls(verifier: Verifier, workers: SsmWorkers | None, ssm_names: Sequence[str], vocab: int, costs: StepCosts | None) -> StepCosts:
+async def calibrate_through_calls(verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], vocab: int, costs: StepCosts | None) -> StepCosts:
     """``costs`` with what is missing timed through real calls: the verify table (binary trees of
     :data:`CALIBRATION_SIZES` nodes) and the draft table of every SSM without one (one pass over n
     roots, as the worker reports it). The synthetic requests are released afterwards."""
@@ -197,7 +197,7 @@ class AdaptivePlanner:
 
 
 async def start_planner(
-    info: internal_pb2.LlmInfo, verifier: Verifier, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int, metrics: SchedulerMetrics
+    info: internal_pb2.LlmInfo, verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int, metrics: SchedulerMetrics
 ) -> AdaptivePlanner | None:
     """The planner from the services' reports, calibrated through calls where they report nothing; None without SSMs."""
     if not ssm_names or workers is None:

@@ -25,7 +25,7 @@ class RequestManagerConfig:
     redis_username: str
     state_dir: str
     ssm_workers: tuple[str, ...]
-    verifier: str
+    verifiers: tuple[str, ...]  # LLM verifier replicas: host:port addresses and dns:///host:port names
     model_dir: str  # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
     expansion: tuple[int, ...]  # default static expansion config; empty: adaptive (see adaptive) or no speculation by default
     adaptive: bool  # requests that set nothing speculate adaptively (--expansion auto)
@@ -58,7 +58,13 @@ class RequestManagerConfig:
         add_setting(p, "--redis-username", str, "", "Redis ACL user name (empty: the default user)")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
-        add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
+        add_setting(
+            p,
+            "--verifier",
+            str,
+            "127.0.0.1:50053",
+            "comma-separated LLM verifier replica addresses host:port; dns:///host:port means all addresses of host (each request runs on one)",
+        )
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
         add_setting(
             p,
@@ -106,7 +112,7 @@ class RequestManagerConfig:
             redis_username=a.redis_username,
             state_dir=a.state_dir,
             ssm_workers=tuple(split_list(a.ssm_workers)),
-            verifier=a.verifier,
+            verifiers=tuple(split_list(a.verifier)),
             model_dir=a.model_dir,
             expansion=expansion,
             adaptive=adaptive,

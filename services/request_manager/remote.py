@@ -1,15 +1,17 @@
-"""gRPC clients of the SSM workers (:class:`SsmWorkers`) and the LLM verifier (:class:`Verifier`).
+"""gRPC clients of the SSM workers (:class:`SsmWorkers`) and the LLM verifier replicas (:class:`Verifiers`).
 
-Their calls send only the context tokens a callee lacks (:mod:`.context_protocol`); the SSM workers
-are a pool found by :mod:`.discovery`, from which a failed worker is taken out until it is back
-(:mod:`.worker_pool`, :mod:`.failover`).
+Their calls send only the context tokens a callee lacks (:mod:`.context_protocol`); both are pools of
+replicas found by :mod:`.discovery`, from which a failed replica is taken out until it is back
+(:mod:`.replica_pool`, :mod:`.failover`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -17,12 +19,14 @@ import grpc
 from specinfer import wire
 from specinfer.core import DraftTree
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core.kv_budget import KVBudget
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, CHANNEL_OPTIONS, PROBE_SECONDS
+from .failover import CALLER_FAULTS, PROBE_SECONDS
+from .replica_pool import ReplicaPool
 from .worker_pool import WorkerPool
 
 log = logging.getLogger("specinfer.request_manager")
@@ -129,41 +133,200 @@ class SsmWorkers(WorkerPool):
                     log.info("release failed", extra={"address": address, "code": str(exc.code())})
 
 
-class Verifier:
-    """The LLM verifier. Calls carry ``timeout`` (the deadline of internal calls) and the
-    credentials of ``auth``."""
+class VerifierUnavailable(Exception):
+    """No verify call of a round got through: no replica is live, or every one failed."""
 
-    def __init__(self, address: str, timeout: float, auth: ClientAuth | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.auth = auth or ClientAuth()
-        self._channel = self.auth.aio_channel(address, CHANNEL_OPTIONS)
-        self._stub = internal_pb2_grpc.LlmVerifierStub(self._channel)
-        self._tracker = ContextTracker()
 
-    async def info(self) -> internal_pb2.LlmInfo:
-        return await self._stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.auth.metadata)
+@dataclass(frozen=True)
+class VerifyRound:
+    """What one round of verify calls (one per replica, concurrently) gave: ``verdicts`` by request ID;
+    ``failed``, the requests whose replica failed or refused (not verified: they retry next iteration,
+    on another replica if theirs was taken out); ``timings``, each replica that answered: its address,
+    its calls and the round trip in seconds."""
 
-    async def verify(self, calls: Sequence[VerifySpec]) -> dict[str, Verdict]:
+    verdicts: dict[str, Verdict]
+    failed: tuple[str, ...] = ()
+    timings: tuple[tuple[str, tuple[VerifySpec, ...], float], ...] = ()
+
+
+class Verifiers(ReplicaPool):
+    """The LLM verifier replicas ``targets`` stand for (one address, several, or ``dns:`` names; see
+    :mod:`.replica_pool`). Every replica must serve the same LLM (model name, vocabulary, positions):
+    another one never joins. Each request is *placed* on one replica, which holds its KV cache, and
+    stays there (:attr:`placement`, decided by :func:`~specinfer.core.kv_budget.schedule`); when its
+    replica is taken out or leaves, it is unplaced and placed anew, and the new replica rebuilds its
+    cache from the committed tokens (context protocol). Calls carry ``timeout`` and ``auth``'s credentials."""
+
+    kind = "LLM verifier"
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        timeout: float,
+        auth: ClientAuth | None = None,
+        refresh_seconds: float = DNS_REFRESH_SECONDS,
+        probe_seconds: float = PROBE_SECONDS,
+    ) -> None:
+        super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
+        self._stubs: dict[str, internal_pb2_grpc.LlmVerifierStub] = {}
+        self.infos: dict[str, internal_pb2.LlmInfo] = {}  # address -> what it reported when it joined
+        self.reference: internal_pb2.LlmInfo | None = None  # the first replica's report: what every replica must match
+        self.placement: dict[str, str] = {}  # request ID -> replica address holding its cache
+        self.refusal: grpc.aio.AioRpcError | None = None  # the last join refused for our credentials (start-up reports it)
+
+    # -- membership -------------------------------------------------------------------------------
+
+    async def _introduce(self, channel: grpc.aio.Channel) -> internal_pb2.LlmInfo:
+        try:
+            stub = internal_pb2_grpc.LlmVerifierStub(channel)
+            return await stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.join_seconds, metadata=self.auth.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                self.refusal = exc
+            raise
+
+    def _join(self, address: str, channel: grpc.aio.Channel, info: internal_pb2.LlmInfo) -> None:
+        ref = self.reference
+        if ref is not None and (info.model, info.vocab_size, info.max_positions) != (ref.model, ref.vocab_size, ref.max_positions):
+            raise ValueError(
+                f"LLM verifier {address} serves {info.model!r} (vocabulary {info.vocab_size}, {info.max_positions} positions); "
+                f"the other replicas serve {ref.model!r} (vocabulary {ref.vocab_size}, {ref.max_positions} positions)"
+            )
+        self.reference = ref or info
+        super()._join(address, channel, info)
+        self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
+        self.infos[address] = info
+
+    def _leave(self, address: str) -> None:
+        super()._leave(address)
+        del self._stubs[address], self.infos[address]
+        self._unplace_from(address)
+
+    def _report_taken_out(self, address: str, error: BaseException) -> None:
+        moved = self._unplace_from(address)
+        log.warning(
+            "LLM verifier taken out; its requests move to the others",
+            extra={"address": address, "error": repr(error), "live": self.live_count(), "requests_moved": moved},
+        )
+        if not self.live():
+            log.warning("no LLM verifier left: requests wait until one answers")
+
+    def _unplace_from(self, address: str) -> int:
+        gone = [rid for rid, a in self.placement.items() if a == address]
+        for rid in gone:
+            del self.placement[rid]
+        return len(gone)
+
+    async def wait_ready(self, retry_max_seconds: float) -> internal_pb2.LlmInfo:
+        """The first replica's report, once one has joined (a verifier that is down, or still loading
+        and calibrating its model, does not stop the request manager from starting). Raises
+        PermissionError when a replica refused our credentials and none has joined."""
+        wait = 0.25
+        while self.reference is None:
+            if self.refusal is not None:
+                raise PermissionError(f"the LLM verifier refused our credentials: {self.refusal.details()}")
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, retry_max_seconds)
+        return self.reference
+
+    def kv_budgets(self) -> list[KVBudget | None]:
+        """Each live replica's KV budget, in :meth:`live` order (None: it reports none)."""
+        return [wire.kv_budget_from_proto(self.infos[a]) for a in self.live()]
+
+    def place(self, placement: Mapping[str, str]) -> None:
+        """Record where requests run (request ID -> live replica address)."""
+        self.placement.update(placement)
+
+    # -- calls -------------------------------------------------------------------------------------
+
+    async def info(self, address: str) -> internal_pb2.LlmInfo:
+        return await self._stubs[address].GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, metadata=self.auth.metadata)
+
+    def _home(self, request_id: str) -> str | None:
+        """The live replica of ``request_id``; one not placed (e.g. a calibration call) goes to the
+        live replica with the fewest requests."""
+        address = self.placement.get(request_id)
+        if address is not None and self.is_live(address):
+            return address
+        live = self.live()
+        if not live:
+            return None
+        counts = Counter(self.placement.values())
+        address = min(live, key=lambda a: counts[a])
+        self.placement[request_id] = address
+        return address
+
+    async def verify(self, calls: Sequence[VerifySpec]) -> VerifyRound:
+        """One verify call per replica for the requests placed on it, concurrently. A replica that
+        fails is taken out and its requests are unplaced (they fail this round); a call that failed
+        across a stall of ours, or that the replica refused as the caller's fault, fails its requests
+        without taking the replica out. Raises VerifierUnavailable when no call got through."""
+        by_replica: dict[str, list[VerifySpec]] = {}
+        failed: list[str] = []
+        for c in calls:
+            address = self._home(c.request_id)
+            if address is None:
+                failed.append(c.request_id)
+            else:
+                by_replica.setdefault(address, []).append(c)
+        if not by_replica:
+            raise VerifierUnavailable("no LLM verifier is live")
+        started = asyncio.get_running_loop().time()
+        # stubs and trackers are taken now: a refresh may drop a replica while its call runs
+        jobs = [self._verify_on(self._stubs[a], self.tracker(a), cs) for a, cs in by_replica.items()]
+        verdicts: dict[str, Verdict] = {}
+        timings = []
+        errors = []
+        for (address, cs), part in zip(by_replica.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
+            if isinstance(part, grpc.aio.AioRpcError):
+                errors.append(part)
+                failed += [c.request_id for c in cs]
+                stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
+                if part.code() in CALLER_FAULTS or stalled:
+                    log.warning("verify call failed; its requests retry", extra={"address": address, "code": str(part.code()), "details": part.details()})
+                else:
+                    self.tracker(address).reset()  # it may restart and come back knowing nothing
+                    self.take_out(address, part)
+            elif isinstance(part, BaseException):
+                raise part
+            else:
+                results, seconds = part
+                verdicts.update(results)
+                timings.append((address, tuple(cs), seconds))
+        if not verdicts and errors:
+            raise VerifierUnavailable(f"every verify call failed: {errors[0].code()} {errors[0].details()}")
+        return VerifyRound(verdicts, tuple(failed), tuple(timings))
+
+    async def _verify_on(
+        self, stub: internal_pb2_grpc.LlmVerifierStub, tracker: ContextTracker, calls: Sequence[VerifySpec]
+    ) -> tuple[dict[str, Verdict], float]:
+        started = time.perf_counter()  # the round trip of every attempt: the network is part of what a step costs
+
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
             for c, ctx in zip(pending, contexts, strict=True):
                 request.items.add(context=ctx, tree=wire.draft_to_proto(c.draft), sampling=wire.sampling_to_proto(c.sampling), seed=c.seed, step=c.step)
-            response = await self._stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
+            response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
             return response.results
 
-        results = await call_with_context(send, calls, self._tracker)
-        return {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens)) for rid, r in results.items()}
-
-    def lost_caches(self) -> None:
-        """After a verifier failure: assume it restarted and knows nothing."""
-        self._tracker.reset()
+        results = await call_with_context(send, calls, tracker)
+        verdicts = {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens)) for rid, r in results.items()}
+        return verdicts, time.perf_counter() - started
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        for r in request_ids:
-            self._tracker.forget(r)
-        if request_ids:
-            await self._stub.Release(internal_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout, metadata=self.auth.metadata)
-
-    async def close(self) -> None:
-        await self._channel.close()
+        """Free the caches of ``request_ids`` on their replicas and unplace them. A replica that
+        fails the call keeps them (only memory: it frees them when it restarts)."""
+        by_replica: dict[str, list[str]] = {}
+        for rid in request_ids:
+            address = self.placement.pop(rid, None)
+            for a in self.addresses:
+                self.tracker(a).forget(rid)
+            if address is not None and address in self._stubs:
+                by_replica.setdefault(address, []).append(rid)
+        for address, ids in by_replica.items():
+            if not self.is_live(address):
+                continue
+            try:
+                await self._stubs[address].Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata)
+            except grpc.aio.AioRpcError as exc:
+                log.info("release failed", extra={"address": address, "code": str(exc.code())})

@@ -4,7 +4,8 @@ Each iteration admits waiting requests (up to ``max_batch`` running and, where t
 workers report KV budgets, while their KV blocks hold them: :func:`~specinfer.core.kv_budget.schedule`,
 the in-process engine's rule, which may also preempt the newest running ones), drops cancelled or
 expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
-has the verifier check every tree in one call, and commits: tokens are persisted in Redis
+has the verifier check every tree (one call per verifier replica, concurrently: each request is placed
+on one replica, :class:`~specinfer.core.kv_budget.Replicas`), and commits: tokens are persisted in Redis
 *before* they are published to the client streams. The bookkeeping of an iteration (which jobs,
 which random streams, what to commit) is :mod:`specinfer.core.iteration`, shared with the
 in-process engine; the scheduler drives it through remote calls. Requests with adaptive
@@ -26,11 +27,11 @@ from specinfer.core import DraftTree
 from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
-from specinfer.core.kv_budget import KVBudget, StepRows, schedule, step_rows
+from specinfer.core.kv_budget import KVBudget, Replicas, StepRows, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
-from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifier
+from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
@@ -47,9 +48,9 @@ class QueueFull(ResourceExhausted):
 class SchedulerConfig:
     """``max_batch``: most running requests per iteration; ``max_queue``: most waiting ones;
     ``ssm_names``: the SSMs in a fixed order (SSM i drafts on a request's ``draft_stream(i)``);
-    ``kv_budgets``: the KV caches every running request holds blocks of (the verifier's LLM, each
-    worker's SSMs; :mod:`specinfer.core.kv_budget`), which requests are admitted and preempted by
-    (none: ``max_batch`` alone limits)."""
+    ``kv_budgets``: the KV caches every running request holds blocks of (each worker's SSMs;
+    :mod:`specinfer.core.kv_budget`), which requests are admitted and preempted by, together with the
+    budget of the verifier replica each is placed on (the verifiers report theirs)."""
 
     max_batch: int
     max_queue: int
@@ -123,7 +124,7 @@ class Scheduler:
         config: SchedulerConfig,
         store: RequestStore,
         workers: SsmWorkers | None,
-        verifier: Verifier,
+        verifier: Verifiers,
         metrics: SchedulerMetrics,
         planner: AdaptivePlanner | None = None,
     ) -> None:
@@ -233,29 +234,34 @@ class Scheduler:
         calls = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
         speculated = time.perf_counter()
         try:
-            verdicts = await self.verifier.verify(calls)
-        except grpc.aio.AioRpcError as exc:
-            # the verifier is down or restarting: requests wait (nothing was committed), caches are
-            # rebuilt from the committed tokens when it is back (the contexts go out whole)
+            round_ = await self.verifier.verify(calls)
+        except VerifierUnavailable as exc:
+            # no replica answers (down or restarting): requests wait (nothing was committed), caches are
+            # rebuilt from the committed tokens when one is back (the contexts go out whole)
             self.verifier_failures += 1
             wait = min(self.config.verifier_backoff_max_seconds, self.config.verifier_backoff_seconds * 2 ** (self.verifier_failures - 1))
-            log.warning("verifier call failed; retrying", extra={"code": str(exc.code()), "details": exc.details(), "retry_in_s": wait})
+            log.warning("verifier call failed; retrying", extra={"error": str(exc), "retry_in_s": wait})
             m.verifier_failures.inc()
-            self.verifier.lost_caches()
             if self.verifier_failures == 1 and self.on_verifier_change is not None:
                 self.on_verifier_change(False)
             await asyncio.sleep(wait)
             return
         verified = time.perf_counter()
+        if round_.failed:  # a replica failed: the others' requests go on, its own retry on another replica
+            m.verifier_failures.inc()
         if self.verifier_failures:
             log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
             self.verifier_failures = 0
             if self.on_verifier_change is not None:
                 self.on_verifier_change(True)
-        if self.planner is not None:
-            self.planner.observe_verify(calls, verified - speculated)
+        verdicts = round_.verdicts
+        for address, replica_calls, seconds in round_.timings:
+            if self.planner is not None:
+                self.planner.observe_verify(replica_calls, seconds)
+            m.verifier_requests.labels(address).inc(len(replica_calls))
         for live, call in zip(batch, calls, strict=True):
-            if live.request_id in self._active:  # not finished meanwhile (the planner forgot those)
+            # not finished meanwhile (the planner forgot those), and verified (its replica did not fail)
+            if live.request_id in self._active and live.request_id in verdicts:
                 verdict = verdicts[live.request_id]
                 if self.planner is not None:
                     self.planner.observe_step(live.request_id, drafted[live.request_id], verdict.accepted_tokens)
@@ -273,12 +279,17 @@ class Scheduler:
         in-process engine does). A preempted request's caches are released on the verifier and the
         workers and it waits at the head of the queue with its output (its stream pauses);
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
+        replicas = self.verifier.live()
+        if not replicas:
+            return  # no verifier to place requests on: the iteration waits for one (VerifierUnavailable)
+        placed = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
         plan = schedule(
             self.config.kv_budgets,
             [(rid, self._step_rows(live)) for rid, live in self._active.items()],
             [(live.request_id, self._step_rows(live)) for live in self._waiting],
             self.config.max_batch,
             self.config.max_prefill_tokens,
+            Replicas(tuple(self.verifier.kv_budgets()), placed),
         )
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:
@@ -293,6 +304,10 @@ class Scheduler:
             live = self._waiting.popleft()  # schedule admits a prefix of the queue
             assert live.request_id == rid
             self._active[rid] = live
+        moved = [rid for rid, r in plan.placement.items() if rid in self.verifier.placement and placed.get(rid) != r]
+        if moved:  # their replica has no room for them now: their caches go, and are rebuilt on the new one
+            await self.verifier.release(moved)
+        self.verifier.place({rid: replicas[r] for rid, r in plan.placement.items()})
         if self.config.kv_budgets:  # the blocks of requests that finished are free only once their release is through
             await asyncio.gather(*self._releases)
 
@@ -373,9 +388,9 @@ class Scheduler:
         task.add_done_callback(self._releases.discard)
 
     async def _release(self, request_ids: Sequence[str]) -> None:
-        try:
-            await self.verifier.release(request_ids)
-            if self.workers is not None:
+        await self.verifier.release(request_ids)  # a replica that fails the call keeps a cache: only memory
+        if self.workers is not None:
+            try:
                 await self.workers.release(request_ids)
-        except grpc.aio.AioRpcError as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
-            log.info("release failed", extra={"request_ids": list(request_ids), "code": str(exc.code())})
+            except grpc.aio.AioRpcError as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
+                log.info("release failed", extra={"request_ids": list(request_ids), "code": str(exc.code())})

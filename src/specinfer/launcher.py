@@ -88,6 +88,7 @@ class StackConfig:
     verifier_args: tuple[str, ...] = ()  # further flags of the verifier only (e.g. --tensor-parallel 2)
     security: StackSecurity = field(default_factory=StackSecurity)
     http_port: int = 0  # the request manager's OpenAI-compatible HTTP API (0: off)
+    verifiers: int = 1  # LLM verifier replicas (llm-verifier, llm-verifier-1, ...), each request placed on one
 
 
 @dataclass
@@ -162,12 +163,10 @@ class Stack:
     def start(self, timeout: float = START_TIMEOUT) -> Stack:
         c = self.config
         model = ["--backend", c.backend, *c.model_args]
-        verifier = self._spawn(
-            "llm-verifier",
-            "specinfer.llm_verifier",
-            ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args],
-            timeout,
-        )
+        for i in range(c.verifiers):
+            name = "llm-verifier" if i == 0 else f"llm-verifier-{i}"
+            args = ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args]
+            self._spawn(name, "specinfer.llm_verifier", args, timeout)
         ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
         workers = [
             self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, "--torch-threads", str(c.ssm_threads), *model], timeout)
@@ -177,7 +176,7 @@ class Stack:
             "--port",
             str(c.port),
             "--verifier",
-            verifier.address,
+            self.verifier_addresses,
             "--ssm-workers",
             ",".join(w.address for w in workers),
             "--model-dir",
@@ -209,8 +208,8 @@ class Stack:
         self.processes.remove(old)
         proc = self._spawn(name, module, [*args, "--port", port], timeout, address="" if wait else old.address)
         self.processes.remove(proc)
-        # the verifier first, the main request manager last (Stack.address), the rest before it
-        if name == "llm-verifier":
+        # the verifiers first, the main request manager last (Stack.address), the rest before it
+        if name.startswith("llm-verifier"):
             self.processes.insert(0, proc)
         elif name == "request-manager":
             self.processes.append(proc)
@@ -221,14 +220,18 @@ class Stack:
     def spawn_request_manager(self, name: str, args: Sequence[str], timeout: float = 60.0) -> Process:
         """Another request manager on the same verifier and workers (e.g. with other limits)."""
         workers = ",".join(p.address for p in self.processes if p.name.startswith("ssm-worker"))
-        verifier = self.process("llm-verifier").address
-        base = ["--port", "0", "--http-port", "0", "--verifier", verifier, "--ssm-workers", workers, "--model-dir", str(self.config.llm)]
+        base = ["--port", "0", "--http-port", "0", "--verifier", self.verifier_addresses, "--ssm-workers", workers, "--model-dir", str(self.config.llm)]
         base += ["--state-dir", str(self.workdir / name)]
         proc = self._spawn(name, "specinfer.request_manager", [*base, *args], timeout)
         # keep the main request manager last (Stack.address)
         self.processes.remove(proc)
         self.processes.insert(len(self.processes) - 1, proc)
         return proc
+
+    @property
+    def verifier_addresses(self) -> str:
+        """The LLM verifier replicas' addresses, comma-separated (the request manager's ``--verifier``)."""
+        return ",".join(p.address for p in self.processes if p.name.startswith("llm-verifier"))
 
     @property
     def address(self) -> str:

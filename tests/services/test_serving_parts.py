@@ -158,14 +158,15 @@ def test_request_manager_planner_from_reports_and_through_calls(services):
     from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
     from specinfer.core.costs import VerifyShape
     from specinfer.request_manager.adaptive import CALIBRATION_SIZES, calibrate_through_calls, costs_from_reports, priors_from_reports
-    from specinfer.request_manager.remote import SsmWorkers, Verifier
+    from specinfer.request_manager.remote import SsmWorkers, Verifiers
 
     async def scenario():
-        verifier = Verifier(services.llm_verifier.address, 60)
+        verifier = Verifiers([services.llm_verifier.address], 60)
         workers = SsmWorkers([services.ssm_worker.address], 60)
         try:
             await workers.discover()
-            info = await verifier.info()
+            await verifier.discover()
+            info = await verifier.wait_ready(1.0)
             reported = costs_from_reports(info, workers.profiles, ["ssm", "ssm2"])
             assert reported is not None and sorted(reported.drafts) == [0, 1]
             assert priors_from_reports(workers.profiles, ["ssm"]) == {0: DEFAULT_SLOT_PRIOR}  # no tuning file installed

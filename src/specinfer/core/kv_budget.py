@@ -25,12 +25,20 @@ manager. It is first come, first served on KV:
 The oldest running request always fits as long as each request fits every budget alone at its
 longest (drivers check that when a request arrives), so an admitted request never fails for lack
 of KV.
+
+*Replicas* (:class:`Replicas`): the LLM may run as several verifier replicas, each with its own KV
+budget, and a request holds its LLM cache on exactly one of them, its *placement*. A request keeps
+its replica while it fits there (its cache lives there); one not placed yet (new, or its replica
+failed) goes to the replica with the most free blocks once it is in (the fewest rows where replicas
+report no budget), and a running one that no longer fits on its own moves to such a replica rather
+than being preempted (a move rebuilds its cache there, as a preemption would). The other budgets
+(the SSMs' caches) hold every request, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.errors import InvalidArgument
@@ -100,6 +108,22 @@ class Schedule:
     preempted: tuple[str, ...]
     admitted: tuple[str, ...]
     blocks_used: tuple[int, ...]
+    placement: Mapping[str, int] = field(default_factory=dict)  # with replicas: each request of ``run`` -> its replica's index
+    replica_blocks_used: tuple[int, ...] = ()  # with replicas: per replica, the blocks its requests of ``run`` need
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The LLM's verifier replicas (module docstring): ``budgets``, each replica's KV budget (None:
+    it reports none, and only the rows placed on it are balanced); ``placement``, request ID -> the
+    index of the replica holding its cache (a request missing is not placed: new, or its replica is gone)."""
+
+    budgets: tuple[KVBudget | None, ...]
+    placement: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.budgets:
+            raise ValueError("no replica to place requests on")
 
 
 def step_rows(request: GenerationRequest, committed: int, num_ssms: int, planner: PlannerConfig) -> StepRows:
@@ -137,7 +161,12 @@ def check_fits_alone(request: GenerationRequest, budgets: Sequence[KVBudget], nu
 
 
 def schedule(
-    budgets: Sequence[KVBudget], running: Sequence[tuple[str, StepRows]], waiting: Sequence[tuple[str, StepRows]], max_batch: int, max_admit_rows: int = 0
+    budgets: Sequence[KVBudget],
+    running: Sequence[tuple[str, StepRows]],
+    waiting: Sequence[tuple[str, StepRows]],
+    max_batch: int,
+    max_admit_rows: int = 0,
+    replicas: Replicas | None = None,
 ) -> Schedule:
     """Decide an iteration's requests (module docstring). ``running``: (request ID, step rows) of the
     running requests, oldest first; ``waiting``: the same of the waiting ones, in queue order;
@@ -146,36 +175,68 @@ def schedule(
     past the first one admitted (0: no cap). Their prompts are prefilled in the iteration's one
     forward pass, and on a CPU a pass of tens of thousands of tokens runs slower per token than
     several smaller ones (BENCHMARKS.md, "Paged KV cache"), while running requests wait for it.
+    ``replicas``: the LLM's verifier replicas, each request placed on one (module docstring); the
+    result's ``placement`` says where each request of ``run`` is.
 
     Raises ValueError when the oldest running request does not fit alone (a request the driver
     should have refused)."""
     used = [0] * len(budgets)
+    replica_budgets = replicas.budgets if replicas is not None else ()
+    replica_used = [0] * len(replica_budgets)  # blocks, or rows where the replica reports no budget
+    placement: dict[str, int] = {}
 
-    def fits(rows: StepRows) -> bool:
-        return all(u + b.needs(rows) <= b.blocks for u, b in zip(used, budgets, strict=True))
+    def replica_for(request_id: str, rows: StepRows) -> int | None:
+        """The replica ``request_id`` runs on if it joins now (None: none has room)."""
 
-    def take(rows: StepRows) -> None:
+        def room(r: int) -> int:  # what r has left once the request is in (rows placed, negated, without a budget)
+            b = replica_budgets[r]
+            return b.blocks - replica_used[r] - b.needs(rows) if b is not None else -replica_used[r] - rows.verify
+
+        def fits_on(r: int) -> bool:
+            b = replica_budgets[r]
+            return b is None or replica_used[r] + b.needs(rows) <= b.blocks
+
+        assert replicas is not None
+        home = replicas.placement.get(request_id)
+        if home is not None and 0 <= home < len(replica_budgets) and fits_on(home):
+            return home
+        candidates = [r for r in range(len(replica_budgets)) if fits_on(r)]
+        return max(candidates, key=lambda r: (room(r), -r)) if candidates else None
+
+    def fits(request_id: str, rows: StepRows) -> bool:
+        if not all(u + b.needs(rows) <= b.blocks for u, b in zip(used, budgets, strict=True)):
+            return False
+        return replicas is None or replica_for(request_id, rows) is not None
+
+    def take(request_id: str, rows: StepRows) -> None:
         for i, b in enumerate(budgets):
             used[i] += b.needs(rows)
+        if replicas is not None:
+            r = replica_for(request_id, rows)
+            assert r is not None
+            b = replica_budgets[r]
+            replica_used[r] += b.needs(rows) if b is not None else rows.verify
+            placement[request_id] = r
 
     kept: list[str] = []
     for request_id, rows in running:
-        if len(kept) >= max_batch or not fits(rows):
+        if len(kept) >= max_batch or not fits(request_id, rows):
             break
-        take(rows)
+        take(request_id, rows)
         kept.append(request_id)
     if running and not kept:
-        raise ValueError(f"request {running[0][0]!r} needs {running[0][1]} KV rows, more than a KV budget holds ({list(budgets)})")
+        holds = f"{list(budgets)}, replicas {list(replica_budgets)}"
+        raise ValueError(f"request {running[0][0]!r} needs {running[0][1]} KV rows, more than a KV budget holds ({holds})")
     preempted = tuple(request_id for request_id, _ in running[len(kept) :])
     admitted: list[str] = []
     if not preempted:  # else the queue's head is the first preempted request, which did not fit just now
         admitted_rows = 0
         for request_id, rows in waiting:
-            if len(kept) + len(admitted) >= max_batch or not fits(rows):
+            if len(kept) + len(admitted) >= max_batch or not fits(request_id, rows):
                 break
             if admitted and max_admit_rows and admitted_rows + rows.verify > max_admit_rows:
                 break
-            take(rows)
+            take(request_id, rows)
             admitted.append(request_id)
             admitted_rows += rows.verify
-    return Schedule(tuple(kept + admitted), preempted, tuple(admitted), tuple(used))
+    return Schedule(tuple(kept + admitted), preempted, tuple(admitted), tuple(used), placement, tuple(replica_used))

@@ -145,7 +145,13 @@ class SchedulerMetrics:
         self.queue_depth = Gauge("specinfer_queue_depth", "Requests waiting for a batch slot", registry=registry)
         self.running = Gauge("specinfer_running_requests", "Requests in the running batch", registry=registry)
         self.ssm_failures = Counter("specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry)
-        self.verifier_failures = Counter("specinfer_verifier_call_failures", "Failed verify calls (requests wait and retry)", registry=registry)
+        self.verifier_failures = Counter(
+            "specinfer_verifier_call_failures", "Verify rounds with a failed call (its requests retry, elsewhere if their replica is out)", registry=registry
+        )
+        self.verifier_requests = Counter(
+            "specinfer_verifier_requests", "Request steps verified, by LLM verifier replica (address)", ["replica"], registry=registry
+        )
+        self.verifier_replicas_live = Gauge("specinfer_verifier_replicas_live", "LLM verifier replicas in service", registry=registry)
         self.preemptions = Counter(
             "specinfer_preemptions", "Running requests put back at the head of the queue for lack of KV blocks (they resume later)", registry=registry
         )

@@ -1,0 +1,110 @@
+"""Two LLM verifier replicas behind one request manager (issue 17): requests are placed on both,
+every output equals transformers' greedy one, and kill -9 of one replica mid-stream moves its
+requests to the other, which rebuilds their caches from the committed tokens: nothing lost or
+repeated."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from services.harness import wait_until  # tests/services/harness.py
+
+from specinfer.client import Client
+from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.launcher import Stack, StackConfig
+from specinfer.v1 import api_pb2
+
+from .conftest import progress, tokens_of
+
+pytestmark = pytest.mark.reliability
+
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, tmp_path_factory):
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm,),
+        workers=2,
+        verifiers=2,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        expansion=PAPER_EXPANSION,
+        threads=1,
+        rm_args=("--max-batch", "16", "--rpc-timeout-seconds", "30"),
+    )
+    s = Stack(cfg).start()
+    try:
+        yield s
+    finally:
+        s.stop()  # a process killed on purpose exits with -9: no clean-shutdown check here
+
+
+def verified_by_replica(stack: Stack) -> dict[str, float]:
+    """The request manager's ``specinfer_verifier_requests_total`` by replica address."""
+    url = f"http://{stack.process('request-manager').metrics_address}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "specinfer_verifier_requests_total":
+                out[sample.labels["replica"]] = sample.value
+    return out
+
+
+def run_streams(stack: Stack, prompts, prefix: str, fault=None) -> list[list[api_pb2.GenerateResponse]]:
+    """One stream per prompt, all at once; ``fault(client)`` runs once every stream has committed tokens."""
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r)
+            for p, r in zip(prompts, ids, strict=True)
+        ]
+        if fault is not None:
+            wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
+            assert all(progress(client, r) < NEW_TOKENS for r in ids), "a stream finished before the fault: make NEW_TOKENS larger"
+            fault(client)
+        return [f.result(timeout=600) for f in futures]
+
+
+def check(results, prompts, greedy) -> None:
+    for i, (messages, prompt) in enumerate(zip(results, prompts, strict=True)):
+        assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, f"stream {i}: {messages[-1].finished}"
+        assert tokens_of(messages) == greedy(prompt, NEW_TOKENS), f"stream {i} differs from transformers"
+
+
+def test_sixteen_streams_spread_over_both_replicas_equal_transformers(stack, model_pair, greedy):
+    prompts = model_pair.prompts[:16]
+    check(run_streams(stack, prompts, "spread"), prompts, greedy)
+    by_replica = verified_by_replica(stack)
+    replicas = {stack.process(n).address for n in ("llm-verifier", "llm-verifier-1")}
+    assert set(by_replica) == replicas, by_replica
+    total = sum(by_replica.values())
+    # placement by free KV blocks: each replica verified a fair share of the request steps
+    assert all(v >= 0.25 * total for v in by_replica.values()), by_replica
+
+
+def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, greedy):
+    prompts = model_pair.prompts[16:24]
+    killed = stack.process("llm-verifier-1")
+    before = verified_by_replica(stack)
+
+    def kill(client):
+        killed.popen.kill()
+        killed.popen.wait()
+
+    check(run_streams(stack, prompts, "replica-kill", kill), prompts, greedy)
+    log = (stack.workdir / "request-manager.log").read_text(errors="replace")
+    assert "LLM verifier taken out" in log
+    after = verified_by_replica(stack)
+    survivor = stack.process("llm-verifier").address
+    assert after[survivor] > before.get(survivor, 0)
+    # back on the same port, it is health-probed and placed on again
+    stack.respawn("llm-verifier-1")
+    wait_until(lambda: "LLM verifier back in service" in (stack.workdir / "request-manager.log").read_text(errors="replace"), 60, "the replica back")
+    check(run_streams(stack, model_pair.prompts[24:32], "replica-back"), model_pair.prompts[24:32], greedy)
+    assert verified_by_replica(stack)[killed.address] > after.get(killed.address, 0)
