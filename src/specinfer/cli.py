@@ -197,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--llm", help="LLM checkpoint folder (default: the demo pair)")
     up.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several; default: the demo pair's)")
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
+    up.add_argument("--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)")
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
@@ -236,7 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ssm_threads=args.ssm_threads,
                 security=_stack_security(args),
                 http_port=args.http_port,
+                verifiers=args.verifiers,
             )
+            if cfg.verifiers < 1:
+                raise InvalidArgument("verifiers", f"must be at least 1, got {cfg.verifiers}")
             return run_up(cfg)
         if args.command == "tune":
             return tune_main(args)
