@@ -56,6 +56,8 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         call = self._contexts.admit(request.items, self.vocab_size, self.llm.max_positions, wire.verify_job_from_proto)
         verdicts = await self.runner.call(verify_counting_hits, call.jobs) if call.jobs else []
         response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire.verify_result_to_proto))
+        if self.llm.kv_budget is not None:
+            response.kv_blocks_free = self.llm.kv_blocks_free or 0
         seconds = time.monotonic() - started
         self.metrics.observe(self.name, len(call.jobs), sum(len(job.draft.tree) for job in call.jobs), call.misses, seconds, len(self._contexts))
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)

@@ -172,6 +172,8 @@ class Verifiers(ReplicaPool):
         self.infos: dict[str, internal_pb2.LlmInfo] = {}  # address -> what it reported when it joined
         self.reference: internal_pb2.LlmInfo | None = None  # the first replica's report: what every replica must match
         self.placement: dict[str, str] = {}  # request ID -> replica address holding its cache
+        self.free: dict[str, int] = {}  # address -> KV blocks it last said no request holds (replicas with a KV budget)
+        self._free_at: dict[str, float] = {}  # address -> time.monotonic() of that report
         self.refusal: grpc.aio.AioRpcError | None = None  # the last join refused for our credentials (start-up reports it)
 
     # -- membership -------------------------------------------------------------------------------
@@ -196,10 +198,14 @@ class Verifiers(ReplicaPool):
         super()._join(address, channel, info)
         self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
         self.infos[address] = info
+        if wire.kv_budget_from_proto(info) is not None:
+            self._heard_free(address, info.kv_blocks_free)
 
     def _leave(self, address: str) -> None:
         super()._leave(address)
         del self._stubs[address], self.infos[address]
+        self.free.pop(address, None)
+        self._free_at.pop(address, None)
         self._unplace_from(address)
 
     def _report_taken_out(self, address: str, error: BaseException) -> None:
@@ -229,9 +235,22 @@ class Verifiers(ReplicaPool):
             wait = min(2 * wait, retry_max_seconds)
         return self.reference
 
-    def kv_budgets(self) -> list[KVBudget | None]:
-        """Each live replica's KV budget, in :meth:`live` order (None: it reports none)."""
-        return [wire.kv_budget_from_proto(self.infos[a]) for a in self.live()]
+    def kv_budgets(self, own: Mapping[str, int] | None) -> list[KVBudget | None]:
+        """What each live replica's KV budget leaves to us, in :meth:`live` order (None: it reports
+        none). Other request managers may share a replica: the blocks it last said were held, less
+        ``own`` (address -> the blocks our requests placed there need, by the last schedule), are
+        theirs, and are not ours to admit into (``own`` None: the whole budgets). With one request
+        manager that is about nothing; with several, two may still admit into the same free blocks at
+        once: the replica then refuses the call (RESOURCE_EXHAUSTED), its free count is asked again,
+        and the next schedule preempts."""
+        out: list[KVBudget | None] = []
+        for a in self.live():
+            total = wire.kv_budget_from_proto(self.infos[a])
+            if total is not None and own is not None and a in self.free:
+                others = max(0, total.blocks - self.free[a] - own.get(a, 0))
+                total = KVBudget(total.block_size, total.blocks - others)
+            out.append(total)
+        return out
 
     def place(self, placement: Mapping[str, str]) -> None:
         """Record where requests run (request ID -> live replica address)."""
@@ -260,7 +279,8 @@ class Verifiers(ReplicaPool):
         """One verify call per replica for the requests placed on it, concurrently. A replica that
         fails is taken out and its requests are unplaced (they fail this round); a call that failed
         across a stall of ours, or that the replica refused as the caller's fault, fails its requests
-        without taking the replica out. Raises VerifierUnavailable when no call got through."""
+        without taking the replica out. Raises VerifierUnavailable when no call got through, unless
+        every refusal was for lack of KV blocks (the replicas answer; the next schedule preempts)."""
         by_replica: dict[str, list[VerifySpec]] = {}
         failed: list[str] = []
         for c in calls:
@@ -284,34 +304,62 @@ class Verifiers(ReplicaPool):
                 stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
                 if part.code() in CALLER_FAULTS or stalled:
                     log.warning("verify call failed; its requests retry", extra={"address": address, "code": str(part.code()), "details": part.details()})
+                    if part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV blocks ran out (shared with another manager)
+                        await self._ask_free(address)
                 else:
                     self.tracker(address).reset()  # it may restart and come back knowing nothing
                     self.take_out(address, part)
             elif isinstance(part, BaseException):
                 raise part
             else:
-                results, seconds = part
+                results, seconds, free = part
                 verdicts.update(results)
                 timings.append((address, tuple(cs), seconds))
-        if not verdicts and errors:
-            raise VerifierUnavailable(f"every verify call failed: {errors[0].code()} {errors[0].details()}")
+                if free is not None:
+                    self._heard_free(address, free)
+        unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]  # a full KV cache answers: it is there
+        if not verdicts and unreachable:
+            raise VerifierUnavailable(f"every verify call failed: {unreachable[0].code()} {unreachable[0].details()}")
         return VerifyRound(verdicts, tuple(failed), tuple(timings))
 
     async def _verify_on(
         self, stub: internal_pb2_grpc.LlmVerifierStub, tracker: ContextTracker, calls: Sequence[VerifySpec]
-    ) -> tuple[dict[str, Verdict], float]:
+    ) -> tuple[dict[str, Verdict], float, int | None]:
+        """The verdicts, the round trip in seconds and the KV blocks the replica said were free (None: it has no budget)."""
         started = time.perf_counter()  # the round trip of every attempt: the network is part of what a step costs
+        free: list[int | None] = [None]
 
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
             for c, ctx in zip(pending, contexts, strict=True):
                 request.items.add(context=ctx, tree=wire.draft_to_proto(c.draft), sampling=wire.sampling_to_proto(c.sampling), seed=c.seed, step=c.step)
             response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
+            free[0] = response.kv_blocks_free if response.HasField("kv_blocks_free") else None
             return response.results
 
         results = await call_with_context(send, calls, tracker)
         verdicts = {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens)) for rid, r in results.items()}
-        return verdicts, time.perf_counter() - started
+        return verdicts, time.perf_counter() - started, free[0]
+
+    def _heard_free(self, address: str, free: int) -> None:
+        self.free[address] = free
+        self._free_at[address] = time.monotonic()
+
+    async def _ask_free(self, address: str) -> None:
+        try:
+            info = await self.info(address)
+        except grpc.aio.AioRpcError:
+            return
+        if address in self.free:
+            self._heard_free(address, info.kv_blocks_free)
+
+    async def refresh_free(self, max_age: float) -> None:
+        """Ask the live replicas whose free-block count is older than ``max_age`` seconds (those no
+        verify call of ours reached lately) for a new one, concurrently."""
+        now = time.monotonic()
+        stale = [a for a in self.live() if a in self.free and now - self._free_at.get(a, 0.0) > max_age]
+        if stale:
+            await asyncio.gather(*(self._ask_free(a) for a in stale))
 
     async def release(self, request_ids: Sequence[str]) -> None:
         """Free the caches of ``request_ids`` on their replicas and unplace them. A replica that

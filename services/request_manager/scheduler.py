@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +28,7 @@ from specinfer.core import DraftTree
 from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import Running, draft_specs, verify_specs
-from specinfer.core.kv_budget import KVBudget, Replicas, StepRows, schedule, step_rows
+from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
@@ -38,6 +39,8 @@ from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
 ROOT_ONLY = PlannerConfig(max_nodes=1, max_depth=0)  # the tree limits without a planner: the root alone
+FREE_BLOCKS_MAX_AGE = 1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
+IDLE_ADMIT_SECONDS = 0.1  # pause between admission tries while requests wait and none fits
 
 
 class QueueFull(ResourceExhausted):
@@ -138,6 +141,8 @@ class Scheduler:
         self._waiting: deque[Live] = deque()
         self._active: dict[str, Live] = {}  # in admission order, oldest first
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
+        self._replica_blocks: dict[str, int] = {}  # verifier replica -> KV blocks our requests there need (last schedule)
+        self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
@@ -224,6 +229,8 @@ class Scheduler:
         m.running.set(len(self._active))
         batch = list(self._active.values())
         if not batch:
+            if self._waiting:  # nothing fits now: look again shortly (other managers' requests finish, KV frees)
+                await asyncio.sleep(IDLE_ADMIT_SECONDS)
             return
         self.iterations += 1
         started = time.perf_counter()
@@ -280,17 +287,26 @@ class Scheduler:
         workers and it waits at the head of the queue with its output (its stream pauses);
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
         replicas = self.verifier.live()
-        if not replicas:
-            return  # no verifier to place requests on: the iteration waits for one (VerifierUnavailable)
+        if not replicas or time.monotonic() < self._paused_until:
+            return  # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
         placed = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
-        plan = schedule(
-            self.config.kv_budgets,
-            [(rid, self._step_rows(live)) for rid, live in self._active.items()],
-            [(live.request_id, self._step_rows(live)) for live in self._waiting],
-            self.config.max_batch,
-            self.config.max_prefill_tokens,
-            Replicas(tuple(self.verifier.kv_budgets()), placed),
-        )
+        running = [(rid, self._step_rows(live)) for rid, live in self._active.items()]
+        waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
+        cfg = self.config
+        await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
+        shares = Replicas(tuple(self.verifier.kv_budgets(self._replica_blocks)), placed)
+        try:
+            plan = schedule(cfg.kv_budgets, running, waiting, cfg.max_batch, cfg.max_prefill_tokens, shares)
+        except ValueError:
+            # other request managers hold so much of every replica that even our oldest request fits
+            # in none of what they leave (each fits a replica alone): two managers whose requests
+            # grow into the same blocks would wait for each other forever. Step back: every request
+            # of ours waits (its blocks go to theirs), and comes back after a random pause, with
+            # fresh counts, so that two managers stepping back at once do not return together.
+            plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
+            self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * cfg.verifier_backoff_seconds
+            log.warning("every running request waits: other request managers hold the verifiers' KV blocks", extra={"requests": len(running)})
+        self._replica_blocks = dict(zip(replicas, plan.replica_blocks_used, strict=True))
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:
             self._waiting.extendleft(reversed(back))

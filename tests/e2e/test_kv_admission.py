@@ -12,6 +12,7 @@ import json
 import grpc
 import pytest
 from oracles import hf_greedy, serving  # tests/oracles.py
+from services.harness import wait_until  # tests/services/harness.py
 from test_stack import scrape, total  # tests/e2e/test_stack.py (pytest puts tests/e2e on the path)
 
 from specinfer.client import Client
@@ -124,3 +125,27 @@ def test_shared_prefixes_are_cached_and_output_matches_transformers(stack, model
     queries = total(after, "specinfer_prefix_cache_queries_total", role="llm") - total(before, "specinfer_prefix_cache_queries_total", role="llm")
     assert sum(cached) <= hits <= queries  # resumed requests may hit more than their prompts
     assert total(after, "specinfer_kv_blocks_free", role="llm") == total(after, "specinfer_kv_blocks", role="llm")  # idle cached blocks count as free
+
+
+def test_two_request_managers_share_the_verifiers_kv_blocks(stack, model_pair, prompts, expected):
+    """A second request manager (its own Redis) on the same verifier and worker: each sees the blocks
+    the other's requests hold (``VerifyResponse.kv_blocks_free``) and admits into what is left, so
+    8 requests split over both still all finish, exactly, and every block is released afterwards."""
+    second = stack.spawn_request_manager("request-manager-b", ["--max-batch", "8", "--max-new-tokens", "256"])
+    requests = [(stack.address if i % 2 else second.address, Client.request(ids, NEW_TOKENS)) for i, ids in enumerate(prompts)]
+
+    def run(address, request):
+        with Client(address, timeout=600) as client:
+            return list(client.stream(request))
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        streams = list(pool.map(lambda ar: run(*ar), requests))
+    for i, messages in enumerate(streams):
+        assert messages[-1].HasField("finished"), f"request {i} did not finish"
+        assert [t for m in messages for t in m.token_ids] == expected[i], f"request {i} differs from transformers"
+
+    def all_free() -> bool:  # releases follow the last step
+        verifier = scrape(stack.process("llm-verifier").metrics_address)
+        return total(verifier, "specinfer_kv_blocks_free", role="llm") == total(verifier, "specinfer_kv_blocks", role="llm")
+
+    wait_until(all_free, 30, "every KV block released")

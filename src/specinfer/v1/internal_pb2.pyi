@@ -186,10 +186,12 @@ class VerifyResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "kv_blocks_free")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+    kv_blocks_free: int
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
 
 class LlmInfoRequest(_message.Message):
     __slots__ = ()
