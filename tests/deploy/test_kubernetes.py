@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from .artifacts import HTTP_PORTS, K8S, KUSTOMIZATIONS, PORTS, REDIS, REQUIRED, SERVICES, image_key, images, public_ports, rendered, settings
-from .kustomize import load_documents
+from .kustomize import load_documents, render
 
 # the oldest Kubernetes the manifests are for (gRPC probes are GA since 1.27) and the newest schema
 # kubernetes-validate ships
@@ -362,6 +363,34 @@ def test_replicas_disruption_budgets_and_leases(name):
     assert verifier["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     expected = {"ssm-worker", "llm-verifier"} | ({"redis-cluster"} if REDIS.get(name) == "cluster" else set())
     assert {n: b.get("maxUnavailable") for n, b in budgets.items() if n != "request-manager"} == dict.fromkeys(expected, 1)
+
+
+def redis_part(objects: list[Obj]) -> tuple[dict[tuple[str, str], Obj], dict[str, str]]:
+    """The objects of the Redis the request managers use (names with "redis", the password Secret
+    aside) and the request manager's Redis settings."""
+    env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
+    ours = {(o["kind"], o["metadata"]["name"]): o for o in objects if "redis" in o["metadata"]["name"] and o["kind"] != "Secret"}
+    return ours, {k: v for k, v in env.items() if k.startswith("SPECINFER_REDIS")}
+
+
+@pytest.mark.parametrize("component", [c for c in REDIS if c != "single"])
+@pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "multi-gpu", "tls")])
+def test_the_redis_components_apply_to_every_overlay(component, overlay, tmp_path):
+    """deploy/README.md says to list components/external-redis or components/redis-cluster in any
+    overlay: rendered so, the result validates and has the same Redis as overlays/<component>."""
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    relative = {"resources": [os.path.relpath(KUSTOMIZATIONS[overlay], tmp_path)], "components": [os.path.relpath(K8S / "components" / component, tmp_path)]}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization | relative))  # kustomize refuses absolute paths
+    objects = render(tmp_path)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[0], strict=True)
+    assert redis_part(objects) == redis_part(rendered(component))
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects} - set(redis_part(objects)[0]) == {
+        (o["kind"], o["metadata"]["name"]) for o in rendered(overlay) if "redis" not in o["metadata"]["name"] or o["kind"] == "Secret"
+    }
+    if (_kustomize_version() or (0,)) >= (5, 0):
+        out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert sorted((o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out) if o) == sorted((o["kind"], o["metadata"]["name"]) for o in objects)
 
 
 @pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "gpu")])
