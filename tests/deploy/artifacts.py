@@ -33,7 +33,12 @@ KUSTOMIZATIONS = {
     "gpu": K8S / "overlays/gpu",
     "multi-gpu": K8S / "overlays/multi-gpu",
     "tls": K8S / "overlays/tls",
+    "external-redis": K8S / "overlays/external-redis",
+    "redis-cluster": K8S / "overlays/redis-cluster",
 }
+# which Redis the request managers use: the base's single Redis StatefulSet unless the overlay has
+# components/external-redis or components/redis-cluster
+REDIS = {"external-redis": "external", "redis-cluster": "cluster"}
 SERVICES = ("request-manager", "ssm-worker", "llm-verifier")
 PORTS = {"request-manager": 50051, "ssm-worker": 50052, "llm-verifier": 50053}  # gRPC
 HTTP_PORTS = {"request-manager": 8000}  # the request manager's OpenAI-compatible HTTP API

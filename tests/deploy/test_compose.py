@@ -47,7 +47,8 @@ from .artifacts import (
 )
 
 HEALTHCHECK = ["CMD", "python", "-m", "specinfer.serving.healthcheck"]
-OURS = ("request-manager", "ssm-worker", "llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu")
+VERIFIERS = ("llm-verifier", "llm-verifier-multi-gpu", "llm-verifier-cpu")  # one per profile
+OURS = ("request-manager", "ssm-worker", *VERIFIERS)
 STACK_IDS = [pytest.param(stack, id=f"compose-{stack}") for stack in STACKS]
 
 
@@ -98,8 +99,22 @@ def test_services_and_profiles(stack):
     gpu = services["llm-verifier"]["deploy"]["resources"]["reservations"]["devices"]
     assert gpu == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert [name for name, s in services.items() if "deploy" in s] == ["llm-verifier", "llm-verifier-multi-gpu"]
-    # --scale ssm-worker=N needs a service without a fixed container name or host port
-    assert "container_name" not in services["ssm-worker"] and "ports" not in services["ssm-worker"]
+    # --scale ssm-worker=N and --scale <verifier>=N need services without a fixed container name or host port
+    for name in ("ssm-worker", *VERIFIERS):
+        assert not {"container_name", "ports", "hostname"} & set(services[name]), name
+        assert "replicas" not in services[name].get("deploy", {}), name  # --scale decides
+
+
+@pytest.mark.parametrize("stack", STACK_IDS)
+def test_every_verifier_replica_answers_as_llm_verifier(stack):
+    """Compose's DNS answers a name with one address per container holding it as service name or
+    network alias: dns:///llm-verifier:50053 finds every replica of whichever verifier runs."""
+    services = compose(stack=stack)["services"]
+    for name in VERIFIERS:
+        names = {name, *services[name].get("networks", {}).get("default", {}).get("aliases", [])}
+        assert "llm-verifier" in names, name
+        assert set(services[name].get("networks", {"default": None})) == {"default"}, name  # the request manager's network
+    assert "networks" not in services["request-manager"]
 
 
 def test_multi_gpu_profile_reserves_a_gpu_per_rank():
@@ -194,10 +209,10 @@ def test_redis_and_the_request_manager_share_the_password(variables, stack):
 
 
 @pytest.mark.parametrize("stack", STACK_IDS)
-def test_the_request_manager_finds_every_ssm_worker_replica(stack):
+def test_the_request_manager_finds_every_worker_and_verifier_replica(stack):
     env = compose(stack=stack)["services"]["request-manager"]["environment"]
     assert env["SPECINFER_SSM_WORKERS"] == f"dns:///ssm-worker:{PORTS['ssm-worker']}"
-    assert env["SPECINFER_VERIFIER"] == f"llm-verifier:{PORTS['llm-verifier']}"
+    assert env["SPECINFER_VERIFIER"] == f"dns:///llm-verifier:{PORTS['llm-verifier']}"
 
 
 # -- the compose command lines, run as local processes ----------------------------------------------
@@ -311,6 +326,7 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
         replace = {**paths, "redis:6379": f"127.0.0.1:{redis.port}", "llm-verifier:50053": verifier.address, "ssm-worker:50052": worker.address}
         command, env = local_command("request-manager", variables, replace, stack)
         assert env["SPECINFER_SSM_WORKERS"] == f"dns:///{worker.address}"  # the DNS code path, on a numeric name
+        assert env["SPECINFER_VERIFIER"] == f"dns:///{verifier.address}"
         assert env["SPECINFER_HTTP_PORT"] == "8000"
         env["SPECINFER_HTTP_PORT"] = str(free_tcp_port())  # 8000 is the container's own; on this host another process may hold it
         with serving("request-manager", command, env, variables, stack, logs) as rm:

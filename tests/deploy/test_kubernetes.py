@@ -1,10 +1,12 @@
-"""deploy/k8s: the base and both overlays render, validate against the Kubernetes OpenAPI schema,
-and agree with the images, the services' settings and each other (selectors, ports, env)."""
+"""deploy/k8s: the base and every overlay render, validate against the Kubernetes OpenAPI schema,
+and agree with the images, the services' settings and each other (selectors, ports, env); the
+scale-out facts (replicas, disruption budgets, leases, the Redis choices) hold in each."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,23 +16,28 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .artifacts import HTTP_PORTS, K8S, KUSTOMIZATIONS, PORTS, REQUIRED, SERVICES, image_key, images, public_ports, rendered, settings
-from .kustomize import load_documents
+from .artifacts import HTTP_PORTS, K8S, KUSTOMIZATIONS, PORTS, REDIS, REQUIRED, SERVICES, image_key, images, public_ports, rendered, settings
+from .kustomize import load_documents, render
 
 # the oldest Kubernetes the manifests are for (gRPC probes are GA since 1.27) and the newest schema
 # kubernetes-validate ships
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
-WORKLOADS = ("Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # ids other than "gpu": tests/conftest.py skips every test with a "gpu" keyword where there is no CUDA device
 NAMES = [pytest.param(name, id=f"k8s-{name}") for name in KUSTOMIZATIONS]
 # created by the operator before `kubectl apply -k` (deploy/README.md), so absent from the render
 TLS_SECRETS = {("Secret", f"specinfer-tls-{service}") for service in SERVICES} | {("Secret", "specinfer-tokens")}
+GPU_CLUSTER = {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")}
 EXTERNAL = {
-    "gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
-    "multi-gpu": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models")},
-    "tls": {("Secret", "specinfer-redis"), ("PersistentVolumeClaim", "specinfer-models"), *TLS_SECRETS},
+    "gpu": GPU_CLUSTER,
+    "multi-gpu": GPU_CLUSTER,
+    "tls": GPU_CLUSTER | TLS_SECRETS,
+    "external-redis": GPU_CLUSTER,  # its Secret holds the URL too
+    "redis-cluster": GPU_CLUSTER,
     "base": {("PersistentVolumeClaim", "specinfer-models")},
 }
+# LLM verifier replicas: one GPU group each where there are GPUs, more than one
+VERIFIER_REPLICAS = {"base": 1, "cpu-dev": 1, "gpu": 2, "multi-gpu": 2, "tls": 2, "external-redis": 2, "redis-cluster": 2}
 
 Obj = dict[str, Any]
 
@@ -40,7 +47,7 @@ def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
 
 
 def containers(objects: list[Obj]) -> list[tuple[Obj, Obj]]:
-    """(workload, container) for every container of every Deployment and StatefulSet."""
+    """(workload, container) for every container of every Deployment, StatefulSet and Job."""
     return [(o, c) for o in objects if o["kind"] in WORKLOADS for c in o["spec"]["template"]["spec"]["containers"]]
 
 
@@ -117,7 +124,8 @@ def test_selectors_match_the_pods(name):
     objects = rendered(name)
     workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in WORKLOADS}
     for w in workloads.values():
-        assert matches(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
+        if w["kind"] != "Job":  # a Job's selector is generated
+            assert matches(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
 
     def selected(selector: dict[str, str]) -> list[str]:
         return [n for n, w in workloads.items() if matches(selector, w["spec"]["template"]["metadata"]["labels"])]
@@ -126,6 +134,9 @@ def test_selectors_match_the_pods(name):
         assert len(selected(svc["spec"]["selector"])) == 1, svc["metadata"]["name"]
     for pdb in by_kind(objects, "PodDisruptionBudget").values():
         assert selected(pdb["spec"]["selector"]["matchLabels"]) == [pdb["metadata"]["name"]]
+    for name_, w in workloads.items():  # pods spread over nodes count their own workload's pods
+        for spread in w["spec"]["template"]["spec"].get("topologySpreadConstraints", []):
+            assert selected(spread["labelSelector"]["matchLabels"]) == [name_]
     for policy in by_kind(objects, "NetworkPolicy").values():
         selector = policy["spec"]["podSelector"].get("matchLabels", {})
         assert selected(selector), policy["metadata"]["name"]
@@ -138,8 +149,8 @@ def test_selectors_match_the_pods(name):
         target = hpa["spec"]["scaleTargetRef"]
         assert target["kind"] == "Deployment" and target["name"] in workloads
         assert "replicas" not in workloads[target["name"]]["spec"], "the HPA owns the replica count"
-    sts = by_kind(objects, "StatefulSet")["redis"]
-    assert by_kind(objects, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    for sts in by_kind(objects, "StatefulSet").values():
+        assert by_kind(objects, "Service")[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
 
 
 METRICS_PORT = 9464
@@ -245,7 +256,8 @@ def test_images_run_the_dockerfiles_entry_points(name):
 
 
 def test_gpu_overlay_puts_the_models_on_gpus():
-    for name, device in (("gpu", "cuda"), ("multi-gpu", "cuda"), ("tls", "cuda"), ("cpu-dev", "cpu"), ("base", "cpu")):
+    for name in KUSTOMIZATIONS:
+        device = "cpu" if name in ("base", "cpu-dev") else "cuda"
         objects = rendered(name)
         for _, container in containers(objects):
             service = service_of(container)
@@ -264,8 +276,19 @@ def test_gpu_overlay_puts_the_models_on_gpus():
                 assert "nvidia.com/gpu" not in limits
 
 
+# (pods, port) -> the pods of this namespace that may connect there, by the Redis the overlay uses:
+# the request manager reaches the model services and Redis; Redis Cluster nodes also reach each
+# other (replication on 6379, the cluster bus on 16379) and the Job that forms the cluster reaches them
+INTERNAL = {("ssm-worker", 50052): {"request-manager"}, ("llm-verifier", 50053): {"request-manager"}}
+REDIS_INGRESS = {
+    "single": {("redis", 6379): {"request-manager"}},
+    "external": {},
+    "cluster": {("redis-cluster", 6379): {"request-manager", "redis-cluster", "redis-cluster-create"}, ("redis-cluster", 16379): {"redis-cluster"}},
+}
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_only_the_request_manager_reaches_the_internal_services(name):
+def test_each_internal_port_is_open_only_to_the_pods_that_use_it(name):
     policies = by_kind(rendered(name), "NetworkPolicy")
     deny = policies.pop("default-deny-ingress")
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
@@ -275,37 +298,113 @@ def test_only_the_request_manager_reaches_the_internal_services(name):
     assert metrics["spec"]["ingress"] == [
         {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}
     ]
-    assert {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in policies.values()} == {"ssm-worker", "llm-verifier", "redis"}
+    allowed: dict[tuple[str, int], set[str]] = {}
     for policy in policies.values():
-        peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
-        assert peers == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "request-manager", "app.kubernetes.io/part-of": "specinfer"}}}]
+        target = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for rule in policy["spec"]["ingress"]:
+            peers = set()
+            for peer in rule["from"]:  # specinfer pods of this namespace, by name
+                assert set(peer) == {"podSelector"}, policy["metadata"]["name"]
+                labels = peer["podSelector"]["matchLabels"]
+                assert set(labels) == {"app.kubernetes.io/name", "app.kubernetes.io/part-of"} and labels["app.kubernetes.io/part-of"] == "specinfer"
+                peers.add(labels["app.kubernetes.io/name"])
+            for port in rule["ports"]:
+                assert port["protocol"] == "TCP"
+                allowed.setdefault((target, port["port"]), set()).update(peers)
+    assert allowed == INTERNAL | REDIS_INGRESS[REDIS.get(name, "single")]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_request_manager_finds_the_others_through_headless_services(name):
+    """Every SSM worker and every verifier replica through a headless Service (one DNS record per
+    ready pod), and the Redis the overlay chose: the base's single Redis, an external one (its URL in
+    the Secret), or the Redis Cluster (through any node, with the cluster client)."""
     objects = rendered(name)
     services = by_kind(objects, "Service")
     env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
     for variable, service in (("SPECINFER_SSM_WORKERS", "ssm-worker"), ("SPECINFER_VERIFIER", "llm-verifier")):
         assert env[variable] == f"dns:///{service}:{PORTS[service]}"
         assert services[service]["spec"]["clusterIP"] == "None"
-    assert env["SPECINFER_REDIS_URL"] == "redis://redis:6379/0"
     assert env["SPECINFER_REDIS_PASSWORD"] == "<secret:specinfer-redis/password>"
-    redis = by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]
-    assert redis["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
-    assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}["REDIS_PASSWORD"] == {"name": "specinfer-redis", "key": "password"}
+    statefulsets = by_kind(objects, "StatefulSet")
+    redis = REDIS.get(name, "single")
+    if redis == "single":
+        assert env["SPECINFER_REDIS_URL"] == "redis://redis:6379/0" and "SPECINFER_REDIS_CLUSTER" not in env
+        assert set(statefulsets) == {"redis"}
+        container = statefulsets["redis"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+        assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]}["REDIS_PASSWORD"] == {"name": "specinfer-redis", "key": "password"}
+    elif redis == "external":
+        assert env["SPECINFER_REDIS_URL"] == "<secret:specinfer-redis/url>" and "SPECINFER_REDIS_CLUSTER" not in env
+        assert "SPECINFER_REDIS_URL" not in by_kind(objects, "ConfigMap")["specinfer-request-manager"]["data"]  # one place says where Redis is
+        assert not statefulsets and "redis" not in services
+    else:
+        assert env["SPECINFER_REDIS_URL"] == "redis://redis-cluster:6379" and env["SPECINFER_REDIS_CLUSTER"] == "1"
+        assert set(statefulsets) == {"redis-cluster"} and services["redis-cluster"]["spec"]["clusterIP"] == "None"
+        assert "redis" not in services
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replicas_disruption_budgets_and_leases(name):
+    """Two request managers, and a drain never takes the last; each owns its requests through a
+    lease the other adopts them after. Verifier replicas: more than one wherever there are GPUs,
+    replaced one at a time without a GPU more than they hold. Every model service and Redis Cluster
+    loses at most one pod to a drain."""
+    objects = rendered(name)
+    deployments = by_kind(objects, "Deployment")
+    budgets = {n: b["spec"] for n, b in by_kind(objects, "PodDisruptionBudget").items()}
+    assert deployments["request-manager"]["spec"]["replicas"] == 2
+    assert budgets["request-manager"]["minAvailable"] == 1 and "maxUnavailable" not in budgets["request-manager"]
+    env = environment(objects, deployments["request-manager"]["spec"]["template"]["spec"]["containers"][0])
+    assert float(env["SPECINFER_LEASE_SECONDS"]) > 0
+    assert "SPECINFER_OWNER" not in env  # the host name, i.e. the pod's name: unique per pod, new for a replacement
+    verifier = deployments["llm-verifier"]["spec"]
+    assert verifier["replicas"] == VERIFIER_REPLICAS[name]
+    assert verifier["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    expected = {"ssm-worker", "llm-verifier"} | ({"redis-cluster"} if REDIS.get(name) == "cluster" else set())
+    assert {n: b.get("maxUnavailable") for n, b in budgets.items() if n != "request-manager"} == dict.fromkeys(expected, 1)
+
+
+def redis_part(objects: list[Obj]) -> tuple[dict[tuple[str, str], Obj], dict[str, str]]:
+    """The objects of the Redis the request managers use (names with "redis", the password Secret
+    aside) and the request manager's Redis settings."""
+    env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
+    ours = {(o["kind"], o["metadata"]["name"]): o for o in objects if "redis" in o["metadata"]["name"] and o["kind"] != "Secret"}
+    return ours, {k: v for k, v in env.items() if k.startswith("SPECINFER_REDIS")}
+
+
+@pytest.mark.parametrize("component", [c for c in REDIS if c != "single"])
+@pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "multi-gpu", "tls")])
+def test_the_redis_components_apply_to_every_overlay(component, overlay, tmp_path):
+    """deploy/README.md says to list components/external-redis or components/redis-cluster in any
+    overlay: rendered so, the result validates and has the same Redis as overlays/<component>."""
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    relative = {"resources": [os.path.relpath(KUSTOMIZATIONS[overlay], tmp_path)], "components": [os.path.relpath(K8S / "components" / component, tmp_path)]}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization | relative))  # kustomize refuses absolute paths
+    objects = render(tmp_path)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[0], strict=True)
+    assert redis_part(objects) == redis_part(rendered(component))
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects} - set(redis_part(objects)[0]) == {
+        (o["kind"], o["metadata"]["name"]) for o in rendered(overlay) if "redis" not in o["metadata"]["name"] or o["kind"] == "Secret"
+    }
+    if (_kustomize_version() or (0,)) >= (5, 0):
+        out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert sorted((o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out) if o) == sorted((o["kind"], o["metadata"]["name"]) for o in objects)
 
 
 @pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "gpu")])
 def test_each_overlay_has_one_settings_file(overlay):
     """What users change lives in the overlay's settings.yaml: the three ConfigMaps (models, token
-    tree, batch limits), the request manager's replicas and the SSM workers' autoscaling bounds."""
+    tree, batch limits), the request manager's and the verifier's replicas and the SSM workers'
+    autoscaling bounds."""
     patches = load_documents(K8S / "overlays" / overlay / "settings.yaml")
     assert {(p["kind"], p["metadata"]["name"]) for p in patches} == {
         ("ConfigMap", "specinfer-request-manager"),
         ("ConfigMap", "specinfer-ssm-worker"),
         ("ConfigMap", "specinfer-llm-verifier"),
         ("Deployment", "request-manager"),
+        ("Deployment", "llm-verifier"),
         ("HorizontalPodAutoscaler", "ssm-worker"),
     }
     data = {p["metadata"]["name"]: p.get("data", {}) for p in patches if p["kind"] == "ConfigMap"}
