@@ -52,7 +52,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.05)
 
 
-@dataclass
+@dataclass(eq=False)  # a node is itself: compared and hashed by identity
 class ClusterNode:
     server: EmbeddedRedis
     node_id: str = ""

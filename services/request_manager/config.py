@@ -68,7 +68,7 @@ class RequestManagerConfig:
             0,
             "replicas that must acknowledge each write before tokens are streamed (WAIT), so an acknowledged token survives a failover (0: off)",
         )
-        add_setting(p, "--redis-replica-timeout-seconds", float, 1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (and is retried)")
+        add_setting(p, "--redis-replica-timeout-seconds", float, 1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(p, "--verifier", str, "127.0.0.1:50053", "LLM verifier address")
@@ -153,9 +153,11 @@ def check_redis(a: argparse.Namespace) -> None:
     """The Redis settings fit together: a cluster or replicas need an external Redis (--redis-url); the
     embedded one is a single server without replicas."""
     if a.redis_cluster and not a.redis_url:
-        raise InvalidArgument("redis-cluster", "--redis-cluster needs --redis-url naming a node of the cluster (the embedded Redis, empty --redis-url, is no cluster)")
+        raise InvalidArgument("redis-cluster", "--redis-cluster needs --redis-url naming a node of the cluster (the embedded Redis is no cluster)")
     if a.redis_cluster and not a.redis_url.startswith(("redis://", "rediss://")):
-        raise InvalidArgument("redis-url", f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://")
+        raise InvalidArgument(
+            "redis-url", f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://"
+        )
     if a.redis_min_replica_acks < 0:
         raise InvalidArgument("redis-min-replica-acks", f"must be >= 0, got {a.redis_min_replica_acks}")
     if a.redis_min_replica_acks and not a.redis_url:
