@@ -56,15 +56,25 @@ end
 """
 
 # KEYS: meta, out. ARGV: params JSON, packed prompt, owner, now. A finished request's ID may be reused:
-# its old keys (already expiring) are dropped first.
-CREATE = """
-local m = redis.call('HMGET', KEYS[1], 'status', 'owner')
-if m[1] and m[1] ~= 'finished' then return {-5, m[2]} end
+# its old keys (already expiring) are dropped first. A retry of this very create (its reply was lost:
+# same owner, same creation time) is UNCHANGED (touched), not EXISTS.
+CREATE = (
+    _CHECK
+    + """
+local m = redis.call('HMGET', KEYS[1], 'status', 'owner', 'created')
+if m[1] and m[1] ~= 'finished' then
+  if m[2] == ARGV[3] and m[3] == ARGV[4] then
+    touch()
+    return {0, m[2]}
+  end
+  return {-5, m[2]}
+end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'status', 'queued',
   'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, 'created', ARGV[4], 'updated', ARGV[4])
 return {1, ARGV[3]}
 """
+)
 
 # KEYS: meta, out. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1: any),
 # cached_prompt_tokens.

@@ -134,7 +134,8 @@ class RequestStore:
     # -- writes -----------------------------------------------------------------------------------
 
     async def create(self, record: RequestRecord) -> None:
-        """Store a new queued request; RequestExistsError when its ID belongs to an unfinished request.
+        """Store a new queued request; RequestExistsError when its ID belongs to an unfinished request (a
+        retry of this call, whose first reply was lost after Redis applied it, is recognized and succeeds).
 
         The ID enters the owner's set first (the set stays a superset, see :mod:`.redis_layout`); when
         the ID turns out to be taken, it leaves the set again unless the existing request is ours too.
