@@ -82,9 +82,8 @@ class LocalRedisCluster:
     """``masters`` masters with ``replicas`` replicas each, every node in ``root/node-<i>``.
 
     ``node_timeout_ms``: the cluster's failure detection time (a dead master's replica is promoted
-    about 2-3 times that much later). ``appendfsync always`` on every node: a node restarted from its
-    directory keeps what it acknowledged (the tests kill, they do not restart, but the setting costs
-    little here).
+    about 2-3 times that much later). ``appendfsync always`` on every node: a killed node restarted
+    from its directory (:meth:`restart`) comes back with what it acknowledged.
     """
 
     def __init__(self, root: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
