@@ -14,14 +14,21 @@ from specinfer.launcher import Stack, StackConfig
 from specinfer.models.loading import eos_token_id
 
 
-def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
+def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
     """transformers' fp32 greedy continuation of each prompt (``new_tokens`` at most), ending at the
-    checkpoint's EOS token included, as our services end a request."""
+    checkpoint's EOS token included, as our services end a request; ``ignore_eos``: exactly
+    ``new_tokens``, past any EOS (as requests with ``ignore_eos`` run)."""
     hf = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
     eos = eos_token_id(llm)
     out = []
     with torch.inference_mode():
         for ids in prompts:
+            if ignore_eos:
+                gen = hf.generate(
+                    torch.tensor([list(ids)]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+                )
+                out.append(gen[0, len(ids) :].tolist())
+                continue
             gen = hf.generate(torch.tensor([list(ids)]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
             tokens = gen[0, len(ids) :].tolist()
             out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)

@@ -156,9 +156,14 @@ async def serve(cfg: RequestManagerConfig) -> int:
             embedded = EmbeddedRedis(cfg.state_dir, appendonly=True, password=cfg.redis_password or None, die_with_parent=True)
             resources.enter_context(embedded.owned())
             redis_url = embedded.url
-        client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None)
+        client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None, cluster=cfg.redis_cluster)
         resources.push_async_callback(client.aclose)
-        store = RequestStore(client, finished_ttl_s=cfg.result_ttl_seconds)
+        store = RequestStore(
+            client,
+            finished_ttl_s=cfg.result_ttl_seconds,
+            min_replica_acks=cfg.redis_min_replica_acks,
+            replica_timeout_s=cfg.redis_replica_timeout_seconds,
+        )
         await store.ping()
         verifier = Verifiers(cfg.verifiers, cfg.rpc_timeout_seconds, cfg.internal)
         resources.push_async_callback(verifier.close)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.request_manager.redis_server import SOCKET_TIMEOUT_S
 from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
 from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
@@ -23,6 +24,9 @@ class RequestManagerConfig:
     redis_url: str  # empty: start an embedded Redis under state_dir
     redis_password: str = field(repr=False)
     redis_username: str
+    redis_cluster: bool  # redis_url names a node of a Redis Cluster
+    redis_min_replica_acks: int  # replicas that must acknowledge each write (0: none)
+    redis_replica_timeout_seconds: float  # how long a write waits for them
     state_dir: str
     ssm_workers: tuple[str, ...]
     verifiers: tuple[str, ...]  # LLM verifier replicas: host:port addresses and dns:///host:port names
@@ -56,6 +60,15 @@ class RequestManagerConfig:
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
         add_setting(p, "--redis-password", str, "", "Redis password", secret=True)
         add_setting(p, "--redis-username", str, "", "Redis ACL user name (empty: the default user)")
+        add_setting(p, "--redis-cluster", bool, False, "--redis-url names any node of a Redis Cluster (on/off)")
+        add_setting(
+            p,
+            "--redis-min-replica-acks",
+            int,
+            0,
+            "replicas that must acknowledge each write before tokens are streamed (WAIT), so an acknowledged token survives a failover (0: off)",
+        )
+        add_setting(p, "--redis-replica-timeout-seconds", float, 1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
         add_setting(
@@ -100,6 +113,7 @@ class RequestManagerConfig:
             auth_token = read_token(a.auth_token, a.auth_token_file, "auth-token")
         except ValueError as exc:
             raise InvalidArgument("auth-token", str(exc)) from None
+        check_redis(a)
         keyword = a.expansion.strip().lower()
         adaptive = keyword == "auto"
         expansion = () if adaptive or keyword in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
@@ -110,6 +124,9 @@ class RequestManagerConfig:
             redis_url=a.redis_url,
             redis_password=a.redis_password,
             redis_username=a.redis_username,
+            redis_cluster=a.redis_cluster,
+            redis_min_replica_acks=a.redis_min_replica_acks,
+            redis_replica_timeout_seconds=a.redis_replica_timeout_seconds,
             state_dir=a.state_dir,
             ssm_workers=tuple(split_list(a.ssm_workers)),
             verifiers=tuple(split_list(a.verifier)),
@@ -135,4 +152,23 @@ class RequestManagerConfig:
             server=ServerConfig.from_args(a),
             http_port=a.http_port,
             http_port_file=a.http_port_file,
+        )
+
+
+def check_redis(a: argparse.Namespace) -> None:
+    """The Redis settings fit together: a cluster or replicas need an external Redis (--redis-url); the
+    embedded one is a single server without replicas."""
+    if a.redis_cluster and not a.redis_url:
+        raise InvalidArgument("redis-cluster", "--redis-cluster needs --redis-url naming a node of the cluster (the embedded Redis is no cluster)")
+    if a.redis_cluster and not a.redis_url.startswith(("redis://", "rediss://")):
+        raise InvalidArgument(
+            "redis-url", f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://"
+        )
+    if a.redis_min_replica_acks < 0:
+        raise InvalidArgument("redis-min-replica-acks", f"must be >= 0, got {a.redis_min_replica_acks}")
+    if a.redis_min_replica_acks and not a.redis_url:
+        raise InvalidArgument("redis-min-replica-acks", "--redis-min-replica-acks needs --redis-url (the embedded Redis has no replicas)")
+    if not 0 < a.redis_replica_timeout_seconds < SOCKET_TIMEOUT_S:
+        raise InvalidArgument(
+            "redis-replica-timeout-seconds", f"must be > 0 and below the Redis socket timeout of {SOCKET_TIMEOUT_S:g} s, got {a.redis_replica_timeout_seconds}"
         )

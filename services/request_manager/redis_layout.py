@@ -38,7 +38,7 @@ class ScriptCode(IntEnum):
 
 
 # check(owner): the state of the request in KEYS[1] (its meta hash) as a result code plus its
-# {status, owner}; owner '' skips the owner test. Prepended to the scripts that need it.
+# {status, owner}; owner '' skips the owner test. touch(): see below. Prepended to the scripts that need them.
 _CHECK = """
 local function check(owner)
   local m = redis.call('HMGET', KEYS[1], 'status', 'owner')
@@ -47,23 +47,39 @@ local function check(owner)
   if owner ~= '' and m[2] ~= owner then return -3, m end
   return 0, m
 end
+
+-- touch(): a write that changes nothing (the meta hash's 'updated' set to itself), for a script
+-- that found its effect already applied: WAIT covers only its connection's writes (see .replica_acks).
+local function touch()
+  redis.call('HSET', KEYS[1], 'updated', redis.call('HGET', KEYS[1], 'updated'))
+end
 """
 
 # KEYS: meta, out. ARGV: params JSON, packed prompt, owner, now. A finished request's ID may be reused:
-# its old keys (already expiring) are dropped first.
-CREATE = """
-local m = redis.call('HMGET', KEYS[1], 'status', 'owner')
-if m[1] and m[1] ~= 'finished' then return {-5, m[2]} end
+# its old keys (already expiring) are dropped first. A retry of this very create (its reply was lost:
+# same owner, same creation time) is UNCHANGED (touched), not EXISTS.
+CREATE = (
+    _CHECK
+    + """
+local m = redis.call('HMGET', KEYS[1], 'status', 'owner', 'created')
+if m[1] and m[1] ~= 'finished' then
+  if m[2] == ARGV[3] and m[3] == ARGV[4] then
+    touch()
+    return {0, m[2]}
+  end
+  return {-5, m[2]}
+end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'status', 'queued',
   'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, 'created', ARGV[4], 'updated', ARGV[4])
 return {1, ARGV[3]}
 """
+)
 
 # KEYS: meta, out. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1: any),
 # cached_prompt_tokens.
 # Reply {code, output length in tokens, owner}. With an offset, an append whose tokens already end the
-# output at that offset is a retry of an applied append: reported as UNCHANGED, not applied twice.
+# output at that offset is a retry of an applied append: reported as UNCHANGED, not applied twice (touched).
 APPEND = (
     _CHECK
     + """
@@ -73,6 +89,7 @@ local len = redis.call('STRLEN', KEYS[2])
 local offset = tonumber(ARGV[7])
 if offset >= 0 and len ~= offset * 4 then
   if #ARGV[1] > 0 and len == offset * 4 + #ARGV[1] and redis.call('GETRANGE', KEYS[2], offset * 4, -1) == ARGV[1] then
+    touch()
     return {0, len / 4, m[2]}
   end
   return {-4, len / 4, m[2]}
@@ -87,12 +104,16 @@ return {1, len / 4, m[2]}
 """
 )
 
-# KEYS: meta, out. ARGV: reason, error, now, ttl in ms, owner. Reply {code, owner}.
+# KEYS: meta, out. ARGV: reason, error, now, ttl in ms, owner. Reply {code, owner}; an already finished
+# request is UNCHANGED (touched).
 FINISH = (
     _CHECK
     + """
 local code, m = check(ARGV[5])
-if code == -2 then return {0, m[2]} end
+if code == -2 then
+  touch()
+  return {0, m[2]}
+end
 if code < 0 then return {code, m[2]} end
 redis.call('HSET', KEYS[1], 'status', 'finished', 'reason', ARGV[1], 'error', ARGV[2], 'updated', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])

@@ -112,6 +112,7 @@ class Live(Running):
     subscribers: list[asyncio.Queue] = field(default_factory=list)
     stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
     finished: Finish | None = None
+    final: StreamEvent | None = None  # the finishing event, published once Redis recorded the finish
 
     def usage(self) -> Usage:
         return Usage.of(len(self.request.prompt_tokens), len(self.output), self.stats)
@@ -222,7 +223,9 @@ class Scheduler:
         for live in list(self._active.values()):
             if live.stop_reason is None and live.deadline is not None and now > live.deadline:
                 live.stop_reason = "cancelled"
-            if live.stop_reason is not None:
+            if live.finished is not None:  # its finish did not reach Redis: retried before anything else
+                await self._finish(live, live.finished.reason)
+            elif live.stop_reason is not None:
                 await self._finish(live, live.stop_reason)
         m = self.metrics
         m.queue_depth.set(len(self._waiting))
@@ -358,6 +361,7 @@ class Scheduler:
     async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
         outcome = live.outcome(draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id, verdict.prefix_hits)
         delta = ""
+        released = live.text.text if live.text is not None else ""
         if live.text is not None:
             delta, stopped = live.text.update(live.output + list(outcome.tokens))
             if stopped:
@@ -365,7 +369,14 @@ class Scheduler:
         tokens, stats = outcome.tokens, outcome.stats
         offset = len(live.output)
         # durable before anyone sees it; the offset makes a retried append idempotent
-        await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
+        try:
+            await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
+        except BaseException:
+            # nothing of the step is committed or published: a later iteration redoes it (the same
+            # tokens, appended at the same offset), and releases its text then
+            if live.text is not None:
+                live.text.text = released
+            raise
         live.commit(outcome)
         m = self.metrics
         m.llm_steps.inc()
@@ -388,17 +399,22 @@ class Scheduler:
         return tokens
 
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
-        live.finished = Finish(reason, live.usage(), error)
-        self.metrics.requests.labels(reason).inc()
-        if self.planner is not None:
-            self.planner.forget(live.request_id)
-        await self.store.finish(live.request_id, reason, error or None, owner=self.config.owner)
+        """End ``live`` with ``reason``; ``last``: its final step's tokens, published with the finish. When
+        Redis does not take the finish, the request stays active with ``finished`` (and ``final``) set, and
+        the next iteration calls this again (the first reason stays)."""
+        if live.finished is None:
+            live.finished = Finish(reason, live.usage(), error)
+            self.metrics.requests.labels(reason).inc()
+            if self.planner is not None:
+                self.planner.forget(live.request_id)
+            text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
+            live.final = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
+        await self.store.finish(live.request_id, live.finished.reason, live.finished.error or None, owner=self.config.owner)
         self._active.pop(live.request_id, None)
         if live in self._waiting:
             self._waiting.remove(live)
-        text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
-        event = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
-        live.publish(event)
+        assert live.final is not None
+        live.publish(live.final)
         task = asyncio.get_running_loop().create_task(self._release((live.request_id,)))
         self._releases.add(task)  # referenced until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._releases.discard)

@@ -1,6 +1,7 @@
 """``specinfer up``: the whole stack as separate local processes on 127.0.0.1.
 
-Starts the LLM verifier, N SSM workers and the request manager (which starts its embedded Redis),
+Starts the LLM verifier, N SSM workers and the request manager (which starts its embedded Redis, or
+uses the Redis or Redis Cluster ``StackConfig.redis_url`` names),
 waits until each reports its port and its health is SERVING, prints the addresses, and stops
 them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or when one of them dies.
 """
@@ -89,6 +90,8 @@ class StackConfig:
     security: StackSecurity = field(default_factory=StackSecurity)
     http_port: int = 0  # the request manager's OpenAI-compatible HTTP API (0: off)
     verifiers: int = 1  # LLM verifier replicas (llm-verifier, llm-verifier-1, ...), each request placed on one
+    redis_url: str = ""  # the request manager's --redis-url (empty: its embedded Redis under state_dir)
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (--redis-cluster)
 
 
 @dataclass
@@ -187,8 +190,10 @@ class Stack:
             c.expansion,
             "--http-port",
             str(c.http_port),
-            *c.rm_args,
         ]
+        if c.redis_url:
+            rm_args += ["--redis-url", c.redis_url] + (["--redis-cluster", "on"] if c.redis_cluster else [])
+        rm_args += c.rm_args
         self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
         return self
 

@@ -252,6 +252,27 @@ def test_duplicate_create_is_refused_until_the_request_finished(open_store):
     run(body)
 
 
+def test_a_retried_create_is_recognized(open_store):
+    """The same create again (as after a reply lost in a failover: same owner, same creation time)
+    succeeds without change; another create of the ID is refused."""
+
+    async def body() -> None:
+        async with open_store(clock=lambda: 1000.0) as store:
+            await store.create(record("r1", owner="rm-0"))
+            await store.append_tokens("r1", [7])
+            await store.create(record("r1", owner="rm-0"))  # the retry
+            snap = await store.get("r1")
+            assert (snap.output_tokens, snap.created, snap.status) == ((7,), 1000.0, RequestStatus.RUNNING)
+            with pytest.raises(RequestExistsError):
+                await store.create(record("r1", owner="rm-1"))  # same time, another owner
+        async with open_store(clock=lambda: 1001.0) as store:
+            with pytest.raises(RequestExistsError):
+                await store.create(record("r1", owner="rm-0"))  # same owner, another time
+            assert await store.active("rm-0") == ["r1"]
+
+    run(body)
+
+
 def test_writes_to_missing_or_finished_requests_are_refused(open_store):
     async def body() -> None:
         async with open_store() as store:
