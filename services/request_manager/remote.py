@@ -116,6 +116,12 @@ class SsmWorkers(WorkerPool):
         results = await call_with_context(send, calls, tracker)
         return Drafts({rid: wire.draft_from_proto(r.tree) for rid, r in results.items()}, passes)
 
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop tracking requests another replica drives now, without releasing their caches (it uses them)."""
+        for tracker in self._trackers.values():
+            for r in request_ids:
+                tracker.forget(r)
+
     async def release(self, request_ids: Sequence[str]) -> None:
         # the workers as they are now: a refresh may change them while the calls run
         for address, stub, tracker in [(a, self._stubs[a], self._trackers[a]) for a in self.addresses]:
@@ -164,6 +170,11 @@ class Verifier:
             self._tracker.forget(r)
         if request_ids:
             await self._stub.Release(internal_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout, metadata=self.auth.metadata)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop tracking requests another replica drives now, without releasing their caches (it uses them)."""
+        for r in request_ids:
+            self._tracker.forget(r)
 
     async def close(self) -> None:
         await self._channel.close()
