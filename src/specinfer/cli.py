@@ -197,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--llm", help="LLM checkpoint folder (default: the demo pair)")
     up.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several; default: the demo pair's)")
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
+    up.add_argument("--request-managers", type=int, default=1, help="request-manager processes (more than one share a Redis the launcher starts)")
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
@@ -236,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ssm_threads=args.ssm_threads,
                 security=_stack_security(args),
                 http_port=args.http_port,
+                request_managers=args.request_managers,
             )
             return run_up(cfg)
         if args.command == "tune":
