@@ -143,7 +143,7 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
 
         for rid, prompt in zip(ids, prompts, strict=True):
             if rid in on_doomed:
-                messages, owner_at_first = reattached[rid].result(timeout=600)
+                messages, _ = reattached[rid].result(timeout=600)
                 rest: list[int] = []
                 for m in messages:
                     assert m.offset == len(seen[rid]) + len(rest), f"{rid}: gap or duplicate after reattaching"
