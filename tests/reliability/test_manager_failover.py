@@ -124,9 +124,7 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
             return messages, owner_at_first
 
     with Client(main_address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(2 * STREAMS) as pool:
-        streams = {
-            rid: pool.submit(consume, doomed_address if rid in on_doomed else main_address, p, rid) for p, rid in zip(prompts, ids, strict=True)
-        }
+        streams = {rid: pool.submit(consume, doomed_address if rid in on_doomed else main_address, p, rid) for p, rid in zip(prompts, ids, strict=True)}
         wait_until(lambda: all(progress(client, r) > 0 for r in ids), 180, "every stream committing")
         assert {_owner(stack, r) for r in on_doomed} == {"rm-1"} and {_owner(stack, r) for r in set(ids) - on_doomed} == {"rm-0"}
         doomed.popen.kill()
