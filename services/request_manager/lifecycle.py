@@ -238,5 +238,4 @@ class Requests:
             log.error("cannot resume request", extra={"request_id": rid, "error": repr(exc)})
             await self.store.finish(rid, "error", f"cannot resume: {exc}", owner=self.owner, lease_token=self.lease.token)
             return False
-        self.scheduler.resume(live)
-        return True
+        return self.scheduler.resume(live)  # False if a concurrent recovery or adoption resumed it first

@@ -130,6 +130,7 @@ class Ownership:
         self.on_change = on_change
         self.renew_seconds = lease.seconds / 3
         self.scan_seconds = lease.seconds / 2
+        self._held = lease.held  # as last reported (on_change)
 
     async def run(self) -> None:
         """Renew and scan until cancelled (the lease was acquired before)."""
@@ -155,26 +156,25 @@ class Ownership:
     async def renew(self) -> None:
         """One renewal. A lease lost (taken by another incarnation, or unconfirmed for its whole TTL) is
         logged and reported; one held again after it lapsed first claims back what the owner still owns."""
-        was = self.lease.held
         try:
             reply = await self.lease.hold()
         except redis.exceptions.RedisError as exc:
             reply = None
             log.warning("ownership lease renewal failed", extra={"owner": self.lease.owner, "error": repr(exc), "held": self.lease.held})
-        self.requests.scheduler.metrics.lease_held.set(1 if self.lease.held else 0)
-        if was and not self.lease.held:
-            holder = reply.holder if reply is not None else ""
-            log.error(
-                "ownership lease lost: new requests are refused, and requests another replica takes over are dropped here",
-                extra={"owner": self.lease.owner, "holder": holder},
-            )
-            self._changed(False)
-        if reply is not None and reply.held and (reply.taken or not was):
+        held = self.lease.held
+        self.requests.scheduler.metrics.lease_held.set(1 if held else 0)
+        if reply is not None and reply.held and (reply.taken or not self._held):
             # it had lapsed: another incarnation may have claimed our requests meanwhile, or adopters taken some
             log.warning("ownership lease held again after it lapsed", extra={"owner": self.lease.owner})
             await self.requests.recover()
-            if not was:
-                self._changed(True)
+        if held != self._held:
+            self._held = held
+            if not held:
+                log.error(
+                    "ownership lease lost: new requests are refused, and requests another replica takes over are dropped here",
+                    extra={"owner": self.lease.owner, "holder": reply.holder if reply is not None else ""},
+                )
+            self._changed(held)
 
     async def scan(self) -> list[str]:
         """One adoption scan; the IDs adopted."""

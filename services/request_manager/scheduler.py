@@ -188,10 +188,14 @@ class Scheduler:
         self.metrics.prompt_tokens.inc(len(live.request.prompt_tokens))
         self._wake.set()
 
-    def resume(self, live: Live) -> None:
-        """Enqueue a request recovered or adopted from Redis (no queue bound: it was admitted before)."""
+    def resume(self, live: Live) -> bool:
+        """Enqueue a request recovered or adopted from Redis (no queue bound: it was admitted before);
+        False, and nothing changes, when a request with its ID runs here already."""
+        if self.get(live.request_id) is not None:
+            return False
         self._waiting.append(live)
         self._wake.set()
+        return True
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         live = self.get(request_id)

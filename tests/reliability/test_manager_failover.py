@@ -6,6 +6,8 @@ they had reached, and every output equals transformers' greedy exactly (nothing 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 import urllib.request
 
@@ -17,6 +19,7 @@ from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.redis_layout import KeySpace
+from specinfer.serving.healthcheck import check
 from specinfer.v1 import api_pb2
 
 from .conftest import progress, tokens_of
@@ -94,6 +97,35 @@ def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_re
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_stalled_request_manager_whose_requests_were_adopted_drops_them_and_its_clients_follow(stack, model_pair, greedy):
+    """SIGSTOP rm-1 for longer than its lease: rm-0 adopts its requests. After SIGCONT, rm-1's commits are
+    refused (owner and lease token fence them), it drops those requests without publishing anything, and
+    its clients, still connected, follow them in Redis to the end: exactly transformers' greedy."""
+    main_address, stalled_address = stack.request_manager_addresses
+    stalled = stack.process("request-manager-1")
+    prompts = model_pair.prompts[60 : 60 + STREAMS // 2]
+    ids = [f"stall-{i}" for i in range(len(prompts))]
+    with Client(stalled_address, timeout=600) as client, Client(main_address, timeout=600) as main, concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+        requests = [Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True) for p, r in zip(prompts, ids, strict=True)]
+        streams = [pool.submit(lambda request: list(client.stream(request)), request) for request in requests]
+        wait_until(lambda: all(progress(main, r) > 0 for r in ids), 180, "every stream committing")
+        os.kill(stalled.popen.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: all(_owner(stack, r) == "rm-0" for r in ids), 60, "rm-0 adopting the stalled rm-1's requests")
+            assert all(progress(main, r) < NEW_TOKENS for r in ids), "a stream finished before the adoption: make NEW_TOKENS larger"
+        finally:
+            os.kill(stalled.popen.pid, signal.SIGCONT)
+        for prompt, rid, future in zip(prompts, ids, streams, strict=True):
+            messages = future.result(timeout=600)
+            assert tokens_of(messages) == greedy(prompt, NEW_TOKENS), rid
+            assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, rid
+    wait_until(lambda: check(stalled_address, timeout=2) == "SERVING", 30, "rm-1 serving again with its lease")
+    assert _metric(stalled.metrics_address, "specinfer_requests_taken_over_total") == len(ids)
+    assert _metric(stack.process("request-manager").metrics_address, "specinfer_requests_adopted_total") == len(ids)
+    log = (stack.workdir / "request-manager-1.log").read_text(errors="replace")
+    assert log.count("request taken over by another replica; dropped here") == len(ids)
+
+
 def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(stack, model_pair, greedy, capsys):
     """kill -9 rm-1 once every stream has committed tokens: rm-0 adopts rm-1's requests within the lease
     plus a scan, the dead one's clients reattach through rm-0 at once (followed in Redis until the adoption,
@@ -153,7 +185,8 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
             assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, rid
     # the reattached clients were followed in Redis first (rm-1's lease had not lapsed yet), then switched
     assert any(reattached[rid].result()[1] == "rm-1" for rid in on_doomed), "no reattach happened before the adoption"
-    assert _metric(stack.process("request-manager").metrics_address, "specinfer_requests_adopted_total") == len(on_doomed)
+    adopted_before = len(ids) // 2  # by the stall test
+    assert _metric(stack.process("request-manager").metrics_address, "specinfer_requests_adopted_total") == adopted_before + len(on_doomed)
     log = (stack.workdir / "request-manager.log").read_text(errors="replace")
     assert "adopted the requests of a request manager whose lease lapsed" in log and '"from_owner": "rm-1"' in log
     with capsys.disabled():
