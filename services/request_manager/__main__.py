@@ -7,8 +7,10 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
+import redis.exceptions
 from grpc_health.v1 import health_pb2
 
 from specinfer import wire
@@ -22,6 +24,7 @@ from specinfer.request_manager.chat_template import ChatTemplate
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.http_api import HttpApi, HttpMetrics, HttpServer
 from specinfer.request_manager.lifecycle import Requests
+from specinfer.request_manager.ownership import Lease, Ownership
 from specinfer.request_manager.redis_server import EmbeddedRedis, RedisStartError, StateDirInUse, connect
 from specinfer.request_manager.remote import SsmWorkers, Verifiers
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
@@ -144,9 +147,10 @@ class SsmSet:
 
 async def serve(cfg: RequestManagerConfig) -> int:
     """Run the request manager until SIGTERM/SIGINT. The port opens at once (health NOT_SERVING,
-    calls UNAVAILABLE) and serves once the verifier answers; SSM workers that are down join when
-    they come up. Whatever this starts (the embedded Redis, channels, the scheduler) is stopped on
-    every way out, a failed start-up included."""
+    calls UNAVAILABLE) and serves once the verifier answers and it holds its ownership lease (another
+    process with the same --owner makes it wait: :mod:`.ownership`); SSM workers that are down join
+    when they come up. Whatever this starts (the embedded Redis, channels, the scheduler, the lease) is
+    stopped or released on every way out, a failed start-up included."""
     if cfg.redis_username and not cfg.redis_url:
         raise SystemExit("--redis-username needs --redis-url: the embedded Redis has only its default user")
     async with contextlib.AsyncExitStack() as resources:
@@ -165,6 +169,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
             replica_timeout_s=cfg.redis_replica_timeout_seconds,
         )
         await store.ping()
+        lease = Lease(store, cfg.owner, cfg.lease_seconds)
         verifier = Verifiers(cfg.verifiers, cfg.rpc_timeout_seconds, cfg.internal)
         resources.push_async_callback(verifier.close)
         api_name = api_pb2.DESCRIPTOR.services_by_name["SpecInfer"].full_name
@@ -189,7 +194,13 @@ async def serve(cfg: RequestManagerConfig) -> int:
             if cfg.http_port_file:
                 write_port_file(cfg.http_port_file, http.port)
         running: list[tuple[Scheduler, asyncio.Task]] = []
+        owning: list[asyncio.Task] = []  # the lease's renewals and the adoption scans
         reports: set[asyncio.Task] = set()  # referenced until done: the loop keeps only weak references to tasks
+
+        def report(work: Coroutine[Any, Any, None]) -> None:
+            task = asyncio.get_running_loop().create_task(work)
+            reports.add(task)
+            task.add_done_callback(reports.discard)
 
         async def start_up() -> None:
             info = await wait_for_verifier(verifier)
@@ -226,20 +237,34 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 raise StartUpError(str(exc)) from None
             planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
             scheduler_config = SchedulerConfig(
-                max_batch, cfg.max_queue, ssm_names, eos, cfg.owner, kv_budgets=worker_kv_budgets(workers), max_prefill_tokens=cfg.max_prefill_tokens
+                max_batch,
+                cfg.max_queue,
+                ssm_names,
+                eos,
+                cfg.owner,
+                lease.token,
+                kv_budgets=worker_kv_budgets(workers),
+                max_prefill_tokens=cfg.max_prefill_tokens,
             )
             scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, planner)
-            requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, cfg.owner)
+            requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, lease)
+            await lease.acquire(force=not cfg.redis_url)  # nobody else reaches the embedded Redis
             await requests.recover()
             running.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
 
-            def verifier_changed(reachable: bool) -> None:
-                # health follows the verifier: NOT_SERVING while requests cannot be answered (they wait)
-                log.warning("health SERVING: the verifier answers again" if reachable else "health NOT_SERVING: the verifier is unreachable")
-                task = asyncio.get_running_loop().create_task(service.set_serving(reachable))
-                reports.add(task)
-                task.add_done_callback(reports.discard)
+            def serving() -> bool:
+                # health follows the verifier and the lease: NOT_SERVING while requests cannot be answered (they
+                # wait), or while this replica may not take new ones
+                return scheduler.verifier_reachable and lease.held
 
+            def verifier_changed(reachable: bool) -> None:
+                log.warning("the verifier answers again" if reachable else "the verifier is unreachable", extra={"health": health_name(serving())})
+                report(service.set_serving(serving()))
+
+            def lease_changed(held: bool) -> None:  # ownership logs the change
+                report(service.set_serving(serving()))
+
+            owning.append(asyncio.get_running_loop().create_task(Ownership(lease, requests, lease_changed).run()))
             scheduler.on_verifier_change = verifier_changed
             servicer.open(requests)
             if workers is not None:
@@ -249,31 +274,41 @@ async def serve(cfg: RequestManagerConfig) -> int:
                     await ssms.grow()
                     await report_speculation(service, workers, scheduler_metrics)
 
-                def on_change() -> None:
-                    task = asyncio.get_running_loop().create_task(changed())
-                    reports.add(task)
-                    task.add_done_callback(reports.discard)
-
-                workers.on_change = on_change
+                workers.on_change = lambda: report(changed())
                 await changed()  # workers may have joined while the planner calibrated
+
+        async def stop_owning() -> None:
+            for task in owning:
+                task.cancel()
+            await asyncio.gather(*owning, return_exceptions=True)
+            owning.clear()
 
         async def on_stop() -> None:
             if http is not None:
                 await http.stop()
+            await stop_owning()
             for scheduler, loop_task in running:
                 scheduler.stop()
                 await loop_task
+            if lease.held:  # nothing commits any more: the other replicas may adopt at once
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    await lease.release()
 
         ready = (lambda port: write_port_file(cfg.port_file, port)) if cfg.port_file else None
         try:
             return await run_service(service, on_stop, ready, start_up=start_up)
         finally:
+            await stop_owning()
             for task in list(reports):
                 task.cancel()
             for scheduler, loop_task in running:
                 if not loop_task.done():  # a way out that skipped on_stop
                     scheduler.stop()
                     loop_task.cancel()
+
+
+def health_name(serving: bool) -> str:
+    return "SERVING" if serving else "NOT_SERVING"
 
 
 async def report_speculation(service: Service, workers: SsmWorkers, metrics: SchedulerMetrics) -> None:

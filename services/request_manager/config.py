@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.request_manager.records import validate_id
 from specinfer.request_manager.redis_server import SOCKET_TIMEOUT_S
 from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
 from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
@@ -40,6 +41,7 @@ class RequestManagerConfig:
     max_queue: int
     max_new_tokens: int
     owner: str
+    lease_seconds: float  # the ownership lease's TTL (services/request_manager/ownership.py)
     result_ttl_seconds: float
     rpc_timeout_seconds: float
     grace_seconds: float
@@ -93,7 +95,14 @@ class RequestManagerConfig:
         add_setting(p, "--max-prefill-tokens", int, 2048, "most tokens of the requests admitted in one iteration, past the first (0: no cap)")
         add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
         add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")
-        add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner)")
+        add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner; unique per replica)")
+        add_setting(
+            p,
+            "--lease-seconds",
+            float,
+            10.0,
+            "TTL of this replica's ownership lease in Redis, renewed every third of it; a dead replica's requests resume on another within 1.5 times it",
+        )
         add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
         add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
         add_setting(p, "--max-prompt-tokens", int, 8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
@@ -109,6 +118,12 @@ class RequestManagerConfig:
     @staticmethod
     def from_args(argv: Sequence[str] | None = None) -> RequestManagerConfig:
         a = RequestManagerConfig.parser().parse_args(argv)
+        if not a.lease_seconds > 0:  # NaN included
+            raise InvalidArgument("lease-seconds", f"must be positive, got {a.lease_seconds}")
+        try:
+            validate_id(a.owner, "owner")
+        except ValueError as exc:
+            raise InvalidArgument("owner", str(exc)) from None
         try:
             auth_token = read_token(a.auth_token, a.auth_token_file, "auth-token")
         except ValueError as exc:
@@ -140,6 +155,7 @@ class RequestManagerConfig:
             max_queue=a.max_queue,
             max_new_tokens=a.max_new_tokens,
             owner=a.owner,
+            lease_seconds=a.lease_seconds,
             result_ttl_seconds=a.result_ttl_seconds,
             rpc_timeout_seconds=a.rpc_timeout_seconds,
             grace_seconds=a.grace_seconds,

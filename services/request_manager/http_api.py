@@ -7,8 +7,9 @@ chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers con
 choice, and wrap the events; they hold no logic of their own. Errors are OpenAI error objects: 400
 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404 for an
 unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after
-start-up, while it is unreachable (requests already running wait for it). A client that
-disconnects cancels its requests.
+start-up, while it is unreachable (requests already running wait for it) or while this request
+manager does not hold its ownership lease (:mod:`.ownership`). A client that disconnects cancels its
+requests.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ class HttpApi:
             return JSONResponse({"status": "starting", "detail": str(exc)}, status_code=503)
         if not self.servicer.requests.scheduler.verifier_reachable:
             return JSONResponse({"status": "unavailable", "detail": "the LLM verifier is unreachable"}, status_code=503)
+        if not self.servicer.requests.lease.held:
+            return JSONResponse({"status": "unavailable", "detail": "this request manager does not hold its ownership lease"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:

@@ -1,28 +1,42 @@
 """The request manager's operations on requests, as the public API offers them.
 
-A request lives in two places: the scheduler holds it while it runs (:class:`Live`), the store holds
-its durable record from admission on, and after it finished (:mod:`specinfer.request_manager.live_records`
-maps one onto the other). :class:`Requests` spans both; failures are the domain errors of
-:mod:`specinfer.core.errors`, which ``rpc_errors`` turns into statuses.
+A request lives in two places: the scheduler of its owner holds it while it runs (:class:`Live`), the
+store holds its durable record from admission on, and after it finished
+(:mod:`specinfer.request_manager.live_records` maps one onto the other). :class:`Requests` spans both;
+failures are the domain errors of :mod:`specinfer.core.errors`, which ``rpc_errors`` turns into statuses.
+
+Any replica serves any request: one that does not run a request streams it from Redis
+(:meth:`Requests.attach`), marks it for its owner to cancel (:meth:`Requests.cancel`) and reads its
+state from the store; who runs what, and how requests move between replicas, is :mod:`.ownership`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import redis.exceptions
 from tokenizers import Tokenizer
 
-from specinfer.core.errors import AlreadyExists, NotFound
+from specinfer.core.errors import AlreadyExists, NotFound, Unavailable
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.live_records import live_from_snapshot, live_record, snapshot_finish
+from specinfer.request_manager.ownership import Lease
 from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-from specinfer.request_manager.scheduler import Finish, Live, Scheduler, StreamEvent
-from specinfer.request_manager.store import RequestExistsError, RequestStore
+from specinfer.request_manager.scheduler import MOVED, Finish, Live, Scheduler, StreamEvent
+from specinfer.request_manager.store import RequestExistsError, RequestStore, StoreError, Tail
+from specinfer.request_manager.text import TextStream
 
 log = logging.getLogger("specinfer.request_manager")
+
+# how often a replica that does not run a request reads its new tokens from Redis while streaming it:
+# one small script call (the output from the offset on, a few bytes) per stream and poll, and at most
+# this much latency added to a token; Redis pub/sub would save the polls but loses messages sent while
+# a subscriber reconnects, and its channels are per node on a cluster
+FOLLOW_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -35,66 +49,132 @@ class RequestState:
 
 
 class Requests:
-    """Admits, streams, reattaches to, looks up and recovers the requests of replica ``owner``."""
+    """Admits, streams, reattaches to, looks up, cancels, recovers and adopts requests; this replica's
+    owner ID and the token its writes are fenced with are ``lease``'s."""
 
-    def __init__(self, scheduler: Scheduler, store: RequestStore, limits: ApiLimits, tokenizer: Tokenizer | None, owner: str) -> None:
+    def __init__(self, scheduler: Scheduler, store: RequestStore, limits: ApiLimits, tokenizer: Tokenizer | None, lease: Lease) -> None:
         self.scheduler = scheduler
         self.store = store
         self.limits = limits
         self.tokenizer = tokenizer
-        self.owner = owner
+        self.lease = lease
+        self.owner = lease.owner
 
     async def start(self, live: Live) -> AsyncIterator[StreamEvent]:
         """Admit a new (validated) request, persisted before it is queued, then stream its events up to the
         finishing one. A request still unfinished when the caller stops reading is cancelled: the client went
-        away or its deadline passed, and its batch slot is freed."""
+        away or its deadline passed, and its batch slot is freed. Refused (Unavailable) while this replica
+        does not hold its lease: another replica may be adopting what it owns."""
         rid = live.request_id
         if self.scheduler.get(rid) is not None:
             raise AlreadyExists("request_id", f"{rid!r} is already running")
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        if not self.lease.held:
+            raise Unavailable("this request manager does not hold its ownership lease (Redis unreachable, or another process with its --owner runs); retry")
+        queue: asyncio.Queue = asyncio.Queue()
         live.subscribers.append(queue)
         try:
             self.scheduler.check_room()
-            await self.store.create(live_record(live, self.limits.ssm_names, self.owner))
+            await self.store.create(live_record(live, self.limits.ssm_names, self.owner, self.lease.token))
             await self.scheduler.submit(live)
         except RequestExistsError as exc:
             raise AlreadyExists("request_id", str(exc)) from None
         try:
-            while True:
-                event = await queue.get()
-                yield event
-                if event.finished is not None:
-                    return
+            async with contextlib.aclosing(self._stream(rid, 0, live, queue, live.text)) as events:
+                async for event in events:
+                    yield event
         finally:
-            if live.finished is None:
-                self.scheduler.cancel(rid)
+            if live.finished is None and not self.scheduler.cancel(rid) and live.moved:
+                # another replica runs it now: ask it to stop the request (a Redis outage leaves it running)
+                with contextlib.suppress(StoreError, redis.exceptions.RedisError):
+                    await self.store.request_cancel(rid)
 
     async def attach(self, request_id: str, offset: int) -> AsyncIterator[StreamEvent]:
-        """Reattach to a request from output offset ``offset`` on. A running one: one event with the tokens
-        committed already (possibly none), then its new events, trimmed so that no token comes twice, up to
-        the finishing one. Any other: one event with its stored tokens (and final state once finished)."""
+        """Reattach to a request from output offset ``offset`` on: one event with the tokens committed
+        already (possibly none), then its new ones up to the finishing event, no token twice and none
+        left out, wherever it runs: live from the scheduler while this replica runs it, else followed in
+        Redis (those events carry tokens, no text). A finished request: one event with its stored tokens
+        and final state."""
         live = self.scheduler.get(request_id)
+        queue = None
         if live is not None and live.finished is None:
-            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+            queue = asyncio.Queue()
             live.subscribers.append(queue)  # subscribe first, then send the backlog: nothing is lost in between
-            try:
-                backlog = tuple(live.output[offset:])
-                yield StreamEvent(offset, backlog, "")
-                sent = offset + len(backlog)  # output offset up to which tokens went out
-                while True:
-                    event = await queue.get()
-                    yield StreamEvent(max(sent, event.offset), event.tokens[max(0, sent - event.offset) :], event.text, event.finished)
-                    if event.finished is not None:
-                        return
-                    sent = max(sent, event.offset + len(event.tokens))
-            finally:
+            backlog = tuple(live.output[offset:])
+        else:
+            snapshot = await self._snapshot(request_id)
+            backlog = snapshot.output_tokens[offset:]
+            if snapshot.is_finished:
+                yield StreamEvent(offset, backlog, "", snapshot_finish(snapshot))
+                return
+        try:
+            yield StreamEvent(offset, backlog, "")
+        except BaseException:
+            if queue is not None:
                 live.subscribers.remove(queue)
-        snapshot = await self._snapshot(request_id)
-        yield StreamEvent(offset, snapshot.output_tokens[offset:], "", snapshot_finish(snapshot))
+            raise
+        async with contextlib.aclosing(self._stream(request_id, offset + len(backlog), live, queue)) as events:
+            async for event in events:
+                yield event
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a running request at the next iteration; False when none runs under this ID."""
-        return self.scheduler.cancel(request_id)
+    async def _stream(
+        self, request_id: str, sent: int, live: Live | None = None, queue: asyncio.Queue | None = None, text: TextStream | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """The events of ``request_id`` after output offset ``sent``, up to the finishing one, trimmed so that
+        no token comes twice: from the scheduler while this replica runs the request (``queue``: a
+        subscription to ``live`` already taken), else from its record in Redis, polled every
+        FOLLOW_POLL_SECONDS; it switches as the request moves between replicas (adopted here, or taken
+        over by another). ``text``: decodes the followed tokens into text deltas (as the scheduler does)."""
+        output: list[int] = []  # the output up to ``sent``, kept while following with ``text`` only
+        while True:
+            backlog: tuple[int, ...] = ()
+            if queue is None:
+                live = self.scheduler.get(request_id)
+                if live is not None and live.finished is None:  # adopted here meanwhile
+                    queue = asyncio.Queue()
+                    live.subscribers.append(queue)  # subscribe first, then send the backlog
+                    backlog = tuple(live.output[sent:])
+            if queue is not None:
+                assert live is not None
+                try:
+                    if backlog:
+                        yield StreamEvent(sent, backlog, "")
+                        sent += len(backlog)
+                    while (event := await queue.get()) is not MOVED:
+                        yield StreamEvent(max(sent, event.offset), event.tokens[max(0, sent - event.offset) :], event.text, event.finished)
+                        if event.finished is not None:
+                            return
+                        sent = max(sent, event.offset + len(event.tokens))
+                finally:
+                    live.subscribers.remove(queue)
+                log.info("following a request another replica took over in Redis", extra={"request_id": request_id})
+                output = list(live.output[:sent]) if text is not None else []
+                queue = None
+                continue
+            tail = await self.store.tail(request_id, sent)
+            if tail is None:
+                raise NotFound("request_id", f"no request {request_id!r}")
+            finish = None
+            if tail.finished:  # its last tokens and final state, read together
+                snapshot = await self._snapshot(request_id)
+                tail = Tail(snapshot.output_tokens[sent:], True)
+                finish = snapshot_finish(snapshot)
+            delta = ""
+            if text is not None:
+                output += tail.tokens
+                delta = text.update(output)[0] + (text.flush(output) if finish is not None and finish.reason != "stop" else "")
+            if tail.tokens or finish is not None:
+                yield StreamEvent(sent, tail.tokens, delta, finish)
+                sent += len(tail.tokens)
+            if finish is not None:
+                return
+            await asyncio.sleep(FOLLOW_POLL_SECONDS)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Stop a request at its next iteration; False when no unfinished request has this ID. One that
+        another replica runs is marked in Redis, and its owner stops it at its next commit."""
+        if self.scheduler.cancel(request_id):
+            return True
+        return await self.store.request_cancel(request_id)
 
     async def state(self, request_id: str) -> RequestState:
         live = self.scheduler.get(request_id)
@@ -102,10 +182,10 @@ class Requests:
         finish = snapshot_finish(snapshot)
         if finish is not None:
             status = RequestStatus.FINISHED
-        elif live is not None and self.scheduler.is_queued(request_id):
-            status = RequestStatus.QUEUED
-        else:
-            status = RequestStatus.RUNNING
+        elif live is not None:  # run here: queued while it waits for a batch slot (also when preempted)
+            status = RequestStatus.QUEUED if self.scheduler.is_queued(request_id) else RequestStatus.RUNNING
+        else:  # run by another replica, or waiting for one to adopt it: as stored
+            status = snapshot.status
         return RequestState(snapshot, status, finish)
 
     async def _snapshot(self, request_id: str) -> RequestSnapshot:
@@ -115,20 +195,47 @@ class Requests:
         return snapshot
 
     async def recover(self) -> list[str]:
-        """Resume the unfinished requests this replica owns in Redis (after a restart); their IDs."""
+        """Resume the unfinished requests this replica owns in Redis (after a restart, or once its lease is
+        held again after it had lapsed); their IDs. Each is claimed for this incarnation first, which
+        fences any earlier one (:meth:`.store.RequestStore.claim`)."""
         resumed = []
         for rid in await self.store.active(self.owner):
-            snapshot = await self.store.get(rid)
-            if snapshot is None or snapshot.is_finished:
-                continue
-            try:
-                live = live_from_snapshot(snapshot, self.limits, self.tokenizer)
-            except (KeyError, TypeError, ValueError) as exc:  # a record this version cannot read
-                log.error("cannot resume request", extra={"request_id": rid, "error": repr(exc)})
-                await self.store.finish(rid, "error", f"cannot resume: {exc}", owner=self.owner)
-                continue
-            self.scheduler.resume(live)
-            resumed.append(rid)
+            if await self.store.claim(rid, self.owner, self.owner, self.lease.token) and await self._resume(rid):
+                resumed.append(rid)
         if resumed:
             log.info("resumed requests from Redis", extra={"count": len(resumed)})
         return resumed
+
+    async def adopt(self, dead_owner: str) -> list[str]:
+        """Take over the unfinished requests of ``dead_owner``, a replica whose lease nobody holds, and
+        resume them here; their IDs. Each is claimed atomically, so of two replicas adopting at once each
+        request goes to exactly one. Stale IDs in its index are pruned."""
+        live_ids, stale = await self.store.index(dead_owner)
+        adopted = []
+        for rid in live_ids:
+            if not self.lease.held:  # what we adopt is fenced by our lease: stop while it lapsed
+                break
+            if await self.store.claim(rid, dead_owner, self.owner, self.lease.token) and await self._resume(rid):
+                adopted.append(rid)
+        await self.store.prune_index(dead_owner, stale)
+        if adopted:
+            self.scheduler.metrics.adopted.inc(len(adopted))
+            extra = {"from_owner": dead_owner, "count": len(adopted), "request_ids": adopted}
+            log.warning("adopted the requests of a request manager whose lease lapsed", extra=extra)
+        return adopted
+
+    async def _resume(self, rid: str) -> bool:
+        """Queue the claimed request ``rid`` in the scheduler where its committed tokens end (its caches are
+        rebuilt on the workers and the verifier from them); False when it finished meanwhile or already runs here."""
+        if self.scheduler.get(rid) is not None:
+            return False
+        snapshot = await self.store.get(rid)
+        if snapshot is None or snapshot.is_finished:
+            return False
+        try:
+            live = live_from_snapshot(snapshot, self.limits, self.tokenizer)
+        except (KeyError, TypeError, ValueError) as exc:  # a record this version cannot read
+            log.error("cannot resume request", extra={"request_id": rid, "error": repr(exc)})
+            await self.store.finish(rid, "error", f"cannot resume: {exc}", owner=self.owner, lease_token=self.lease.token)
+            return False
+        return self.scheduler.resume(live)  # False if a concurrent recovery or adoption resumed it first

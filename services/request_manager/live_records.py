@@ -34,9 +34,9 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def live_record(live: Live, ssm_names: tuple[str, ...], owner: str) -> RequestRecord:
-    """The record a new request is stored as, owned by replica ``owner``."""
-    return RequestRecord(live.request_id, live.request.prompt_tokens, live_params(live, ssm_names), owner)
+def live_record(live: Live, ssm_names: tuple[str, ...], owner: str, lease_token: str = "") -> RequestRecord:
+    """The record a new request is stored as, owned by replica ``owner`` (its incarnation ``lease_token``)."""
+    return RequestRecord(live.request_id, live.request.prompt_tokens, live_params(live, ssm_names), owner, lease_token)
 
 
 def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: Tokenizer | None) -> Live:

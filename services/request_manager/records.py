@@ -8,8 +8,11 @@ Terms (the same as in ``protos/specinfer/v1/api.proto``):
   the bonus token the LLM samples after them). Committed tokens are persisted before they are streamed.
 * *accepted tokens*: tree tokens the verifier accepted (the bonus token not counted).
 * *tree nodes*: size of the verified token tree, its root included.
-* *owner*: ID of the request-manager replica that drives the request; requests are partitioned among
-  replicas by request ID, and a replica resumes the unfinished requests it owns after a restart.
+* *owner*: ID of the request-manager replica that drives the request (its ``--owner``); a replica
+  resumes the unfinished requests it owns after a restart, and adopts those of a replica whose lease
+  lapsed (:mod:`.ownership`).
+* *lease token*: the token of the process (one *incarnation* of an owner) that drives the request; the
+  owner's writes are fenced by it, so an earlier incarnation cannot write after a later one took over.
 
 Token lists are stored as packed little-endian int32 (4 bytes per token): compact, and appending is a
 single O(1) ``APPEND`` that Redis applies atomically. :func:`pack_tokens`/:func:`unpack_tokens` convert.
@@ -65,6 +68,7 @@ class RequestRecord:
     prompt: tuple[int, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
     owner: str = "default"
+    lease_token: str = ""  # the incarnation of ``owner`` that creates it ("": none, the writes are fenced by owner alone)
 
     def __post_init__(self) -> None:
         validate_id(self.request_id, "request_id")

@@ -120,6 +120,12 @@ class SsmWorkers(WorkerPool):
         results = await call_with_context(send, calls, tracker)
         return Drafts({rid: wire.draft_from_proto(r.tree) for rid, r in results.items()}, passes)
 
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop tracking requests another replica drives now, without releasing their caches (it uses them)."""
+        for tracker in self._trackers.values():
+            for r in request_ids:
+                tracker.forget(r)
+
     async def release(self, request_ids: Sequence[str]) -> None:
         # the workers as they are now: a refresh may change them while the calls run
         for address, stub, tracker in [(a, self._stubs[a], self._trackers[a]) for a in self.addresses]:
@@ -378,3 +384,10 @@ class Verifiers(ReplicaPool):
                 await self._stubs[address].Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata)
             except grpc.aio.AioRpcError as exc:
                 log.info("release failed", extra={"address": address, "code": str(exc.code())})
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop tracking requests another request manager drives now, without releasing their caches (it uses them)."""
+        for rid in request_ids:
+            self.placement.pop(rid, None)
+            for a in self.addresses:
+                self.tracker(a).forget(rid)

@@ -6,7 +6,8 @@ the in-process engine's rule, which may also preempt the newest running ones), d
 expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
 has the verifier check every tree (one call per verifier replica, concurrently: each request is placed
 on one replica, :class:`~specinfer.core.kv_budget.Replicas`), and commits: tokens are persisted in Redis
-*before* they are published to the client streams. The bookkeeping of an iteration (which jobs,
+*before* they are published to the client streams (fenced by this replica's owner ID and lease token:
+a request another replica took over is dropped here, see :mod:`.ownership`). The bookkeeping of an iteration (which jobs,
 which random streams, what to commit) is :mod:`specinfer.core.iteration`, shared with the
 in-process engine; the scheduler drives it through remote calls. Requests with adaptive
 speculation get their trees sized each iteration by the :class:`~specinfer.request_manager.adaptive.AdaptivePlanner`.
@@ -33,7 +34,7 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
-from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store import OwnershipError, RequestFinishedError, RequestNotFoundError, RequestStore
 from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
 
@@ -60,6 +61,7 @@ class SchedulerConfig:
     ssm_names: tuple[str, ...]
     eos_token_id: int | None
     owner: str = "default"
+    lease_token: str = ""  # this incarnation's lease token: writes are fenced by it and ``owner`` ("": by owner alone)
     verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
     verifier_backoff_max_seconds: float = 8.0
     kv_budgets: tuple[KVBudget, ...] = ()
@@ -102,6 +104,17 @@ class StreamEvent:
     finished: Finish | None = None
 
 
+class Moved:
+    """What a request's subscribers get instead of further events when another replica took it over
+    (:data:`MOVED`): they follow it in Redis from there (:meth:`.lifecycle.Requests.attach`)."""
+
+
+MOVED = Moved()
+
+# the store's answers to a fenced write: the request is not this replica's to drive any more
+NOT_OURS = (OwnershipError, RequestFinishedError, RequestNotFoundError)
+
+
 @dataclass
 class Live(Running):
     """A request the scheduler is running (the Redis record is the durable copy)."""
@@ -113,11 +126,12 @@ class Live(Running):
     stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
     finished: Finish | None = None
     final: StreamEvent | None = None  # the finishing event, published once Redis recorded the finish
+    moved: bool = False  # another replica took it over; dropped here (its subscribers got MOVED)
 
     def usage(self) -> Usage:
         return Usage.of(len(self.request.prompt_tokens), len(self.output), self.stats)
 
-    def publish(self, event: StreamEvent) -> None:
+    def publish(self, event: StreamEvent | Moved) -> None:
         for q in self.subscribers:
             q.put_nowait(event)
 
@@ -181,10 +195,14 @@ class Scheduler:
         self.metrics.prompt_tokens.inc(len(live.request.prompt_tokens))
         self._wake.set()
 
-    def resume(self, live: Live) -> None:
-        """Re-enqueue a request recovered from Redis (no queue bound: it was admitted before)."""
+    def resume(self, live: Live) -> bool:
+        """Enqueue a request recovered or adopted from Redis (no queue bound: it was admitted before);
+        False, and nothing changes, when a request with its ID runs here already."""
+        if self.get(live.request_id) is not None:
+            return False
         self._waiting.append(live)
         self._wake.set()
+        return True
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         live = self.get(request_id)
@@ -370,13 +388,20 @@ class Scheduler:
         offset = len(live.output)
         # durable before anyone sees it; the offset makes a retried append idempotent
         try:
-            await self.store.append_tokens(live.request_id, tokens, stats, owner=self.config.owner, offset=offset)
+            appended = await self.store.append_tokens(
+                live.request_id, tokens, stats, owner=self.config.owner, offset=offset, lease_token=self.config.lease_token
+            )
+        except NOT_OURS as exc:
+            self._lose(live, exc)
+            return
         except BaseException:
             # nothing of the step is committed or published: a later iteration redoes it (the same
             # tokens, appended at the same offset), and releases its text then
             if live.text is not None:
                 live.text.text = released
             raise
+        if appended.cancel_requested:  # by a replica that does not run it: stopped at the next iteration boundary
+            live.stop_reason = live.stop_reason or "cancelled"
         live.commit(outcome)
         m = self.metrics
         m.llm_steps.inc()
@@ -401,7 +426,8 @@ class Scheduler:
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         """End ``live`` with ``reason``; ``last``: its final step's tokens, published with the finish. When
         Redis does not take the finish, the request stays active with ``finished`` (and ``final``) set, and
-        the next iteration calls this again (the first reason stays)."""
+        the next iteration calls this again (the first reason stays). A request the store says is not ours
+        any more is dropped instead (:meth:`_lose`)."""
         if live.finished is None:
             live.finished = Finish(reason, live.usage(), error)
             self.metrics.requests.labels(reason).inc()
@@ -409,7 +435,13 @@ class Scheduler:
                 self.planner.forget(live.request_id)
             text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
             live.final = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
-        await self.store.finish(live.request_id, live.finished.reason, live.finished.error or None, owner=self.config.owner)
+        try:
+            await self.store.finish(
+                live.request_id, live.finished.reason, live.finished.error or None, owner=self.config.owner, lease_token=self.config.lease_token
+            )
+        except NOT_OURS as exc:
+            self._lose(live, exc)
+            return
         self._active.pop(live.request_id, None)
         if live in self._waiting:
             self._waiting.remove(live)
@@ -418,6 +450,25 @@ class Scheduler:
         task = asyncio.get_running_loop().create_task(self._release((live.request_id,)))
         self._releases.add(task)  # referenced until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._releases.discard)
+
+    def _lose(self, live: Live, why: Exception) -> None:
+        """Drop a request the store says is not ours any more (another replica adopted it while our lease
+        had lapsed, or a later incarnation of our owner claimed it; or it finished or expired meanwhile):
+        nothing more of it is committed or published here, its subscribers follow it in Redis. Its caches
+        on the workers and the verifier are left alone: its new owner uses them."""
+        rid = live.request_id
+        self._active.pop(rid, None)
+        if live in self._waiting:
+            self._waiting.remove(live)
+        if self.planner is not None:
+            self.planner.forget(rid)
+        self.verifier.forget((rid,))
+        if self.workers is not None:
+            self.workers.forget((rid,))
+        live.moved = True
+        live.publish(MOVED)
+        self.metrics.taken_over.inc()
+        log.warning("request taken over by another replica; dropped here", extra={"request_id": rid, "reason": str(why)})
 
     async def _release(self, request_ids: Sequence[str]) -> None:
         await self.verifier.release(request_ids)  # a replica that fails the call keeps a cache: only memory

@@ -82,7 +82,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
     @property
     def requests(self) -> Requests:
         if self._requests is None:
-            raise Unavailable("the request manager is starting: the LLM verifier has not answered yet; retry later")
+            raise Unavailable("the request manager is starting: the LLM verifier has not answered yet, or it waits for its ownership lease; retry later")
         return self._requests
 
     @property
@@ -103,7 +103,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
 
     @rpc_errors
     async def Cancel(self, request: api_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> api_pb2.CancelResponse:
-        return api_pb2.CancelResponse(cancelled=self.requests.cancel(check_request_id(request.request_id)))
+        return api_pb2.CancelResponse(cancelled=await self.requests.cancel(check_request_id(request.request_id)))
 
     @rpc_errors
     async def GetRequest(self, request: api_pb2.GetRequestRequest, context: grpc.aio.ServicerContext) -> api_pb2.RequestState:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio
@@ -90,6 +91,33 @@ def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
+@dataclass(frozen=True)
+class Appended:
+    """What :meth:`RequestStore.append_tokens` reports: the output's length after the append, and whether
+    a replica asked for the request to be cancelled (:meth:`RequestStore.request_cancel`)."""
+
+    length: int
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A request's output from an offset on, and whether it is finished (read atomically together)."""
+
+    tokens: tuple[int, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """The outcome of :meth:`RequestStore.hold_lease`: ``held`` (renewed, or taken because it was free;
+    ``taken``: the latter) and the token of whoever holds it now."""
+
+    held: bool
+    taken: bool
+    holder: str
+
+
 class RequestStore:
     """Every request's state in Redis, through a ``redis.asyncio`` client (standalone or cluster) with
     ``decode_responses=False``.
@@ -127,6 +155,13 @@ class RequestStore:
         self._append = client.register_script(redis_layout.APPEND)
         self._finish = client.register_script(redis_layout.FINISH)
         self._get = client.register_script(redis_layout.GET)
+        self._tail = client.register_script(redis_layout.TAIL)
+        self._claim = client.register_script(redis_layout.CLAIM)
+        self._cancel = client.register_script(redis_layout.CANCEL)
+        self._hold = client.register_script(redis_layout.HOLD)
+        self._release = client.register_script(redis_layout.RELEASE)
+        self._owner_state = client.register_script(redis_layout.OWNER_STATE)
+        self._prune = client.register_script(redis_layout.PRUNE)
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())
@@ -143,7 +178,7 @@ class RequestStore:
         rid, owner = record.request_id, record.owner
         active_key = self.keys.active(owner)
         await self._write(active_key, ("SADD", active_key, rid))  # acknowledged too: the superset must survive a failover
-        args = [params_json(record.params), pack_tokens(record.prompt), owner, repr(self._clock())]
+        args = [params_json(record.params), pack_tokens(record.prompt), owner, repr(self._clock()), record.lease_token]
         code, existing_owner = await self._run(self._create, self.keys.request(rid), args)
         if code == ScriptCode.EXISTS:
             if _text(existing_owner) != owner:
@@ -158,12 +193,14 @@ class RequestStore:
         *,
         owner: str | None = None,
         offset: int | None = None,
-    ) -> int:
+        lease_token: str | None = None,
+    ) -> Appended:
         """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step.
 
         Its ``llm_steps``, ``accepted``, ``tree_size`` and ``cached_prompt`` are added (a snapshot's ``committed`` is its output's
-        length). Returns the output length after the append. A queued request becomes running.
-        ``owner``, when given, fences a replica that no longer owns the request (OwnershipError).
+        length). Returns the output length after the append and the request's cancel mark. A queued request becomes running.
+        ``owner``, when given, fences a replica that no longer owns the request (OwnershipError); ``lease_token``
+        also fences an earlier incarnation of the same owner (:meth:`claim`).
         ``offset``, when given, is the output length the caller expects before ``tokens``: a mismatch raises
         OffsetConflictError, except that a retry of an append Redis already applied (the tokens already end
         the output at that offset) is recognized and not applied twice, so a timed-out append can be retried
@@ -181,27 +218,129 @@ class RequestStore:
             owner or "",
             -1 if offset is None else offset,
             stats.cached_prompt,
+            lease_token or "",
         ]
-        code, length, actual = await self._run(self._append, self.keys.request(request_id), args)
+        code, length, actual, cancel = await self._run(self._append, self.keys.request(request_id), args)
         if code == ScriptCode.OFFSET_CONFLICT:
             assert offset is not None
             raise OffsetConflictError(request_id, offset, int(length))
         self._raise_for(code, request_id, owner, actual)
-        return int(length)
+        return Appended(int(length), bool(cancel))
 
-    async def finish(self, request_id: str, reason: FinishReason | str, error: str | None = None, *, owner: str | None = None) -> bool:
+    async def finish(
+        self, request_id: str, reason: FinishReason | str, error: str | None = None, *, owner: str | None = None, lease_token: str | None = None
+    ) -> bool:
         """Mark the request finished, drop it from its owner's set, let its keys expire after the TTL.
 
         Returns False when it was already finished (finishing is idempotent; the first reason stays).
+        ``owner`` and ``lease_token`` fence as in :meth:`append_tokens`.
         """
         reason = FinishReason(reason)
-        args = [reason.value, error or "", repr(self._clock()), self.finished_ttl_ms, owner or ""]
+        args = [reason.value, error or "", repr(self._clock()), self.finished_ttl_ms, owner or "", lease_token or ""]
         code, actual = await self._run(self._finish, self.keys.request(request_id), args)
         self._raise_for(code, request_id, owner, actual)
         if actual is not None:
             # After the status change, never before: the set must stay a superset of running requests.
             await self.client.srem(self.keys.active(actual.decode()), request_id)
         return code == ScriptCode.OK
+
+    async def claim(self, request_id: str, from_owner: str, to_owner: str, lease_token: str) -> bool:
+        """Make the unfinished request of ``from_owner`` one of ``to_owner`` driven under ``lease_token``;
+        False when it is finished, gone, or not ``from_owner``'s (another adopter won). Atomic per request,
+        so of two replicas claiming the same request exactly one succeeds. With ``to_owner == from_owner``
+        (a restarted replica resuming its own requests) only the token changes; otherwise the owner
+        indexes follow the superset rule (:mod:`.redis_layout`): ours first, theirs after."""
+        rid = request_id
+        moves = to_owner != from_owner
+        ours, theirs = self.keys.active(to_owner), self.keys.active(from_owner)
+        if moves:
+            await self._write(ours, ("SADD", ours, rid))
+        code, actual = await self._run(self._claim, [self.keys.meta(rid)], [from_owner, to_owner, lease_token])
+        if code == ScriptCode.OK:
+            if moves:
+                await self._write(theirs, ("SREM", theirs, rid))
+            return True
+        if moves and _text(actual) != to_owner:  # never ours: our index must not keep it
+            await self._write(ours, ("SREM", ours, rid))
+        return False
+
+    async def request_cancel(self, request_id: str) -> bool:
+        """Mark an unfinished request for its owner to cancel at its next commit (:meth:`append_tokens`
+        returns the mark); False when there is no unfinished request under this ID."""
+        code, _ = await self._run(self._cancel, [self.keys.meta(request_id)], [])
+        return code == ScriptCode.OK
+
+    # -- leases and owners ------------------------------------------------------------------------
+
+    async def hold_lease(self, owner: str, token: str, ttl_s: float) -> LeaseReply:
+        """Renew ``owner``'s lease for ``ttl_s`` seconds if ``token`` holds it, take it if it is free.
+        While held, the owner is registered in the owners set (again at every renewal: an adopter may
+        have removed it just before)."""
+        code, holder = await self._run(self._hold, [self.keys.lease(owner)], [token, max(1, round(ttl_s * 1000))])
+        held = code != 0
+        if held:
+            await self._write(self.keys.owners(), ("SADD", self.keys.owners(), owner))
+        return LeaseReply(held, code == 2, _text(holder) or "")
+
+    async def take_lease(self, owner: str, token: str, ttl_s: float) -> None:
+        """Take ``owner``'s lease whoever holds it (only where nobody else can reach this Redis)."""
+        await self._write(self.keys.lease(owner), ("SET", self.keys.lease(owner), token, "PX", max(1, round(ttl_s * 1000))))
+        await self._write(self.keys.owners(), ("SADD", self.keys.owners(), owner))
+
+    async def release_lease(self, owner: str, token: str) -> bool:
+        """Give ``owner``'s lease up if ``token`` holds it (a clean shutdown: others adopt at once)."""
+        return bool(await self._run(self._release, [self.keys.lease(owner)], [token]))
+
+    async def orphaned_owners(self, exclude: str) -> list[str]:
+        """Owners other than ``exclude`` whose index holds IDs while nobody holds their lease: the owners
+        whose requests wait for adoption. Owners with neither are forgotten (see :mod:`.redis_layout`)."""
+        orphaned = []
+        owners_key = self.keys.owners()
+        for owner in sorted(m.decode() for m in await self._retrying(lambda: self.client.smembers(owners_key))):
+            if owner == exclude:
+                continue
+            keys = self.keys.owner(owner)
+            leased, indexed = await self._retrying(lambda keys=keys: self._owner_state(keys=keys, args=[]))
+            if leased:
+                continue
+            if indexed:
+                orphaned.append(owner)
+                continue
+            await self._write(owners_key, ("SREM", owners_key, owner))
+            leased, indexed = await self._retrying(lambda keys=keys: self._owner_state(keys=keys, args=[]))
+            if leased or indexed:  # it came back meanwhile
+                await self._write(owners_key, ("SADD", owners_key, owner))
+        return orphaned
+
+    async def index(self, owner: str) -> tuple[list[str], list[str]]:
+        """The owner's index split in two: its unfinished requests, oldest first (what :meth:`active`
+        returns), and the stale IDs (finished, expired, or owned by another replica)."""
+        active_key = self.keys.active(owner)
+        ids = sorted(member.decode() for member in await self._retrying(lambda: self.client.smembers(active_key)))
+        if not ids:
+            return [], []
+
+        async def read_rows() -> list[Any]:
+            async with self.client.pipeline(transaction=False) as pipe:  # a cluster pipeline splits it by slot
+                for rid in ids:
+                    pipe.hmget(self.keys.meta(rid), "status", "owner", "created")
+                return await pipe.execute()
+
+        rows = await self._retrying(read_rows)
+        live, stale = [], []
+        for rid, (status, row_owner, created) in zip(ids, rows, strict=True):
+            if status is not None and status != b"finished" and _text(row_owner) == owner:
+                live.append((float(created or 0), rid))
+            else:
+                stale.append(rid)
+        return [rid for _, rid in sorted(live)], stale
+
+    async def prune_index(self, owner: str, request_ids: Sequence[str]) -> int:
+        """Remove stale IDs from the index of an owner whose lease nobody holds; the number removed
+        (-1: the lease is held again, nothing removed)."""
+        if not request_ids:
+            return 0
+        return int(await self._run(self._prune, self.keys.owner(owner), list(request_ids)))
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -219,19 +358,16 @@ class RequestStore:
 
         Stale IDs in the owner's set (finished, expired or owned by another replica) are skipped.
         """
-        ids = sorted(member.decode() for member in await self.client.smembers(self.keys.active(owner)))
-        if not ids:
-            return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            for rid in ids:
-                pipe.hmget(self.keys.meta(rid), "status", "owner", "created")
-            rows = await pipe.execute()
-        live = [
-            (float(created or 0), rid)
-            for rid, (status, row_owner, created) in zip(ids, rows, strict=True)
-            if status is not None and status != b"finished" and _text(row_owner) == owner
-        ]
-        return [rid for _, rid in sorted(live)]
+        return (await self.index(owner))[0]
+
+    async def tail(self, request_id: str, offset: int) -> Tail | None:
+        """The request's output from ``offset`` on and whether it finished (None: no such request): what
+        a replica that does not run the request polls to stream it."""
+        keys = self.keys.request(request_id)
+        status, packed = await self._retrying(lambda: self._tail(keys=keys, args=[offset]))
+        if status is None:
+            return None
+        return Tail(unpack_tokens(packed), status == b"finished")
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -294,6 +430,8 @@ def _snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -
 
 
 __all__ = [
+    "Appended",
+    "LeaseReply",
     "OffsetConflictError",
     "OwnershipError",
     "ReplicationError",
@@ -302,4 +440,5 @@ __all__ = [
     "RequestNotFoundError",
     "RequestStore",
     "StoreError",
+    "Tail",
 ]

@@ -198,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several; default: the demo pair's)")
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
     up.add_argument("--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)")
+    up.add_argument("--request-managers", type=int, default=1, help="request-manager processes (more than one share a Redis the launcher starts)")
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
     up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
@@ -238,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 security=_stack_security(args),
                 http_port=args.http_port,
                 verifiers=args.verifiers,
+                request_managers=args.request_managers,
             )
             if cfg.verifiers < 1:
                 raise InvalidArgument("verifiers", f"must be at least 1, got {cfg.verifiers}")

@@ -3,7 +3,8 @@
 Starts the LLM verifier, N SSM workers and the request manager (which starts its embedded Redis, or
 uses the Redis or Redis Cluster ``StackConfig.redis_url`` names),
 waits until each reports its port and its health is SERVING, prints the addresses, and stops
-them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or when one of them dies.
+them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or when one of them dies. With
+several request managers (``request_managers``), it starts a Redis they share (docs/request-managers.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specinfer.request_manager.redis_server import EmbeddedRedis
 from specinfer.serving.healthcheck import check
 from specinfer.serving.security import ClientAuth, ClientTls
 
@@ -92,6 +94,9 @@ class StackConfig:
     verifiers: int = 1  # LLM verifier replicas (llm-verifier, llm-verifier-1, ...), each request placed on one
     redis_url: str = ""  # the request manager's --redis-url (empty: its embedded Redis under state_dir)
     redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (--redis-cluster)
+    # request-manager replicas: more than one share a Redis the launcher starts (under state_dir/redis), each with
+    # its own --owner rm-<i> and state dir; the first has ``port`` and ``http_port``, the others free ports
+    request_managers: int = 1
 
 
 @dataclass
@@ -120,6 +125,7 @@ class Stack:
     config: StackConfig
     processes: list[Process] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specinfer-stack-")))
+    redis: EmbeddedRedis | None = None  # the Redis several request managers share
 
     def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float, address: str = "") -> Process:
         """Start ``module`` as ``name`` and wait until it is SERVING; with ``address`` (its fixed
@@ -175,26 +181,40 @@ class Stack:
             self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, "--torch-threads", str(c.ssm_threads), *model], timeout)
             for i in range(c.workers if c.ssms else 0)
         ]
-        rm_args = [
-            "--port",
-            str(c.port),
-            "--verifier",
-            self.verifier_addresses,
-            "--ssm-workers",
-            ",".join(w.address for w in workers),
-            "--model-dir",
-            str(c.llm),
-            "--state-dir",
-            str(c.state_dir),
-            "--expansion",
-            c.expansion,
-            "--http-port",
-            str(c.http_port),
-        ]
-        if c.redis_url:
-            rm_args += ["--redis-url", c.redis_url] + (["--redis-cluster", "on"] if c.redis_cluster else [])
-        rm_args += c.rm_args
-        self._spawn("request-manager", "specinfer.request_manager", rm_args, timeout)
+        if c.request_managers > 1 and not c.redis_url:
+            self.redis = EmbeddedRedis(c.state_dir / "redis", appendonly=True, die_with_parent=True).start()
+
+        def rm_args(i: int) -> list[str]:
+            """The flags of request manager ``i`` (0: the main one)."""
+            state, shared = c.state_dir, []
+            if c.redis_url:
+                shared = ["--redis-url", c.redis_url] + (["--redis-cluster", "on"] if c.redis_cluster else [])
+            elif self.redis is not None:
+                shared = ["--redis-url", self.redis.url]
+            if c.request_managers > 1:
+                state, shared = c.state_dir / f"rm-{i}", [*shared, "--owner", f"rm-{i}"]
+            return [
+                "--port",
+                str(c.port if i == 0 else 0),
+                "--verifier",
+                self.verifier_addresses,
+                "--ssm-workers",
+                ",".join(w.address for w in workers),
+                "--model-dir",
+                str(c.llm),
+                "--state-dir",
+                str(state),
+                "--expansion",
+                c.expansion,
+                "--http-port",
+                str(c.http_port if i == 0 else 0),
+                *shared,
+                *c.rm_args,
+            ]
+
+        for i in range(1, c.request_managers):
+            self._spawn(f"request-manager-{i}", "specinfer.request_manager", rm_args(i), timeout)
+        self._spawn("request-manager", "specinfer.request_manager", rm_args(0), timeout)  # last: Stack.address
         return self
 
     def respawn(self, name: str, timeout: float = START_TIMEOUT, wait: bool = True) -> Process:
@@ -242,6 +262,12 @@ class Stack:
     def address(self) -> str:
         return self.processes[-1].address
 
+    @property
+    def request_manager_addresses(self) -> list[str]:
+        """The addresses of the request managers :meth:`start` started, the main one (:attr:`address`) first."""
+        names = ["request-manager", *(f"request-manager-{i}" for i in range(1, self.config.request_managers))]
+        return [self.process(name).address for name in names]
+
     def process(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
 
@@ -257,6 +283,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 codes[p.name] = p.popen.wait()
+        if self.redis is not None:
+            self.redis.close()
         return codes
 
     def __enter__(self) -> Stack:
@@ -282,6 +310,8 @@ def run_up(config: StackConfig) -> int:
             log = stack.workdir / (p.name + ".log")
             print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {log})", flush=True)
         print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
+        if config.request_managers > 1:
+            print(f"every request manager serves every request: {', '.join(stack.request_manager_addresses)}", flush=True)
         if config.http_port:
             http = f"{'https' if config.security.cert else 'http'}://127.0.0.1:{config.http_port}/v1"
             example = """'{"prompt": "def main():", "max_tokens": 32}'"""

@@ -327,7 +327,8 @@ def test_request_manager_restart_resumes_from_redis(stack, model_pair, tmp_path)
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     want = out[0, len(prompt) :].tolist()
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
-        args = ["--redis-url", redis.url, "--owner", "rm-restart", "--max-batch", "4"]
+        # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
+        args = ["--redis-url", redis.url, "--owner", "rm-restart", "--max-batch", "4", "--lease-seconds", "2"]
         first = stack.spawn_request_manager("rm-restart-1", args)
         with Client(first.address, timeout=120) as client:
             stream = client.stream(Client.request(prompt, new_tokens, request_id="survivor", ignore_eos=True))

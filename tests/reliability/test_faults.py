@@ -159,7 +159,8 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
     prompts = model_pair.prompts[24 : 24 + STREAMS]
     ids = [f"rm-kill-{i}" for i in range(STREAMS)]
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
-        args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16"]
+        # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
+        args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16", "--lease-seconds", "2"]
         first = stack.spawn_request_manager("rm-kill-1", args)
 
         def consume(client: Client, prompt, rid: str) -> list[int]:

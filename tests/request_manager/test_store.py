@@ -76,9 +76,9 @@ def test_create_append_get_finish_round_trip(open_store):
             assert snap.stats == StepStats(0, 0, 0)
             assert snap.finish_reason is None and snap.error is None and not snap.is_finished
 
-            assert await store.append_tokens("r1", [10, 11, 12], StepStats(1, 2, 5, 3)) == 3
-            assert await store.append_tokens("r1", [INT32_MAX, INT32_MIN], StepStats(1, 1, 4, 2)) == 5
-            assert await store.append_tokens("r1", [], StepStats(1, 0, 1)) == 5  # a step that commits nothing
+            assert (await store.append_tokens("r1", [10, 11, 12], StepStats(1, 2, 5, 3))).length == 3
+            assert (await store.append_tokens("r1", [INT32_MAX, INT32_MIN], StepStats(1, 1, 4, 2))).length == 5
+            assert (await store.append_tokens("r1", [], StepStats(1, 0, 1))).length == 5  # a step that commits nothing
 
             snap = await store.get("r1")
             assert snap.status is RequestStatus.RUNNING
@@ -163,7 +163,7 @@ def test_writes_of_another_owner_are_refused(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("r1", owner="rm-0"))
-            assert await store.append_tokens("r1", [1], owner="rm-0") == 1
+            assert (await store.append_tokens("r1", [1], owner="rm-0")).length == 1
 
             # Another replica's writes are refused and change nothing; the owner's go through.
             with pytest.raises(OwnershipError) as info:
@@ -173,7 +173,7 @@ def test_writes_of_another_owner_are_refused(open_store):
                 await store.finish("r1", "cancelled", owner="rm-1")
             assert (await store.get("r1")).output_tokens == (1,)
             assert await store.active("rm-0") == ["r1"] and await store.active("rm-1") == []
-            assert await store.append_tokens("r1", [2], owner="rm-0") == 2
+            assert (await store.append_tokens("r1", [2], owner="rm-0")).length == 2
 
             await store.finish("r1", "eos", owner="rm-0")
             assert await store.active("rm-0") == []
@@ -205,9 +205,9 @@ def test_append_at_offset_rejects_gaps_and_absorbs_retries(open_store):
     async def body() -> None:
         async with open_store() as store:
             await store.create(record("r1"))
-            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0) == 2
+            assert (await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0)).length == 2
             # A retry of an append that Redis already applied (e.g. its reply was lost) is not applied twice.
-            assert await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0) == 2
+            assert (await store.append_tokens("r1", [1, 2], StepStats(1, 1, 3, 2), offset=0)).length == 2
             snap = await store.get("r1")
             assert snap.output_tokens == (1, 2) and snap.stats == StepStats(1, 1, 3, 2)
 
@@ -216,7 +216,7 @@ def test_append_at_offset_rejects_gaps_and_absorbs_retries(open_store):
             assert (info.value.offset, info.value.length) == (5, 2)
             with pytest.raises(OffsetConflictError):
                 await store.append_tokens("r1", [9, 9], offset=0)  # overlaps different tokens
-            assert await store.append_tokens("r1", [3], offset=2) == 3
+            assert (await store.append_tokens("r1", [3], offset=2)).length == 3
             assert (await store.get("r1")).output_tokens == (1, 2, 3)
 
     run(body)
@@ -348,7 +348,7 @@ def test_concurrent_appends_to_one_request_keep_every_token_once_in_commit_order
         for chunk in range(n_chunks):
             # Chunk sizes 1..3, token values unique per (writer, chunk, position).
             tokens = tuple(10_000 * writer + 10 * chunk + k for k in range(1 + (writer + chunk) % 3))
-            length = await store.append_tokens("r1", tokens)
+            length = (await store.append_tokens("r1", tokens)).length
             commits.append((length, tokens))
 
     async def body() -> None:
@@ -417,7 +417,7 @@ async def _check_history(url: str) -> None:
         done = await store.get("done")
         assert done.finish_reason is FinishReason.EOS and done.output_tokens == (9,)
         # The script cache did not survive the restart: EVALSHA falls back to loading the script.
-        assert await store.append_tokens("open", [4]) == 4
+        assert (await store.append_tokens("open", [4])).length == 4
     finally:
         await client.aclose()
 

@@ -155,6 +155,12 @@ class SchedulerMetrics:
         self.preemptions = Counter(
             "specinfer_preemptions", "Running requests put back at the head of the queue for lack of KV blocks (they resume later)", registry=registry
         )
+        # request-manager replicas (services/request_manager/ownership.py)
+        self.adopted = Counter("specinfer_requests_adopted", "Requests adopted from a request manager whose ownership lease lapsed", registry=registry)
+        self.taken_over = Counter(
+            "specinfer_requests_taken_over", "Requests another request manager took over while this one's lease had lapsed: dropped here", registry=registry
+        )
+        self.lease_held = Gauge("specinfer_ownership_lease_held", "1 while this request manager holds its ownership lease, else 0", registry=registry)
         self.ssm_workers_live = Gauge(
             "specinfer_ssm_workers_live", "Workers in service per SSM (0: its requests decode incrementally)", ["ssm"], registry=registry
         )
