@@ -238,7 +238,8 @@ class Scheduler:
     async def iteration(self) -> None:
         await self._admit()
         now = time.monotonic()
-        for live in list(self._active.values()):
+        # waiting ones too: a request cancelled or expired in the queue ends now, even while nothing is admitted
+        for live in [*self._active.values(), *self._waiting]:
             if live.stop_reason is None and live.deadline is not None and now > live.deadline:
                 live.stop_reason = "cancelled"
             if live.finished is not None:  # its finish did not reach Redis: retried before anything else

@@ -19,7 +19,7 @@ from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.live_records import live_record
 from specinfer.request_manager.ownership import Lease, Ownership
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect, free_tcp_port
-from specinfer.request_manager.remote import Verifier
+from specinfer.request_manager.remote import Verifiers
 from specinfer.request_manager.scheduler import Live, Scheduler, SchedulerConfig
 from specinfer.request_manager.store import OwnershipError, RequestStore
 from specinfer.serving.metrics import SchedulerMetrics
@@ -54,7 +54,7 @@ def new_live(rid: str, max_new_tokens: int = 32) -> Live:
 async def replica(store: RequestStore, owner: str, lease_seconds: float = 5.0) -> AsyncIterator[Requests]:
     """The request operations of one replica with its lease held; its scheduler does not run (a verifier
     nothing listens for is never called)."""
-    verifier = Verifier("127.0.0.1:1", 1.0)
+    verifier = Verifiers(["127.0.0.1:1"], 1.0)
     lease = Lease(store, owner, lease_seconds)
     scheduler = Scheduler(SchedulerConfig(4, 8, (), None, owner, lease.token), store, None, verifier, SchedulerMetrics(CollectorRegistry()))
     await lease.acquire()

@@ -135,9 +135,9 @@ def test_a_frozen_replica_fails_acknowledged_writes_until_it_is_back(tmp_path: P
                             with pytest.raises(ReplicationError, match="0 of 1 replicas"):
                                 await store.append_tokens(rid, tokens, offset=0)
                         else:
-                            assert await store.append_tokens(rid, tokens, offset=0) == 2
+                            assert (await store.append_tokens(rid, tokens, offset=0)).length == 2
                 for i, rid in enumerate(ids):  # the retry of every append, the refused ones included
-                    assert await store.append_tokens(rid, [token(i, 0), token(i, 1)], StepStats(1, 1, 2, 2), offset=0) == 2
+                    assert (await store.append_tokens(rid, [token(i, 0), token(i, 1)], StepStats(1, 1, 2, 2), offset=0)).length == 2
                     snap = await store.get(rid)
                     assert snap.output_tokens == (token(i, 0), token(i, 1)) and snap.stats.llm_steps == 1
             finally:
@@ -161,10 +161,10 @@ def test_acknowledged_writes_on_a_standalone_master_and_replica(tmp_path: Path, 
                 store = RequestStore(client, prefix="standalone", min_replica_acks=1, replica_timeout_s=0.3)
                 try:
                     await store.create(record("r1"))
-                    assert await store.append_tokens("r1", [1, 2], offset=0) == 2
+                    assert (await store.append_tokens("r1", [1, 2], offset=0)).length == 2
                     with frozen(replica.pid), pytest.raises(ReplicationError):
                         await store.append_tokens("r1", [3], offset=2)
-                    assert await store.append_tokens("r1", [3], offset=2) == 3  # found, not applied again
+                    assert (await store.append_tokens("r1", [3], offset=2)).length == 3  # found, not applied again
                     with frozen(replica.pid), pytest.raises(ReplicationError):
                         await store.finish("r1", "eos")
                     assert not await store.finish("r1", "eos")  # finished already: unchanged, and now acknowledged
