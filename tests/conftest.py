@@ -95,3 +95,42 @@ def restore_logging():
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stacks_on_a_redis_cluster(tmp_path_factory):
+    """With ``SPECINFER_TEST_REDIS_CLUSTER=1``, every stack the tests start keeps its requests in one
+    real 3-master, 3-replica Redis Cluster (tests/redis_cluster.py) with replica-acknowledged writes,
+    instead of each request manager's embedded Redis: the request managers read the cluster from
+    their environment, and each stack gets its own key prefix (``SPECINFER_REDIS_KEY_PREFIX``), so no
+    stack sees (resumes, adopts) another's requests. CI runs the end-to-end and fault suites so."""
+    if os.environ.get("SPECINFER_TEST_REDIS_CLUSTER") != "1":
+        yield None
+        return
+    import dataclasses
+
+    from redis_cluster import LocalRedisCluster  # tests/redis_cluster.py
+
+    from specinfer.launcher import Stack
+
+    settings = {"SPECINFER_REDIS_CLUSTER": "on", "SPECINFER_REDIS_MIN_REPLICA_ACKS": "1"}
+    start = Stack.start
+
+    def start_on_the_cluster(self, *args, **kwargs):
+        prefix = ("SPECINFER_REDIS_KEY_PREFIX", f"t-{self.workdir.name}")
+        self.config = dataclasses.replace(self.config, extra_env=(*self.config.extra_env, prefix))
+        return start(self, *args, **kwargs)
+
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        saved = {k: os.environ.get(k) for k in (*settings, "SPECINFER_REDIS_URL")}
+        os.environ.update(settings, SPECINFER_REDIS_URL=cluster.url)
+        Stack.start = start_on_the_cluster
+        try:
+            yield cluster
+        finally:
+            Stack.start = start
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

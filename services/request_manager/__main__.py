@@ -164,6 +164,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
         resources.push_async_callback(client.aclose)
         store = RequestStore(
             client,
+            prefix=cfg.redis_key_prefix,
             finished_ttl_s=cfg.result_ttl_seconds,
             min_replica_acks=cfg.redis_min_replica_acks,
             replica_timeout_s=cfg.redis_replica_timeout_seconds,

@@ -28,6 +28,7 @@ class RequestManagerConfig:
     redis_cluster: bool  # redis_url names a node of a Redis Cluster
     redis_min_replica_acks: int  # replicas that must acknowledge each write (0: none)
     redis_replica_timeout_seconds: float  # how long a write waits for them
+    redis_key_prefix: str  # every key of ours starts with it: deployments sharing a Redis keep apart
     state_dir: str
     ssm_workers: tuple[str, ...]
     verifiers: tuple[str, ...]  # LLM verifier replicas: host:port addresses and dns:///host:port names
@@ -70,6 +71,7 @@ class RequestManagerConfig:
             0,
             "replicas that must acknowledge each write before tokens are streamed (WAIT), so an acknowledged token survives a failover (0: off)",
         )
+        add_setting(p, "--redis-key-prefix", str, "specinfer", "prefix of every Redis key (deployments that share a Redis use different ones)")
         add_setting(p, "--redis-replica-timeout-seconds", float, 1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)")
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
         add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
@@ -142,6 +144,7 @@ class RequestManagerConfig:
             redis_cluster=a.redis_cluster,
             redis_min_replica_acks=a.redis_min_replica_acks,
             redis_replica_timeout_seconds=a.redis_replica_timeout_seconds,
+            redis_key_prefix=a.redis_key_prefix,
             state_dir=a.state_dir,
             ssm_workers=tuple(split_list(a.ssm_workers)),
             verifiers=tuple(split_list(a.verifier)),
@@ -184,6 +187,8 @@ def check_redis(a: argparse.Namespace) -> None:
         raise InvalidArgument("redis-min-replica-acks", f"must be >= 0, got {a.redis_min_replica_acks}")
     if a.redis_min_replica_acks and not a.redis_url:
         raise InvalidArgument("redis-min-replica-acks", "--redis-min-replica-acks needs --redis-url (the embedded Redis has no replicas)")
+    if not a.redis_key_prefix or "{" in a.redis_key_prefix or "}" in a.redis_key_prefix:
+        raise InvalidArgument("redis-key-prefix", f"must be non-empty and free of braces (Redis Cluster hash tags), got {a.redis_key_prefix!r}")
     if not 0 < a.redis_replica_timeout_seconds < SOCKET_TIMEOUT_S:
         raise InvalidArgument(
             "redis-replica-timeout-seconds", f"must be > 0 and below the Redis socket timeout of {SOCKET_TIMEOUT_S:g} s, got {a.redis_replica_timeout_seconds}"

@@ -181,7 +181,9 @@ class Stack:
             self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, "--torch-threads", str(c.ssm_threads), *model], timeout)
             for i in range(c.workers if c.ssms else 0)
         ]
-        if c.request_managers > 1 and not c.redis_url:
+        # several request managers share one Redis: the configured one, one named in the environment
+        # (SPECINFER_REDIS_URL, which they read themselves), else one the launcher starts
+        if c.request_managers > 1 and not c.redis_url and not os.environ.get("SPECINFER_REDIS_URL"):
             self.redis = EmbeddedRedis(c.state_dir / "redis", appendonly=True, die_with_parent=True).start()
 
         def rm_args(i: int) -> list[str]:
@@ -246,7 +248,7 @@ class Stack:
         """Another request manager on the same verifier and workers (e.g. with other limits)."""
         workers = ",".join(p.address for p in self.processes if p.name.startswith("ssm-worker"))
         base = ["--port", "0", "--http-port", "0", "--verifier", self.verifier_addresses, "--ssm-workers", workers, "--model-dir", str(self.config.llm)]
-        base += ["--state-dir", str(self.workdir / name)]
+        base += ["--state-dir", str(self.workdir / name), "--owner", name]  # its own owner, should it share a Redis
         proc = self._spawn(name, "specinfer.request_manager", [*base, *args], timeout)
         # keep the main request manager last (Stack.address)
         self.processes.remove(proc)

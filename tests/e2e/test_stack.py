@@ -329,6 +329,7 @@ def test_request_manager_restart_resumes_from_redis(stack, model_pair, tmp_path)
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
         # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
         args = ["--redis-url", redis.url, "--owner", "rm-restart", "--max-batch", "4", "--lease-seconds", "2"]
+        args += ["--redis-cluster", "off", "--redis-min-replica-acks", "0"]  # this Redis, whatever the environment says (conftest)
         first = stack.spawn_request_manager("rm-restart-1", args)
         with Client(first.address, timeout=120) as client:
             stream = client.stream(Client.request(prompt, new_tokens, request_id="survivor", ignore_eos=True))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
@@ -44,3 +47,16 @@ def progress(client: Client, request_id: str) -> int:
         return len(client.get_request(request_id).output_token_ids)
     except grpc.RpcError:
         return 0
+
+
+def verified_by_replica(metrics_addresses: list[str]) -> dict[str, float]:
+    """``specinfer_verifier_requests_total`` by verifier replica address, summed over the request
+    managers whose metrics endpoints are ``metrics_addresses``."""
+    out: dict[str, float] = {}
+    for address in metrics_addresses:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "specinfer_verifier_requests_total":
+                    out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0.0) + sample.value
+    return out

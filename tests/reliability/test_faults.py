@@ -161,6 +161,7 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
         # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
         args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16", "--lease-seconds", "2"]
+        args += ["--redis-cluster", "off", "--redis-min-replica-acks", "0"]  # this Redis, whatever the environment says (conftest)
         first = stack.spawn_request_manager("rm-kill-1", args)
 
         def consume(client: Client, prompt, rid: str) -> list[int]:

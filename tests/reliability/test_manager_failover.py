@@ -1,4 +1,6 @@
-"""Two request managers sharing one Redis (docs/request-managers.md): any replica reattaches to,
+"""Two request managers sharing one Redis (docs/request-managers.md), two SSM workers and two verifier
+replicas: 16 streams over both managers are spread over both verifiers and equal transformers' greedy;
+any manager reattaches to,
 reports and cancels any request; kill -9 one of them while streams run on both, and the survivor
 adopts its requests within the lease plus one scan, their clients reattach through it from the offset
 they had reached, and every output equals transformers' greedy exactly (nothing lost, nothing twice)."""
@@ -13,6 +15,7 @@ import urllib.request
 
 import grpc
 import pytest
+import redis
 from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
@@ -22,7 +25,7 @@ from specinfer.request_manager.redis_layout import KeySpace
 from specinfer.serving.healthcheck import check
 from specinfer.v1 import api_pb2
 
-from .conftest import progress, tokens_of
+from .conftest import progress, tokens_of, verified_by_replica
 
 pytestmark = pytest.mark.reliability
 
@@ -34,11 +37,13 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def stack(model_pair, tmp_path_factory):
-    """Two request managers (owners rm-0, the main one, and rm-1) on one Redis, one SSM worker, one verifier."""
+    """Two request managers (owners rm-0, the main one, and rm-1) on one Redis, two SSM workers, two
+    verifier replicas (issue 17's topology)."""
     cfg = StackConfig(
         llm=model_pair.llm,
         ssms=(model_pair.ssm,),
-        workers=1,
+        workers=2,
+        verifiers=2,
         port=0,
         state_dir=tmp_path_factory.mktemp("state"),
         expansion=PAPER_EXPANSION,
@@ -54,13 +59,37 @@ def stack(model_pair, tmp_path_factory):
 
 
 def _owner(stack: Stack, rid: str) -> str:
-    with stack.redis.client() as r:
-        return (r.hget(KeySpace().meta(rid), "owner") or b"").decode()
+    """The request's owner in Redis: the launcher's Redis, or the cluster the tests run on (conftest)."""
+    key = KeySpace(dict(stack.config.extra_env).get("SPECINFER_REDIS_KEY_PREFIX", "specinfer")).meta(rid)
+    if stack.redis is not None:
+        with stack.redis.client() as r:
+            return (r.hget(key, "owner") or b"").decode()
+    with redis.RedisCluster.from_url(os.environ["SPECINFER_REDIS_URL"]) as r:
+        return (r.hget(key, "owner") or b"").decode()
 
 
 def _metric(address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_sixteen_streams_over_two_managers_spread_over_both_verifiers(stack, model_pair, greedy):
+    prompts = model_pair.prompts[64:80]
+    addresses = stack.request_manager_addresses
+
+    def run(i: int, prompt) -> list[api_pb2.GenerateResponse]:
+        with Client(addresses[i % 2], timeout=600) as client:
+            return list(client.stream(Client.request(prompt, 32, request_id=f"spread-{i}", ignore_eos=True)))
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(run, range(len(prompts)), prompts))
+    for i, (messages, prompt) in enumerate(zip(results, prompts, strict=True)):
+        assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, i
+        assert tokens_of(messages) == greedy(prompt, 32), f"stream {i} differs from transformers"
+    metrics = [stack.process(n).metrics_address for n in ("request-manager", "request-manager-1")]
+    verified = verified_by_replica(metrics)
+    replicas = {stack.process(n).address for n in ("llm-verifier", "llm-verifier-1")}
+    assert set(verified) == replicas and all(v >= 0.25 * sum(verified.values()) for v in verified.values()), verified
 
 
 def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_request(stack, model_pair, greedy):

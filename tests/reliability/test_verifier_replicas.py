@@ -6,10 +6,8 @@ repeated."""
 from __future__ import annotations
 
 import concurrent.futures
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
@@ -17,7 +15,7 @@ from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.v1 import api_pb2
 
-from .conftest import progress, tokens_of
+from .conftest import progress, tokens_of, verified_by_replica
 
 pytestmark = pytest.mark.reliability
 
@@ -44,16 +42,8 @@ def stack(model_pair, tmp_path_factory):
         s.stop()  # a process killed on purpose exits with -9: no clean-shutdown check here
 
 
-def verified_by_replica(stack: Stack) -> dict[str, float]:
-    """The request manager's ``specinfer_verifier_requests_total`` by replica address."""
-    url = f"http://{stack.process('request-manager').metrics_address}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "specinfer_verifier_requests_total":
-                out[sample.labels["replica"]] = sample.value
-    return out
+def by_replica(stack: Stack) -> dict[str, float]:
+    return verified_by_replica([stack.process("request-manager").metrics_address])
 
 
 def run_streams(stack: Stack, prompts, prefix: str, fault=None) -> list[list[api_pb2.GenerateResponse]]:
@@ -80,18 +70,18 @@ def check(results, prompts, greedy) -> None:
 def test_sixteen_streams_spread_over_both_replicas_equal_transformers(stack, model_pair, greedy):
     prompts = model_pair.prompts[:16]
     check(run_streams(stack, prompts, "spread"), prompts, greedy)
-    by_replica = verified_by_replica(stack)
+    verified = by_replica(stack)
     replicas = {stack.process(n).address for n in ("llm-verifier", "llm-verifier-1")}
-    assert set(by_replica) == replicas, by_replica
-    total = sum(by_replica.values())
+    assert set(verified) == replicas, verified
+    total = sum(verified.values())
     # placement by free KV blocks: each replica verified a fair share of the request steps
-    assert all(v >= 0.25 * total for v in by_replica.values()), by_replica
+    assert all(v >= 0.25 * total for v in verified.values()), verified
 
 
 def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, greedy):
     prompts = model_pair.prompts[16:24]
     killed = stack.process("llm-verifier-1")
-    before = verified_by_replica(stack)
+    before = by_replica(stack)
 
     def kill(client):
         killed.popen.kill()
@@ -100,11 +90,11 @@ def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, 
     check(run_streams(stack, prompts, "replica-kill", kill), prompts, greedy)
     log = (stack.workdir / "request-manager.log").read_text(errors="replace")
     assert "LLM verifier taken out" in log
-    after = verified_by_replica(stack)
+    after = by_replica(stack)
     survivor = stack.process("llm-verifier").address
     assert after[survivor] > before.get(survivor, 0)
     # back on the same port, it is health-probed and placed on again
     stack.respawn("llm-verifier-1")
     wait_until(lambda: "LLM verifier back in service" in (stack.workdir / "request-manager.log").read_text(errors="replace"), 60, "the replica back")
     check(run_streams(stack, model_pair.prompts[24:32], "replica-back"), model_pair.prompts[24:32], greedy)
-    assert verified_by_replica(stack)[killed.address] > after.get(killed.address, 0)
+    assert by_replica(stack)[killed.address] > after.get(killed.address, 0)
