@@ -148,11 +148,13 @@ class VerifyRound:
     """What one round of verify calls (one per replica, concurrently) gave: ``verdicts`` by request ID;
     ``failed``, the requests whose replica failed or refused (not verified: they retry next iteration,
     on another replica if theirs was taken out); ``timings``, each replica that answered: its address,
-    its calls and the round trip in seconds."""
+    its calls and the round trip in seconds; ``refused``, the replicas that refused their call for lack
+    of KV blocks (other request managers hold them)."""
 
     verdicts: dict[str, Verdict]
     failed: tuple[str, ...] = ()
     timings: tuple[tuple[str, tuple[VerifySpec, ...], float], ...] = ()
+    refused: tuple[str, ...] = ()
 
 
 class Verifiers(ReplicaPool):
@@ -244,11 +246,11 @@ class Verifiers(ReplicaPool):
     def kv_budgets(self, own: Mapping[str, int] | None) -> list[KVBudget | None]:
         """What each live replica's KV budget leaves to us, in :meth:`live` order (None: it reports
         none). Other request managers may share a replica: the blocks it last said were held, less
-        ``own`` (address -> the blocks our requests placed there need, by the last schedule), are
-        theirs, and are not ours to admit into (``own`` None: the whole budgets). With one request
-        manager that is about nothing; with several, two may still admit into the same free blocks at
-        once: the replica then refuses the call (RESOURCE_EXHAUSTED), its free count is asked again,
-        and the next schedule preempts."""
+        ``own`` (address -> the blocks our requests placed there hold: their committed tokens, counted
+        when that report came), are theirs, and are not ours to admit into (``own`` None: the whole
+        budgets). With one request manager that is about nothing; with several, two may still admit
+        into the same free blocks at once: the replica then refuses the call (RESOURCE_EXHAUSTED, see
+        :attr:`VerifyRound.refused`) and its free count is asked again."""
         out: list[KVBudget | None] = []
         for a in self.live():
             total = wire.kv_budget_from_proto(self.infos[a])
@@ -303,6 +305,7 @@ class Verifiers(ReplicaPool):
         verdicts: dict[str, Verdict] = {}
         timings = []
         errors = []
+        refused = []
         for (address, cs), part in zip(by_replica.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
             if isinstance(part, grpc.aio.AioRpcError):
                 errors.append(part)
@@ -311,6 +314,7 @@ class Verifiers(ReplicaPool):
                 if part.code() in CALLER_FAULTS or stalled:
                     log.warning("verify call failed; its requests retry", extra={"address": address, "code": str(part.code()), "details": part.details()})
                     if part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV blocks ran out (shared with another manager)
+                        refused.append(address)
                         await self._ask_free(address)
                 else:
                     self.tracker(address).reset()  # it may restart and come back knowing nothing
@@ -326,7 +330,7 @@ class Verifiers(ReplicaPool):
         unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]  # a full KV cache answers: it is there
         if not verdicts and unreachable:
             raise VerifierUnavailable(f"every verify call failed: {unreachable[0].code()} {unreachable[0].details()}")
-        return VerifyRound(verdicts, tuple(failed), tuple(timings))
+        return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))
 
     async def _verify_on(
         self, stub: internal_pb2_grpc.LlmVerifierStub, tracker: ContextTracker, calls: Sequence[VerifySpec]

@@ -156,7 +156,8 @@ class Scheduler:
         self._waiting: deque[Live] = deque()
         self._active: dict[str, Live] = {}  # in admission order, oldest first
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
-        self._replica_blocks: dict[str, int] = {}  # verifier replica -> KV blocks our requests there need (last schedule)
+        self._replica_blocks: dict[str, int] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
+        self._step_back = False  # a replica refused a step for lack of KV blocks: the next admission steps back
         self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
         self._wake = asyncio.Event()
         self._stopping = False
@@ -276,6 +277,7 @@ class Scheduler:
             await asyncio.sleep(wait)
             return
         verified = time.perf_counter()
+        self._step_back = bool(round_.refused)
         if round_.failed:  # a replica failed: the others' requests go on, its own retry on another replica
             m.verifier_failures.inc()
         if self.verifier_failures:
@@ -316,19 +318,27 @@ class Scheduler:
         waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
         cfg = self.config
         await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
-        shares = Replicas(tuple(self.verifier.kv_budgets(self._replica_blocks)), placed)
+        budgets = self.verifier.kv_budgets(self._replica_blocks)
         try:
-            plan = schedule(cfg.kv_budgets, running, waiting, cfg.max_batch, cfg.max_prefill_tokens, shares)
+            if self._step_back:
+                raise ValueError("a replica refused a step for lack of KV blocks")
+            plan = schedule(cfg.kv_budgets, running, waiting, cfg.max_batch, cfg.max_prefill_tokens, Replicas(tuple(budgets), placed))
         except ValueError:
-            # other request managers hold so much of every replica that even our oldest request fits
-            # in none of what they leave (each fits a replica alone): two managers whose requests
-            # grow into the same blocks would wait for each other forever. Step back: every request
-            # of ours waits (its blocks go to theirs), and comes back after a random pause, with
-            # fresh counts, so that two managers stepping back at once do not return together.
+            # other request managers hold so much of the replicas that even our oldest request fits in
+            # none of what they leave (each fits a replica alone), or a replica refused our step: two
+            # managers whose requests grow into the same blocks would wait for each other forever.
+            # Step back: every request of ours waits (its blocks go to theirs), and comes back after a
+            # random pause, with fresh counts, so that two managers stepping back at once do not return together.
             plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
             self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * cfg.verifier_backoff_seconds
             log.warning("every running request waits: other request managers hold the verifiers' KV blocks", extra={"requests": len(running)})
-        self._replica_blocks = dict(zip(replicas, plan.replica_blocks_used, strict=True))
+        self._step_back = False
+        # what our requests hold on each replica once this iteration's verify call has run, as its free count will say
+        held = dict.fromkeys(replicas, 0)
+        for rid, r in plan.placement.items():
+            live = self._active.get(rid) or next(w for w in self._waiting if w.request_id == rid)
+            held[replicas[r]] += budgets[r].blocks_for(len(live.committed)) if budgets[r] is not None else 0
+        self._replica_blocks = held
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:
             self._waiting.extendleft(reversed(back))
