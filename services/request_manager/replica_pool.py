@@ -110,9 +110,6 @@ class ReplicaPool:
     def is_live(self, address: str) -> bool:
         return address in self._channels and address not in self._down
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        return self._channels[address]
-
     def tracker(self, address: str) -> ContextTracker:
         return self._trackers[address]
 

@@ -335,9 +335,9 @@ class Scheduler:
         self._step_back = False
         # what our requests hold on each replica once this iteration's verify call has run, as its free count will say
         held = dict.fromkeys(replicas, 0)
+        lives = {**{w.request_id: w for w in self._waiting}, **self._active}
         for rid, r in plan.placement.items():
-            live = self._active.get(rid) or next(w for w in self._waiting if w.request_id == rid)
-            held[replicas[r]] += budgets[r].blocks_for(len(live.committed)) if budgets[r] is not None else 0
+            held[replicas[r]] += budgets[r].blocks_for(len(lives[rid].committed)) if budgets[r] is not None else 0
         self._replica_blocks = held
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:

@@ -19,7 +19,7 @@ from specinfer.request_manager.__main__ import SPECULATION_HEALTH
 from specinfer.request_manager.redis_server import EmbeddedRedis
 from specinfer.v1 import api_pb2
 
-from .conftest import progress, tokens_of
+from .conftest import check_streams, progress, run_streams
 
 pytestmark = pytest.mark.reliability
 
@@ -52,27 +52,6 @@ def _speculation_health(stack: Stack) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SPECULATION_HEALTH), timeout=10).status
 
 
-def _run_streams(stack: Stack, prompts, prefix: str, fault) -> list[list[api_pb2.GenerateResponse]]:
-    """Start one stream per prompt, call ``fault(client)`` once every stream has committed
-    tokens, and return each stream's messages."""
-    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [
-            pool.submit(lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r)
-            for p, r in zip(prompts, ids, strict=True)
-        ]
-        wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
-        assert all(progress(client, r) < NEW_TOKENS for r in ids), "a stream finished before the fault: make NEW_TOKENS larger"
-        fault(client)
-        return [f.result(timeout=600) for f in futures]
-
-
-def _check(results, prompts, greedy) -> None:
-    for i, (messages, prompt) in enumerate(zip(results, prompts, strict=True)):
-        assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, f"stream {i}: {messages[-1].finished}"
-        assert tokens_of(messages) == greedy(prompt, NEW_TOKENS), f"stream {i} differs from transformers"
-
-
 def _log(stack: Stack, name: str) -> str:
     return (stack.workdir / f"{name}.log").read_text(errors="replace")
 
@@ -86,8 +65,8 @@ def test_ssm_worker_killed_then_all_then_back(stack, model_pair, greedy):
     def kill_worker_1(client):
         stack.process("ssm-worker-1").popen.kill()
 
-    results = _run_streams(stack, prompts, "ssm-kill", kill_worker_1)
-    _check(results, prompts, greedy)
+    results = run_streams(stack.address, prompts, "ssm-kill", NEW_TOKENS, kill_worker_1)
+    check_streams(results, prompts, greedy, NEW_TOKENS)
     assert "SSM worker taken out" in _log(stack, "request-manager")
     assert _speculation_health(stack) == health_pb2.HealthCheckResponse.SERVING  # worker 0 still serves the SSM
     assert all(m[-1].finished.usage.mean_tree_size > 1 for m in results)
@@ -96,8 +75,8 @@ def test_ssm_worker_killed_then_all_then_back(stack, model_pair, greedy):
         stack.process("ssm-worker-0").popen.kill()
 
     prompts = model_pair.prompts[STREAMS : STREAMS + 4]
-    results = _run_streams(stack, prompts, "ssm-none", kill_worker_0)
-    _check(results, prompts, greedy)
+    results = run_streams(stack.address, prompts, "ssm-none", NEW_TOKENS, kill_worker_0)
+    check_streams(results, prompts, greedy, NEW_TOKENS)
     assert "no SSM worker left" in _log(stack, "request-manager")
     assert _speculation_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING
     with Client(stack.address, timeout=120) as client:
@@ -124,10 +103,10 @@ def test_slow_ssm_worker_is_taken_out_and_comes_back(stack, model_pair, greedy):
     wait_until(lambda: back() >= 2, 60, "both workers of the first test back")
     back_before, taken_out_before = back(), _log(stack, "request-manager").count("SSM worker taken out")
     try:
-        results = _run_streams(stack, prompts, "ssm-stop", lambda client: os.kill(worker.popen.pid, signal.SIGSTOP))
+        results = run_streams(stack.address, prompts, "ssm-stop", NEW_TOKENS, lambda client: os.kill(worker.popen.pid, signal.SIGSTOP))
     finally:
         os.kill(worker.popen.pid, signal.SIGCONT)
-    _check(results, prompts, greedy)
+    check_streams(results, prompts, greedy, NEW_TOKENS)
     log = _log(stack, "request-manager")
     assert log.count("SSM worker taken out") > taken_out_before and "DEADLINE_EXCEEDED" in log
     wait_until(lambda: back() > back_before, 60, "the stopped worker back")
@@ -146,8 +125,8 @@ def test_verifier_killed_and_restarted(stack, model_pair, greedy):
         stack.respawn("llm-verifier")
         assert all(b < NEW_TOKENS for b in before)
 
-    results = _run_streams(stack, prompts, "verifier-kill", kill_and_restart)
-    _check(results, prompts, greedy)
+    results = run_streams(stack.address, prompts, "verifier-kill", NEW_TOKENS, kill_and_restart)
+    check_streams(results, prompts, greedy, NEW_TOKENS)
     assert "verifier call failed; retrying" in _log(stack, "request-manager")
     assert "verifier answers again" in _log(stack, "request-manager")
 

@@ -5,17 +5,13 @@ repeated."""
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 from services.harness import wait_until  # tests/services/harness.py
 
-from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
-from specinfer.v1 import api_pb2
 
-from .conftest import progress, tokens_of, verified_by_replica
+from .conftest import check_streams, run_streams, verified_by_replica
 
 pytestmark = pytest.mark.reliability
 
@@ -46,30 +42,9 @@ def by_replica(stack: Stack) -> dict[str, float]:
     return verified_by_replica([stack.process("request-manager").metrics_address])
 
 
-def run_streams(stack: Stack, prompts, prefix: str, fault=None) -> list[list[api_pb2.GenerateResponse]]:
-    """One stream per prompt, all at once; ``fault(client)`` runs once every stream has committed tokens."""
-    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [
-            pool.submit(lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r)
-            for p, r in zip(prompts, ids, strict=True)
-        ]
-        if fault is not None:
-            wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
-            assert all(progress(client, r) < NEW_TOKENS for r in ids), "a stream finished before the fault: make NEW_TOKENS larger"
-            fault(client)
-        return [f.result(timeout=600) for f in futures]
-
-
-def check(results, prompts, greedy) -> None:
-    for i, (messages, prompt) in enumerate(zip(results, prompts, strict=True)):
-        assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH, f"stream {i}: {messages[-1].finished}"
-        assert tokens_of(messages) == greedy(prompt, NEW_TOKENS), f"stream {i} differs from transformers"
-
-
 def test_sixteen_streams_spread_over_both_replicas_equal_transformers(stack, model_pair, greedy):
     prompts = model_pair.prompts[:16]
-    check(run_streams(stack, prompts, "spread"), prompts, greedy)
+    check_streams(run_streams(stack.address, prompts, "spread", NEW_TOKENS), prompts, greedy, NEW_TOKENS)
     verified = by_replica(stack)
     replicas = {stack.process(n).address for n in ("llm-verifier", "llm-verifier-1")}
     assert set(verified) == replicas, verified
@@ -87,7 +62,7 @@ def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, 
         killed.popen.kill()
         killed.popen.wait()
 
-    check(run_streams(stack, prompts, "replica-kill", kill), prompts, greedy)
+    check_streams(run_streams(stack.address, prompts, "replica-kill", NEW_TOKENS, kill), prompts, greedy, NEW_TOKENS)
     log = (stack.workdir / "request-manager.log").read_text(errors="replace")
     assert "LLM verifier taken out" in log
     after = by_replica(stack)
@@ -96,5 +71,5 @@ def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, 
     # back on the same port, it is health-probed and placed on again
     stack.respawn("llm-verifier-1")
     wait_until(lambda: "LLM verifier back in service" in (stack.workdir / "request-manager.log").read_text(errors="replace"), 60, "the replica back")
-    check(run_streams(stack, model_pair.prompts[24:32], "replica-back"), model_pair.prompts[24:32], greedy)
+    check_streams(run_streams(stack.address, model_pair.prompts[24:32], "replica-back", NEW_TOKENS), model_pair.prompts[24:32], greedy, NEW_TOKENS)
     assert by_replica(stack)[killed.address] > after.get(killed.address, 0)
