@@ -317,8 +317,7 @@ class Verifiers(ReplicaPool):
                         refused.append(address)
                         await self._ask_free(address)
                 else:
-                    self.tracker(address).reset()  # it may restart and come back knowing nothing
-                    self.take_out(address, part)
+                    self.take_out(address, part)  # when it is back, its tracker starts empty (ReplicaPool._back)
             elif isinstance(part, BaseException):
                 raise part
             else:
@@ -376,11 +375,10 @@ class Verifiers(ReplicaPool):
         fails the call keeps them (only memory: it frees them when it restarts)."""
         by_replica: dict[str, list[str]] = {}
         for rid in request_ids:
-            address = self.placement.pop(rid, None)
-            for a in self.addresses:
-                self.tracker(a).forget(rid)
+            address = self.placement.get(rid)
             if address is not None and address in self._stubs:
                 by_replica.setdefault(address, []).append(rid)
+        self.forget(request_ids)
         for address, ids in by_replica.items():
             if not self.is_live(address):
                 continue
