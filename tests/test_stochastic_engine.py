@@ -7,6 +7,8 @@ by enumerating every prefix. A verifier that always accepts must fail the same t
 Adaptive speculation too: dynamic best-first trees (step costs under which the planner always
 speculates with several nodes) must pass, and a tree builder that keeps or drops a drawn child
 by that child's own draft probability must fail.
+
+And a draft with another tokenizer (token-level intersection): its output keeps the LLM's distribution.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from stats import chi_square_pvalue
 from specinfer.core import BestFirstTreeBuilder, ExpansionConfig, Proposal, SamplingParams, VerifyResult, process_logits
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.planner import PlannerConfig
+from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import engine as engine_module
 from specinfer.engine import steps as steps_module
+from specinfer.models.cross_vocab import CrossVocabularyLM
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
 from specinfer.models.reference import ReferenceBackend
@@ -246,3 +250,31 @@ def test_tree_kept_by_a_draws_own_probability_fails(models, monkeypatch):
     params = ADAPTIVE_CASES["temperature-1"]
     counts = _sample_adaptive(models, params, monkeypatch, OwnProbabilityBuilder)
     assert chi_square_pvalue(counts, marginal(exact_joint(models[0], params), ADAPTIVE_KEEP)) < 1e-6
+
+
+# -- a draft with another tokenizer (token-level intersection) -------------------------------------
+
+# The LLM's 12 tokens and an SSM's 10: 9 shared at other IDs ("a".."h" and "cd"), LLM tokens the SSM
+# spells with two of its own ("ab") or cannot spell ("i", "j": it reads its token 0), an SSM token the
+# LLM lacks ("xy").
+CROSS_LLM = TokenTable((b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"i", b"j", b"ab", b"cd"))
+CROSS_SSM = TokenTable((b"cd", b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h", b"xy"))
+CROSS_SAMPLES = 6000
+
+
+@pytest.mark.slow
+def test_cross_vocabulary_draft_sampling_matches_llm_sampling(models):
+    """No negative control of its own: the wrapper changes only the logits that children are drawn from
+    and that the verifier is given with them, so no mistake of its can bias the output (docs/models.md);
+    the harness's power shows in test_always_accepting_verifier_fails."""
+    ssm = tiny_llama(CROSS_SSM.size, 32, 1, 4, 2, seed=14)
+    with torch.no_grad():
+        ssm.lm_head.weight.mul_(0.08)
+    cross = CrossVocabularyLM(ReferenceBackend(ssm), VocabMap(CROSS_LLM, CROSS_SSM))
+    params, spec = CASES["one-ssm-width-3"]
+    engine = SpeculativeEngine(ReferenceBackend(models[0]), [cross], EngineConfig(max_batch=3000))
+    counts = sample_engine(engine, params, spec, batch=3000, samples=CROSS_SAMPLES, keep=2)  # the first two tokens: 144 cells
+    assert sum(counts.values()) == CROSS_SAMPLES
+    assert any(10 in seq for seq in counts), "no output held the token the SSM spells with two of its own"
+    pvalue = chi_square_pvalue(counts, marginal(exact_joint(models[0], params), 2))
+    assert pvalue > 0.001, f"p-value {pvalue}"

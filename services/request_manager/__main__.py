@@ -18,6 +18,7 @@ from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.kv_budget import KVBudget
+from specinfer.core.vocab_map import SHARED_VOCABULARY
 from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.chat_template import ChatTemplate
@@ -76,10 +77,18 @@ def kv_budgets(info: internal_pb2.LlmInfo, workers: SsmWorkers | None) -> tuple[
     return tuple(dict.fromkeys(b for b in (verifier, *worker_kv_budgets(workers)) if b is not None))
 
 
-def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names: tuple[str, ...], eos: int | None, budgets: tuple[KVBudget, ...]) -> ApiLimits:
+def api_limits(
+    cfg: RequestManagerConfig,
+    info: internal_pb2.LlmInfo,
+    workers: SsmWorkers | None,
+    ssm_names: tuple[str, ...],
+    eos: int | None,
+    budgets: tuple[KVBudget, ...],
+) -> ApiLimits:
     """What the API accepts while the workers serve ``ssm_names`` (``--default-ssms`` not among them
     are left out until a worker serving them joins) and the scheduler admits by the KV ``budgets``.
     Raises ValueError when the default static tree would exceed ``--max-tree-nodes``."""
+    profiles = workers.profiles if workers is not None else {}
     default_ssms = tuple(n for n in cfg.default_ssms if n in ssm_names) or ssm_names
     limits = ApiLimits(
         vocab_size=info.vocab_size,
@@ -95,6 +104,7 @@ def api_limits(cfg: RequestManagerConfig, info: internal_pb2.LlmInfo, ssm_names:
         eos_token_id=eos,
         default_adaptive=cfg.adaptive and bool(ssm_names),
         kv_budgets=budgets,
+        draft_vocabulary=tuple((n, (profiles[n].vocabulary if n in profiles else "") or SHARED_VOCABULARY) for n in ssm_names),
     )
     if limits.default_expansion:
         nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))
@@ -134,7 +144,7 @@ class SsmSet:
             names += new
             try:
                 # the KV budgets stay those known at start-up: workers that join later are not counted
-                limits = api_limits(self.cfg, self.info, names, self.requests.limits.eos_token_id, self.requests.limits.kv_budgets)
+                limits = api_limits(self.cfg, self.info, self.workers, names, self.requests.limits.eos_token_id, self.requests.limits.kv_budgets)
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
@@ -233,7 +243,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
             if budgets:
                 log.info("admitting by KV blocks", extra={"kv_budgets": [f"{b.blocks} x {b.block_size}" for b in budgets]})
             try:
-                limits = api_limits(cfg, info, ssm_names, eos, budgets)
+                limits = api_limits(cfg, info, workers, ssm_names, eos, budgets)
             except ValueError as exc:
                 raise StartUpError(str(exc)) from None
             planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)

@@ -50,6 +50,7 @@ class ApiLimits:
     max_tree_nodes: int = 64  # of the merged tree, root included
     default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
     kv_budgets: tuple[KVBudget, ...] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
+    draft_vocabulary: tuple[tuple[str, str], ...] = ()  # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
 
     @property
     def default_speculation(self) -> str:

@@ -121,6 +121,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             default_expansion=lim.default_expansion,
             default_speculation=lim.default_speculation,
             has_tokenizer=self.tokenizer is not None,
+            draft_vocabulary=dict(lim.draft_vocabulary),
         )
         if lim.eos_token_id is not None:
             info.eos_token_id = lim.eos_token_id

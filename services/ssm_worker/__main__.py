@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from specinfer.core import InvalidArgument
+from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
+from specinfer.models.interface import CausalLM
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_drafters, load_model
@@ -26,6 +28,13 @@ log = logging.getLogger("specinfer.ssm_worker")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting(parser, "--ssm", default=None, help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)")
+    add_setting(
+        parser,
+        "--llm-dir",
+        default="",
+        help="the LLM's checkpoint folder (config.json, tokenizer.json; no weights are read): an SSM whose tokenizer differs "
+        "from the LLM's drafts through the token-level intersection of the two (docs/models.md). Empty: every SSM must speak the LLM's token IDs",
+    )
     add_setting(parser, "--calibrate-tokens", int, 32, "time each SSM's draft passes up to this many frontier tokens at start-up, for the planner (0: off)")
     add_server_settings(parser)
     add_model_settings(parser)
@@ -34,9 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerServicer:
     paths = parse_named_paths(args.ssm, "ssm")
-    ssms = {name: load_model(path, f"ssm.{name}", args) for name, path in paths.items()}
+    ssms: dict[str, CausalLM] = {}
+    methods = {}
+    for name, path in paths.items():
+        vmap = draft_vocabulary(args.llm_dir, path, f"ssm.{name}") if args.llm_dir else None
+        model = load_model(path, f"ssm.{name}", args)
+        ssms[name] = in_llm_ids(model, vmap)
+        methods[name] = vocabulary_method(vmap)
+        if vmap is not None:
+            log.info("draft vocabulary", extra={"ssm": name, "method": methods[name], "shared_tokens": vmap.shared, "ssm_vocab": vmap.ssm_size})
     priors = {name: prior for name, path in paths.items() if (prior := slot_prior(path)) is not None}
-    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens), priors)
+    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens), priors, methods)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

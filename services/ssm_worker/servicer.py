@@ -38,11 +38,14 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         metrics: ModelMetrics,
         draft_costs: Mapping[str, CostTable] | None = None,
         slot_priors: Mapping[str, Sequence[float]] | None = None,
+        vocabularies: Mapping[str, str] | None = None,
     ) -> None:
         """``draft_costs``: each SSM's calibrated pass seconds (:func:`~specinfer.serving.runner.calibrate_drafters`);
         ``slot_priors``: those of the SSMs with an installed tuning file (:func:`specinfer.tuning.slot_prior`).
-        ListModels reports both to the request manager's planner."""
+        ListModels reports both to the request manager's planner, and ``vocabularies``: how each SSM's drafts
+        reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`; missing: shared)."""
         self.metrics = metrics
+        self.vocabularies = dict(vocabularies or {})
         self.draft_costs = dict(draft_costs or {})
         self.slot_priors = dict(slot_priors or {})
         if not ssms:
@@ -94,5 +97,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     @rpc_errors
     async def ListModels(self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ListModelsResponse:
         return internal_pb2.ListModelsResponse(
-            models=self.models, vocab_size=self.vocab_size, profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors, self._budgets)
+            models=self.models,
+            vocab_size=self.vocab_size,
+            profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors, self._budgets, self.vocabularies),
         )

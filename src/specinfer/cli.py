@@ -83,15 +83,19 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
 
     out = out or sys.stdout
     from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-    from specinfer.models.loading import check_checkpoint, check_same_vocabulary, eos_token_id, load_backend, load_tokenizer
+    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids
+    from specinfer.models.loading import check_checkpoint, eos_token_id, load_backend, load_tokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     llm = load_backend(cfg.llm, "llm", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
     ssms = []
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
-        check_same_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssms.append(load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention))
+        vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
+        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
+        if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
+            print(f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} that the LLM's spells alike", file=out)
+        ssms.append(in_llm_ids(ssm, vmap))
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")

@@ -178,7 +178,12 @@ class Stack:
             self._spawn(name, "specinfer.llm_verifier", args, timeout)
         ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
         workers = [
-            self._spawn(f"ssm-worker-{i}", "specinfer.ssm_worker", ["--port", "0", "--ssm", ssm_arg, "--torch-threads", str(c.ssm_threads), *model], timeout)
+            self._spawn(
+                f"ssm-worker-{i}",
+                "specinfer.ssm_worker",
+                ["--port", "0", "--ssm", ssm_arg, "--llm-dir", str(c.llm), "--torch-threads", str(c.ssm_threads), *model],
+                timeout,
+            )
             for i in range(c.workers if c.ssms else 0)
         ]
         # several request managers share one Redis: the configured one, one named in the environment

@@ -141,14 +141,28 @@ def cost_table_from_proto(points: Sequence[internal_pb2.CostPoint]) -> CostTable
 
 
 def ssm_profiles_to_proto(
-    names: Sequence[str], costs: Mapping[str, CostTable], priors: Mapping[str, Sequence[float]], budgets: Mapping[str, KVBudget | None]
+    names: Sequence[str],
+    costs: Mapping[str, CostTable],
+    priors: Mapping[str, Sequence[float]],
+    budgets: Mapping[str, KVBudget | None],
+    vocabularies: Mapping[str, str],
 ) -> list[internal_pb2.SsmProfile]:
-    """ListModels' profile of each SSM: its calibrated draft costs, its slot prior (either may be missing) and its KV budget."""
+    """ListModels' profile of each SSM: its calibrated draft costs, its slot prior (either may be missing), its KV budget
+    and how its drafts reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`)."""
     profiles = []
     for n in names:
         block_size, blocks = kv_budget_to_proto(budgets.get(n))
         draft_costs = cost_points_to_proto(costs.get(n))
-        profiles.append(internal_pb2.SsmProfile(model=n, draft_costs=draft_costs, slot_prior=priors.get(n, ()), kv_block_size=block_size, kv_blocks=blocks))
+        profiles.append(
+            internal_pb2.SsmProfile(
+                model=n,
+                draft_costs=draft_costs,
+                slot_prior=priors.get(n, ()),
+                kv_block_size=block_size,
+                kv_blocks=blocks,
+                vocabulary=vocabularies.get(n, ""),
+            )
+        )
     return profiles
 
 

@@ -145,7 +145,7 @@ def test_wire_adaptive_round_trips():
     back = wire.cost_table_from_proto(wire.cost_points_to_proto(table))
     assert back is not None and back.as_dict() == pytest.approx(table.as_dict())
     assert wire.cost_points_to_proto(None) == [] and wire.cost_table_from_proto([]) is None
-    (profile,) = wire.ssm_profiles_to_proto(["ssm"], {"ssm": table}, {"ssm": (0.6, 0.1)}, {})
+    (profile,) = wire.ssm_profiles_to_proto(["ssm"], {"ssm": table}, {"ssm": (0.6, 0.1)}, {}, {"ssm": "token-intersection"})
     assert wire.slot_prior_from_proto(profile.slot_prior) == pytest.approx((0.6, 0.1))
     assert wire.slot_prior_from_proto([]) is None and wire.slot_prior_from_proto([1.5]) is None
     passes = [(3, 0.002), (5, 0.004)]

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -26,7 +25,7 @@ def check_checkpoint(path: str | Path, field: str) -> Path:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "DTYPES", "DTYPE_CHOICES", "check_checkpoint", "check_same_vocabulary", "eos_token_id", "load_backend", "load_tokenizer"]
+__all__ = ["BACKENDS", "DTYPES", "DTYPE_CHOICES", "check_checkpoint", "eos_token_id", "load_backend", "load_tokenizer"]
 
 BACKENDS = ("auto", "native", "reference")
 
@@ -91,17 +90,3 @@ def load_backend(
             )
             return NativeBackend.load(path, options)
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
-
-
-def check_same_vocabulary(llm_dir: str | Path, ssm_dir: str | Path, field: str) -> None:
-    """An SSM must speak the LLM's token IDs: same size and, where both ship a tokenizer, the
-    same token -> ID map."""
-    sizes = []
-    for p in (llm_dir, ssm_dir):
-        cfg = json.loads((Path(p) / "config.json").read_text())
-        sizes.append(cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size")))
-    if sizes[0] != sizes[1]:
-        raise InvalidArgument(field, f"vocabulary size {sizes[1]} differs from the LLM's {sizes[0]}")
-    a, b = load_tokenizer(llm_dir), load_tokenizer(ssm_dir)
-    if a is not None and b is not None and a.get_vocab() != b.get_vocab():
-        raise InvalidArgument(field, "tokenizer differs from the LLM's (token IDs would not match)")

@@ -58,6 +58,7 @@ def run_tune(cfg: TuneConfig, log=None) -> dict:
     log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
     import torch
 
+    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids
     from specinfer.models.loading import load_backend
     from specinfer.tuning.measure import cost_model, greedy_continuations, ssm_ranks
 
@@ -66,7 +67,7 @@ def run_tune(cfg: TuneConfig, log=None) -> dict:
         torch.set_num_threads(cfg.threads)
     prompts = _prompts(cfg)
     started = time.perf_counter()
-    ssm = load_backend(cfg.ssm, "ssm", backend="native")
+    ssm = in_llm_ids(load_backend(cfg.ssm, "ssm", backend="native"), draft_vocabulary(cfg.llm, cfg.ssm, "ssm"))
     acceptance_llm = load_backend(cfg.acceptance_llm or cfg.llm, "acceptance-llm", backend="native")
     print(f"acceptance: greedy continuations of {len(prompts)} prompts x {cfg.new_tokens} tokens", file=log, flush=True)
     continuations = greedy_continuations(acceptance_llm, ssm, prompts, cfg.new_tokens)

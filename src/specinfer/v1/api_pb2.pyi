@@ -168,7 +168,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("llm", "ssms", "vocab_size", "max_positions", "max_new_tokens_limit", "default_expansion", "eos_token_id", "has_tokenizer", "default_speculation")
+    __slots__ = ("llm", "ssms", "vocab_size", "max_positions", "max_new_tokens_limit", "default_expansion", "eos_token_id", "has_tokenizer", "default_speculation", "draft_vocabulary")
+    class DraftVocabularyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LLM_FIELD_NUMBER: _ClassVar[int]
     SSMS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +185,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     llm: str
     ssms: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
@@ -187,4 +195,5 @@ class ModelInfo(_message.Message):
     eos_token_id: int
     has_tokenizer: bool
     default_speculation: str
-    def __init__(self, llm: _Optional[str] = ..., ssms: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., default_expansion: _Optional[_Iterable[int]] = ..., eos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_speculation: _Optional[str] = ...) -> None: ...
+    draft_vocabulary: _containers.ScalarMap[str, str]
+    def __init__(self, llm: _Optional[str] = ..., ssms: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., default_expansion: _Optional[_Iterable[int]] = ..., eos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_speculation: _Optional[str] = ..., draft_vocabulary: _Optional[_Mapping[str, str]] = ...) -> None: ...

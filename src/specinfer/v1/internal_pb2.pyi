@@ -128,18 +128,20 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SsmProfile(_message.Message):
-    __slots__ = ("model", "draft_costs", "slot_prior", "kv_block_size", "kv_blocks")
+    __slots__ = ("model", "draft_costs", "slot_prior", "kv_block_size", "kv_blocks", "vocabulary")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COSTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_PRIOR_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     model: str
     draft_costs: _containers.RepeatedCompositeFieldContainer[CostPoint]
     slot_prior: _containers.RepeatedScalarFieldContainer[float]
     kv_block_size: int
     kv_blocks: int
-    def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+    vocabulary: str
+    def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., vocabulary: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "vocab_size", "profiles")
