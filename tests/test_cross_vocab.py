@@ -6,7 +6,6 @@ with one in tests/e2e/test_cross_vocab_stack.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from cross_vocab_pair import relabelled_ssm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import hf_greedy
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from specinfer.checkpoint import token_table, tokenizer_table
@@ -25,6 +24,7 @@ from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig,
 from specinfer.models.cross_vocab import CrossVocabularyLM, draft_vocabulary
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import eos_token_id, load_backend
+from specinfer.training.corpus import train_sentencepiece_style_tokenizer
 
 NEW_TOKENS = 24
 
@@ -76,36 +76,11 @@ def test_spellings_keep_the_bytes_when_the_ssm_has_every_byte(llm_pieces, ssm_pi
 TEXTS = ["def f(x):\n    return x  # ünïcödé ✓", "  class  Foo:\tpass\n\n", "print('日本語', 3.14)"]
 
 
-def _sentencepiece_like(texts: list[str]) -> Tokenizer:
-    """A SentencePiece-style BPE (▁ for spaces, ``<0xNN>`` byte fallback tokens in its vocabulary), as
-    Llama 2, Mistral and Gemma ship; trained on ``texts`` without their last character, which it
-    can then only write through byte fallback."""
-    steps = dict(
-        normalizer=normalizers.Replace(" ", "▁"),
-        pre_tokenizer=pre_tokenizers.Split("▁", behavior="merged_with_next"),
-        decoder=decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]),
-    )
-    trained = Tokenizer(models.BPE(unk_token="<unk>"))
-    for name, step in steps.items():
-        setattr(trained, name, step)
-    trained.train_from_iterator([t[:-1] for t in texts] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    model = json.loads(trained.to_str())["model"]
-    vocab = dict(model["vocab"])
-    for b in range(256):
-        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
-    for name, step in steps.items():
-        setattr(tok, name, step)
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return tok
-
-
 def test_tokenizer_spellings_are_the_text_bytes(model_pair):
     """Byte-level BPE (the test LLM's) and SentencePiece-style with byte fallback: the spellings of a text's
     tokens, joined, are the text's bytes (special tokens have none)."""
     byte_level = Tokenizer.from_file(str(model_pair.llm / "tokenizer.json"))
-    sentencepiece = _sentencepiece_like(TEXTS)
+    sentencepiece = train_sentencepiece_style_tokenizer([t[:-1] for t in TEXTS] * 20, 556)  # the last characters only through byte fallback
     for tok in (byte_level, sentencepiece):
         spellings = tokenizer_table(tok, tok.get_vocab_size(), None).spellings
         for text in TEXTS:
@@ -113,7 +88,7 @@ def test_tokenizer_spellings_are_the_text_bytes(model_pair):
             assert b"".join(spellings[i] for i in ids) == text.encode(), (tok.decoder, text)
     assert any(len(sentencepiece.id_to_token(i)) == 6 for i in sentencepiece.encode(TEXTS[0]).ids), "byte fallback was not exercised"
     specials = tokenizer_table(sentencepiece, sentencepiece.get_vocab_size(), 2)
-    assert specials.special == {0: "<unk>", 1: "<s>", 2: "</s>"} and specials.spellings[1] is None
+    assert specials.special == {0: "<s>", 1: "</s>", 2: "<unk>"} and specials.spellings[1] is None
 
 
 @pytest.fixture(scope="module")

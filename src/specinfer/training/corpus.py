@@ -5,13 +5,14 @@ Pure functions of their inputs (file contents, seeds); nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2; "</s>" also separates files
 TEST_DIRS = frozenset({"test", "tests", "idle_test", "testing"})
@@ -69,6 +70,33 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_sentencepiece_style_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """A SentencePiece-style BPE as Llama 2, Mistral and Gemma ship it: ``▁`` stands for a space, and a
+    character the merges do not cover is written as its UTF-8 bytes, ``<0xNN>`` tokens in the vocabulary
+    (byte fallback); ``<s>``, ``</s>``, ``<unk>`` are ids 0, 1, 2. ``vocab_size`` counts the 256 byte tokens.
+    A tokenizer unlike :func:`train_tokenizer`'s, for drafts with another tokenizer (docs/models.md)."""
+    steps = {
+        "normalizer": normalizers.Replace(" ", "▁"),
+        "pre_tokenizer": pre_tokenizers.Split("▁", behavior="merged_with_next"),
+        "decoder": decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]),
+    }
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    for name, step in steps.items():
+        setattr(trained, name, step)
+    trainer = trainers.BpeTrainer(vocab_size=max(len(SPECIAL_TOKENS) + 1, vocab_size - 256), special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    trained.train_from_iterator(texts, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for b in range(256):  # byte fallback: every byte has a token
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    for name, step in steps.items():
+        setattr(tok, name, step)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 
 
