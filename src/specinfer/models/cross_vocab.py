@@ -69,11 +69,14 @@ class _Spelling:
     start: int = 0  # the SSM reads ssm_context[start:]
     node_ends: list[int] = field(default_factory=list)  # per LLM pending node: its last SSM pending node
     ssm_pending: int = 0  # SSM pending nodes of the round
+    seen: Sequence[int] | None = None  # the context object last synced (unchanged since, as callers never mutate one)
 
     def sync(self, context: Sequence[int], vmap: VocabMap, span: int) -> bool:
         """Spell ``context``; True when it changed (the round's pending nodes are gone)."""
-        if context is self.llm_context or (len(context) == len(self.llm_context) and list(context) == self.llm_context):
+        if context is self.seen or (len(context) == len(self.llm_context) and list(context) == self.llm_context):
+            self.seen = context  # a drafter passes one context object to every depth of a round: compared once
             return False
+        self.seen = context
         common = 0
         limit = min(len(context), len(self.llm_context))
         while common < limit and context[common] == self.llm_context[common]:
