@@ -378,7 +378,7 @@ def test_reference_options_are_sequence_attention(seed: int, softcap: float | No
     the other branches hold; partial queries too."""
     rng = np.random.default_rng(seed)
     trees = [random_tree(rng, 12), chain(9), star(6), branches(rng, 10), [-1]]
-    prefix = [int(rng.integers(0, 60)) for _ in trees[:-1]] + [0]
+    prefix = [55] + [int(rng.integers(0, 60)) for _ in trees[1:-1]] + [0]  # 55: every window cuts somewhere
     nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
     batch = make_batch(rng, trees, prefix, 2, 2, 32, torch.float32, torch.device("cpu"), num_queries=nq)
     out = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)
