@@ -49,8 +49,9 @@ class Forced:
             raise ValueError(f"unsupported launch override {self}")
 
 
-def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMetadata, forced: Forced | None = None) -> LaunchConfig:
-    """Heuristic launch configuration; any of ``block_m``, ``block_n``, ``num_splits`` can be ``forced``.
+def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMetadata, forced: Forced | None = None, window: int | None = None) -> LaunchConfig:
+    """Heuristic launch configuration; any of ``block_m``, ``block_n``, ``num_splits`` can be ``forced``; ``window``: the
+    call's sliding window (a query reads at most that many prefix keys).
 
     ``block_m`` follows the packed rows (``max_queries * group``) of the largest request: 16/32 for small verify steps
     so little of a tile is padding, 64 for larger trees, 128 for prefill-sized chains. Warps and stages were picked
@@ -75,7 +76,8 @@ def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMet
             programs = _num_tiles(meta, group, block_m) * k_cache.shape[-2]
             sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
             if programs < sms:
-                num_splits = max(1, min(-(-sms // programs), meta.max_prefix_len // (4 * block_n), 32))
+                keys = meta.max_prefix_len if window is None else min(meta.max_prefix_len, window)
+                num_splits = max(1, min(-(-sms // programs), keys // (4 * block_n), 32))
                 num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two: NUM_SPLITS is constexpr, few variants to JIT
     num_warps = 8 if block_m >= 128 or (block_m == 64 and head_dim > 64) else 4
     num_stages = 2 if fp32 or head_dim > 128 or (block_m == 16 and head_dim > 64) else 3

@@ -13,6 +13,12 @@ Terms (see also :mod:`specinfer.core.tree`):
 *Logical position* p of request b: prefix position ``p`` for ``p < prefix_len[b]``, tree node ``p - prefix_len[b]``
 after that (``0 <= p < prefix_len[b] + tree_len[b]``). Both KV layouts below store exactly these positions.
 
+*Token position* of a key or query: where its token sits in the sequence it belongs to (its RoPE position):
+``p`` for prefix position p, ``prefix_len[b] + depth(j)`` for tree node j (the root has depth 0), so siblings share
+one. For a chain it equals the logical position. A *sliding window* of w (an argument of each attention call) lets a
+query at token position t attend only keys at token positions ``> t - w``: its own and the ``w - 1`` before it, the
+rule of ``transformers``' sliding-window masks. Keys outside the window stay in the cache; they are only masked.
+
 Contiguous KV layout (token-major pools shared by all requests, ``[capacity, num_kv_heads, head_dim]``, built by
 :func:`build_tree_metadata`): request b owns the contiguous rows ``kv_start[b] .. kv_start[b] + prefix_len[b] +
 tree_len[b] - 1``; row ``kv_start[b] + p`` holds logical position ``p``.
@@ -37,7 +43,8 @@ chains, so a 2k-token prefill costs nothing while a 64-node tree costs 64 rows o
 arithmetic rule ``j <= i``). Bit ``j % 32`` of word ``j // 32`` of node i's row (bit 0 = least significant,
 two's complement int32) is set iff node j is i or an ancestor of i. ``num_words = ceil(max non-chain tree_len
 / 32)``; when every request is a chain, ``anc_bits`` is a single all-zero ``[1, 1]`` row so the kernel always
-gets a valid pointer.
+gets a valid pointer. ``node_depth`` has the same rows: ``node_depth[anc_row_start[b] + j]`` is the depth of node j of
+non-chain request b (a chain's node j has depth j, stored nowhere), read by the kernel only under a sliding window.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import numpy as np
 import torch
 
 from specinfer.core.kv_budget import blocks_for
-from specinfer.core.tree import ancestor_matrix, validate_parents
+from specinfer.core.tree import ancestor_matrix, node_depths, validate_parents
 
 BITS_PER_WORD = 32
 
@@ -73,6 +80,7 @@ class TreeAttentionMetadata:
     tree_len: torch.Tensor  # [B] int32, tree nodes (>= 1) written right behind the prefix
     anc_row_start: torch.Tensor  # [B] int32, anc_bits row of node 0, -1 for chains
     anc_bits: torch.Tensor  # [num_bit_rows, num_words] int32, packed ancestor relation of non-chain trees
+    node_depth: torch.Tensor  # [num_bit_rows] int32, depth of each node of the non-chain trees (rows as anc_bits)
     parents: tuple[tuple[int, ...], ...]  # host copy of each request's parent array
     q_starts: tuple[int, ...]  # host copy of q_start
     tree_lens: tuple[int, ...]  # host copy of tree_len
@@ -111,6 +119,11 @@ class TreeAttentionMetadata:
 def is_chain(parents: Sequence[int]) -> bool:
     """True iff ``parents == [-1, 0, 1, ..., n-2]`` (every node's parent is the node before it)."""
     return all(int(p) == i - 1 for i, p in enumerate(parents))
+
+
+def token_positions(parents: Sequence[int], prefix_len: int) -> np.ndarray:
+    """Token position of each logical position of a request (see the module docstring).  # [prefix_len + n] int64"""
+    return np.concatenate([np.arange(prefix_len, dtype=np.int64), prefix_len + node_depths(parents)])
 
 
 def pack_bits(mask: np.ndarray, num_words: int) -> np.ndarray:
@@ -227,6 +240,7 @@ def _build(
 
     row_start: list[int] = []
     blocks: list[np.ndarray] = []
+    depths: list[np.ndarray] = []
     rows = 0
     for ps, c in zip(parents, chain, strict=True):
         if c:
@@ -234,8 +248,10 @@ def _build(
             continue
         row_start.append(rows)
         blocks.append(pack_bits(ancestor_matrix(ps), num_words))
+        depths.append(node_depths(ps))
         rows += len(ps)
     bits = np.concatenate(blocks) if blocks else np.zeros((1, 1), dtype=np.int32)  # [num_bit_rows, num_words]
+    depth = np.concatenate(depths) if depths else np.zeros(1, dtype=np.int64)  # [num_bit_rows]
 
     if block_tables is None:
         cache_len = max(s + p + n for s, p, n in zip(starts, prefix, tree_lens, strict=True))
@@ -249,8 +265,8 @@ def _build(
         extra = [table]
 
     q_starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(queries)]))
-    arrays = [q_starts, starts, prefix, tree_lens, row_start, bits, *extra]
-    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits, *paged = _to_device(arrays, device)  # one transfer
+    arrays = [q_starts, starts, prefix, tree_lens, row_start, bits, depth, *extra]
+    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits, node_depth, *paged = _to_device(arrays, device)  # one transfer
     return TreeAttentionMetadata(
         q_start=q_start,
         kv_start=kv_start,
@@ -258,6 +274,7 @@ def _build(
         tree_len=tree_len,
         anc_row_start=anc_row_start,
         anc_bits=anc_bits,
+        node_depth=node_depth,
         parents=parents,
         q_starts=q_starts,
         tree_lens=tree_lens,

@@ -25,8 +25,14 @@ def tree_attention(
     meta: TreeAttentionMetadata,
     sm_scale: float | None = None,
     impl: Impl = "auto",
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [total_queries, num_heads, head_dim], q.dtype
     """Attention of every tree node (that has a query) to its request's prefix, its ancestors and itself.
+
+    Per call, because a model's layers differ (Gemma): ``softcap`` soft-caps the scaled scores, ``softcap *
+    tanh(scores / softcap)``, before the mask; ``window`` restricts each query to the keys of a sliding window of
+    token positions (:mod:`specinfer.kernels.metadata`; tree nodes sit at ``prefix_len + depth``). None: neither.
 
     ``impl``: ``"triton"`` forces the fused kernel (on CPU only under ``TRITON_INTERPRET=1``, set before the first
     call), ``"torch"`` the per-request SDPA-with-mask path, ``"ref"`` the slow fp32 reference, ``"auto"`` the kernel
@@ -44,9 +50,9 @@ def tree_attention(
         # Imported here, not at module load: @triton.jit reads TRITON_INTERPRET when the kernel module is imported.
         from .tree_attention_triton import tree_attention_triton
 
-        return tree_attention_triton(q, k_cache, v_cache, meta, sm_scale)
+        return tree_attention_triton(q, k_cache, v_cache, meta, sm_scale, softcap=softcap, window=window)
     if impl == "torch":
-        return tree_attention_sdpa(q, k_cache, v_cache, meta, sm_scale)
+        return tree_attention_sdpa(q, k_cache, v_cache, meta, sm_scale, softcap, window)
     if impl == "ref":
-        return tree_attention_ref(q, k_cache, v_cache, meta, sm_scale)
+        return tree_attention_ref(q, k_cache, v_cache, meta, sm_scale, softcap, window)
     raise ValueError(f"unknown impl {impl!r}; expected 'auto', 'triton', 'torch' or 'ref'")

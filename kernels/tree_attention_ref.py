@@ -2,8 +2,8 @@
 
 Both take and return what :func:`specinfer.kernels.tree_attention` does (shapes there). Both loop over requests and
 materialise each request's dense ``[num_queries, prefix_len + tree_len]`` mask from its *parent array* (not from the
-packed ``anc_bits`` the kernel reads), so they check the bit packing too.
-See :mod:`specinfer.kernels.metadata` for the terms and layouts.
+packed ``anc_bits`` and ``node_depth`` the kernel reads), so they check the packing too.
+See :mod:`specinfer.kernels.metadata` for the terms and layouts (token positions, sliding windows).
 """
 
 from __future__ import annotations
@@ -17,19 +17,24 @@ import torch.nn.functional as F
 from specinfer.core.kv_budget import blocks_for
 from specinfer.core.tree import ancestor_matrix
 
-from .metadata import TreeAttentionMetadata, is_chain
+from .metadata import TreeAttentionMetadata, is_chain, token_positions
 
 
-def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
     """Boolean mask of one request: ``mask[i, k]`` is True iff tree node i may attend to key k.  # [n, prefix_len + n]
 
-    Keys ``0 .. prefix_len-1`` are the prefix (always visible); key ``prefix_len + j`` is tree node j, visible iff
-    j is i or an ancestor of i. ``True`` means "attend", as ``scaled_dot_product_attention`` expects.
+    Keys ``0 .. prefix_len-1`` are the prefix (visible unless ``window`` excludes them); key ``prefix_len + j`` is
+    tree node j, visible iff j is i or an ancestor of i (and within ``window``). ``window``: a sliding window over
+    token positions (:mod:`specinfer.kernels.metadata`), None for none. ``True`` means "attend", as
+    ``scaled_dot_product_attention`` expects.
     """
     n = len(parents)
     mask = torch.ones(n, prefix_len + n, dtype=torch.bool)
     # A chain's ancestor relation is j <= i; tril avoids the O(n) Python loop for long prefill chains.
     mask[:, prefix_len:] = torch.ones(n, n, dtype=torch.bool).tril() if is_chain(parents) else torch.from_numpy(ancestor_matrix(parents))
+    if window is not None:
+        pos = torch.from_numpy(token_positions(parents, prefix_len))  # [prefix_len + n]
+        mask &= pos[None, :] > pos[prefix_len:, None] - window
     return mask.to(device)
 
 
@@ -65,10 +70,23 @@ def _request_kv_by_position(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     return k_cache[block, slot], v_cache[block, slot]
 
 
-def _query_mask(meta: TreeAttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
+def _query_mask(meta: TreeAttentionMetadata, b: int, device: torch.device, window: int | None) -> torch.Tensor:
     """Rows of request b's dense mask that have queries (its last num_queries nodes).  # [nq, prefix_len + n]"""
     n, nq = len(meta.parents[b]), meta.num_queries[b]
-    return dense_tree_mask(meta.parents[b], meta.prefix_lens[b], device)[n - nq :]
+    return dense_tree_mask(meta.parents[b], meta.prefix_lens[b], device, window)[n - nq :]
+
+
+def check_score_options(softcap: float | None, window: int | None) -> None:
+    """``softcap`` must be positive and ``window`` at least 1 (a query always sees its own key), or None."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention-logit soft-capping: ``softcap * tanh(scores / softcap)`` (Gemma 2), or ``scores`` unchanged for None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata) -> int:
@@ -99,12 +117,19 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def tree_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Reference tree attention: per request, dense fp32 ``softmax(q k^T * scale + mask) v``. Slow and obvious.
+    """Reference tree attention: per request, dense fp32 ``softmax(cap(q k^T * scale) + mask) v``. Slow and obvious.
 
     Paged caches are first gathered position by position into the contiguous ``[prefix_len + n, H_kv, D]`` view."""
     group = _check_shapes(q, k_cache, v_cache, meta)
+    check_score_options(softcap, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
@@ -112,42 +137,72 @@ def tree_attention_ref(
         kb, vb = _request_kv_by_position(k_cache, v_cache, meta, b)  # [L, H_kv, D] each
         kb = kb.float().repeat_interleave(group, dim=1)  # [L, H, D]; query head h reads kv head h // group
         vb = vb.float().repeat_interleave(group, dim=1)  # [L, H, D]
-        scores = torch.einsum("qhd,khd->hqk", qb.float(), kb) * scale  # [H, nq, L]
-        scores = scores.masked_fill(~_query_mask(meta, b, q.device), float("-inf"))
+        scores = soft_cap(torch.einsum("qhd,khd->hqk", qb.float(), kb) * scale, softcap)  # [H, nq, L]
+        scores = scores.masked_fill(~_query_mask(meta, b, q.device, window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [H, nq, L]
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vb).to(q.dtype)
     return out
 
 
-def _cached_additive_mask(meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _cached_additive_mask(meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype, window: int | None) -> torch.Tensor:
     """Request b's query mask as an additive float mask (0 = attend, -inf = not), built once per metadata (i.e.
-    per verify step) and reused by every layer. Float, not bool: CPU SDPA is several times slower with bool masks."""
-    key = (b, f"{device}/{dtype}")
+    per verify step) and window, and reused by every layer. Float, not bool: CPU SDPA is several times slower with
+    bool masks."""
+    key = (b, f"{device}/{dtype}/{window}")
     mask = meta._dense_masks.get(key)
     if mask is None:
-        allowed = _query_mask(meta, b, device)
+        allowed = _query_mask(meta, b, device, window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         meta._dense_masks[key] = mask
     return mask
 
 
 def tree_attention_sdpa(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Tree attention through ``F.scaled_dot_product_attention`` with an explicit boolean mask per request.
+    """Tree attention through ``F.scaled_dot_product_attention`` with an explicit mask per request.
 
     The "SDPA with explicit mask" baseline and the CPU path of :func:`tree_attention`. A chain without prefix
-    (all of whose nodes have queries) uses ``is_causal=True`` instead (same result, lets SDPA pick its flash backend).
+    (all of whose nodes have queries), without window or soft-capping, uses ``is_causal=True`` instead (same result,
+    lets SDPA pick its flash backend). SDPA has no soft-capping, so with ``softcap`` the same masked attention is written out
+    (scores in q's dtype, softmax in fp32, as ``transformers``' eager attention does).
     Paged caches are gathered block-wise through the block table first (:func:`_request_views`).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
+    check_score_options(softcap, window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
         qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
         # head-major copies: the token-major cache slices are strided, which CPU SDPA handles far slower
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
-        causal = meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
-        mask = None if causal else _cached_additive_mask(meta, b, q.device, q.dtype)  # [nq, L]
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=group > 1)
+        plain = softcap is None and window is None
+        causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
+        mask = None if causal else _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
+        if softcap is None:
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
+        else:
+            ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap, group)
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
     return out
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [1, heads, nq, D]
+    k: torch.Tensor,  # [1, kv_heads, L, D]
+    v: torch.Tensor,  # [1, kv_heads, L, D]
+    mask: torch.Tensor,  # [nq, L] additive
+    scale: float,
+    softcap: float,
+    group: int,
+) -> torch.Tensor:  # [1, heads, nq, D]
+    """``softmax(cap(q k^T * scale) + mask) v``, what SDPA would compute if it soft-capped."""
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, heads, L, D]
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, softcap) + mask  # [1, heads, nq, L]
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

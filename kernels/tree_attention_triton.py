@@ -22,6 +22,11 @@ Split-KV (flash-decoding): when (tiles x KV heads) would leave most SMs idle, e.
 phase 1 is cut into ``NUM_SPLITS`` chunks computed by separate programs; the last chunk also runs phases 2-3.
 Each writes a normalised partial output and its log-sum-exp, and :func:`_combine_kernel` merges them.
 
+Soft-capping and sliding windows (``SOFTCAP``, ``WINDOW``; compile-time switches, so a call with neither runs the
+kernel without them): a capped score is ``cap * tanh(score / cap)`` before the mask; a window masks, in every phase,
+the keys whose token position is ``<= t - window`` for a row at token position t (chains: the logical position; tree
+nodes: ``prefix + node_depth``), and phase 1 starts at the first ``BLOCK_N`` block any row of the tile can see.
+
 Paged KV (``PAGED``, see :mod:`specinfer.kernels.metadata` for the layout): the same kernel, phases and masks; only the
 address of a key's K/V row changes. Each key row of a tile looks its KV block up in the request's block-table row
 (``block_table[b, pos // KV_BLOCK_SIZE]``, slot ``pos % KV_BLOCK_SIZE``), see :func:`_kv_offsets`. Per row rather
@@ -40,7 +45,7 @@ import triton.language as tl
 
 from .launch import Forced, choose_config
 from .metadata import TreeAttentionMetadata
-from .tree_attention_ref import _check_shapes
+from .tree_attention_ref import _check_shapes, check_score_options
 
 
 def _check_interpreter_import_order() -> None:
@@ -115,14 +120,35 @@ def _kv_offsets(
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _tanh(x):
+    """fp32 tanh from exp2 (libdevice's tanh has no interpreter implementation): ``(1 - e^-2|x|) / (1 + e^-2|x|)``,
+    and below |x| = 1/4, where ``1 - e^-2|x|`` would cancel, its Taylor series to x^9 (relative error < 1e-8)."""
+    a = tl.abs(x)
+    t = tl.math.exp2(-2.8853900817779268 * a)  # e^-2|x| = 2^(-2 log2(e) |x|) in (0, 1]: no overflow for any x
+    x2 = x * x
+    series = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    y = tl.where(a < 0.25, series, (1.0 - t) / (1.0 + t))
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _in_window(qpos, kpos, window):
+    """``[BLOCK_M, BLOCK_N]``: key token positions ``kpos`` inside the sliding window of row token positions ``qpos``."""
+    return kpos[None, :] > (qpos - window)[:, None]
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax update with a ``[BLOCK_N, BLOCK_D]`` K/V block; returns the new (acc, l_i, m_i).
 
     ``m_i`` is the running row max of the base-2 logits, ``l_i`` the running sum of ``exp2(logit - m_i)``, ``acc`` the
     running un-normalised output (all fp32). Rows with no allowed key so far keep ``m_i = -inf``; ``m_safe`` avoids
-    ``-inf - -inf = nan`` for them (such rows only occur as padding or in an empty split).
+    ``-inf - -inf = nan`` for them (such rows only occur as padding, in an empty split or before a window).
+    ``SOFTCAP``: ``qk_scale`` is ``sm_scale / cap`` and the base-2 logit ``tanh(q k^T * qk_scale) * cap_log2e``.
     """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    if SOFTCAP:
+        qk = _tanh(qk) * cap_log2e
     if MASKED:
         qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
@@ -148,8 +174,11 @@ def _tree_attn_fwd_kernel(
     tree_len_ptr,  # [B] int32
     anc_row_ptr,  # [B] int32, -1 = chain
     anc_bits_ptr,  # [num_bit_rows, num_words] int32
+    depth_ptr,  # [num_bit_rows] int32, node depths of the non-chain trees (read only with WINDOW)
     block_table_ptr,  # PAGED: [B, max_blocks_per_request] int32; else unused
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * log2(e); SOFTCAP: sm_scale / cap
+    cap_log2e,  # SOFTCAP: cap * log2(e); else unused
+    window,  # WINDOW: keys at token positions > t - window are seen from token position t; else unused
     stride_qt,
     stride_qh,
     stride_kb,  # PAGED: between KV blocks; else unused
@@ -174,6 +203,8 @@ def _tree_attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     PAGED: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,  # PAGED: token slots per KV block; else 1
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     tl.static_assert(BLOCK_N <= 64, "phase 3 reads at most two bitmask words per block")
     pid_m = tl.program_id(0)
@@ -220,19 +251,31 @@ def _tree_attn_fwd_kernel(
 
     node_min = first + start_m // GROUP
     node_max = tl.minimum(first + (start_m + BLOCK_M - 1) // GROUP, n_tree - 1)
-    # Phase 1 range [0, dense_end): positions every row of the tile attends to.
+    # is_tree as a block, not a scalar: the Triton interpreter turns `scalar_bool & block_bool` into int32.
+    tree_row = row_ok & ((anc_row + tl.zeros_like(node)) >= 0)  # [BLOCK_M]
+    # Phase 1 range [dense_lo, dense_end): positions every row of the tile attends to (but for a window's cut).
     dense_end = prefix + tl.where(is_tree, 0, node_min + 1)
-    chunk = tl.cdiv(tl.cdiv(dense_end, NUM_SPLITS), BLOCK_N) * BLOCK_N  # split chunks start block-aligned
-    lo = split * chunk
+    if WINDOW:
+        qpos = prefix + tl.where(tree_row, tl.load(depth_ptr + anc_row + node, mask=tree_row, other=0), node)  # [BLOCK_M] token positions
+        first_seen = tl.min(tl.where(row_ok, qpos, prefix + n_tree), 0) - window + 1  # lowest key position a row of the tile sees
+        dense_lo = tl.minimum(tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N, dense_end)  # a tree row of window 1 sees no prefix
+    else:
+        qpos = node  # unused
+        dense_lo = 0
+    chunk = tl.cdiv(tl.cdiv(dense_end - dense_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N  # split chunks start block-aligned
+    lo = dense_lo + split * chunk
     hi = tl.minimum(lo + chunk, dense_end)
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
 
     for start_n in range(lo, full_end, BLOCK_N):
-        pos = start_n + offs_n  # [BLOCK_N] logical positions
+        pos = start_n + offs_n  # [BLOCK_N] logical positions (= token positions: prefix keys, chain nodes)
         k_off, v_off = _kv_offsets(pos, pos, table_row, stride_kb, stride_kt, stride_vb, stride_vt, False, PAGED, KV_BLOCK_SIZE)
         k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
         v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, 0, qk_scale, False, DOT_PRECISION)
+        if WINDOW:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, _in_window(qpos, pos, window), qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
+        else:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, 0, qk_scale, cap_log2e, False, SOFTCAP, DOT_PRECISION)
 
     if full_end < hi:  # phase 2: partial block at the end of this split's dense chunk
         pos = full_end + offs_n
@@ -240,14 +283,15 @@ def _tree_attn_fwd_kernel(
         k_off, v_off = _kv_offsets(pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE)
         k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, in_bounds[None, :], qk_scale, True, DOT_PRECISION)
+        allowed = in_bounds[None, :]
+        if WINDOW:
+            allowed = allowed & _in_window(qpos, pos, window)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
 
     # Phase 3 (last split only): tree nodes the tile does not uniformly see.
     tree_lo = dense_end
     tree_hi = tl.where(split == NUM_SPLITS - 1, prefix + node_max + 1, tree_lo)
     bits_row = anc_bits_ptr + (anc_row + node).to(tl.int64) * stride_anc  # [BLOCK_M] pointers (unused for chains)
-    # is_tree as a block, not a scalar: the Triton interpreter turns `scalar_bool & block_bool` into int32.
-    tree_row = row_ok & ((anc_row + tl.zeros_like(node)) >= 0)  # [BLOCK_M]
     for start_n in range(tree_lo, tree_hi, BLOCK_N):
         pos = start_n + offs_n
         in_bounds = pos < tree_hi
@@ -266,7 +310,11 @@ def _tree_attn_fwd_kernel(
             word = tl.where(offs_n[None, :] < 32, word, word_hi[:, None])  # [BLOCK_M, BLOCK_N]
         is_ancestor = ((word >> (j % 32)[None, :]) & 1) != 0
         allowed = tl.where(tree_row[:, None], is_ancestor, j[None, :] <= node[:, None]) & in_bounds[None, :]
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, True, DOT_PRECISION)
+        if WINDOW:
+            tree_key = in_bounds & ((anc_row + tl.zeros_like(j)) >= 0)  # [BLOCK_N]
+            kpos = prefix + tl.where(tree_key, tl.load(depth_ptr + anc_row + j, mask=tree_key, other=0), j)  # [BLOCK_N] token positions
+            allowed = allowed & _in_window(qpos, kpos, window)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or padding row: output 0, lse -inf
     out = acc / l_safe[:, None]
@@ -310,7 +358,14 @@ def _combine_kernel(
 
 
 def tree_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, sm_scale: float | None = None, forced: Forced | None = None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    sm_scale: float | None = None,
+    forced: Forced | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Run the fused tree-attention kernel (see the module docstring); arguments and result as :func:`specinfer.kernels.tree_attention`,
     contiguous or paged caches alike.
@@ -319,6 +374,7 @@ def tree_attention_triton(
     interpreter) and be contiguous in head_dim; any other strides work (e.g. q as a view of a fused qkv output).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
+    check_score_options(softcap, window)
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -328,7 +384,7 @@ def tree_attention_triton(
             raise ValueError(f"{name} is on {t.device} but the metadata is on {meta.device}")
     head_dim = q.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    cfg = choose_config(q, k_cache, meta, forced)
+    cfg = choose_config(q, k_cache, meta, forced, window)
     block_d = max(16, triton.next_power_of_2(head_dim))
     total, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[-2]
     paged = meta.paged
@@ -343,8 +399,8 @@ def tree_attention_triton(
     grid = (triton.cdiv(meta.max_queries * group, cfg.block_m), meta.batch_size * cfg.num_splits, num_kv_heads)
     _tree_attn_fwd_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
-        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits, block_table,
-        scale * LOG2E,
+        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits, meta.node_depth, block_table,
+        scale * LOG2E if softcap is None else scale / softcap, 0.0 if softcap is None else softcap * LOG2E, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0) if paged else 0, k_cache.stride(-3), k_cache.stride(-2),
         v_cache.stride(0) if paged else 0, v_cache.stride(-3), v_cache.stride(-2),
@@ -352,7 +408,7 @@ def tree_attention_triton(
         total, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         NUM_SPLITS=cfg.num_splits, EVEN_D=head_dim == block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PAGED=paged, KV_BLOCK_SIZE=meta.block_size if paged else 1,
+        PAGED=paged, KV_BLOCK_SIZE=meta.block_size if paged else 1, SOFTCAP=softcap is not None, WINDOW=window is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:

@@ -13,19 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 from oracles import hf_greedy
-from rope_configs import LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, llama3_rope
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen3Config
+from rope_configs import GEMMA3_ROPE, LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, gemma3_multimodal, llama3_rope
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
 
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.interface import TreeForward
-from specinfer.models.loading import eos_token_id
+from specinfer.models.loading import eos_token_id, load_backend
 from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
 
 VOCAB = 128
 NEW_TOKENS = 16
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256, **TOKENS)
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]  # Gemma 3 has 5 local : 1 global
 
 
 def _configs():
@@ -35,6 +36,16 @@ def _configs():
         "llama3.2-tied": LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=llama3_rope(32.0)),
         "phi3-longrope": Phi3Config(**COMMON, num_key_value_heads=4, original_max_position_embeddings=LONGROPE_SWITCH, rope_parameters=PHI3_LONGROPE),
         "phi3-partial-rope": Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
+        # Gemma 2: local/global layers alternating (window 6, inside the prompts), the real soft-caps, query_pre_attn_scalar
+        "gemma2": Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6),
+        # Gemma 3 1B's shape: 1 KV head, q/k norms, local RoPE base 10k, global 1M
+        "gemma3": Gemma3TextConfig(**COMMON, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=5, layer_types=GEMMA3_LAYERS),
+        # Gemma 3 4B+: the multimodal checkpoint, linear RoPE scaling on the global layers
+        "gemma3-multimodal": gemma3_multimodal(
+            Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6, layer_types=GEMMA3_LAYERS, rope_parameters=GEMMA3_ROPE)
+        ),
+        # Mistral past its window (6): the kernel masks, the cache keeps every key
+        "mistral-window": MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=6),
     }
 
 
@@ -43,6 +54,7 @@ def _save_pair(config, out: Path) -> tuple[Path, Path]:
     :func:`specinfer.models.tiny.tiny_llama`'s) and its draft: the same model cut to its first layer."""
     torch.manual_seed(0)
     llm = AutoModelForCausalLM.from_config(config).eval()
+    decoder = llm.get_decoder()  # the text model (gemma3: beside the vision tower)
     with torch.no_grad():
         for name, p in llm.named_parameters():
             if "norm" in name:  # non-trivial norms, so a forgotten one shows
@@ -51,10 +63,16 @@ def _save_pair(config, out: Path) -> tuple[Path, Path]:
                 p.normal_(0.0, p.shape[1] ** -0.5)
         # peaked through the final norm, not the embeddings: tied ones would scale the residual's
         # copy of the last token too, and the model would mostly repeat it
-        llm.model.norm.weight.mul_(20.0)
-    small_config = AutoConfig.for_model(**{**config.to_dict(), "num_hidden_layers": 1, "layer_types": None})
-    ssm = AutoModelForCausalLM.from_config(small_config).eval()
-    ssm.load_state_dict({k: v for k, v in llm.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 1})
+        if config.model_type.startswith("gemma"):  # Gemma norms multiply by 1 + weight
+            decoder.norm.weight.copy_((1.0 + decoder.norm.weight) * 20.0 - 1.0)
+        else:
+            decoder.norm.weight.mul_(20.0)
+    layers = {module: name for name, module in llm.named_modules()}[decoder.layers] + "."  # "model.layers." or "model.language_model.layers."
+    text = dict(num_hidden_layers=1, layer_types=None)
+    small = config.to_dict()
+    small.update({"text_config": {**small["text_config"], **text}} if "text_config" in small else text)
+    ssm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small)).eval()
+    ssm.load_state_dict({k: v for k, v in llm.state_dict().items() if not k.startswith(layers) or int(k[len(layers) :].split(".")[0]) < 1})
     llm.save_pretrained(out / "llm")
     ssm.save_pretrained(out / "ssm")
     return out / "llm", out / "ssm"
@@ -97,11 +115,102 @@ def test_longrope_runs_only_up_to_its_switch(tmp_path):
         native.forward_tree([TreeForward("long", list(range(3, 3 + LONGROPE_SWITCH + 1)), [3], [-1])])
 
 
-def test_qwen3_mixed_sliding_layers_are_refused():
-    """Qwen3 with ``use_sliding_window`` windows only its upper layers: per-layer windows are not in the kernel yet."""
+def test_qwen_mixed_sliding_layers_get_per_layer_windows():
+    """Qwen2/Qwen3 with ``use_sliding_window`` window only the layers from ``max_window_layers`` on, as
+    ``layer_types`` says (transformers 5) or, in older configs without it, as transformers derives them;
+    a uniform window (Mistral) no longer limits positions. Logits: the qwen3-mixed-window and
+    mistral-window checkpoints of tests/test_native.py."""
     config = Qwen3Config(**COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=32, max_window_layers=1)
-    with pytest.raises(UnsupportedModel, match="mixed sliding/full"):
-        ModelSpec.from_config(config.to_dict())
+    assert ModelSpec.from_config(config.to_dict()).layer_windows == (None, 32, 32)
+    older = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+    assert ModelSpec.from_config(older).layer_windows == (None, 32, 32)
+    assert ModelSpec.from_config({**older, "use_sliding_window": False}).layer_windows == (None, None, None)
+    mistral = ModelSpec.from_config(MistralConfig(**COMMON, sliding_window=16).to_dict())
+    assert (mistral.layer_windows, mistral.positions_limit) == ((16, 16, 16), 256)
+
+
+def test_gemma_configs_of_the_hub_layouts():
+    """The hub's Gemma config.json files (before transformers 5): Gemma 2 2B (no layer_types: local
+    and global alternate), Gemma 3 1B (rope_local_base_freq, sliding_window_pattern) and Gemma 3 4B,
+    whose text_config names a few fields only and leaves the rest to transformers' defaults."""
+    gemma2 = {
+        "model_type": "gemma2",
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "vocab_size": 256000,
+    }
+    spec = ModelSpec.from_config(gemma2)
+    assert spec.layer_windows[:4] == (4096, None, 4096, None) and len(spec.layer_windows) == 26
+    assert (spec.attn_softcap, spec.final_softcap, spec.query_pre_attn_scalar, spec.qk_norm, spec.tie_embeddings) == (50.0, 30.0, 256.0, False, True)
+    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.positions_limit) == ("default", 10000.0, None, 8192)
+    gemma3_1b = {
+        "model_type": "gemma3_text",
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "vocab_size": 262144,
+    }
+    spec = ModelSpec.from_config(gemma3_1b)
+    assert spec.layer_windows[:6] == (512,) * 5 + (None,) and spec.layer_windows[24:] == (512, 512)
+    assert (spec.attn_softcap, spec.final_softcap, spec.qk_norm, spec.kv_heads) == (None, None, True, 1)
+    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta) == ("default", 1e6, 1e4)
+    gemma3_4b = {
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    spec = ModelSpec.from_config(gemma3_4b)
+    assert (spec.arch, spec.vocab_size, spec.heads, spec.kv_heads, spec.head_dim, spec.layers) == ("gemma3", 262208, 8, 4, 256, 34)
+    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.layer_windows[5], spec.layer_windows[6]) == ("linear", 1e6, 1e4, None, 1024)
+
+
+def test_gemma_variants_the_native_blocks_do_not_run_are_refused():
+    """EmbeddingGemma's bidirectional attention and another MLP activation go to the reference backend."""
+    config = Gemma3TextConfig(**COMMON, use_bidirectional_attention=True).to_dict()
+    with pytest.raises(UnsupportedModel, match="bidirectional"):
+        ModelSpec.from_config(config)
+    with pytest.raises(UnsupportedModel, match="hidden_activation"):
+        ModelSpec.from_config({**Gemma2Config(**COMMON).to_dict(), "hidden_activation": "gelu"})
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gemma3-multimodal"])
+def test_backend_auto_picks_native_for_gemma(name, tmp_path):
+    llm, _ = _save_pair(_configs()[name], tmp_path)
+    assert isinstance(load_backend(llm, "llm", dtype="float32", kv_cache_bytes=1 << 22), NativeBackend)
 
 
 def test_llama_with_mlp_biases_is_refused():

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rope_configs import PARTIAL_ROPE, PHI3_LONGROPE, PHI3_TOKENS, llama3_rope
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
+from rope_configs import GEMMA3_ROPE, PARTIAL_ROPE, PHI3_LONGROPE, PHI3_TOKENS, gemma3_multimodal, llama3_rope
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import KVCacheFull, NativeBackend, NativeOptions
@@ -24,12 +34,18 @@ LLAMA3_ROPE = llama3_rope(8.0)
 
 def _tiny_configs():
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+    gemma = dict(common, pad_token_id=0, bos_token_id=2, eos_token_id=1)  # Gemma's token ids
+    gemma3_layers = dict(gemma, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     return {
         "llama-gqa": LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False),
         "llama3-rope": LlamaConfig(**common, num_key_value_heads=1, rope_parameters=LLAMA3_ROPE),
         # Llama 3.2 (1B/3B): tied embeddings, head_dim 64 of 2048 / 32 heads, 4:1 GQA, llama3 RoPE
         "llama3.2-tied": LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
         "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=512),
+        # a window of 6 bites inside the prompts and trees (the kernel masks, the cache keeps every key)
+        "mistral-window": MistralConfig(**common, num_key_value_heads=2, sliding_window=6),
+        # Qwen3 with use_sliding_window: a window on the layers from max_window_layers on, full attention below
+        "qwen3-mixed-window": Qwen3Config(**common, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1),
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
         # Qwen3 (0.6B): head_dim set apart from hidden / heads (128 of 1024 / 16), q/k RMSNorm, no qkv
         # bias, tied embeddings
@@ -40,6 +56,22 @@ def _tiny_configs():
         "phi3-longrope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=4, original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE),
         # Phi-4-mini (model_type phi3): GQA, RoPE on the leading 3/4 of each head, tied embeddings
         "phi3-partial-rope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
+        # Gemma 2 (2B: 8 heads, 4 KV heads, head_dim 256 apart from hidden / heads, query_pre_attn_scalar 256): local and
+        # global layers alternating, the real soft-caps (50 on attention scores, 30 on logits), tied embeddings
+        "gemma2": Gemma2Config(**gemma, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6),
+        # caps small enough to bite on a tiny random model's scores and logits
+        "gemma2-capped": Gemma2Config(
+            **gemma, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=1.0, final_logit_softcapping=0.5
+        ),
+        # Gemma 3 1B: 4 heads, 1 KV head, head_dim 256, q/k norms, local RoPE base 10k / global 1M, 5 local : 1 global
+        # (here local, global, local), tied embeddings
+        "gemma3": Gemma3TextConfig(**gemma3_layers, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=5),
+        # Gemma 3 4B+: linear RoPE scaling (factor 8) on the global layers only
+        "gemma3-linear-rope": Gemma3TextConfig(**gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=7, rope_parameters=GEMMA3_ROPE),
+        # the multimodal checkpoint (model_type gemma3): its text model, the vision tower left aside
+        "gemma3-multimodal": gemma3_multimodal(
+            Gemma3TextConfig(**gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=6, rope_parameters=GEMMA3_ROPE)
+        ),
         "opt": OPTConfig(
             vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64
         ),
@@ -91,11 +123,12 @@ def _hf_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
         return torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-@pytest.mark.parametrize("gemm", ["linear", "transposed"])
-def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm):
-    """Both forms of every matrix product (see specinfer.models.native.gemm) give transformers' logits."""
+@pytest.mark.parametrize(("gemm", "kv_block_size"), [("linear", 0), ("transposed", 0), ("linear", 3)], ids=["linear", "transposed", "paged"])
+def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm, kv_block_size):
+    """Both forms of every matrix product (see specinfer.models.native.gemm), and KV blocks of 3 tokens
+    (a sliding window then starts mid-block), give transformers' logits."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm))
+    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
     # prefill: the whole prompt as a chain (context empty) -> logits after every token

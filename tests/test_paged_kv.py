@@ -18,7 +18,7 @@ from specinfer.models.native.paged_pool import BlockStorage, PagedKVPool
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import PackedStep, StepRequest
 
-SPEC = ModelSpec("llama", 16, 8, 2, 2, 1, 4, 8, 64, 1e-5, False, False, 1e4, None)  # 2 layers, 1 KV head of 4
+SPEC = ModelSpec("llama", 16, 8, 2, 2, 1, 4, 8, 64, 1e-5, False, False, 1e4, (None,) * 2)  # 2 layers, 1 KV head of 4
 
 
 def _used(pool: PagedKVPool, storages: list[BlockStorage]) -> list[int]:

@@ -18,6 +18,8 @@ from test_tree_attention import (
     BF16_TOL,
     FP16_TOL,
     FP32_TOL,
+    SCORE_IDS,
+    SCORE_OPTIONS,
     TREE_KINDS,
     Batch,
     branches,
@@ -184,6 +186,19 @@ def test_paged_sdpa_path_matches_reference(seed: int, block_size: int, group: in
     assert rel_err(out, contiguous) < FP32_TOL, f"seed={seed} paged vs contiguous"
 
 
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+def test_paged_sdpa_path_options_match_reference(seed: int, softcap: float | None, window: int | None) -> None:
+    rng = np.random.default_rng(seed)
+    trees = [mixed_tree(rng) for _ in range(4)] + [chain(7)]
+    prefix = [int(rng.integers(0, 100)) for _ in trees[:-1]] + [0]
+    nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
+    pb = make_paged_batch(rng, trees, prefix, 2, 2, 32, torch.float32, torch.device("cpu"), 5, num_queries=nq)
+    out = tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, impl="torch", softcap=softcap, window=window)
+    check_against_ref(pb.paged, out, FP32_TOL, f"seed={seed} sdpa paged {describe(pb)}", softcap, window)
+    c = pb.contiguous
+    assert rel_err(out, tree_attention(c.q, c.k_cache, c.v_cache, c.meta, impl="torch", softcap=softcap, window=window)) < FP32_TOL
+
+
 # ----------------------------------------------------------------------------------------------- Triton kernel
 
 
@@ -237,6 +252,24 @@ def test_triton_paged_fp16_matches_reference(seed: int, device: torch.device, gr
     prefix = [int(rng.integers(0, 150)) for _ in trees]
     pb = make_paged_batch(rng, trees, prefix, 2, group, 64, torch.float16, device, 16)
     check_against_ref(pb.paged, run_triton(pb.paged), FP16_TOL, f"seed={seed} fp16 group={group} {describe(pb)}")
+
+
+@needs_triton
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+@pytest.mark.parametrize(("block_size", "block_n", "num_splits"), [(4, 16, 1), (5, 16, 3)], ids=["kv-block4", "odd-block-split"])
+def test_triton_paged_options_match_reference(
+    seed: int, device: torch.device, softcap: float | None, window: int | None, block_size: int, block_n: int, num_splits: int
+) -> None:
+    """Soft-capping and windows through block tables: windows starting mid KV block, trees, chains, partial queries."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, int(rng.integers(10, 30))), chain(int(rng.integers(10, 30))), branches(rng, 12), [-1]]
+    prefix = [int(rng.integers(0, 100)), 0, int(rng.integers(0, 100)), 53]
+    nq = [len(trees[0]), len(trees[1]), int(rng.integers(1, 13)), 1]
+    pb = make_paged_batch(rng, trees, prefix, 2, 2, 32, torch.float32, device, block_size, num_queries=nq)
+    forced = Forced(block_m=16, block_n=block_n, num_splits=num_splits)
+    out = run_triton(pb.paged, forced, softcap=softcap, window=window)
+    check_against_ref(pb.paged, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} {describe(pb)}", softcap, window)
+    assert rel_err(out, run_triton(pb.contiguous, forced, softcap=softcap, window=window)) < FP32_TOL, f"seed={seed} paged vs contiguous kernel"
 
 
 @needs_triton

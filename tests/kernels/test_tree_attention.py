@@ -22,6 +22,7 @@ from specinfer.kernels import (
     build_tree_metadata,
     dense_tree_mask,
     is_chain,
+    token_positions,
     tree_attention,
     tree_attention_ref,
     tree_attention_sdpa,
@@ -132,14 +133,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def run_triton(batch: Batch, forced: Forced | None = None, sm_scale: float | None = None) -> torch.Tensor:
+def run_triton(
+    batch: Batch, forced: Forced | None = None, sm_scale: float | None = None, softcap: float | None = None, window: int | None = None
+) -> torch.Tensor:
     from specinfer.kernels.tree_attention_triton import tree_attention_triton
 
-    return tree_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, forced)
+    return tree_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, forced, softcap=softcap, window=window)
 
 
-def check_against_ref(batch: Batch, out: torch.Tensor, tol: float, what: str) -> None:
-    ref = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta)
+def check_against_ref(batch: Batch, out: torch.Tensor, tol: float, what: str, softcap: float | None = None, window: int | None = None) -> None:
+    ref = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)
     assert out.shape == ref.shape and out.dtype == batch.q.dtype
     err = rel_err(out, ref)
     assert err < tol, f"{what}: relative error {err:.3g} >= {tol:g}; parents={batch.meta.parents} prefix={batch.meta.prefix_lens}"
@@ -337,6 +340,102 @@ def test_dispatcher_rejects_bad_input() -> None:
         tree_attention(torch.zeros(2, 2, 64), k[:4], k[:4], meta)
 
 
+# ----------------------------------------------------------------------------------------------- soft-capping, sliding windows
+
+# (softcap, window): a cap of 1.5 bends scores of about N(0, 1) hard; windows of 1 (only itself), 3 (cuts into trees and
+# chains) and 40 (cuts into most prefixes); (None, None) is every other test of this file
+SCORE_OPTIONS = [(1.5, None), (None, 1), (None, 3), (None, 40), (1.5, 3)]
+SCORE_IDS = [f"softcap{c}-window{w}" for c, w in SCORE_OPTIONS]
+
+
+def sequence_attention(batch: Batch, softcap: float | None, window: int | None, sm_scale: float) -> torch.Tensor:
+    """Each query's attention over its own sequence (the prefix, then its root-to-node path), keeping only the last
+    ``window`` tokens, with capped scores: the semantics the options mean, computed without masks, depths or token
+    positions.  # [total_queries, H, D] fp32"""
+    meta = batch.meta
+    group = batch.q.shape[1] // batch.k_cache.shape[1]
+    out = torch.empty(batch.q.shape)
+    for b, parents in enumerate(meta.parents):
+        n, nq, prefix, kv0 = len(parents), meta.num_queries[b], meta.prefix_lens[b], meta.kv_starts[b]
+        for r in range(nq):
+            path, j = [], n - nq + r
+            while j >= 0:
+                path.append(prefix + j)
+                j = parents[j]
+            rows = [kv0 + p for p in [*range(prefix), *path[::-1]]][-(window or len(path) + prefix) :]
+            k = batch.k_cache[rows].float().repeat_interleave(group, dim=1)  # [L, H, D]
+            v = batch.v_cache[rows].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,khd->hk", batch.q[meta.q_starts[b] + r].float(), k) * sm_scale  # [H, L]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[meta.q_starts[b] + r] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+def test_reference_options_are_sequence_attention(seed: int, softcap: float | None, window: int | None) -> None:
+    """The oracle itself: with a window, tree node i sees the last ``window`` tokens of prefix + its path, whatever
+    the other branches hold; partial queries too."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, 12), chain(9), star(6), branches(rng, 10), [-1]]
+    prefix = [55] + [int(rng.integers(0, 60)) for _ in trees[1:-1]] + [0]  # 55: every window cuts somewhere
+    nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
+    batch = make_batch(rng, trees, prefix, 2, 2, 32, torch.float32, torch.device("cpu"), num_queries=nq)
+    out = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)
+    err = rel_err(out, sequence_attention(batch, softcap, window, 32**-0.5))
+    assert err < FP32_TOL, f"seed={seed}: {err:.3g}"
+    plain = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta)
+    assert rel_err(out, plain) > 1e-3, "the options change nothing: the test would not see them ignored"
+
+
+def test_dense_tree_mask_window() -> None:
+    """Tree [-1, 0, 0, 1] (token positions 2, 3, 3, 4) behind 2 prefix tokens, window 2: each node sees itself and
+    the one token before it on its path."""
+    expected = torch.tensor(
+        [
+            [0, 1, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 0, 1, 0],
+            [0, 0, 0, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(dense_tree_mask([-1, 0, 0, 1], prefix_len=2, window=2), expected)
+    assert torch.equal(dense_tree_mask([-1, 0, 0, 1], prefix_len=2, window=5), dense_tree_mask([-1, 0, 0, 1], prefix_len=2))
+
+
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+def test_sdpa_path_options_match_reference(seed: int, softcap: float | None, window: int | None) -> None:
+    rng = np.random.default_rng(seed)
+    trees = [mixed_tree(rng) for _ in range(4)] + [chain(7)]
+    prefix = [int(rng.integers(0, 100)) for _ in trees[:-1]] + [0]  # a chain without prefix: no is_causal shortcut
+    nq = [int(rng.integers(1, len(t) + 1)) for t in trees[:-1]] + [7]
+    batch = make_batch(rng, trees, prefix, 2, 2, 64, torch.float32, torch.device("cpu"), num_queries=nq)
+    out = tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, impl="torch", softcap=softcap, window=window)
+    check_against_ref(batch, out, FP32_TOL, f"seed={seed} sdpa path", softcap, window)
+    again = tree_attention_sdpa(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)  # cached masks
+    assert torch.equal(out, again)
+
+
+def test_options_are_validated() -> None:
+    meta = build_tree_metadata([[-1, 0]], [3], [0], "cpu")
+    k = torch.zeros(5, 1, 64)
+    for impl in ("ref", "torch"):
+        with pytest.raises(ValueError, match="window"):
+            tree_attention(torch.zeros(2, 2, 64), k, k, meta, impl=impl, window=0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="softcap"):
+            tree_attention(torch.zeros(2, 2, 64), k, k, meta, impl=impl, softcap=0.0)  # type: ignore[arg-type]
+
+
+def test_metadata_node_depths() -> None:
+    """Depths of the non-chain trees' nodes, in their anc_bits rows; chains store none."""
+    meta = build_tree_metadata([[-1, 0, 0, 1], chain(3), [-1, 0, 1, 0]], [2, 0, 5], [0, 10, 20], "cpu")
+    assert meta.anc_row_start.tolist() == [0, -1, 4]
+    assert meta.node_depth.tolist() == [0, 1, 1, 2, 0, 1, 2, 1] and meta.node_depth.dtype == torch.int32
+    assert token_positions([-1, 0, 0, 1], 2).tolist() == [0, 1, 2, 3, 3, 4]
+    assert build_tree_metadata([chain(4)], [1], [0], "cpu").node_depth.tolist() == [0]
+
+
 # ----------------------------------------------------------------------------------------------- Triton kernel
 
 
@@ -441,6 +540,33 @@ def test_dispatcher_triton_impl(seed: int, device: torch.device) -> None:
     check_against_ref(batch, out, FP32_TOL, f"seed={seed} impl=triton")
 
 
+@needs_triton
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+@pytest.mark.parametrize("forced", [None, Forced(block_m=16, block_n=16, num_splits=3)], ids=["auto", "splits"])
+def test_triton_options_match_reference(seed: int, device: torch.device, softcap: float | None, window: int | None, forced: Forced | None) -> None:
+    """Soft-capping and windows on trees (depths differ from node indices), chains, a single node and partial queries;
+    with small tiles and split-KV, windows start inside a split, inside a block and past whole splits."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, int(rng.integers(20, 40))), chain(int(rng.integers(20, 40))), star(9), [-1], branches(rng, 15)]
+    prefix = [int(rng.integers(0, 120)), 0, int(rng.integers(0, 120)), 70, int(rng.integers(0, 120))]
+    nq = [len(trees[0]), len(trees[1]), 9, 1, int(rng.integers(1, 16))]
+    batch = make_batch(rng, trees, prefix, 2, 2, 32, torch.float32, device, num_queries=nq)
+    out = run_triton(batch, forced, softcap=softcap, window=window)
+    check_against_ref(batch, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} forced={forced}", softcap, window)
+
+
+@needs_triton
+def test_triton_options_fp16_and_custom_scale(seed: int, device: torch.device) -> None:
+    """fp16 inputs with both options and a Gemma-like scale (query_pre_attn_scalar apart from head_dim)."""
+    rng = np.random.default_rng(seed)
+    trees = [mixed_tree(rng) for _ in range(4)]
+    prefix = [int(rng.integers(0, 150)) for _ in trees]
+    batch = make_batch(rng, trees, prefix, 2, 2, 64, torch.float16, device)
+    out = run_triton(batch, sm_scale=0.2, softcap=2.0, window=17)
+    ref = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale=0.2, softcap=2.0, window=17)
+    assert rel_err(out, ref) < FP16_TOL, f"seed={seed}"
+
+
 # ----------------------------------------------------------------------------------------------- GPU only
 
 
@@ -494,29 +620,33 @@ from specinfer.kernels.launch import Forced, choose_config
 kernel = m._tree_attn_fwd_kernel
 assert not triton.knobs.runtime.interpret
 # Mimic a real launch: pointers and multiple-of-16 strides get Triton's divisibility-16 specialisation.
-# Arguments: 6 tensor pointers, 7 int32 pointers, qk_scale, 14 ints (the first 10 of them q/k/v/out strides).
-div16 = {(i,): [["tt.divisibility", 16]] for i in list(range(13)) + list(range(14, 24))}
+# Arguments: 6 tensor pointers, 8 int32 pointers, qk_scale, cap_log2e, window, 14 ints (the first 10 of them q/k/v/out strides).
+div16 = {(i,): [["tt.divisibility", 16]] for i in list(range(14)) + list(range(17, 27))}
 SHAPES = ((1, 1), (8, 4), (64, 4), (2048, 1))  # (tree_len, group): block_m 16, 32 (+ splits), 64, 128
-# (arch, dtype, name, head_dim, shape, KV block size of the paged layout or 0 for contiguous)
-CASES = [(90, torch.bfloat16, "bf16", d, s, 0) for d in (64, 128) for s in SHAPES]
-CASES += [(90, torch.float16, "fp16", 128, SHAPES[0], 0), (90, torch.float32, "fp32", 128, SHAPES[0], 0), (90, torch.float32, "fp32", 64, SHAPES[2], 0)]
-CASES += [(80, torch.bfloat16, "bf16", 128, s, 0) for s in SHAPES[1:3]]
-CASES += [(90, torch.bfloat16, "bf16", 128, s, 16) for s in SHAPES[2:]]
-CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 16), (80, torch.bfloat16, "bf16", 128, SHAPES[1], 16)]
-for cap, dtype, tname, head_dim, (tree_len, group), kv_block in CASES:
+# (arch, dtype, name, head_dim, shape, KV block size of the paged layout or 0 for contiguous, soft-capping and window)
+CASES = [(90, torch.bfloat16, "bf16", d, s, 0, False) for d in (64, 128) for s in SHAPES]
+CASES += [(90, torch.float16, "fp16", 128, SHAPES[0], 0, False), (90, torch.float32, "fp32", 128, SHAPES[0], 0, False)]
+CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 0, False)]
+CASES += [(80, torch.bfloat16, "bf16", 128, s, 0, False) for s in SHAPES[1:3]]
+CASES += [(90, torch.bfloat16, "bf16", 128, s, 16, False) for s in SHAPES[2:]]
+CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 16, False), (80, torch.bfloat16, "bf16", 128, SHAPES[1], 16, False)]
+# Gemma: head_dim 256 (Gemma 2 / 3 up to 12B) and 128 (Gemma 3 27B), capped and windowed
+CASES += [(90, torch.bfloat16, "bf16", d, s, kv, True) for d in (128, 256) for s in SHAPES[1:3] for kv in (0, 16)]
+CASES += [(80, torch.bfloat16, "bf16", 256, SHAPES[2], 16, True), (90, torch.float32, "fp32", 256, SHAPES[0], 0, True)]
+for cap, dtype, tname, head_dim, (tree_len, group), kv_block, gemma in CASES:
     meta = build_tree_metadata([list(range(-1, tree_len - 1))], [4096], [0], "cpu")
     q = torch.empty(tree_len, 8 * group, head_dim, dtype=dtype)
     k = torch.empty(1, 8, head_dim, dtype=dtype)
     cfg = choose_config(q, k, meta, Forced(num_splits=1 + (tree_len == 8) * 3))
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       NUM_SPLITS=cfg.num_splits, EVEN_D=True, DOT_PRECISION="ieee" if tname == "fp32" else "tf32",
-                      PAGED=kv_block > 0, KV_BLOCK_SIZE=max(kv_block, 1))
-    sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 7 + ["fp32"] + ["i32"] * 14))
+                      PAGED=kv_block > 0, KV_BLOCK_SIZE=max(kv_block, 1), SOFTCAP=gemma, WINDOW=gemma)
+    sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 8 + ["fp32"] * 2 + ["i32"] * 15))
     src = ASTSource(kernel, sig, constexprs, div16)
     compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     assert "cubin" in compiled.asm
     limit = 232448 if cap == 90 else 166912
-    assert compiled.metadata.shared <= limit, (cap, tname, head_dim, cfg, kv_block, compiled.metadata.shared)
+    assert compiled.metadata.shared <= limit, (cap, tname, head_dim, cfg, kv_block, gemma, compiled.metadata.shared)
 sig = dict(zip(m._combine_kernel.arg_names, ["*fp32", "*fp32", "*bf16", "i32", "i32", "i32", "i32"]))
 src = ASTSource(m._combine_kernel, sig, dict(NUM_SPLITS=5, SPLITS_P2=8, HEAD_DIM=128, BLOCK_D=128))
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2))
@@ -528,8 +658,9 @@ print("compiled")
 @pytest.mark.slow
 def test_kernel_builds_for_sm90_and_sm80() -> None:
     """Compile (Triton -> PTX -> cubin with the bundled ptxas) the configurations choose_config picks, for H100 and
-    A100, contiguous and paged KV, without needing a GPU: catches what the interpreter cannot (types across control flow, dot shapes,
-    shared-memory overflow). Runs in a subprocess because this process has Triton in interpreter mode."""
+    A100, contiguous and paged KV, Gemma's soft-capped and windowed variant (head_dim up to 256), without needing a
+    GPU: catches what the interpreter cannot (types across control flow, dot shapes, shared-memory overflow). Runs
+    in a subprocess because this process has Triton in interpreter mode."""
     import os
     import subprocess
     import sys

@@ -12,7 +12,7 @@ from specinfer.models.native.parallel.shard import shard_weights
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import LayerWeights, ModelWeights
 
-SPEC = ModelSpec("llama", 97, 64, 5, 8, 2, 8, 96, 256, 1e-6, False, True, 10000.0, None)
+SPEC = ModelSpec("llama", 97, 64, 5, 8, 2, 8, 96, 256, 1e-6, False, True, 10000.0, (None,) * 5)
 
 
 def random_weights(spec: ModelSpec) -> ModelWeights:

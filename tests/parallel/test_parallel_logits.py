@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rope_configs import PARTIAL_ROPE, PHI3_TOKENS, llama3_rope
-from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Phi3Config, Qwen3Config
+from rope_configs import GEMMA3_ROPE, PARTIAL_ROPE, PHI3_TOKENS, llama3_rope
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, OPTConfig, Phi3Config, Qwen3Config
 
 from specinfer.models.native import NativeBackend
 
@@ -41,6 +41,28 @@ def _configs():
         "llama3.2-tied": LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=llama3_rope(8.0)),
         # fused qkv_proj and gate_up_proj in the checkpoint, split by heads / MLP columns per rank; RoPE on 3/4 of each head
         "phi3": Phi3Config(**common, **PHI3_TOKENS, intermediate_size=96, num_key_value_heads=2, rope_parameters=PARTIAL_ROPE),
+        # norms on the sublayer outputs (after the all-reduce of o_proj / down_proj), scaled embeddings (after the
+        # vocabulary-parallel all-reduce), soft-caps (attention per rank's heads, logits after the all-gather), windows of 6
+        "gemma2": Gemma2Config(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+        # q/k norms, local and global RoPE; the global layer last, so a second stage that took the first layer's window fails
+        "gemma3": Gemma3TextConfig(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters=GEMMA3_ROPE,
+        ),
     }
 
 
@@ -90,10 +112,11 @@ def run_parallel(checkpoint: Path, tp: int, pp: int, out: Path, kv_block_size: i
 # every layout on the GQA Llama; OPT (biases: row-parallel ones must count once; layer norms; tied embeddings) and the
 # newer families under TP
 CASES = [("llama-gqa", 2, 1), ("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("opt", 2, 1), ("qwen3", 2, 1), ("llama3.2-tied", 2, 1), ("phi3", 2, 1)]
+CASES += [("gemma2", 2, 1), ("gemma3", 2, 1), ("gemma3", 1, 2)]
 
 
 # KV blocks of 3 tokens on every rank (tables from rank 0, moves replayed in physical rows)
-PAGED_CASES = [("llama-gqa", 2, 1, 3), ("llama-gqa", 2, 2, 3)]
+PAGED_CASES = [("llama-gqa", 2, 1, 3), ("llama-gqa", 2, 2, 3), ("gemma3", 2, 1, 3)]
 
 
 @pytest.mark.slow

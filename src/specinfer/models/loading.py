@@ -45,7 +45,7 @@ def load_backend(
     prefix_caching: bool = True,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
-    Qwen3, Phi-3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
+    Qwen3, Phi-3, Gemma 2 / 3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
     ``auto`` (native where the architecture is supported). ``dtype``: a name of :data:`DTYPE_CHOICES` (``auto``: see
     :mod:`specinfer.models.dtypes`); ``kv_block_size``: 0 for contiguous KV slots, else a paged KV
     pool with KV blocks of that many tokens (native backend only); ``max_seq_len``: most positions

@@ -19,7 +19,7 @@ from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
-from specinfer.models.native.model import NativeModel
+from specinfer.models.native.model import NativeModel, RopeTables
 from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
 from specinfer.models.native.spec import ModelSpec
@@ -112,25 +112,30 @@ def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
     return all_transposed(weights.matrices()) if options.gemm == "transposed" else GemmPlan()
 
 
-def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> tuple[torch.Tensor | None, float]:
-    """RoPE inverse frequencies on ``device``  # [rotary_dim / 2] float32
-    and the cos/sin scale of the checkpoint at ``path``; ``(None, 1.0)`` for OPT (learned positions)."""
+def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> RopeTables | None:
+    """RoPE tables on ``device`` of the checkpoint at ``path``; None for OPT (learned positions)."""
     if spec.arch == "opt":
-        return None, 1.0
+        return None
+    local = None if spec.local_rope_theta is None else default_inv_freq(spec.local_rope_theta, spec.rotary_dim).to(device)
     if spec.rope_type != "default":
         # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
         # of a parallel verifier pays it at start-up)
         from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        config = AutoConfig.from_pretrained(str(path))
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        config = AutoConfig.from_pretrained(str(path)).get_text_config()  # gemma3: its text_config
+        layer_type = None if local is None else "full_attention"  # Gemma 3 keeps RoPE parameters per layer type
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = (params[layer_type] if layer_type else params).get("rope_type", "default")
         if rope_type != "default":
-            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-            return inv.float().to(device), float(scale)
-    dim = spec.rotary_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    return inv.to(device), 1.0
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+            return RopeTables(inv.float().to(device), float(scale), local)
+    return RopeTables(default_inv_freq(spec.rope_theta, spec.rotary_dim).to(device), 1.0, local)
+
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """Unscaled RoPE inverse frequencies of ``dim`` rotary dimensions with base ``theta``.  # [dim / 2] float32"""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
 class NativeBackend:
@@ -186,7 +191,7 @@ class NativeBackend:
         else:
             weights = build_weights(spec, read_state_dict(path), options.dtype, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
-        model = NativeModel(spec, weights, *rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers)
+        model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers)
         return cls(spec, LocalRunner(model, new_pool(spec, options, device, pool_geometry(spec, options)), device), options)
 
     def cached_requests(self) -> list[str]:

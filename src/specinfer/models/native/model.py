@@ -1,4 +1,4 @@
-"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3) and OPT forward pass over packed tokens.
+"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and OPT forward pass over packed tokens.
 
 Every token of every request of a batch is one row of the packed activations; attention reads
 and writes the KV pool (either layout) through the tree-attention kernel, whose per-step metadata is
@@ -7,10 +7,12 @@ built once by the backend and reused by every layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from specinfer.kernels import TreeAttentionMetadata, tree_attention
+from specinfer.kernels import TreeAttentionMetadata, soft_cap, tree_attention
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.offload import OffloadedLayers, ResidentLayers
@@ -18,6 +20,16 @@ from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import ModelWeights
 
 OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """A model's RoPE: the inverse frequencies and cos/sin scale of its layers, and, for Gemma 3,
+    the unscaled frequencies of its sliding-window (*local*) layers."""
+
+    inv_freq: torch.Tensor  # [rotary_dim / 2] float32
+    scale: float = 1.0  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
+    local_inv_freq: torch.Tensor | None = None  # [rotary_dim / 2] float32; None: every layer uses inv_freq
 
 
 class NativeModel:
@@ -28,26 +40,36 @@ class NativeModel:
         self,
         spec: ModelSpec,
         weights: ModelWeights,
-        inv_freq: torch.Tensor | None,
-        rope_scale: float,
+        rope: RopeTables | None,
         attention_impl: str,
         gemm: GemmPlan | None = None,
         layers: OffloadedLayers | None = None,
     ) -> None:
-        """``layers``: where the decoder layers come from when offloaded (:mod:`.offload`; ``weights.layers``
-        are then in host memory); None: ``weights.layers``, on the device."""
+        """``rope``: None for OPT (learned positions). ``layers``: where the decoder layers come from
+        when offloaded (:mod:`.offload`; ``weights.layers`` are then in host memory); None:
+        ``weights.layers``, on the device."""
         self.spec = spec
         self.w = weights
         self.layers = ResidentLayers(weights.layers) if layers is None else layers
         self.linear = (gemm or GemmPlan()).linear  # x @ w.T (+ b) in the form measured fastest for the shape
-        self.inv_freq = inv_freq  # [rotary_dim / 2] float32, None for OPT
-        self.rope_scale = rope_scale  # cos/sin multiplier of some RoPE scalings (yarn, longrope)
+        self.rope = rope
         self.attention_impl = attention_impl
         self._dims = (spec.hidden_size,)  # normalized shape of every norm
         self._head_dims = (spec.head_dim,)  # normalized shape of Qwen3's query and key norms
-        self._qk_norm = self._rms_qk_norm if spec.qk_norm else self._no_qk_norm
         self._rotate = self._rotate_all if spec.rotary_dim == spec.head_dim else self._rotate_leading
-        if spec.arch == "opt":
+        # per layer: its sliding window, and which of the step's RoPE tables it uses (1: the local one)
+        self._windows = spec.layer_windows
+        local = rope is not None and rope.local_inv_freq is not None
+        self._rope_index = tuple(int(local and w is not None) for w in spec.layer_windows)
+        self._sm_scale = None if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar**-0.5  # None: head_dim ** -0.5
+        if spec.gemma:
+            self._qk_norm = self._gemma_qk_norm if spec.qk_norm else self._no_qk_norm
+            # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (55.4256 -> 55.5 in bf16 for 3072)
+            self._embed_scale = float(torch.tensor(spec.hidden_size**0.5, dtype=weights.embed.dtype))
+            self._embed_extra = self._gemma_embed_extra
+            self._layer = self._gemma_layer
+            self._final = self._gemma_final
+        elif spec.arch == "opt":
             # transformers, which knows every activation name, takes seconds to import: only
             # for an unusual one
             if spec.activation == "relu":
@@ -56,10 +78,12 @@ class NativeModel:
                 from transformers.activations import ACT2FN
 
                 self.act = ACT2FN[spec.activation]
+            self._qk_norm = self._no_qk_norm
             self._embed_extra = self._opt_embed_extra
             self._layer = self._opt_pre_norm_layer if spec.layer_norm_before else self._opt_post_norm_layer
             self._final = self._opt_final
         else:
+            self._qk_norm = self._rms_qk_norm if spec.qk_norm else self._no_qk_norm
             self._embed_extra = self._no_embed_extra
             self._layer = self._llama_layer
             self._final = self._llama_final
@@ -83,15 +107,16 @@ class NativeModel:
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: PoolTensors) -> torch.Tensor:
         """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
-        rope = None if self.inv_freq is None else self._rope(positions, h.dtype)  # once per step, shared by every layer
+        ropes = self._ropes(positions, h.dtype)  # once per step, shared by every layer
         for i in range(len(self.layers)):
-            h = self._layer(i, self.layers.acquire(i), h, rope, cache_rows, meta, pool)
+            h = self._layer(i, self.layers.acquire(i), h, ropes[self._rope_index[i]], cache_rows, meta, pool)
             self.layers.release()  # after the layer's last kernel: its staging buffer may be refilled
         return h
 
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]."""
-        return self._lm_head(self._final(h[logit_rows])).float()
+        """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]; Gemma 2 soft-caps the logits
+        (in fp32, where transformers does it in the model's dtype: the same in the fp32 tests, finer otherwise)."""
+        return soft_cap(self._lm_head(self._final(h[logit_rows])).float(), self.spec.final_softcap)
 
     # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the
     # whole vocabulary and full-width row-parallel layers, so nothing is communicated.
@@ -106,13 +131,23 @@ class NativeModel:
         """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""
         return x
 
-    # Shared by both families.
+    # Shared by every family.
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
+        """The step's cos/sin tables: ``(global,)``, Gemma 3 ``(global, local)``, OPT ``(None,)``."""
+        if self.rope is None:
+            return (None,)
+        tables = (self._rope(positions, dtype, self.rope.inv_freq, self.rope.scale),)
+        if self.rope.local_inv_freq is not None:
+            tables += (self._rope(positions, dtype, self.rope.local_inv_freq, 1.0),)
+        return tables
+
+    @staticmethod
+    def _rope(positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
-        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
-        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None, :]
+        cos = (emb.cos() * scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
+        sin = (emb.sin() * scale).to(dtype)[:, None, :]
         return cos, sin
 
     @staticmethod
@@ -151,7 +186,9 @@ class NativeModel:
         # flattened (a view, so the write lands in the pool); cache_rows index them in either layout
         pool.k[i].flatten(0, -3)[cache_rows] = k
         pool.v[i].flatten(0, -3)[cache_rows] = v
-        out = tree_attention(q.contiguous(), pool.k[i], pool.v[i], meta, impl=self.attention_impl)  # [T, heads, head_dim]
+        out = tree_attention(
+            q.contiguous(), pool.k[i], pool.v[i], meta, self._sm_scale, self.attention_impl, spec.attn_softcap, self._windows[i]
+        )  # [T, heads, head_dim]
         return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
     # Llama family: RoPE, RMSNorm before each sublayer (Qwen3: and on query/key heads), SwiGLU MLP.
@@ -168,6 +205,30 @@ class NativeModel:
 
     def _llama_final(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, self._dims, self.w.final_norm_w, self.spec.norm_eps)
+
+    # Gemma 2 / 3: embeddings scaled by sqrt(hidden), Gemma RMSNorms (fp32, 1 + w; folded into the
+    # weights at load) before and after each sublayer (Gemma 3: and on query/key heads), GeGLU MLP.
+
+    def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dimension in fp32, times ``weight`` (the fp32 ``1 + w``), back in x's dtype."""
+        return F.rms_norm(x.float(), weight.shape, weight, self.spec.norm_eps).to(x.dtype)
+
+    def _gemma_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._gemma_norm(q, layer.q_norm_w), self._gemma_norm(k, layer.k_norm_w)
+
+    def _gemma_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return h * self._embed_scale
+
+    def _gemma_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
+        attn = self._attention(i, layer, self._gemma_norm(h, layer.norm1_w), rope, cache_rows, meta, pool)  # [T, hidden], reduced
+        h = h + self._gemma_norm(attn, layer.post_attn_norm_w)
+        gate_up = self.linear(self._gemma_norm(h, layer.norm2_w), layer.up_w)  # [T, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        mlp = self._reduce(self.linear(F.gelu(gate, approximate="tanh") * up, layer.down_w))  # [T, hidden]
+        return h + self._gemma_norm(mlp, layer.post_mlp_norm_w)
+
+    def _gemma_final(self, h: torch.Tensor) -> torch.Tensor:
+        return self._gemma_norm(h, self.w.final_norm_w)
 
     # OPT: learned positions, LayerNorm before (most sizes) or after (opt-350m) each sublayer, fc1/act/fc2 MLP.
 

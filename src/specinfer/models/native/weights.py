@@ -28,8 +28,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer. Llama family: norm1/norm2 are RMSNorm weights, ``up`` is the fused
-    gate+up projection, Qwen3 adds the per-head query and key RMSNorm weights. OPT: norms carry
+    """One decoder layer. Llama family: norm1/norm2 are RMSNorm weights (before attention and
+    before the MLP), ``up`` is the fused gate+up projection, Qwen3 adds the per-head query and key
+    RMSNorm weights. Gemma: as Llama, plus the norms of the attention's and the MLP's outputs; every
+    Gemma norm weight is stored as the fp32 ``1 + weight`` it multiplies by. OPT: norms carry
     LayerNorm weight and bias, ``up`` is fc1."""
 
     qkv_w: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -44,8 +46,10 @@ class LayerWeights:
     up_b: torch.Tensor | None
     down_w: torch.Tensor  # [hidden, intermediate]
     down_b: torch.Tensor | None
-    q_norm_w: torch.Tensor | None = None  # Qwen3 [head_dim], shared by every query head
-    k_norm_w: torch.Tensor | None = None  # Qwen3 [head_dim], shared by every key head
+    q_norm_w: torch.Tensor | None = None  # Qwen3, Gemma 3 [head_dim], shared by every query head
+    k_norm_w: torch.Tensor | None = None  # Qwen3, Gemma 3 [head_dim], shared by every key head
+    post_attn_norm_w: torch.Tensor | None = None  # Gemma [hidden] fp32, on the attention's output
+    post_mlp_norm_w: torch.Tensor | None = None  # Gemma [hidden] fp32, on the MLP's output
 
 
 @dataclass
@@ -82,7 +86,20 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
 
     if spec.arch == "opt":
         return _opt_weights(spec, _strip(state, ("model.decoder.", "decoder.")), t)
-    s = _strip(state, ("model.",))
+    if spec.gemma:
+        # Gemma norms multiply by 1 + w, in fp32 (transformers: ``norm(x.float()) * (1.0 + w.float())``)
+        def norm(x: torch.Tensor) -> torch.Tensor:
+            return (1.0 + x.float()).to(device).contiguous()
+
+        # gemma3 (multimodal) nests the text model: language_model.model.* on the hub, model.language_model.* in transformers 5
+        s = _strip(state, ("language_model.model.", "model.language_model.", "model."))
+        head = state.get("lm_head.weight", state.get("language_model.lm_head.weight"))
+    else:
+        norm = t
+        s = _strip(state, ("model.",))
+        head = state.get("lm_head.weight")
+    # Llama's post_attention_layernorm comes before the MLP; Gemma's is on the attention's output
+    mlp_norm = "pre_feedforward_layernorm" if spec.gemma else "post_attention_layernorm"
     layers = []
     for i in range(spec.layers):
         p = f"layers.{i}."
@@ -95,24 +112,25 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
                 qkv_b=t(qkv_b),
                 o_w=t(s[a + "o_proj.weight"]),
                 o_b=t(s.get(a + "o_proj.bias")),
-                norm1_w=t(s[p + "input_layernorm.weight"]),
+                norm1_w=norm(s[p + "input_layernorm.weight"]),
                 norm1_b=None,
-                norm2_w=t(s[p + "post_attention_layernorm.weight"]),
+                norm2_w=norm(s[p + mlp_norm + ".weight"]),
                 norm2_b=None,
                 up_w=t(up_w),
                 up_b=None,
                 down_w=t(s[p + "mlp.down_proj.weight"]),
                 down_b=None,
-                q_norm_w=t(s[a + "q_norm.weight"]) if spec.qk_norm else None,
-                k_norm_w=t(s[a + "k_norm.weight"]) if spec.qk_norm else None,
+                q_norm_w=norm(s[a + "q_norm.weight"]) if spec.qk_norm else None,
+                k_norm_w=norm(s[a + "k_norm.weight"]) if spec.qk_norm else None,
+                post_attn_norm_w=norm(s[p + "post_attention_layernorm.weight"]) if spec.gemma else None,
+                post_mlp_norm_w=norm(s[p + "post_feedforward_layernorm.weight"]) if spec.gemma else None,
             )
         )
     embed = t(s["embed_tokens.weight"])
-    head = state.get("lm_head.weight")
     return ModelWeights(
         embed=embed,
         layers=layers,
-        final_norm_w=t(s["norm.weight"]),
+        final_norm_w=norm(s["norm.weight"]),
         final_norm_b=None,
         lm_head=embed if head is None or spec.tie_embeddings else t(head),
     )

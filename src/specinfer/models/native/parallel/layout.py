@@ -78,11 +78,13 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
 
 
 def shard_spec(spec: ModelSpec, layout: ParallelLayout) -> ModelSpec:
-    """The spec the rank's blocks run with: its heads, MLP columns and layers."""
+    """The spec the rank's blocks run with: its heads, MLP columns and layers (with their windows)."""
+    layers = layout.layer_range(spec.layers)
     return dataclasses.replace(
         spec,
         heads=spec.heads // layout.tp,
         kv_heads=spec.kv_heads // layout.tp,
         intermediate_size=spec.intermediate_size // layout.tp,
-        layers=len(layout.layer_range(spec.layers)),
+        layers=len(layers),
+        layer_windows=spec.layer_windows[layers.start : layers.stop],
     )

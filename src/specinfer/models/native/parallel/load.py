@@ -39,7 +39,7 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     else:
         weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
     gemm = gemm_plan(weights, options)
-    model = StageModel(shard_spec(spec, layout), weights, *rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm, layers)
+    model = StageModel(shard_spec(spec, layout), weights, rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm, layers)
     rows, units = pool_geometry(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
     return model, rows, units
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from specinfer.kernels import TreeAttentionMetadata
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
-from specinfer.models.native.model import NativeModel
+from specinfer.models.native.model import NativeModel, RopeTables
 from specinfer.models.native.offload import OffloadedLayers
 from specinfer.models.native.parallel.groups import ParallelGroups
 from specinfer.models.native.spec import ModelSpec
@@ -35,15 +35,14 @@ class StageModel(NativeModel):
         self,
         spec: ModelSpec,
         weights: ModelWeights,
-        inv_freq: torch.Tensor | None,
-        rope_scale: float,
+        rope: RopeTables | None,
         attention_impl: str,
         vocab_size: int,
         groups: ParallelGroups,
         gemm: GemmPlan,
         layers: OffloadedLayers | None = None,
     ) -> None:
-        super().__init__(spec, weights, inv_freq, rope_scale, attention_impl, gemm, layers)
+        super().__init__(spec, weights, rope, attention_impl, gemm, layers)
         self.vocab_size = vocab_size
         self.groups = groups
         self.vocab = groups.layout.vocab_range(vocab_size)
