@@ -1,11 +1,13 @@
 """Acceptance of a draft with another tokenizer (token-level intersection), against drafts that share the LLM's.
 
 Builds, under ``--work`` (each stage skipped when its output exists):
-1. ``tokenizer/``: a SentencePiece-style BPE (``▁`` for spaces, byte fallback; Llama 2 / Gemma style)
-   of ``--vocab-size`` tokens, trained on the corpus (default: this Python's standard library, tests
-   left out, as the shared pair's LLM was trained on), unlike the LLM's byte-level BPE;
-2. ``cross/``: an SSM of ``--arch`` trained from scratch on the corpus in that tokenizer (next-token
-   cross-entropy: no distillation, which needs a shared vocabulary);
+1. ``tokenizer-STYLE/`` for each of ``--styles``: ``sentencepiece``, a SentencePiece-style BPE (``▁``
+   for spaces, byte fallback; Llama 2 / Gemma style) of ``--vocab-size`` tokens, and ``byte-level``, a
+   byte-level BPE like the LLM's (GPT-2 / Llama 3 / Qwen style) but of ``--bpe-vocab-size`` tokens (other
+   merges, other IDs), both trained on the corpus (default: this Python's standard library, tests left
+   out, as the shared pair's LLM was trained on);
+2. ``cross-STYLE/``: an SSM of ``--arch`` trained from scratch on the corpus in that tokenizer
+   (next-token cross-entropy: no distillation, which needs a shared vocabulary);
 3. ``same/``: the control, the same SSM trained the same way in the LLM's tokenizer.
 Then runs the in-process engine (native backend, fp32) on the LLM with each draft and the pair's own
 (distilled) SSM, greedy and temperature 1, a chain of 8 and the paper's tree, and prints a markdown
@@ -29,17 +31,18 @@ from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids
 from specinfer.models.loading import eos_token_id, load_backend
-from specinfer.training.corpus import read_texts, source_files, stdlib_dir, train_sentencepiece_style_tokenizer
+from specinfer.training.corpus import read_texts, source_files, stdlib_dir, train_sentencepiece_style_tokenizer, train_tokenizer
 from specinfer.training.distill import TrainSettings, train
 from specinfer.training.sources import ArchSpec, corpus_tokens, new_llama, val_windows, window_batches
 
 
-def build_tokenizer(out: Path, corpus: tuple[Path, ...], vocab_size: int, max_bytes: int) -> None:
+def build_tokenizer(out: Path, style: str, corpus: tuple[Path, ...], vocab_size: int, max_bytes: int) -> None:
     if (out / "tokenizer.json").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
     texts = read_texts(source_files(corpus), max_bytes)
-    train_sentencepiece_style_tokenizer(texts, vocab_size).save(str(out / "tokenizer.json"))
+    trainer = {"sentencepiece": train_sentencepiece_style_tokenizer, "byte-level": train_tokenizer}[style]
+    trainer(texts, vocab_size).save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(f'{{"vocab_size": {vocab_size}, "eos_token_id": 1, "bos_token_id": 0}}\n')
 
 
@@ -69,7 +72,9 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--corpus", nargs="*", type=Path, default=None, help="default: this Python's standard library")
-    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--styles", default="sentencepiece,byte-level", help="the other tokenizers to train drafts in")
+    ap.add_argument("--vocab-size", type=int, default=4096, help="of the SentencePiece-style tokenizer")
+    ap.add_argument("--bpe-vocab-size", type=int, default=8192, help="of the byte-level one")
     ap.add_argument("--arch", default="layers=1,hidden=128,heads=2,intermediate=352")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--max-corpus-bytes", type=int, default=12_000_000)
@@ -84,18 +89,18 @@ def main() -> None:
     arch = ArchSpec.parse(args.arch, "arch")
 
     started = time.perf_counter()
-    build_tokenizer(args.work / "tokenizer", corpus, args.vocab_size, args.max_corpus_bytes)
-    train_ssm(args.work / "cross", args.work / "tokenizer", corpus, arch, settings, args.max_corpus_bytes)
+    styles = [s for s in args.styles.split(",") if s]
+    for style in styles:
+        vocab = args.vocab_size if style == "sentencepiece" else args.bpe_vocab_size
+        build_tokenizer(args.work / f"tokenizer-{style}", style, corpus, vocab, args.max_corpus_bytes)
+        train_ssm(args.work / f"cross-{style}", args.work / f"tokenizer-{style}", corpus, arch, settings, args.max_corpus_bytes)
     train_ssm(args.work / "same", llm_dir, corpus, arch, settings, args.max_corpus_bytes)
     print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     prompts = load_prompts(args.pair / "prompts.jsonl", llm_dir, args.prompts, 0)
     llm = load_backend(llm_dir, "llm", "float32", backend="native")
-    drafts = {
-        "pair's SSM (distilled, same tokenizer)": args.pair / "ssm",
-        "same (CE, same tokenizer)": args.work / "same",
-        "cross (CE, other tokenizer)": args.work / "cross",
-    }
+    drafts = {"pair's SSM (distilled, same tokenizer)": args.pair / "ssm", "same (CE, same tokenizer)": args.work / "same"}
+    drafts.update({f"cross (CE, {style} tokenizer)": args.work / f"cross-{style}" for style in styles})
     print(f"LLM {llm_dir}; {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), batch {len(prompts)}; fp32, native backend")
     print()
     print("| draft | vocabulary | shared tokens | expansion | temperature | accepted / step | tokens / step | LLM steps |")
