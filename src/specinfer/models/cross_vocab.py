@@ -101,8 +101,7 @@ class CrossVocabularyLM:
     def __init__(self, ssm: CausalLM, vmap: VocabMap) -> None:
         self.ssm = ssm
         self.vmap = vmap
-        self._ssm_ids = torch.from_numpy(vmap.ssm_ids)  # [shared]
-        self._llm_ids = torch.from_numpy(vmap.llm_ids)  # [shared]
+        self._ids = {torch.device("cpu"): (torch.from_numpy(vmap.llm_ids), torch.from_numpy(vmap.ssm_ids))}  # device -> ([shared], [shared])
         self._span = max(1, ssm.max_positions - min(TREE_MARGIN, ssm.max_positions // 4))
         self._requests: dict[str, _Spelling] = {}
 
@@ -169,6 +168,10 @@ class CrossVocabularyLM:
 
     def _to_llm(self, logits: torch.Tensor) -> torch.Tensor:  # [n, ssm_vocab] -> [n, llm_vocab]
         """The SSM's logits over the shared tokens, in LLM IDs; ``-inf`` (never drafted) elsewhere."""
+        ids = self._ids.get(logits.device)
+        if ids is None:  # copied to the SSM's device once, not on every call
+            ids = self._ids[logits.device] = tuple(t.to(logits.device) for t in self._ids[torch.device("cpu")])
+        llm_ids, ssm_ids = ids
         out = logits.new_full((logits.shape[0], self.vmap.llm_size), float("-inf"))  # [n, llm_vocab]
-        out[:, self._llm_ids.to(logits.device)] = logits[:, self._ssm_ids.to(logits.device)]
+        out[:, llm_ids] = logits[:, ssm_ids]
         return out
