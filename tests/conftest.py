@@ -1,4 +1,5 @@
-"""Shared fixtures: the trained pair from ../shared when present, else tiny random models.
+"""Shared fixtures: the trained demo pair the repository ships (``models/demo``), so the suite runs
+the same on a user's fresh clone as in CI (neither depends on anything outside the repository).
 
 The tests of the pure core (``specinfer.core``) need no torch, and this file keeps it so: torch
 is optional here and everything built on it (transformers, the models) is imported inside the
@@ -42,7 +43,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_PAIR = Path(os.environ.get("SPECINFER_TEST_MODELS", REPO.parent / "shared/models/pycode-a"))
+# The bundled demo pair (trained by `specinfer train-demo`: a 4-layer LLM, three SSMs). Another
+# pair with the same layout (llm/, ssm/, prompts.jsonl) may be named for a local run.
+TEST_PAIR = Path(os.environ.get("SPECINFER_TEST_MODELS", REPO / "models/demo"))
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,14 @@ class ModelPair:
     ssm: Path
     ssm2: Path  # a second, different SSM for merge tests
     prompts: list[list[int]]  # token IDs
-    trained: bool
 
 
-def _prompt_ids(llm: Path, trained: bool) -> list[list[int]]:
-    if trained:
-        from tokenizers import Tokenizer
+def _prompt_ids(pair: Path) -> list[list[int]]:
+    from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(llm / "tokenizer.json"))
-        lines = (llm.parent / "prompts.jsonl").read_text().splitlines()
-        return [tok.encode(json.loads(line)["text"]).ids for line in lines]
-    import torch
-
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 259, (int(n),), generator=gen).tolist() for n in torch.randint(4, 60, (40,), generator=gen)]
+    tok = Tokenizer.from_file(str(pair / "llm/tokenizer.json"))
+    lines = (pair / "prompts.jsonl").read_text().splitlines()
+    return [tok.encode(json.loads(line)["text"]).ids for line in lines]
 
 
 @pytest.fixture(scope="session")
@@ -73,18 +70,14 @@ def model_pair(tmp_path_factory) -> ModelPair:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specinfer.models.tiny import TinySpec, build_tiny_pair, truncated_copy
+    from specinfer.models.tiny import truncated_copy
 
-    tmp = tmp_path_factory.mktemp("pair")
-    if (SHARED_PAIR / "llm/config.json").is_file():
-        llm, ssm, trained = SHARED_PAIR / "llm", SHARED_PAIR / "ssm", True
-    else:
-        llm, ssm = build_tiny_pair(tmp, TinySpec(layers=4, ssm_layers=1))
-        trained = False
-    big = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
-    ssm2 = tmp / "ssm2"
+    if not (TEST_PAIR / "llm/config.json").is_file():
+        raise FileNotFoundError(f"no test pair at {TEST_PAIR} (SPECINFER_TEST_MODELS names a folder with llm/, ssm/, prompts.jsonl)")
+    big = AutoModelForCausalLM.from_pretrained(str(TEST_PAIR / "llm"), dtype=torch.float32)
+    ssm2 = tmp_path_factory.mktemp("pair") / "ssm2"
     truncated_copy(big, 2).save_pretrained(ssm2)
-    return ModelPair(llm, ssm, ssm2, _prompt_ids(llm, trained), trained)
+    return ModelPair(TEST_PAIR / "llm", TEST_PAIR / "ssm", ssm2, _prompt_ids(TEST_PAIR))
 
 
 @pytest.fixture

@@ -161,8 +161,8 @@ def test_greedy_with_a_cross_vocabulary_draft_equals_the_llm(model_pair, cross_s
     for spec in (SpeculationConfig(ExpansionConfig((1, 1, 3, 1, 1)), ssms=(0,)), SpeculationConfig(None, ssms=(0,))):
         results = _generate(llm, ssm, prompts, spec, eos=eos)
         assert [list(r.output_tokens) for r in results] == expected, spec
-        if model_pair.trained:  # a trained draft is accepted: accepted paths, adopted by the SSM's cache, were exercised
-            assert sum(r.mean_accepted * r.llm_steps for r in results) > len(prompts)
+        # a trained draft is accepted: accepted paths, adopted by the SSM's cache, were exercised
+        assert sum(r.mean_accepted * r.llm_steps for r in results) > len(prompts)
 
 
 def test_a_context_past_the_ssms_positions_moves_its_window(model_pair, tmp_path):
@@ -189,5 +189,5 @@ def test_cli_generate_accepts_a_draft_with_another_tokenizer(model_pair, cross_s
 
 def test_token_table_reads_the_checkpoint(model_pair, cross_ssm):
     llm, ssm = token_table(model_pair.llm), token_table(cross_ssm)
-    assert llm.size == 4096 if model_pair.trained else llm.size > 0
+    assert llm.size == 4096
     assert ssm.eos is not None and ssm.special[ssm.eos] == llm.special[llm.eos]

@@ -27,5 +27,5 @@ def test_bench_service_rows_and_greedy_outputs_agree(model_pair, tmp_path):
         assert same == "3/3", (batch, path, method)  # greedy: every method gives incremental decoding's tokens
         if method == "none":
             assert versus == "1.00" and int(steps) == 3 * 6
-        if method == "1,1,3" and model_pair.trained:  # a trained pair's SSM agrees with its LLM often
+        if method == "1,1,3":  # a trained pair's SSM agrees with its LLM often
             assert int(steps) < 3 * 6, "the static tree accepted something"

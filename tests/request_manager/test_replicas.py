@@ -21,7 +21,8 @@ from specinfer.request_manager.ownership import Lease, Ownership
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect, free_tcp_port
 from specinfer.request_manager.remote import Verifiers
 from specinfer.request_manager.scheduler import Live, Scheduler, SchedulerConfig
-from specinfer.request_manager.store import OwnershipError, RequestStore
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store_errors import OwnershipError
 from specinfer.serving.metrics import SchedulerMetrics
 
 LIMITS = ApiLimits(
@@ -132,11 +133,11 @@ def test_a_replica_that_does_not_run_a_request_follows_it_in_redis_then_live_onc
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), timeout)
+    """Poll ``predicate`` every 10 ms; fail the test, naming it, when it is still false after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"{predicate.__code__.co_filename}:{predicate.__code__.co_firstlineno} not true in {timeout} s"
+        await asyncio.sleep(0.01)
 
 
 def test_a_lease_lost_with_redis_refuses_new_requests_and_is_held_again_when_redis_returns(tmp_path: Path, redis_binary: Path):
@@ -154,7 +155,9 @@ def test_a_lease_lost_with_redis_refuses_new_requests_and_is_held_again_when_red
                 await ownership.renew()
                 assert requests.lease.held and changes == []
                 server.kill()
-                while not changes:
+                deadline = asyncio.get_running_loop().time() + 10
+                while not changes:  # the next renewals find Redis gone and report the lease lost
+                    assert asyncio.get_running_loop().time() < deadline, "the lease was not reported lost within 10 s of Redis going away"
                     await ownership.renew()
                     await asyncio.sleep(lease_s / 3)
                 assert not requests.lease.held
