@@ -27,7 +27,8 @@ from specinfer.request_manager.live_records import live_from_snapshot, live_reco
 from specinfer.request_manager.ownership import Lease
 from specinfer.request_manager.records import RequestSnapshot, RequestStatus
 from specinfer.request_manager.scheduler import MOVED, Finish, Live, Scheduler, StreamEvent
-from specinfer.request_manager.store import RequestExistsError, RequestStore, StoreError, Tail
+from specinfer.request_manager.store import RequestStore, Tail
+from specinfer.request_manager.store_errors import RequestExistsError, StoreError
 from specinfer.request_manager.text import TextStream
 
 log = logging.getLogger("specinfer.request_manager")

@@ -38,8 +38,11 @@ so that an owner holding requests is never missing from the set for longer than 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import IntEnum
+
+from .records import FinishReason, RequestSnapshot, RequestStatus, StepStats, unpack_tokens
 
 
 class ScriptCode(IntEnum):
@@ -239,3 +242,30 @@ class KeySpace:
 
     def owners(self) -> str:
         return f"{self.prefix}:owners"
+
+
+def decode_snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -> RequestSnapshot:
+    """A request's snapshot from its ``meta`` hash and packed output, as laid out above."""
+
+    def text(field: str) -> str | None:
+        value = meta.get(field.encode())
+        return value.decode() if value else None
+
+    def count(field: str) -> int:
+        return int(meta.get(field.encode(), b"0"))
+
+    reason = text("reason")
+    output = unpack_tokens(packed)
+    return RequestSnapshot(
+        request_id=request_id,
+        owner=text("owner") or "",
+        status=RequestStatus(text("status")),
+        params=json.loads(meta.get(b"params", b"{}")),
+        prompt_tokens=unpack_tokens(meta.get(b"prompt")),
+        output_tokens=output,
+        finish_reason=FinishReason(reason) if reason else None,
+        error=text("error"),
+        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output), count("cached_prompt_tokens")),
+        created=float(text("created") or 0),
+        updated=float(text("updated") or 0),
+    )

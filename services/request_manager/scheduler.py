@@ -34,7 +34,8 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
-from specinfer.request_manager.store import OwnershipError, RequestFinishedError, RequestNotFoundError, RequestStore
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
 from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
 

@@ -17,7 +17,6 @@ retries a cluster's calls through a failover).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -32,59 +31,19 @@ from .records import (
     FinishReason,
     RequestRecord,
     RequestSnapshot,
-    RequestStatus,
     StepStats,
     pack_tokens,
     params_json,
     unpack_tokens,
 )
 from .redis_failover import retrying, write_acked
-from .redis_layout import KeySpace, ScriptCode
-
-
-class StoreError(Exception):
-    """Base of the request store's errors."""
-
-
-class RequestExistsError(StoreError):
-    """``create`` with the ID of a request that is not finished (client IDs are unique among running requests)."""
-
-
-class RequestNotFoundError(StoreError):
-    """No request with this ID (never created, or finished and expired)."""
-
-
-class RequestFinishedError(StoreError):
-    """A write to a request that is already finished."""
-
-
-class OwnershipError(StoreError):
-    """The request is owned by another replica than the caller says."""
-
-    def __init__(self, request_id: str, expected: str, actual: str | None) -> None:
-        super().__init__(f"request {request_id!r} is owned by {actual!r}, not {expected!r}")
-        self.expected = expected
-        self.actual = actual
-
-
-class OffsetConflictError(StoreError):
-    """``append_tokens`` at an offset that is not the output's current length (a lost or duplicated step)."""
-
-    def __init__(self, request_id: str, offset: int, length: int) -> None:
-        super().__init__(f"request {request_id!r}: append at offset {offset} but the output has {length} tokens")
-        self.offset = offset
-        self.length = length
-
-
-class ReplicationError(StoreError):
-    """Fewer replicas than ``min_replica_acks`` acknowledged a write within the timeout. The master applied
-    it, so a retry of the same call (an append at the same offset) finds it and waits again; until one
-    succeeds, nothing of it may be shown to a client."""
-
-    def __init__(self, key: str, acked: int, wanted: int, timeout_ms: int) -> None:
-        super().__init__(f"write to {key!r}: {acked} of {wanted} replicas acknowledged it within {timeout_ms} ms")
-        self.acked = acked
-        self.wanted = wanted
+from .redis_layout import KeySpace, ScriptCode, decode_snapshot
+from .store_errors import (
+    OffsetConflictError,
+    ReplicationError,
+    RequestExistsError,
+    raise_for,
+)
 
 
 def _text(value: bytes | None) -> str | None:
@@ -224,7 +183,7 @@ class RequestStore:
         if code == ScriptCode.OFFSET_CONFLICT:
             assert offset is not None
             raise OffsetConflictError(request_id, offset, int(length))
-        self._raise_for(code, request_id, owner, actual)
+        raise_for(code, request_id, owner, actual)
         return Appended(int(length), bool(cancel))
 
     async def finish(
@@ -238,7 +197,7 @@ class RequestStore:
         reason = FinishReason(reason)
         args = [reason.value, error or "", repr(self._clock()), self.finished_ttl_ms, owner or "", lease_token or ""]
         code, actual = await self._run(self._finish, self.keys.request(request_id), args)
-        self._raise_for(code, request_id, owner, actual)
+        raise_for(code, request_id, owner, actual)
         if actual is not None:
             # After the status change, never before: the set must stay a superset of running requests.
             await self.client.srem(self.keys.active(actual.decode()), request_id)
@@ -351,7 +310,7 @@ class RequestStore:
         if not flat:
             return None
         meta = dict(zip(flat[::2], flat[1::2], strict=True))
-        return _snapshot(request_id, meta, packed)
+        return decode_snapshot(request_id, meta, packed)
 
     async def active(self, owner: str) -> list[str]:
         """IDs of the owner's unfinished requests, oldest first (what a restarted replica resumes).
@@ -392,53 +351,10 @@ class RequestStore:
         """A cluster's calls ride out a failover; a standalone client's are redis-py's alone (as before)."""
         return await retrying(self.client, call) if isinstance(self.client, RedisCluster) else await call()
 
-    @staticmethod
-    def _raise_for(code: int, request_id: str, owner: str | None, actual: bytes | None) -> None:
-        if code == ScriptCode.NOT_FOUND:
-            raise RequestNotFoundError(f"no request {request_id!r}")
-        if code == ScriptCode.FINISHED:
-            raise RequestFinishedError(f"request {request_id!r} is finished")
-        if code == ScriptCode.WRONG_OWNER:
-            raise OwnershipError(request_id, owner or "", _text(actual))
-        if code not in (ScriptCode.OK, ScriptCode.UNCHANGED):
-            raise StoreError(f"unexpected store script result {code} for request {request_id!r}")
-
-
-def _snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -> RequestSnapshot:
-    def text(field: str) -> str | None:
-        value = meta.get(field.encode())
-        return value.decode() if value else None
-
-    def count(field: str) -> int:
-        return int(meta.get(field.encode(), b"0"))
-
-    reason = text("reason")
-    output = unpack_tokens(packed)
-    return RequestSnapshot(
-        request_id=request_id,
-        owner=text("owner") or "",
-        status=RequestStatus(text("status")),
-        params=json.loads(meta.get(b"params", b"{}")),
-        prompt_tokens=unpack_tokens(meta.get(b"prompt")),
-        output_tokens=output,
-        finish_reason=FinishReason(reason) if reason else None,
-        error=text("error"),
-        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output), count("cached_prompt_tokens")),
-        created=float(text("created") or 0),
-        updated=float(text("updated") or 0),
-    )
-
 
 __all__ = [
     "Appended",
     "LeaseReply",
-    "OffsetConflictError",
-    "OwnershipError",
-    "ReplicationError",
-    "RequestExistsError",
-    "RequestFinishedError",
-    "RequestNotFoundError",
     "RequestStore",
-    "StoreError",
     "Tail",
 ]

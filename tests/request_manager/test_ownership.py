@@ -12,7 +12,8 @@ import pytest
 
 from specinfer.request_manager.ownership import Lease
 from specinfer.request_manager.records import RequestRecord
-from specinfer.request_manager.store import OwnershipError, RequestStore
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store_errors import OwnershipError
 
 PARAMS = {"max_new_tokens": 8}
 

@@ -23,14 +23,8 @@ from specinfer.request_manager.records import (
     unpack_tokens,
 )
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
-from specinfer.request_manager.store import (
-    OffsetConflictError,
-    OwnershipError,
-    RequestExistsError,
-    RequestFinishedError,
-    RequestNotFoundError,
-    RequestStore,
-)
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store_errors import OffsetConflictError, OwnershipError, RequestExistsError, RequestFinishedError, RequestNotFoundError
 
 PARAMS = {
     "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 7},

@@ -19,7 +19,8 @@ from specinfer.core import InvalidArgument
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.records import RequestRecord, StepStats
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
-from specinfer.request_manager.store import ReplicationError, RequestStore
+from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.store_errors import ReplicationError
 
 REQUESTS = 24  # hashed over 16384 slots: every master holds some (asserted)
 
