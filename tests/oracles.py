@@ -1,5 +1,6 @@
 """What the end-to-end tests compare with and how they hold a stack, in one place: transformers'
-greedy output (the exactness oracle, fp32), and a local stack that must stop cleanly on SIGTERM."""
+greedy output (the exactness oracle, fp32), transformers' seeded sampling by the Gumbel-max rule of
+coupled verification (the oracle of seeded requests), and a local stack that must stop cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -32,6 +33,27 @@ def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, igno
             gen = hf.generate(torch.tensor([list(ids)]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
             tokens = gen[0, len(ids) :].tolist()
             out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
+    return out
+
+
+def hf_seeded_sampling(llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int) -> list[list[int]]:
+    """Plain decoding with transformers (fp32, no cache: every step runs the whole sequence): the token
+    at sequence index t is ``coupled_token(process_logits(logits, params), position_noise(seed, t, V))``,
+    the rule coupled verification reproduces whatever the speculation (``specinfer.core.coupled``).
+    Ends at EOS included."""
+    from specinfer.core import process_logits
+    from specinfer.core.coupled import coupled_token, position_noise
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
+    eos = eos_token_id(llm)
+    out = []
+    with torch.inference_mode():
+        for ids, seed in zip(prompts, seeds, strict=True):
+            seq = list(ids)
+            while len(seq) - len(ids) < new_tokens and (len(seq) == len(ids) or seq[-1] != eos):
+                logits = hf(torch.tensor([seq])).logits[0, -1].double().numpy()
+                seq.append(coupled_token(process_logits(logits, params), position_noise(seed, len(seq), logits.size)))
+            out.append(seq[len(ids) :])
     return out
 
 

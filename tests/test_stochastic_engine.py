@@ -13,6 +13,7 @@ And a draft with another tokenizer (token-level intersection): its output keeps 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from itertools import product
 from typing import ClassVar
@@ -24,6 +25,7 @@ from stats import chi_square_pvalue
 
 from specinfer.core import BestFirstTreeBuilder, ExpansionConfig, Proposal, SamplingParams, VerifyResult, process_logits
 from specinfer.core.costs import CostTable, StepCosts
+from specinfer.core.coupled import PositionNoise
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -77,9 +79,7 @@ def sample_engine(
     counts: Counter = Counter()
     for start in range(0, samples, batch):
         requests = [
-            GenerationRequest(
-                f"s{start + i}", PROMPT, N_TOKENS, SamplingParams(params.temperature, params.top_k, params.top_p, seed=start + i), spec, ignore_eos=True
-            )
+            GenerationRequest(f"s{start + i}", PROMPT, N_TOKENS, dataclasses.replace(params, seed=start + i), spec, ignore_eos=True)
             for i in range(min(batch, samples - start))
         ]
         for res in engine.generate(requests):
@@ -109,9 +109,11 @@ def always_accept_verify(llm, jobs):
     return results
 
 
+# every request is seeded (sample_engine): "mss" is named, since a seed alone selects coupled verification
 CASES = {
-    "one-ssm-width-3": (SamplingParams(temperature=1.0), SpeculationConfig(ExpansionConfig((3, 2)), ssms=(0,))),
-    "two-ssms-merged": (SamplingParams(temperature=1.0), SpeculationConfig(ExpansionConfig((2, 2)), ssms=(0, 1))),
+    "one-ssm-width-3": (SamplingParams(temperature=1.0, verification="mss"), SpeculationConfig(ExpansionConfig((3, 2)), ssms=(0,))),
+    "two-ssms-merged": (SamplingParams(temperature=1.0, verification="mss"), SpeculationConfig(ExpansionConfig((2, 2)), ssms=(0, 1))),
+    "coupled-two-ssms-merged": (SamplingParams(temperature=1.0, verification="coupled"), SpeculationConfig(ExpansionConfig((2, 2)), ssms=(0, 1))),
 }
 
 
@@ -210,8 +212,10 @@ class OwnProbabilityBuilder(RecordingBuilder):
 
 
 ADAPTIVE_CASES = {
-    "temperature-1": SamplingParams(temperature=1.0),
-    "top-k-top-p": SamplingParams(temperature=0.9, top_k=8, top_p=0.9),  # truncated supports: fewer slots than the width at times
+    "temperature-1": SamplingParams(temperature=1.0, verification="mss"),
+    "top-k-top-p": SamplingParams(temperature=0.9, top_k=8, top_p=0.9, verification="mss"),  # truncated supports: fewer slots than the width at times
+    # coupled verification: the planner also cuts the drafted trees to the nodes worth verifying
+    "coupled-top-k-top-p": SamplingParams(temperature=0.9, top_k=8, top_p=0.9, verification="coupled"),
 }
 
 
@@ -243,6 +247,21 @@ def test_adaptive_speculative_sampling_matches_llm_sampling(models, case, monkey
     counts = _sample_adaptive(models, params, monkeypatch, RecordingBuilder)
     pvalue = chi_square_pvalue(counts, marginal(exact_joint(models[0], params), ADAPTIVE_KEEP))
     assert pvalue > 0.001, f"p-value {pvalue}"
+
+
+class ReusedNoise(PositionNoise):
+    """Deliberately wrong: one Gumbel vector for every sequence index of a request."""
+
+    def __call__(self, index):
+        return super().__call__(0)
+
+
+@pytest.mark.slow
+def test_coupled_verification_with_noise_reused_across_positions_fails(models, monkeypatch):
+    monkeypatch.setattr(steps_module, "PositionNoise", ReusedNoise)
+    params, spec = CASES["coupled-two-ssms-merged"]
+    counts = sample_engine(_engine(models), params, spec)
+    assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 1e-6
 
 
 @pytest.mark.slow

@@ -24,7 +24,13 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
     spec = req.speculation
     widths = None if spec is None or spec.adaptive else list(spec.expansion.widths)  # None: adaptive speculation
     return {
-        "sampling": {"temperature": req.sampling.temperature, "top_p": req.sampling.top_p, "top_k": req.sampling.top_k, "seed": req.sampling.seed},
+        "sampling": {
+            "temperature": req.sampling.temperature,
+            "top_p": req.sampling.top_p,
+            "top_k": req.sampling.top_k,
+            "seed": req.sampling.seed,
+            "verification": req.sampling.verification,
+        },
         "seed": live.seed,
         "max_new_tokens": req.max_new_tokens,
         "stop_token_ids": list(req.stop_token_ids),

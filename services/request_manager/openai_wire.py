@@ -11,9 +11,10 @@ events back into ``text_completion`` objects. Terms:
   the gRPC field ``max_new_tokens``).
 
 Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
-as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``speculation`` (``"auto"``,
-``"disabled"``, or ``{"expansion": [widths], "ssms": [names]}``). With ``n > 1`` and a ``seed``,
-sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
+as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``speculation`` (``"auto"``,
+``"disabled"``, or ``{"expansion": [widths], "ssms": [names]}``) and ``verification`` (``"auto"``,
+``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With ``n > 1`` and a
+``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ PARAMS = {
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
     "sampling.seed": "seed",
+    "sampling.verification": "verification",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "request_id": "user",
@@ -175,6 +177,9 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
         raise InvalidArgument("top_p", "must be > 0")
     top_k = _integer(body, "top_k", 0, -1, 1 << 20)
     seed = _integer(body, "seed", None, 0, (1 << 63) - 1)
+    verification = body.get("verification") or ""
+    if not isinstance(verification, str):
+        raise InvalidArgument("verification", 'must be "auto", "coupled" or "mss"')
     stop_token_ids = body.get("stop_token_ids") or []
     if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
         raise InvalidArgument("stop_token_ids", "must be a list of token IDs")
@@ -188,7 +193,7 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
             msg = api_pb2.GenerateRequest(
                 request_id=f"{id_prefix}-{p * params.n + i}",
                 max_new_tokens=max_tokens,
-                sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0)),
+                sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), verification=verification),
                 stop=stops,
                 stop_token_ids=stop_token_ids,
                 speculation=speculation,

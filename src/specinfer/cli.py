@@ -48,6 +48,13 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--verification",
+        default="auto",
+        choices=["auto", "coupled", "mss"],
+        help="how sampled trees are verified: coupled (a seed fixes the output, equal to --no-speculation's), "
+        "mss (multi-step speculative sampling); auto (default): coupled when --seed is given",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--dtype",
@@ -68,7 +75,7 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
         ssms=tuple(Path(s) for s in ssms),
         expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)) if speculate and not adaptive else None,
         adaptive=adaptive,
-        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, verification=args.verification),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
         backend=args.backend,
@@ -316,6 +323,7 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        verification="" if args.verification == "auto" else args.verification,
         # auto: the server's default (adaptive speculation unless the server runs otherwise)
         expansion=() if args.no_speculation or keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),

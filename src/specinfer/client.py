@@ -55,11 +55,12 @@ class Client:
         request_id: str = "",
         adaptive: bool = False,
         ignore_eos: bool = False,
+        verification: str = "",
     ) -> api_pb2.GenerateRequest:
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
-            sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+            sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, verification=verification),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
             speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive),

@@ -31,11 +31,16 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
     """Unset ``top_p`` (0) means 1: proto3 cannot tell 0 from unset, and 0 is invalid anyway."""
     seed = msg.seed if msg.HasField("seed") else None
     top_p = msg.top_p if msg.top_p != 0 else 1.0
-    return _prefixed(field, lambda: SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p), seed=seed))
+    verification = msg.verification or "auto"
+    return _prefixed(
+        field, lambda: SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p), seed=seed, verification=verification)
+    )
 
 
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingParams:
     msg = api_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.verification != "auto":
+        msg.verification = params.verification
     if params.seed is not None:
         msg.seed = params.seed
     return msg

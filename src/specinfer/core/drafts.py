@@ -52,7 +52,7 @@ class DraftTree:
         """The tree of the nodes ``keep`` (the root and every kept node's parent must be kept), renumbered
         in their present order; each group keeps its kept children, and groups left without any are dropped.
 
-        Only for greedy verification, where any subtree is verified exactly: under sampling a group
+        Only for greedy and coupled verification, where any subtree is verified exactly: under MSS a group
         must keep a prefix of its draws chosen without looking at them (see :class:`BestFirstTreeBuilder`)."""
         kept = sorted(set(int(k) for k in keep))
         if not kept or kept[0] != 0:

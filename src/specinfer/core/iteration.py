@@ -6,7 +6,7 @@ scheduler (SSM workers and the LLM verifier called remotely). One iteration:
 
 1. *speculate*: for every SSM i, :func:`draft_specs` lists its draft jobs (one per request whose
    speculation names SSM i); the driver drafts them, in SSM order;
-2. *verify*: :func:`select_drafts` cuts the adaptive greedy requests' trees to the nodes worth
+2. *verify*: :func:`select_drafts` cuts the adaptive greedy and coupled requests' trees to the nodes worth
    verifying; :func:`verify_specs` merges each request's trees into its verify job; the driver
    verifies them all in one batch;
 3. *commit*: :meth:`Running.outcome` turns a verdict into the tokens to commit, the finish reason
@@ -228,8 +228,9 @@ def select_drafts(
     batch: Sequence[Running], drafted: Mapping[str, Sequence[tuple[int, DraftTree]]], adaptive: AdaptiveSpeculation, spent_seconds: float
 ) -> dict[str, list[tuple[int, DraftTree]]]:
     """``drafted`` (by request ID: (SSM index, tree) pairs, in SSM order) with the trees of adaptive
-    greedy requests cut to the nodes worth verifying (:meth:`AdaptiveSpeculation.select`); the
-    others' trees count as a fixed part of the verify call. Sampling requests keep their trees
+    requests whose verification allows it (greedy and coupled: :attr:`SamplingParams.prunable`) cut to
+    the nodes worth verifying (:meth:`AdaptiveSpeculation.select`); the others' trees count as a fixed
+    part of the verify call. Requests verified by multi-step speculative sampling keep their trees
     whole: a cut chosen after the draws could depend on the drawn tokens (see :meth:`DraftTree.subtree`).
     Each of the others is expected to commit one token (at least its bonus token; its acceptance is
     not modelled here)."""
@@ -239,7 +240,7 @@ def select_drafts(
         pairs = drafted.get(r.request_id, ())
         context = len(r.request.prompt_tokens) + len(r.output)
         speculation = r.request.speculation
-        if speculation is not None and speculation.adaptive and r.request.sampling.greedy and len(pairs) == 1 and pairs[0][1].scores:
+        if speculation is not None and speculation.adaptive and r.request.sampling.prunable and len(pairs) == 1 and pairs[0][1].scores:
             candidates.append(Drafted(r.request_id, context, pairs[0][0], pairs[0][1]))
             continue
         nodes = len(combine_drafts(r.committed[-1], [tree for _, tree in pairs]).tree) if pairs else 1

@@ -19,6 +19,12 @@ import numpy as np
 
 from specinfer.core.errors import InvalidArgument
 
+# How a sampled request's draft tree is verified (``SamplingParams.verification``): "mss",
+# multi-step speculative sampling (:mod:`specinfer.core.verify`); "coupled", the Gumbel-max draw
+# fixed by the seed (:mod:`specinfer.core.coupled`); "auto", coupled for a request with a seed (so
+# that the seed fixes its output), MSS for the others.
+VERIFICATIONS = ("auto", "coupled", "mss")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,12 +32,14 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0`` and ``top_p == 1``
     disable those filters. ``seed`` fixes the request's random stream (None: fresh entropy).
+    ``verification``: one of :data:`VERIFICATIONS`, see there.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    verification: str = "auto"
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -40,10 +48,27 @@ class SamplingParams:
             raise InvalidArgument("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.verification not in VERIFICATIONS:
+            raise InvalidArgument("verification", f"must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Whether this request samples with coupled verification (:mod:`specinfer.core.coupled`):
+        its tokens are then those plain decoding draws with the same seed, whatever speculation does."""
+        if self.greedy:
+            return False
+        return self.verification == "coupled" or (self.verification == "auto" and self.seed is not None)
+
+    @property
+    def prunable(self) -> bool:
+        """Whether a drafted tree may be cut to any subtree of it before verification: greedy and
+        coupled verification walk towards a token fixed before the walk, so no choice of nodes can
+        bias them; multi-step speculative sampling may not (see :meth:`~specinfer.core.drafts.DraftTree.subtree`)."""
+        return self.greedy or self.coupled
 
 
 @dataclass(frozen=True)
