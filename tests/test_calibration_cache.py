@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specinfer import cli
-from specinfer.core.costs import CostTable, StepCosts, VerifyShape
+from specinfer.core.costs import BUCKETS, CostTable, StepCosts, VerifyShape
 from specinfer.core.requests import GenerationRequest, SamplingParams, SpeculationConfig
 from specinfer.engine import calibrate
 from specinfer.engine import engine as engine_module
@@ -191,13 +191,23 @@ def test_probe_is_quick_and_sane(pair):
     costs = calibrate.probe_costs(llm, [ssm], calibrate.ProbeConfig(seconds=0.2))
     for table in (costs.verify_table, costs.drafts[0]):
         measured = table.as_dict()
-        assert {1, 8} <= set(measured)  # always two sizes at least: one alone would make extra nodes look free
+        assert {1, 4} <= set(measured)  # always two sizes at least: one alone would make extra nodes look free
         assert all(s > 0 for s in measured.values())
         assert list(measured.values()) == sorted(measured.values())
     assert not llm.cached_requests() and not ssm.cached_requests()  # the probe's request is released
     # a budget far too small still times the two first sizes, and nothing else
     tiny = calibrate.probe_table(llm, (1, 8, 16, 4), 0.0, 3, "t")
     assert set(tiny.as_dict()) == {1, 2, 3, 4, 6, 8}  # buckets up to 8, from the two sizes timed
+    # a roomy one times every size it is given, in at most its rounds
+    roomy = calibrate.probe_table(llm, (1, 4, 64), 30.0, 2, "t")
+    assert set(roomy.as_dict()) == {b for b in BUCKETS if b <= 64}
+
+
+def test_probe_predicts_a_call_from_the_two_largest_sizes():
+    assert calibrate._predicted_seconds({1: [0.2], 4: [0.5, 0.6]}, 4) == 0.6  # its size's last call
+    assert calibrate._predicted_seconds({1: [0.2], 4: [0.5]}, 8) == pytest.approx(0.5 + 0.1 * 4)
+    assert calibrate._predicted_seconds({1: [0.11], 4: [0.10]}, 64) == pytest.approx(0.10)  # flat: never falling
+    assert calibrate._predicted_seconds({1: [0.2]}, 8) == 0.2
 
 
 def _requests(n: int = 2):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +166,7 @@ def calibrate_costs(
 
 # -- the cold probe ------------------------------------------------------------------------------
 
-PROBE_CONTEXT = 8  # context tokens of the probe's one request: its prefill is the warm-up call, so keep it short
+PROBE_CONTEXT = 4  # context tokens of the probe's one request: its prefill is the warm-up call, so keep it short
 
 
 @dataclass(frozen=True)
@@ -178,22 +178,38 @@ class ProbeConfig:
 
     seconds: float = 1.0
     draft_share: float = 0.2
-    # 1 and 8: the batch-1 root alone and a typical tree (on a CPU the cost changes regime between
-    # 4 and 8 rows: a straight line from 1 to 8 over-prices 2-6 nodes, a safe error for a first
-    # plan); 16: where larger batches plan; 4: the regime change
-    verify_sizes: tuple[int, ...] = (1, 8, 16, 4)
-    draft_sizes: tuple[int, ...] = (1, 8, 4, 16)
+    # 1 and 4 first: the batch-1 root alone and a small tree, cheap wherever calls grow with their
+    # tokens (a 1B model in bf16 without AMX: 180 ms and 470 ms), and their slope predicts the rest
+    # well there (8 nodes: 860 ms predicted, 870 measured), so the budget skips them. With AMX, calls
+    # of up to 16 nodes cost what one does (~100 ms) and 64 about 1.7x: then the slope is flat, every
+    # size fits, and 64 anchors the extrapolation a batch's trees need (a table that ended at a flat
+    # 16 would price 200 tokens like 1).
+    verify_sizes: tuple[int, ...] = (1, 4, 16, 64, 8, 32, 2)
+    draft_sizes: tuple[int, ...] = (1, 4, 16, 8, 32, 2)
     rounds: int = 3
+
+
+def _predicted_seconds(times: Mapping[int, Sequence[float]], n: int) -> float:
+    """What a call of ``n`` tokens should cost: its size's last call, else the line through the
+    two largest sizes timed (never falling; the largest alone: its time)."""
+    if n in times:
+        return times[n][-1]
+    sizes = sorted(times)
+    big = sizes[-1]
+    if len(sizes) < 2:
+        return min(times[big])
+    small = sizes[-2]
+    slope = max(0.0, (min(times[big]) - min(times[small])) / (big - small))
+    return min(times[big]) + slope * max(0, n - big)
 
 
 def probe_table(model: CausalLM, sizes: Sequence[int], budget_seconds: float, rounds: int, tag: str) -> CostTable:
     """Seconds of ``model``'s calls by tokens, from as many calls as fit ``budget_seconds``: one
     request of :data:`PROBE_CONTEXT` context tokens, first a warm-up call (its prefill and the
-    first call's one-off costs), then rounds over ``sizes`` in order, skipping a call predicted to
-    overrun the budget (predicted from the last call of its size, else from the largest size
-    timed, scaled by tokens: calls never cost more than in proportion). The first two sizes are
-    always timed. Each size keeps its fastest call: with one to three calls per size the median is
-    no steadier, and noise only ever adds time (the real steps then move the table to typical times)."""
+    first call's one-off costs), then rounds over ``sizes`` in order, skipping a call predicted
+    (:func:`_predicted_seconds`) to overrun the budget. The first two sizes are always timed. Each
+    size keeps its fastest call: with one to three calls per size the median is no steadier, and
+    noise only ever adds time (the real steps then move the table to typical times)."""
     deadline = time.perf_counter() + budget_seconds
     reqs = _Requests(model, 1, PROBE_CONTEXT, np.random.default_rng(2), f"probe-{tag}")
     times: dict[int, list[float]] = {}
@@ -202,14 +218,8 @@ def probe_table(model: CausalLM, sizes: Sequence[int], budget_seconds: float, ro
         for _ in range(max(1, rounds)):
             timed_any = False
             for k, n in enumerate(sizes):
-                if k >= 2 or n in times:
-                    if times:
-                        largest = max(times)
-                        predicted = times[n][-1] if n in times else min(times[largest]) * n / largest
-                    else:
-                        predicted = 0.0
-                    if time.perf_counter() + predicted > deadline:
-                        continue
+                if (k >= 2 or n in times) and time.perf_counter() + _predicted_seconds(times, n) > deadline:
+                    continue
                 items = reqs.call(n)
                 started = time.perf_counter()
                 model.forward_tree(items)
