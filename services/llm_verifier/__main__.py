@@ -27,7 +27,7 @@ from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, exit_rank, load_driver, run_rank
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import calibrate_verifier, load_model
+from specinfer.serving.runner import calibrate_verifier, load_model, model_identity, verifier_cost_entry
 from specinfer.serving.security import ServerSecurity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -61,7 +61,8 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
     llm = load_model(path, "llm", args, args.offload, args.offload_reserve_bytes)
-    return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens))
+    entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes))
+    return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens, entry))
 
 
 def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:
@@ -129,8 +130,9 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
         stop_ranks(children, 0.0)
         logging.shutdown()
         os._exit(1)
-    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"), calibrate_verifier(backend, args.calibrate_tokens))
     layout = launch.layout
+    entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes), (layout.tp, layout.pp))
+    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"), calibrate_verifier(backend, args.calibrate_tokens, entry))
     log.info("model loaded", extra={"llm": name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "max_requests": backend.max_requests})
 
     async def on_stop() -> None:

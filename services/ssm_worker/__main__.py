@@ -17,7 +17,7 @@ from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabular
 from specinfer.models.interface import CausalLM
 from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import calibrate_drafters, load_model
+from specinfer.serving.runner import calibrate_drafters, drafter_cost_entry, load_model, model_identity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
 from specinfer.tuning import slot_prior
@@ -53,7 +53,8 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
         if vmap is not None:
             log.info("draft vocabulary", extra={"ssm": name, "method": methods[name], "shared_tokens": vmap.shared, "ssm_vocab": vmap.ssm_size})
     priors = {name: prior for name, path in paths.items() if (prior := slot_prior(path)) is not None}
-    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens), priors, methods)
+    entries = {name: drafter_cost_entry(args, model_identity(path, args), methods[name]) for name, path in paths.items()}
+    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens, entries), priors, methods)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,9 @@ class GenerateConfig:
     backend: str
     attention: str
     prompts: tuple[str, ...]
+    offload: bool = False  # the LLM's decoder layers in host memory, streamed layer by layer (docs/offloading.md)
+    offload_reserve_bytes: int = 0
+    calibration_cache: str = ""  # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -64,6 +67,14 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
     p.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"], help="native tree attention (auto: Triton on CUDA)")
+    p.add_argument("--offload", action="store_true", help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)")
+    p.add_argument("--offload-reserve-bytes", type=int, default=0, help="most device memory offloading may use (0: no bound; needs --offload)")
+    p.add_argument(
+        "--calibration-cache",
+        default="",
+        help="folder caching adaptive speculation's step cost model between runs (default: $SPECINFER_CALIBRATION_CACHE, "
+        "else $XDG_CACHE_HOME/specinfer/calibration, else ~/.cache/specinfer/calibration; none or off: no cache)",
+    )
 
 
 def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
@@ -81,7 +92,22 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
         backend=args.backend,
         attention=args.attention,
         prompts=tuple(prompts),
+        offload=args.offload,
+        offload_reserve_bytes=args.offload_reserve_bytes,
+        calibration_cache=args.calibration_cache,
     )
+
+
+def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
+    """Where adaptive speculation's cost model is cached between runs (after loading: the key holds the thread count)."""
+    from specinfer.engine.calibration_cache import CalibrationCache, ModelIdentity, ModelRuntime, engine_cost_entry
+
+    def identity(path: Path, offload: bool) -> ModelIdentity:
+        reserve = cfg.offload_reserve_bytes if offload else 0
+        return ModelIdentity.of(path, ModelRuntime(cfg.dtype, "cpu", cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve))
+
+    cache = CalibrationCache.from_setting(cfg.calibration_cache, os.environ)
+    return engine_cost_entry(cache, identity(cfg.llm, cfg.offload), [identity(p, False) for p in cfg.ssms], vocabularies)
 
 
 def run_generate(cfg: GenerateConfig, out=None) -> None:
@@ -89,13 +115,16 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     import torch
 
     out = out or sys.stdout
+    from specinfer.core.planner import OFFLOAD_PLANNER, PlannerConfig
     from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids
+    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
     from specinfer.models.loading import check_checkpoint, eos_token_id, load_backend, load_tokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    llm = load_backend(cfg.llm, "llm", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
-    ssms = []
+    llm = load_backend(
+        cfg.llm, "llm", cfg.dtype, backend=cfg.backend, attention=cfg.attention, offload=cfg.offload, offload_reserve_bytes=cfg.offload_reserve_bytes
+    )
+    ssms, vocabularies = [], []
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
         vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
@@ -103,11 +132,14 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
         if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
             print(f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} that the LLM's spells alike", file=out)
         ssms.append(in_llm_ids(ssm, vmap))
+        vocabularies.append(vocabulary_method(vmap))
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
     priors = tuple(slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms)  # adaptive speculation's prior: the SSMs' tuning files
-    engine = SpeculativeEngine(llm, ssms, EngineConfig(eos_token_id=eos_token_id(cfg.llm), slot_priors=priors))
+    planner = OFFLOAD_PLANNER if cfg.offload else PlannerConfig()  # offloaded steps cost a transfer whatever their tokens: larger trees pay
+    config = EngineConfig(eos_token_id=eos_token_id(cfg.llm), planner=planner, slot_priors=priors)
+    engine = SpeculativeEngine(llm, ssms, config, cost_entry=_cost_entry(cfg, vocabularies) if cfg.adaptive else None)
     spec = SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms)))) if cfg.expansion is not None or cfg.adaptive else None
     requests = []
     for i, text in enumerate(cfg.prompts):

@@ -21,7 +21,7 @@ sample clipped to [1/2, 2] x the current prediction, so one stall cannot swing t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +110,24 @@ class CostTable:
 
     def as_dict(self) -> dict[int, float]:
         return {int(b): float(s) for b, s in zip(self.buckets, self.fitted(), strict=True)}
+
+    @classmethod
+    def restore(cls, buckets: Sequence[int], seconds: Sequence[float], samples: Sequence[float]) -> CostTable:
+        """A table in exactly the state given (its raw buckets, seconds and samples, as a saved table
+        held them: :mod:`specinfer.engine.calibration_cache`), not refitted as the constructor would;
+        raises ValueError for a state no table can be in."""
+        xs = np.asarray(buckets, dtype=np.float64)
+        ys = np.asarray(seconds, dtype=np.float64)
+        ws = np.asarray(samples, dtype=np.float64)
+        if not (xs.ndim == 1 and len(xs) >= 1 and xs.shape == ys.shape == ws.shape):
+            raise ValueError("a cost table needs as many buckets, seconds and samples, at least one")
+        if not set(xs.tolist()) <= set(BUCKETS) or np.any(np.diff(xs) <= 0):
+            raise ValueError(f"cost table buckets must be increasing values of {BUCKETS}")
+        if not (np.all(np.isfinite(ys)) and np.all(ys >= 0) and np.all(np.isfinite(ws)) and np.all(ws > 0)):
+            raise ValueError("cost table seconds must be finite and >= 0, samples finite and > 0")
+        table = cls({1: 0.0})
+        table.buckets, table.seconds, table.samples = xs, ys, ws
+        return table
 
 
 @dataclass(frozen=True)

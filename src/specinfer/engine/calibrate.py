@@ -20,6 +20,12 @@ varies by up to 30% from call to call):
   and 8 rows (4 rows cost little more than 1; 6 rows cost 60% more than 4), and a straight line
   from 4 to 8 would hide the steep part.
 The tables seed :class:`~specinfer.core.costs.StepCosts`, which real steps then refine.
+
+That full calibration takes tens of seconds for a 1B model on 2 CPU cores: the services spend it
+once at start-up. ``specinfer generate`` cannot, as a 40-token run takes about as long, so where
+no cached table exists (:mod:`specinfer.engine.calibration_cache`) it *probes* instead
+(:func:`probe_costs`): a few calls of one request within about a second, enough for a sane first
+plan, which the real steps then refine (the refined table is what the cache keeps).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -155,3 +162,88 @@ def calibrate_costs(
         say(f"verify: {per_context * 1e9:.2f} ns per tree node and context token")
     drafts = {i: calibrate_table(ssm, max_frontier_tokens, repeats, say, f"ssm{i}") for i, ssm in enumerate(ssms)}
     return StepCosts(verify, per_context, drafts)
+
+
+# -- the cold probe ------------------------------------------------------------------------------
+
+PROBE_CONTEXT = 4  # context tokens of the probe's one request: its prefill is the warm-up call, so keep it short
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """A cold probe's limits. ``seconds``: the whole probe's budget (warm-up calls included), of
+    which the SSMs together get ``draft_share``; ``verify_sizes`` / ``draft_sizes``: tokens per
+    call, in the order they are worth measuring (the first two are always measured, whatever they
+    cost: one size alone would make extra tree nodes look free); ``rounds``: most calls per size."""
+
+    seconds: float = 1.0
+    draft_share: float = 0.2
+    # 1 and 4 first: the batch-1 root alone and a small tree, cheap wherever calls grow with their
+    # tokens (a 1B model in bf16 without AMX: 180 ms and 470 ms), and their slope predicts the rest
+    # well there (8 nodes: 860 ms predicted, 870 measured), so the budget skips them. With AMX, calls
+    # of up to 16 nodes cost what one does (~100 ms) and 64 about 1.7x: then the slope is flat, every
+    # size fits, and 64 anchors the extrapolation a batch's trees need (a table that ended at a flat
+    # 16 would price 200 tokens like 1).
+    verify_sizes: tuple[int, ...] = (1, 4, 16, 64, 8, 32, 2)
+    draft_sizes: tuple[int, ...] = (1, 4, 16, 8, 32, 2)
+    rounds: int = 3
+
+
+def _predicted_seconds(times: Mapping[int, Sequence[float]], n: int) -> float:
+    """What a call of ``n`` tokens should cost: its size's last call, else the line through the
+    two largest sizes timed (never falling; the largest alone: its time)."""
+    if n in times:
+        return times[n][-1]
+    sizes = sorted(times)
+    big = sizes[-1]
+    if len(sizes) < 2:
+        return min(times[big])
+    small = sizes[-2]
+    slope = max(0.0, (min(times[big]) - min(times[small])) / (big - small))
+    return min(times[big]) + slope * max(0, n - big)
+
+
+def probe_table(model: CausalLM, sizes: Sequence[int], budget_seconds: float, rounds: int, tag: str) -> CostTable:
+    """Seconds of ``model``'s calls by tokens, from as many calls as fit ``budget_seconds``: one
+    request of :data:`PROBE_CONTEXT` context tokens, first a warm-up call (its prefill and the
+    first call's one-off costs), then rounds over ``sizes`` in order, skipping a call predicted
+    (:func:`_predicted_seconds`) to overrun the budget. The first two sizes are always timed. Each
+    size keeps its fastest call: with one to three calls per size the median is no steadier, and
+    noise only ever adds time (the real steps then move the table to typical times)."""
+    deadline = time.perf_counter() + budget_seconds
+    reqs = _Requests(model, 1, PROBE_CONTEXT, np.random.default_rng(2), f"probe-{tag}")
+    times: dict[int, list[float]] = {}
+    try:
+        model.forward_tree(reqs.call(1))
+        for _ in range(max(1, rounds)):
+            timed_any = False
+            for k, n in enumerate(sizes):
+                if (k >= 2 or n in times) and time.perf_counter() + _predicted_seconds(times, n) > deadline:
+                    continue
+                items = reqs.call(n)
+                started = time.perf_counter()
+                model.forward_tree(items)
+                times.setdefault(n, []).append(time.perf_counter() - started)
+                timed_any = True
+            if not timed_any:
+                break
+    finally:
+        reqs.release()
+    return CostTable({n: min(ts) for n, ts in times.items()})
+
+
+def probe_costs(llm: CausalLM, ssms: Sequence[CausalLM], config: ProbeConfig = ProbeConfig()) -> StepCosts:
+    """A cold cost model of ``llm`` verifying and each SSM drafting, in about ``config.seconds``
+    (:func:`probe_table`). No per-context-token cost: measuring it needs a long context's prefill,
+    which alone would overrun the budget; until the cache holds a refined table, the verify table
+    absorbs the context work of the steps it observes."""
+    started = time.perf_counter()
+    verify_budget = config.seconds * (1.0 - config.draft_share) if ssms else config.seconds
+    verify = probe_table(llm, config.verify_sizes, verify_budget, config.rounds, "verify")
+    left = max(0.0, config.seconds - (time.perf_counter() - started))
+    drafts = {i: probe_table(ssm, config.draft_sizes, left / len(ssms), config.rounds, f"ssm{i}") for i, ssm in enumerate(ssms)}
+    log.info(
+        "cost probe",
+        extra={"seconds": round(time.perf_counter() - started, 3), "verify": {n: round(s, 5) for n, s in verify.as_dict().items()}},
+    )
+    return StepCosts(verify, 0.0, drafts)

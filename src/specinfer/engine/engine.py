@@ -33,7 +33,8 @@ from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, re
 from specinfer.core.kv_budget import StepRows, check_fits_alone, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
-from specinfer.engine.calibrate import calibrate_costs
+from specinfer.engine.calibrate import calibrate_costs, probe_costs
+from specinfer.engine.calibration_cache import CostEntry
 from specinfer.engine.steps import draft_trees, verify_trees
 from specinfer.models.interface import CausalLM
 
@@ -63,9 +64,16 @@ class _Active(Running):
 class SpeculativeEngine:
     """One LLM and any number of SSMs; see the module docstring."""
 
-    def __init__(self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig, costs: StepCosts | None = None) -> None:
-        """``costs``: the step cost model for adaptive speculation; None: calibrated on the models
-        when the first adaptive request runs."""
+    def __init__(
+        self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig, costs: StepCosts | None = None, cost_entry: CostEntry | None = None
+    ) -> None:
+        """``costs``: the step cost model for adaptive speculation; None: built when the first
+        adaptive request runs. With ``cost_entry`` (``specinfer generate``) it is read from that
+        cache entry, else probed in about a second (:func:`~specinfer.engine.calibrate.probe_costs`);
+        either way the real steps refine it and :meth:`save_costs` (which :meth:`generate` calls)
+        writes it back, so the next run starts from what this one learned. Without ``cost_entry``
+        it is the full calibration (:func:`~specinfer.engine.calibrate.calibrate_costs`: tens of
+        seconds for a 1B model on a CPU; benchmarks time it before their clock starts)."""
         for i, ssm in enumerate(ssms):
             if ssm.vocab_size != llm.vocab_size:
                 raise InvalidArgument(f"ssms[{i}]", f"vocabulary size {ssm.vocab_size} differs from the LLM's {llm.vocab_size}")
@@ -84,6 +92,7 @@ class SpeculativeEngine:
         self._capacity = min([config.max_batch, *limits])
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
+        self._cost_entry = cost_entry
         self._adaptive: AdaptiveSpeculation | None = None
         self._draft_seconds = 0.0  # SSM seconds of the current iteration
 
@@ -91,10 +100,21 @@ class SpeculativeEngine:
     def adaptive(self) -> AdaptiveSpeculation:
         """Adaptive speculation's state (cost and acceptance models), calibrated on first use."""
         if self._adaptive is None:
-            costs = self._costs or calibrate_costs(self.llm, self.ssms, max_verify_tokens=min(64, self.config.planner.max_nodes * 2))
+            costs = self._costs or self._initial_costs()
             priors = {i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR) for i in range(len(self.ssms))}
             self._adaptive = AdaptiveSpeculation(costs, self.config.planner, priors)
         return self._adaptive
+
+    def _initial_costs(self) -> StepCosts:
+        if self._cost_entry is None:
+            return calibrate_costs(self.llm, self.ssms, max_verify_tokens=min(64, self.config.planner.max_nodes * 2))
+        return self._cost_entry.load_costs() or probe_costs(self.llm, self.ssms)
+
+    def save_costs(self) -> None:
+        """Write the cost model, as the steps so far refined it, to the engine's cost entry (nothing
+        without one, or before any adaptive step built the model)."""
+        if self._cost_entry is not None and self._adaptive is not None:
+            self._cost_entry.save_costs(self._adaptive.costs)
 
     # -- request lifecycle ------------------------------------------------------------
 
@@ -160,6 +180,7 @@ class SpeculativeEngine:
         while self.has_work:
             for result in self.step():
                 done[result.request_id] = result
+        self.save_costs()
         return [done[r.request_id] for r in requests]
 
     # -- one iteration ------------------------------------------------------------------

@@ -103,6 +103,13 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--max-seq-len", int, 0, help="most positions of a request, prompt and output (native backend; 0: the model's limit)")
     add_setting(parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch")
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")
+    add_setting(
+        parser,
+        "--calibration-cache",
+        default="",
+        help="folder of the start-up calibration's cache: a model calibrated once under the same settings starts without timing its passes again "
+        "(empty: $XDG_CACHE_HOME/specinfer/calibration, else ~/.cache/specinfer/calibration; none or off: no cache)",
+    )
 
 
 def parse_named_paths(text: str | None, field: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ import torch
 
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.engine.calibrate import REPEATS, calibrate_costs, calibrate_table, log_progress
+from specinfer.engine.calibration_cache import CalibrationCache, CalibrationKey, CostEntry, ModelIdentity, ModelRuntime
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
 
@@ -42,28 +44,75 @@ def load_model(path: str, field: str, settings: argparse.Namespace, offload: boo
     )
 
 
-def calibrate_verifier(llm: CausalLM, max_tokens: int) -> StepCosts | None:
+def model_identity(path: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0) -> ModelIdentity:
+    """What a calibration cache key says of the model :func:`load_model` loads with the same arguments."""
+    runtime = ModelRuntime(
+        settings.dtype, settings.device, settings.backend, settings.attention, settings.kv_block_size, settings.prefix_caching, offload, offload_reserve_bytes
+    )
+    return ModelIdentity.of(path, runtime)
+
+
+def calibration_cache(settings: argparse.Namespace) -> CalibrationCache:
+    """The cache of the ``--calibration-cache`` setting (:mod:`specinfer.engine.calibration_cache`)."""
+    return CalibrationCache.from_setting(settings.calibration_cache, os.environ)
+
+
+def calibrate_verifier(llm: CausalLM, max_tokens: int, cache: CostEntry | None = None) -> StepCosts | None:
     """The LLM's verify cost model measured at start-up (tree calls of up to ``max_tokens`` nodes), which
-    GetInfo reports to the request manager's planner; None when ``max_tokens`` is 0 or the measurement fails."""
+    GetInfo reports to the request manager's planner; None when ``max_tokens`` is 0 or the measurement fails.
+    ``cache``: read from that entry when it holds one, else measured and written there."""
     if max_tokens <= 0:
         return None
+    if cache is not None and (costs := cache.load_costs()) is not None:
+        log.info("calibration read from the cache", extra={"path": str(cache.cache.path(cache.key))})
+        return costs
     try:
-        return calibrate_costs(llm, (), max_verify_tokens=max_tokens, progress=log_progress)
+        costs = calibrate_costs(llm, (), max_verify_tokens=max_tokens, progress=log_progress)
     except Exception:  # a service that cannot time its model still serves: the request manager measures instead
         log.exception("calibration failed; reporting no cost table")
         return None
+    if cache is not None:
+        cache.save_costs(costs)
+    return costs
 
 
-def calibrate_drafters(ssms: Mapping[str, CausalLM], max_tokens: int) -> dict[str, CostTable]:
+def verifier_cost_entry(settings: argparse.Namespace, identity: ModelIdentity, parallel: tuple[int, int] = (1, 1)) -> CostEntry:
+    """The cache entry of the LLM verifier's calibration: the model ``identity``, the
+    ``--calibrate-tokens`` and, for a parallel verifier, its (tensor, pipeline) ranks."""
+    params = {"max_tokens": settings.calibrate_tokens, "repeats": REPEATS, "tensor_parallel": parallel[0], "pipeline_parallel": parallel[1]}
+    return CostEntry(calibration_cache(settings), CalibrationKey.build("verifier", (identity,), params))
+
+
+def calibrate_drafters(ssms: Mapping[str, CausalLM], max_tokens: int, cache: Mapping[str, CostEntry] | None = None) -> dict[str, CostTable]:
     """Each SSM's draft pass seconds by frontier tokens (up to ``max_tokens``), which ListModels reports;
-    empty when ``max_tokens`` is 0 or the measurement fails."""
+    empty when ``max_tokens`` is 0 or the measurement fails. ``cache``: each SSM's entry by name, read
+    when it holds a table, else measured and written there."""
     if max_tokens <= 0:
         return {}
+    tables = {}
     try:
-        return {name: calibrate_table(m, max_tokens, REPEATS, log_progress, f"ssm {name}") for name, m in ssms.items()}
+        for name, m in ssms.items():
+            entry = cache.get(name) if cache is not None else None
+            table = entry.load_table() if entry is not None else None
+            if table is None:
+                table = calibrate_table(m, max_tokens, REPEATS, log_progress, f"ssm {name}")
+                if entry is not None:
+                    entry.save_table(table)
+            else:
+                log.info("calibration read from the cache", extra={"ssm": name, "path": str(entry.cache.path(entry.key))})
+            tables[name] = table
     except Exception:
         log.exception("calibration failed; reporting no cost table")
         return {}
+    return tables
+
+
+def drafter_cost_entry(settings: argparse.Namespace, identity: ModelIdentity, vocabulary: str) -> CostEntry:
+    """The cache entry of one SSM's draft calibration in a worker: the model ``identity``, the
+    ``--calibrate-tokens`` and how it drafts in the LLM's vocabulary (``vocabulary``: a
+    :func:`~specinfer.models.cross_vocab.vocabulary_method`; a mapped SSM's passes do more work)."""
+    params = {"max_tokens": settings.calibrate_tokens, "repeats": REPEATS, "vocabulary": vocabulary}
+    return CostEntry(calibration_cache(settings), CalibrationKey.build("drafter", (identity,), params))
 
 
 class ModelRunner:
