@@ -80,6 +80,20 @@ def model_pair(tmp_path_factory) -> ModelPair:
     return ModelPair(TEST_PAIR / "llm", TEST_PAIR / "ssm", ssm2, _prompt_ids(TEST_PAIR))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory):
+    """The cost calibrations of this run's engines and services in a folder of the run, not the user's
+    cache: a stack started after the first finds its calibration there, and nothing outlives the run."""
+    folder = tmp_path_factory.mktemp("calibration")
+    saved = os.environ.get("SPECINFER_CALIBRATION_CACHE")
+    os.environ["SPECINFER_CALIBRATION_CACHE"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("SPECINFER_CALIBRATION_CACHE", None)
+    else:
+        os.environ["SPECINFER_CALIBRATION_CACHE"] = saved
+
+
 @pytest.fixture
 def restore_logging():
     """main() installs its JSON log handler on the root logger; put pytest's back afterwards."""
