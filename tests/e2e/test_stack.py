@@ -18,12 +18,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from oracles import hf_greedy, serving  # tests/oracles.py
+from oracles import hf_greedy, hf_seeded_sampling, serving  # tests/oracles.py
 from prometheus_client.parser import text_string_to_metric_families
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.client import Client
+from specinfer.core import SamplingParams
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import StackConfig
@@ -94,6 +95,24 @@ def test_concurrent_streams_mixed_parameters(stack, model_pair, expected):
             assert usage.mean_tree_size > 1
         else:
             assert usage.mean_tree_size == 1 and usage.tokens_per_step == 1
+
+
+def test_seeded_sampling_equals_plain_decoding_whatever_the_speculation(stack, model_pair, expected):
+    """A seed fixes the draw (coupled verification): 8 seeded sampled streams, speculating by the
+    server's default, adaptively, with a static tree or not at all, concurrently with greedy ones,
+    each equal to transformers' plain decoding with its seed by the same Gumbel-max rule."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    prompts, seeds = model_pair.prompts[:8], [100 + i for i in range(8)]
+    oracle = hf_seeded_sampling(model_pair.llm, prompts, seeds, params, NEW_TOKENS)
+    kinds = [{}, {"adaptive": True}, {"expansion": (2, 2, 1)}, {"speculation": False}]
+    requests = [
+        Client.request(ids, NEW_TOKENS, temperature=1.0, top_p=0.95, seed=s, **kinds[i % 4]) for i, (ids, s) in enumerate(zip(prompts, seeds, strict=True))
+    ]
+    requests += [Client.request(ids, NEW_TOKENS) for ids in model_pair.prompts[:4]]  # greedy, in the same batches
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(client.generate, requests))
+    assert [r.token_ids for r in results[:8]] == oracle
+    assert [r.token_ids for r in results[8:]] == expected[:4]
 
 
 def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expected):
