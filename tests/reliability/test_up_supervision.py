@@ -11,15 +11,10 @@ import concurrent.futures
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import grpc
 import pytest
-from services.harness import wait_until  # tests/services/harness.py
+from services.harness import SpecinferUp, processes_naming, wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
@@ -32,63 +27,6 @@ pytestmark = pytest.mark.reliability
 
 STREAMS = 8
 NEW_TOKENS = 64
-SPECINFER = Path(sys.executable).parent / "specinfer"  # the installed entry point, as a user runs it
-# what `specinfer up` prints per process once the stack serves
-MEMBER = re.compile(r"^(?P<name>[a-z0-9-]+)\s+(?P<address>127\.0\.0\.1:\d+)\s+metrics http://\S+/metrics\s+\(pid (?P<pid>\d+), log ")
-
-
-class Up:
-    """``specinfer up ARGS`` as a subprocess; a thread collects its output (stdout and stderr) line by line."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen([str(SPECINFER), "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.popen.stdout.readline, "")), daemon=True)
-        self.reader.start()
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_line(self, pattern: str, timeout: float, what: str) -> re.Match:
-        """The first output line matching ``pattern``; fails (with the output) if none comes in ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in list(self.lines):
-                if m := re.search(pattern, line):
-                    return m
-            assert self.popen.poll() is None or self.reader.is_alive(), f"specinfer up exited ({self.popen.returncode}) before {what}:\n{self.output}"
-            assert time.monotonic() < deadline, f"{what} not seen in {timeout:.0f} s:\n{self.output}"
-            time.sleep(0.1)
-
-    def members(self) -> dict[str, tuple[str, int]]:
-        """``{name: (address, pid)}`` of the processes as first started."""
-        return {m["name"]: (m["address"], int(m["pid"])) for line in list(self.lines) if (m := MEMBER.match(line))}
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 120) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            raise
-
-
-def processes_naming(text: str) -> list[str]:
-    """Live processes (not zombies) whose command line contains ``text`` (a test's temporary folder)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # exited meanwhile
-            continue
-        if text in cmdline and state != "Z":
-            out.append(f"{proc.name}: {cmdline}")
-    return out
 
 
 def up_env() -> dict[str, str]:
@@ -114,7 +52,7 @@ def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2
 
 
 def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stays_exact(model_pair, greedy, tmp_path):
-    up = Up(
+    up = SpecinferUp(
         [
             *("--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--verifiers", "2", "--request-managers", "2"),
             *("--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state"), "--expansion", PAPER_EXPANSION, "--verifier-threads", "1"),
@@ -122,7 +60,7 @@ def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stay
         up_env(),
     )
     try:
-        up.wait_line(r"^public API: ", 600, "the stack serving")
+        up.wait_serving()
         members = up.members()
         assert {"llm-verifier", "llm-verifier-1", "ssm-worker-0", "request-manager", "request-manager-1"} <= set(members), up.output
         main, other = members["request-manager"][0], members["request-manager-1"][0]
@@ -161,7 +99,7 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     stops with exit code 1 and the verifier's last log lines, and nothing is left running."""
     empty = tmp_path / "no-model"
     empty.mkdir()
-    up = Up(["--llm", str(empty), "--ssm", str(model_pair.ssm), "--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state")], up_env())
+    up = SpecinferUp(["--llm", str(empty), "--ssm", str(model_pair.ssm), "--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state")], up_env())
     try:
         code = up.popen.wait(300)
     finally:
