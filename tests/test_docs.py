@@ -84,3 +84,41 @@ def test_architecture_names_existing_modules_and_their_definitions():
         sources = "\n".join(module_sources(longest_module(m)[0]) for m in MODULE.findall(modules))
         for name in IDENTIFIER.findall(names):
             assert re.search(rf"(def|class) {name}\b|^{name}\b|\b{name} =", sources, re.M), f"{name} is not defined in {modules.strip()}"
+
+
+def readme_commands() -> list[list[str]]:
+    """Each ``specinfer SUBCOMMAND ...`` command (at the start of a line or after ``;``, ``&&``, ``|``,
+    past ``VAR=value`` settings) of the README's shell blocks, as words (continued lines joined,
+    comments and the usage notation's brackets dropped)."""
+    import shlex
+
+    blocks, fence = [], None  # fence: the language of the open block
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+            if fence in ("bash", "sh", "shell"):
+                blocks.append("")
+        elif fence in ("bash", "sh", "shell"):
+            blocks[-1] += line + "\n"
+    out = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            for command in re.findall(r"(?:^|[;&|(]\s*)(?:[A-Z_]+=\S*\s+)*(specinfer\s+[a-z][a-z-]*.*)", line.strip())[:1]:
+                words = shlex.split(command.replace("[", " ").replace("]", " "), comments=True)
+                out.append(words)
+    return out
+
+
+def test_readme_commands_name_subcommands_and_flags_that_exist():
+    from specinfer.cli import build_parser
+
+    parser = build_parser()
+    (subcommands,) = [a for a in parser._actions if isinstance(a.choices, dict)]
+    commands = readme_commands()
+    assert len(commands) >= 10 and {"up", "generate", "tune", "train-ssm", "boost-tune", "train-demo"} <= {c[1] for c in commands}
+    for words in commands:
+        assert words[1] in subcommands.choices, f"README: `{' '.join(words)}`: no subcommand {words[1]!r}"
+        flags = subcommands.choices[words[1]]._option_string_actions
+        for word in words[2:]:
+            if word.startswith("--"):
+                assert word.split("=", 1)[0] in flags, f"README: `{' '.join(words)}`: specinfer {words[1]} has no flag {word}"

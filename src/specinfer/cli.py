@@ -1,4 +1,5 @@
-"""Command line: ``specinfer generate`` (in-process speculative generation) and ``specinfer demo``."""
+"""Command line ``specinfer``: generation in this process or through a server, the local stack, the
+demo, tuning and training (:func:`build_parser` lists the subcommands)."""
 
 from __future__ import annotations
 
@@ -48,17 +49,17 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this probability (1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (none: a random draw)")
     p.add_argument(
         "--verification",
         default="auto",
         choices=["auto", "coupled", "mss"],
         help="how sampled trees are verified: coupled (a seed fixes the output, equal to --no-speculation's), "
-        "mss (multi-step speculative sampling); auto (default): coupled when --seed is given",
+        "mss (multi-step speculative sampling); auto: coupled when --seed is given",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -150,8 +151,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     results = engine.generate(requests)
     elapsed = time.perf_counter() - start
     for text, res in zip(cfg.prompts, results, strict=True):
-        print(f"--- prompt ({len(res.prompt_tokens)} tokens)", file=out)
-        print(text, end="" if text.endswith("\n") else "\n", file=out)
+        print_prompt_header(text, out, len(res.prompt_tokens))
         print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
         print(tokenizer.decode(res.output_tokens), file=out)
         sizes = [s.tree_size for s in res.steps]
@@ -172,19 +172,29 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
 BUNDLED_PAIR = Path(__file__).resolve().parents[2] / "models/demo"  # trained by `specinfer train-demo`, committed
 
 
-def _demo_models() -> tuple[Path, Path, str]:
-    """The pair in ``SPECINFER_DEMO_MODELS`` if set, else the bundled demo pair of this checkout,
-    else (an install without the checkout) a tiny random pair built once."""
+def _demo_models() -> tuple[Path, tuple[Path, ...], str]:
+    """The LLM and every SSM (``ssm/``, then ``ssm-1/``, ``ssm-2/``, ... as present) of the demo
+    models in ``SPECINFER_DEMO_MODELS`` if set, else of the bundled ``models/demo`` of this
+    checkout, else (an install without the checkout) of a tiny random pair built once."""
     candidates = [os.environ.get("SPECINFER_DEMO_MODELS", ""), BUNDLED_PAIR]
     for c in candidates:
         if c and (Path(c) / "llm/config.json").is_file() and (Path(c) / "ssm/config.json").is_file():
-            return Path(c) / "llm", Path(c) / "ssm", f"trained pair in {c}"
+            return Path(c) / "llm", _demo_ssms(Path(c)), f"trained models in {c}"
     from specinfer.models.tiny import build_tiny_pair
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specinfer/tiny-pair"
     if not (cache / "ssm/config.json").is_file():
         build_tiny_pair(cache)
-    return cache / "llm", cache / "ssm", f"tiny random pair in {cache} (no trained pair found; its text is noise)"
+    return cache / "llm", (cache / "ssm",), f"tiny random pair in {cache} (no trained pair found; its text is noise)"
+
+
+def _demo_ssms(folder: Path) -> tuple[Path, ...]:
+    """``ssm/`` and the boost-tuned ``ssm-1/``, ``ssm-2/``, ... after it (``specinfer train-demo``):
+    served together, their trees merge (merge-based speculation)."""
+    ssms = [folder / "ssm"]
+    while (folder / f"ssm-{len(ssms)}/config.json").is_file():
+        ssms.append(folder / f"ssm-{len(ssms)}")
+    return tuple(ssms)
 
 
 def _add_client_security_flags(p: argparse.ArgumentParser) -> None:
@@ -224,27 +234,49 @@ def _stack_security(args: argparse.Namespace):
         raise InvalidArgument("tls", str(exc)) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every flag's default, except where its help already says it (a setting
+    says its own, and never a secret's value, which may come from the environment)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.required:  # a required flag has no default to show
+            return action.help
+        return super()._get_help_string(action)
+
+
+DESCRIPTION = """Tree-based speculative inference (SpecInfer): small speculative models (SSMs) draft token
+trees, the LLM verifies every branch in one pass; the output is the LLM's own. Run one
+subcommand; SUBCOMMAND --help lists its flags and their defaults."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (``main`` runs it; tests check the README's commands with it)."""
     from specinfer.serving.config import add_setting
 
-    parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="specinfer", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
     gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
     gen.add_argument("--llm", help="Hugging Face checkpoint folder of the LLM (in-process generation)")
-    gen.add_argument("--ssm", action="append", default=[], help="checkpoint folder of an SSM (repeat for several: trees are merged)")
+    gen.add_argument("--ssm", action="append", default=[], help="an SSM's checkpoint folder, PATH or NAME=PATH (repeat for several: trees are merged)")
     _add_generation_flags(gen)
     _add_client_security_flags(gen)
     gen.add_argument("prompt", nargs="+", help="prompt text(s); several are generated as one batch")
     up = sub.add_parser("up", help="start Redis, the request manager, SSM workers and the verifier as local processes")
-    up.add_argument("--llm", help="LLM checkpoint folder (default: the demo pair)")
-    up.add_argument("--ssm", action="append", default=[], help="SSM checkpoint folder (repeat for several; default: the demo pair's)")
+    up.add_argument("--llm", help="LLM checkpoint folder (default: the demo models' LLM)")
+    up.add_argument(
+        "--ssm",
+        action="append",
+        default=[],
+        help="an SSM's checkpoint folder, PATH (served under its folder's name) or NAME=PATH; repeat for several, whose trees "
+        "merge (default: the demo models' SSMs when --llm is not given, else none)",
+    )
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
     up.add_argument("--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)")
     up.add_argument("--request-managers", type=int, default=1, help="request-manager processes (more than one share a Redis the launcher starts)")
     up.add_argument("--port", type=int, default=50051, help="public API port")
-    up.add_argument("--state-dir", default="./specinfer-state", help="embedded Redis data")
-    up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
+    up.add_argument("--state-dir", default="./specinfer-state", help="the request managers' Redis data and the processes' logs (logs-*/)")
+    up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
     up.add_argument("--expansion", default="auto", help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none")
     up.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (0: off)")
     up.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the LLM verifier (0: torch's default, every core)")
@@ -257,26 +289,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_setting(up, "--internal-token-file", default="", help="file holding --internal-token")
     add_tune_parser(sub)
     add_training_parsers(sub)
-    demo = sub.add_parser("demo", help="start the local stack with the demo model pair and stream a few generations through gRPC")
+    demo = sub.add_parser("demo", help="start the local stack with the demo models and stream a few generations through gRPC")
     _add_generation_flags(demo)
     demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
     demo.add_argument("--in-process", action="store_true", help="run the engine in this process instead of the services")
-    args = parser.parse_args(argv)
+    demo.add_argument("--one-ssm", action="store_true", help="draft with the demo's first SSM only, not all of them merged")
+    for subparser in sub.choices.values():  # tune's and training's parsers are built elsewhere
+        subparser.formatter_class = _HelpFormatter
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "up":
             from specinfer.launcher import StackConfig, run_up
+            from specinfer.serving.config import named_paths
 
-            llm, ssms = (Path(args.llm), tuple(Path(s) for s in args.ssm)) if args.llm else _demo_models()[:2]
-            if not isinstance(ssms, tuple):
-                ssms = (ssms,)
+            # flags the user gave are served as given; the demo models fill in what is missing (an LLM
+            # of one's own has no demo SSMs: without --ssm it runs alone)
+            named = named_paths(args.ssm, "ssm")
+            demo_llm, demo_ssms, _ = (None, (), "") if args.llm else _demo_models()
+            llm = Path(args.llm) if args.llm else demo_llm
+            ssm_paths = tuple(Path(p) for p in named.values()) if args.ssm else demo_ssms
             cfg = StackConfig(
                 llm,
-                ssms,
+                tuple(f"{n}={p}" for n, p in named.items()) if args.ssm else ssm_paths,
                 args.workers,
                 args.port,
                 Path(args.state_dir),
                 args.backend,
-                resolve_expansion(args.expansion, ssms),
+                resolve_expansion(args.expansion, ssm_paths),
                 threads=args.verifier_threads,
                 ssm_threads=args.ssm_threads,
                 security=_stack_security(args),
@@ -294,40 +337,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate" and args.server:
             return _generate_remote(args)
         if args.command == "generate":
+            from specinfer.serving.config import named_paths
+
             if not args.llm:
                 raise InvalidArgument("llm", "give --llm (in-process) or --server (a running stack)")
-            run_generate(_build_config(args, args.llm, args.ssm, args.prompt))
+            run_generate(_build_config(args, args.llm, list(named_paths(args.ssm, "ssm").values()), args.prompt))
         else:
-            llm, ssm, what = _demo_models()
-            print(f"=== demo models: {what}")
+            llm, ssms, what = _demo_models()
+            ssms = ssms[:1] if args.one_ssm else ssms
+            print(f"=== demo models: {what}; drafting with {', '.join(s.name for s in ssms)}")
             prompts = _demo_prompts(llm, args.prompts)
             if args.in_process:
-                run_generate(_build_config(args, llm, [ssm], prompts))
+                run_generate(_build_config(args, llm, ssms, prompts))
             else:
-                return _demo_stack(args, llm, ssm, prompts)
+                return _demo_stack(args, llm, ssms, prompts)
     except InvalidArgument as exc:
         print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
         return 2
     return 0
 
 
-def _demo_stack(args: argparse.Namespace, llm: Path, ssm: Path, prompts: list[str]) -> int:
+def _demo_stack(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: list[str]) -> int:
     """Start verifier, SSM worker and request manager (with its embedded Redis) as local
-    processes, stream the prompts through the public gRPC API, stop everything."""
+    processes, stream the prompts through the public gRPC API, stop everything. Its state and logs
+    live in a temporary folder, removed afterwards."""
     import tempfile
 
     from specinfer.launcher import Stack, StackConfig
 
-    state = Path(tempfile.mkdtemp(prefix="specinfer-demo-"))
     print("=== starting the local stack (LLM verifier, SSM worker, request manager + Redis) ...", flush=True)
-    with Stack(StackConfig(llm, (ssm,), 1, 0, state, args.backend, resolve_expansion(args.expansion, [ssm]))) as stack:
-        for p in stack.processes:
+    expansion = resolve_expansion(args.expansion, ssms)
+    with tempfile.TemporaryDirectory(prefix="specinfer-demo-") as state, Stack(StackConfig(llm, tuple(ssms), 1, 0, Path(state), args.backend, expansion)) as s:
+        for p in s.processes:
             print(f"    {p.name:16s} {p.address}", flush=True)
         for prompt in prompts:
-            print("--- prompt", flush=True)
-            print(prompt, end="" if prompt.endswith("\n") else "\n", flush=True)
-            print("--- generated (streamed through gRPC)", flush=True)
-            if _stream(stack.address, args, prompt) != 0:
+            if _stream(s.address, args, prompt) != 0:
                 return 2
     return 0
 
@@ -339,6 +383,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if _stream(args.server, args, prompt, auth) != 0:
             return 2
     return 0
+
+
+def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> None:
+    """The ``--- prompt`` header and the prompt, before each generation's text: in-process and
+    streamed output look alike (``tokens``: the prompt's length, where known before generating)."""
+    out = out or sys.stdout
+    print("--- prompt" + (f" ({tokens} tokens)" if tokens is not None else ""), file=out, flush=True)
+    print(prompt, end="" if prompt.endswith("\n") else "\n", file=out, flush=True)
 
 
 def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> int:
@@ -360,6 +412,8 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
         expansion=() if args.no_speculation or keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),
     )
+    print_prompt_header(prompt)
+    print("--- generated (streamed)", flush=True)
     with Client(address, auth=auth) as client:
         try:
             for msg in client.stream(request):

@@ -1,4 +1,17 @@
-"""Python client of the public API (``specinfer.v1.SpecInfer``)."""
+"""Python client of the public API (``specinfer.v1.SpecInfer``, protos/specinfer/v1/api.proto).
+
+Stream a generation's text from a running stack (``specinfer up``)::
+
+    from specinfer.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for text in client.stream_text("def fibonacci(n):\n"):
+            print(text, end="", flush=True)
+
+A *request* is an ``api_pb2.GenerateRequest``; :meth:`Client.request` is the one place that builds
+it from plain arguments (sampling, speculation, stop conditions). Every method that generates
+takes either such a request or a prompt alone (then with :meth:`Client.request`'s defaults).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,9 @@ from specinfer.v1 import api_pb2, api_pb2_grpc
 
 @dataclass
 class Completion:
-    """A whole generation, collected from the stream."""
+    """A whole generation, collected from the stream: its ``token_ids`` and ``text`` (the output,
+    not the prompt) and the final message's ``finished`` (reason and usage: tokens, LLM steps,
+    tokens per step)."""
 
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -20,8 +35,10 @@ class Completion:
 
 
 class Client:
-    """Blocking client; ``address`` is ``host:port``; ``auth``: TLS files and the bearer token
-    (``--auth-token`` of the request manager) to send, when the server requires them."""
+    """Blocking client of one request manager; use as a context manager (it closes the channel).
+    ``address`` is ``host:port``; ``timeout``: seconds each call may take (None: no limit; a
+    stream counts as one call); ``auth``: TLS files and the bearer token (``--auth-token`` of the
+    request manager) to send, when the server requires them."""
 
     def __init__(self, address: str, timeout: float | None = None, auth: ClientAuth | None = None) -> None:
         self.auth = auth or ClientAuth()
@@ -31,6 +48,7 @@ class Client:
         self.metadata = self.auth.metadata
 
     def close(self) -> None:
+        """Close the channel (a ``with`` block does it)."""
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -57,6 +75,15 @@ class Client:
         ignore_eos: bool = False,
         verification: str = "",
     ) -> api_pb2.GenerateRequest:
+        """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
+        Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
+        ``top_p``/``top_k`` (0: off) filter, ``seed`` fixes the draw. It stops after
+        ``max_new_tokens``, at EOS (unless ``ignore_eos``), at any of ``stop`` (strings) or
+        ``stop_token_ids``. Speculation: by default the server's (``auto``: adaptive); ``adaptive``
+        asks for adaptive trees, ``expansion`` for a static tree (widths per depth, e.g.
+        ``(1, 1, 3, 1)``), ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them),
+        ``speculation=False`` decodes with the LLM alone. ``request_id``: the client's own ID (to
+        resume, read or cancel the request later; empty: the server picks one)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -78,10 +105,22 @@ class Client:
         """Reattach to a request: its tokens from ``offset`` on, then new ones until it finishes."""
         return self.stream(api_pb2.GenerateRequest(request_id=request_id, resume_from=offset))
 
-    def stream(self, request: api_pb2.GenerateRequest) -> Iterator[api_pb2.GenerateResponse]:
+    def stream(self, request: api_pb2.GenerateRequest | str) -> Iterator[api_pb2.GenerateResponse]:
+        """The response messages of a generation as they come: each carries new ``token_ids`` from
+        ``offset`` and their ``text``; the last one also ``finished``. ``request``: a request
+        (:meth:`request`) or a prompt. Raises ``grpc.RpcError`` (e.g. INVALID_ARGUMENT naming the field)."""
+        if isinstance(request, str):
+            request = self.request(request)
         return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
 
-    def generate(self, request: api_pb2.GenerateRequest) -> Completion:
+    def stream_text(self, request: api_pb2.GenerateRequest | str) -> Iterator[str]:
+        """The generated text, piece by piece as it streams (see :meth:`stream`)."""
+        for msg in self.stream(request):
+            if msg.text:
+                yield msg.text
+
+    def generate(self, request: api_pb2.GenerateRequest | str) -> Completion:
+        """The whole generation at once (see :meth:`stream`)."""
         out = Completion()
         for msg in self.stream(request):
             out.request_id = msg.request_id
@@ -92,10 +131,13 @@ class Client:
         return out
 
     def cancel(self, request_id: str) -> bool:
+        """Stop a running request (its stream ends with reason CANCELLED); False if it was not running."""
         return self.stub.Cancel(api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata).cancelled
 
     def get_request(self, request_id: str) -> api_pb2.RequestState:
+        """A request's status and the tokens it has committed so far (NOT_FOUND if unknown)."""
         return self.stub.GetRequest(api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata)
 
     def model_info(self) -> api_pb2.ModelInfo:
+        """What the server serves: the LLM's and the SSMs' names, vocabulary, limits, default speculation."""
         return self.stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -2,9 +2,15 @@
 
 Starts the LLM verifier, N SSM workers and the request manager (which starts its embedded Redis, or
 uses the Redis or Redis Cluster ``StackConfig.redis_url`` names),
-waits until each reports its port and its health is SERVING, prints the addresses, and stops
-them all (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or when one of them dies. With
+waits until each reports its port and its health is SERVING, and prints the addresses. With
 several request managers (``request_managers``), it starts a Redis they share (docs/request-managers.md).
+
+Each of these processes is a *member* of the stack. ``specinfer up`` supervises them
+(:class:`Supervisor`): a member that exits is started again with the same flags on the same port
+(the others find it again there) after an exponential backoff (:class:`RestartPolicy`), while the
+other replicas keep serving. The stack stops (SIGTERM, then SIGKILL after a grace period) on
+Ctrl-C or SIGTERM, or when a member fails at start-up again and again (:class:`StartUpFailure`).
+Logs, port files and the like live in a ``logs-*`` folder under ``StackConfig.state_dir``.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.serving.config import named_paths
 from specinfer.serving.healthcheck import check
 from specinfer.serving.security import ClientAuth, ClientTls
 
@@ -75,9 +82,30 @@ START_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """How a member that exits is brought back. It is started again ``first_delay`` seconds after
+    it exits; each further exit doubles the delay, up to ``max_delay``, until the member has served
+    for ``stable_after`` seconds in one go. A *start-up failure* is a start after which the member
+    exits before its health is SERVING (bad flags, a missing model): ``max_start_failures`` of them
+    in a row stop the stack instead (:class:`StartUpFailure`)."""
+
+    first_delay: float = 0.5
+    max_delay: float = 10.0
+    stable_after: float = 60.0
+    max_start_failures: int = 3
+
+    def delay(self, exits: int) -> float:
+        """Seconds before the next start of a member that exited ``exits`` times in a row (>= 1)."""
+        return min(self.max_delay, self.first_delay * 2 ** max(0, exits - 1))
+
+
+@dataclass(frozen=True)
 class StackConfig:
+    """What ``specinfer up`` (and tests, through :class:`Stack`) start. ``ssms``: the SSM checkpoints,
+    each a folder (served under its folder's name) or ``NAME=PATH`` (``specinfer.serving.config.named_paths``)."""
+
     llm: Path
-    ssms: tuple[Path, ...]
+    ssms: tuple[Path | str, ...]
     workers: int = 1
     port: int = 50051
     state_dir: Path = Path("./specinfer-state")
@@ -97,6 +125,27 @@ class StackConfig:
     # request-manager replicas: more than one share a Redis the launcher starts (under state_dir/redis), each with
     # its own --owner rm-<i> and state dir; the first has ``port`` and ``http_port``, the others free ports
     request_managers: int = 1
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def named_ssms(self) -> dict[str, str]:
+        """``{name: checkpoint folder}`` of the SSMs, in order (InvalidArgument on a name given twice)."""
+        return named_paths(self.ssms, "ssm")
+
+
+class MemberExited(RuntimeError):
+    """A member exited while it was starting (before its health was SERVING)."""
+
+
+class StartUpFailure(RuntimeError):
+    """A member failed at start-up ``RestartPolicy.max_start_failures`` times in a row; the message
+    ends with the last lines of its log."""
+
+    def __init__(self, name: str, failures: int, log: Path, tail_lines: int = 20) -> None:
+        lines = log.read_text(errors="replace").splitlines()[-tail_lines:] if log.is_file() else ["(no log)"]
+        tail = "\n".join("    " + line for line in lines)
+        super().__init__(f"{name} exited before it served, {failures} times in a row; the last lines of its log {log}:\n{tail}")
+        self.name = name
 
 
 @dataclass
@@ -118,27 +167,46 @@ def wait_serving(address: str, timeout: float, tls: ClientTls | None = None) -> 
         time.sleep(0.1)
 
 
+def say(line: str) -> None:
+    """A line of the launcher's own (starts, exits, restarts), time-stamped, on stderr."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class Stack:
-    """Running processes of a local stack; use as a context manager."""
+    """Running processes of a local stack; use as a context manager. ``workdir`` holds each
+    process's log, port files and the like: by default a new ``logs-<time>-*`` folder under
+    ``config.state_dir`` (kept after a stop, for reading)."""
 
     config: StackConfig
     processes: list[Process] = field(default_factory=list)
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specinfer-stack-")))
+    workdir: Path | None = None
     redis: EmbeddedRedis | None = None  # the Redis several request managers share
+    report: Callable[[str], None] = say  # where the launcher's own lines go
+
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            self.config.state_dir.mkdir(parents=True, exist_ok=True)
+            self.workdir = Path(tempfile.mkdtemp(prefix=time.strftime("logs-%Y%m%d-%H%M%S-"), dir=self.config.state_dir))
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
 
     def _spawn(self, name: str, module: str, args: Sequence[str], timeout: float, address: str = "") -> Process:
         """Start ``module`` as ``name`` and wait until it is SERVING; with ``address`` (its fixed
         host:port, for a restart) return at once, without waiting (see :meth:`wait_ready`)."""
         port_file = self.workdir / f"{name}.port"
+        metrics_file = self.workdir / f"{name}.metrics-port"
+        for stale in (port_file, metrics_file):  # an earlier start's: wait_ready must read this one's
+            stale.unlink(missing_ok=True)
         env = dict(os.environ)
         env.update(self.config.security.env(request_manager=module == "specinfer.request_manager"))
         env.update(self.config.extra_env)
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process; a respawn appends)
-        metrics_file = self.workdir / f"{name}.metrics-port"
+        log = open(self.log_path(name), "ab")  # noqa: SIM115 (lives as long as the process; a respawn appends)
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
         proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file, address, args=tuple(args))
+        log.close()  # the child holds its own copy
         self.processes.append(proc)
         if address:
             return proc
@@ -147,14 +215,13 @@ class Stack:
     def wait_ready(self, proc: Process, timeout: float = START_TIMEOUT) -> Process:
         """Block until ``proc`` listens and is SERVING (RuntimeError if it exits first)."""
         name = proc.name
-        metrics_file = self.workdir / f"{name}.metrics-port"
         port_file = proc.port_file
         deadline = time.monotonic() + timeout
         while not port_file.is_file() or not port_file.read_text().strip():
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.popen.returncode}; log: {self.workdir / (name + '.log')}")
+                raise MemberExited(f"{name} exited with {proc.popen.returncode}; log: {self.log_path(name)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not start in {timeout:.0f} s; log: {self.workdir / (name + '.log')}")
+                raise TimeoutError(f"{name} did not start in {timeout:.0f} s; log: {self.log_path(name)}")
             time.sleep(0.05)
         proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
         while True:  # SERVING, unless it exits first
@@ -163,22 +230,42 @@ class Stack:
                 break
             except TimeoutError:
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.popen.returncode}; log: {self.workdir / (name + '.log')}") from None
+                    raise MemberExited(f"{name} exited with {proc.popen.returncode}; log: {self.log_path(name)}") from None
                 if time.monotonic() > deadline:
                     raise
-        proc.metrics_address = f"127.0.0.1:{metrics_file.read_text().strip()}"  # written before health turns SERVING
+        self.read_metrics_address(proc)
         return proc
+
+    def read_metrics_address(self, proc: Process) -> None:
+        """Where ``proc`` serves /metrics (its file is written before health turns SERVING)."""
+        proc.metrics_address = f"127.0.0.1:{(self.workdir / f'{proc.name}.metrics-port').read_text().strip()}"
+
+    def _start_member(self, name: str, module: str, args: Sequence[str], timeout: float) -> Process:
+        """Start a member and wait until it is SERVING; one that exits first is started again after
+        the restart policy's delay, up to ``max_start_failures`` starts (then :class:`StartUpFailure`)."""
+        policy, failures = self.config.restart, 0
+        while True:
+            try:
+                return self._spawn(name, module, args, timeout)
+            except MemberExited as exc:
+                failures += 1
+                if failures >= policy.max_start_failures:
+                    raise StartUpFailure(name, failures, self.log_path(name)) from exc
+                delay = policy.delay(failures)
+                self.report(f"{exc}; starting it again in {delay:.1f} s")
+                self.processes.remove(self.process(name))
+                time.sleep(delay)
 
     def start(self, timeout: float = START_TIMEOUT) -> Stack:
         c = self.config
         model = ["--backend", c.backend, *c.model_args]
+        ssm_arg = ",".join(f"{name}={path}" for name, path in c.named_ssms.items())  # before anything starts: names must be distinct
         for i in range(c.verifiers):
             name = "llm-verifier" if i == 0 else f"llm-verifier-{i}"
             args = ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args]
-            self._spawn(name, "specinfer.llm_verifier", args, timeout)
-        ssm_arg = ",".join(f"ssm{i}={p}" if len(c.ssms) > 1 else str(p) for i, p in enumerate(c.ssms))
+            self._start_member(name, "specinfer.llm_verifier", args, timeout)
         workers = [
-            self._spawn(
+            self._start_member(
                 f"ssm-worker-{i}",
                 "specinfer.ssm_worker",
                 ["--port", "0", "--ssm", ssm_arg, "--llm-dir", str(c.llm), "--torch-threads", str(c.ssm_threads), *model],
@@ -220,8 +307,8 @@ class Stack:
             ]
 
         for i in range(1, c.request_managers):
-            self._spawn(f"request-manager-{i}", "specinfer.request_manager", rm_args(i), timeout)
-        self._spawn("request-manager", "specinfer.request_manager", rm_args(0), timeout)  # last: Stack.address
+            self._start_member(f"request-manager-{i}", "specinfer.request_manager", rm_args(i), timeout)
+        self._start_member("request-manager", "specinfer.request_manager", rm_args(0), timeout)  # last: Stack.address
         return self
 
     def respawn(self, name: str, timeout: float = START_TIMEOUT, wait: bool = True) -> Process:
@@ -301,8 +388,89 @@ class Stack:
         self.stop()
 
 
+@dataclass
+class Member:
+    """What the supervisor knows of one member across its restarts (its current process is
+    ``Stack.process(name)``)."""
+
+    name: str
+    restarts: int = 0  # how often it was started again
+    exits: int = 0  # exits in a row (the backoff's exponent): reset after RestartPolicy.stable_after s of serving
+    start_failures: int = 0  # exits in a row before it was SERVING: reset once it serves
+    started: float = 0.0  # monotonic time of its last start
+    serving_since: float | None = None  # monotonic time it was first seen SERVING since its last start
+    due: float | None = None  # while it is down: when it is started again
+
+
+@dataclass
+class Supervisor:
+    """Keeps a started :class:`Stack` running: :meth:`poll` notices a member that exited, starts it
+    again after the :class:`RestartPolicy` delay with the same flags on the same port, and watches
+    its health until it is SERVING again, without waiting on it: the others keep serving meanwhile.
+    Raises :class:`StartUpFailure` when a member fails at start-up too often in a row."""
+
+    stack: Stack
+    members: dict[str, Member] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        now = time.monotonic()
+        for p in self.stack.processes:  # Stack.start returns with every member SERVING
+            self.members[p.name] = Member(p.name, started=now, serving_since=now)
+
+    @property
+    def restarts(self) -> int:
+        return sum(m.restarts for m in self.members.values())
+
+    def poll(self, now: float | None = None) -> None:
+        """One round over the members (call it every fraction of a second)."""
+        now = time.monotonic() if now is None else now
+        policy, stack = self.stack.config.restart, self.stack
+        for proc in list(stack.processes):
+            m = self.members[proc.name]
+            if m.due is not None:
+                if now >= m.due:
+                    self._restart(m, now)
+                continue
+            code = proc.popen.poll()
+            if code is not None:
+                if m.serving_since is None:
+                    m.start_failures += 1
+                    if m.start_failures >= policy.max_start_failures:
+                        raise StartUpFailure(m.name, m.start_failures, stack.log_path(m.name))
+                elif now - m.serving_since >= policy.stable_after:
+                    m.exits = 0
+                m.exits += 1
+                m.serving_since = None
+                delay = policy.delay(m.exits)
+                m.due = now + delay
+                stack.report(f"{m.name} (pid {proc.popen.pid}) exited with {code}; starting it again in {delay:.1f} s on {proc.address}")
+            elif m.serving_since is None:
+                if check(proc.address, timeout=1, tls=stack.config.security.client_tls) == "SERVING":
+                    m.serving_since, m.start_failures = now, 0
+                    stack.read_metrics_address(proc)
+                    stack.report(
+                        f"{m.name} SERVING again on {proc.address} (pid {proc.popen.pid}, restart {m.restarts}, {self.restarts} in all; "
+                        f"metrics http://{proc.metrics_address}/metrics)"
+                    )
+                elif now - m.started > START_TIMEOUT:
+                    stack.report(f"{m.name} not SERVING {START_TIMEOUT:.0f} s after its start; killing it")
+                    proc.popen.kill()
+
+    def _restart(self, m: Member, now: float) -> None:
+        # Ctrl-C or SIGTERM between the fork and Stack.processes' update would leave an orphan
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            proc = self.stack.respawn(m.name, wait=False)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        m.due, m.started = None, now
+        m.restarts += 1
+        self.stack.report(f"{m.name} started again (pid {proc.popen.pid}, restart {m.restarts}); log {self.stack.log_path(m.name)}")
+
+
 def run_up(config: StackConfig) -> int:
-    """Start the stack, print the addresses, wait for Ctrl-C (or a process dying)."""
+    """Start the stack, print the addresses, keep it running (:class:`Supervisor`) until Ctrl-C or
+    SIGTERM (exit 0) or a member's repeated start-up failure (exit 1, with its last log lines)."""
     stack = Stack(config)
 
     def interrupt(signum, frame):
@@ -311,11 +479,11 @@ def run_up(config: StackConfig) -> int:
     # a shell's background job starts with SIGINT ignored; SIGTERM (docker, systemd) stops us too
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, interrupt)
+    supervisor = None
     try:
         stack.start()
         for p in stack.processes:
-            log = stack.workdir / (p.name + ".log")
-            print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {log})", flush=True)
+            print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {stack.log_path(p.name)})", flush=True)
         print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
         if config.request_managers > 1:
             print(f"every request manager serves every request: {', '.join(stack.request_manager_addresses)}", flush=True)
@@ -323,12 +491,19 @@ def run_up(config: StackConfig) -> int:
             http = f"{'https' if config.security.cert else 'http'}://127.0.0.1:{config.http_port}/v1"
             example = """'{"prompt": "def main():", "max_tokens": 32}'"""
             print(f"OpenAI-compatible API: {http}   try: curl {http}/completions -H 'Content-Type: application/json' -d {example}", flush=True)
-        while all(p.popen.poll() is None for p in stack.processes):
-            time.sleep(0.5)
-        dead = [p.name for p in stack.processes if p.popen.poll() is not None]
-        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+        print(f"a process that exits is started again on its port; Ctrl-C stops them all (logs: {stack.workdir})", flush=True)
+        supervisor = Supervisor(stack)
+        while True:
+            supervisor.poll()
+            time.sleep(0.25)
+    except StartUpFailure as exc:
+        print(f"stopping: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
         stack.stop()
+        if supervisor is not None and supervisor.restarts:
+            counts = ", ".join(f"{m.name} {m.restarts}" for m in supervisor.members.values() if m.restarts)
+            print(f"restarts: {counts}", file=sys.stderr, flush=True)
+        print(f"stopped; logs in {stack.workdir}", file=sys.stderr, flush=True)

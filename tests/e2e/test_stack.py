@@ -38,7 +38,7 @@ NEW_TOKENS = 32
 def stack(model_pair, tmp_path_factory):
     cfg = StackConfig(
         llm=model_pair.llm,
-        ssms=(model_pair.ssm, model_pair.ssm2),
+        ssms=(model_pair.ssm, model_pair.ssm2),  # served as "ssm" and "ssm2": their folders' names
         workers=2,
         port=0,
         state_dir=tmp_path_factory.mktemp("state"),
@@ -69,7 +69,7 @@ def test_concurrent_streams_mixed_parameters(stack, model_pair, expected):
         if kind == 0:
             req = Client.request(ids, NEW_TOKENS)  # server default tree, both SSMs merged
         elif kind == 1:
-            req = Client.request(ids, NEW_TOKENS, expansion=(2, 2, 1), ssms=("ssm0",))
+            req = Client.request(ids, NEW_TOKENS, expansion=(2, 2, 1), ssms=("ssm",))
         elif kind == 2:
             req = Client.request(ids, NEW_TOKENS, speculation=False)
         else:
@@ -121,7 +121,7 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     rm = stack.process("request-manager").metrics_address
     before = scrape(rm)
     prompts = model_pair.prompts[:8]
-    requests = [Client.request(ids, NEW_TOKENS, adaptive=True, ssms=("ssm0", "ssm1")[: 1 + i % 2]) for i, ids in enumerate(prompts)]
+    requests = [Client.request(ids, NEW_TOKENS, adaptive=True, ssms=("ssm", "ssm2")[: 1 + i % 2]) for i, ids in enumerate(prompts)]
     requests.append(Client.request(prompts[0], NEW_TOKENS, expansion=(2, 1)))
     requests.append(Client.request(prompts[1], NEW_TOKENS, adaptive=True, temperature=1.0, seed=5))
     with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
@@ -141,10 +141,10 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     realised = total(after, "specinfer_realised_accepted_tokens_total") - total(before, "specinfer_realised_accepted_tokens_total")
     assert predicted >= 0 and realised >= 0
     assert total(after, "specinfer_cut_draft_nodes_total") >= 0
-    assert KEPT_SHARE_FLOOR <= total(after, "specinfer_draft_kept_share", ssm="ssm0") <= 1.0
+    assert KEPT_SHARE_FLOOR <= total(after, "specinfer_draft_kept_share", ssm="ssm") <= 1.0
     # the cost model: the verifier's and workers' start-up calibration, refined since
     assert total(after, "specinfer_cost_model_verify_seconds", tokens="1") > 0
-    assert total(after, "specinfer_cost_model_draft_seconds", ssm="ssm0", tokens="1") > 0
+    assert total(after, "specinfer_cost_model_draft_seconds", ssm="ssm", tokens="1") > 0
 
 
 def test_health_and_reflection(stack):
@@ -205,7 +205,7 @@ def test_metrics_move_as_requests_complete(stack, model_pair):
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="OK") == len(prompts)
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="INVALID_ARGUMENT") == 1
     assert total(after[0], "specinfer_queue_depth") == 0
-    assert total(after[0], "specinfer_ssm_workers_live", ssm="ssm0") == total(after[0], "specinfer_ssm_workers_live", ssm="ssm1") == len(workers)
+    assert total(after[0], "specinfer_ssm_workers_live", ssm="ssm") == total(after[0], "specinfer_ssm_workers_live", ssm="ssm2") == len(workers)
     assert delta(1, "specinfer_model_calls_total", role="llm") >= steps / len(prompts)
     assert delta(1, "specinfer_grpc_server_handling_seconds_count", method="Verify", code="OK") >= steps / len(prompts)
     nodes = "specinfer_model_tree_nodes_total"

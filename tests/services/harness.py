@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -182,3 +185,66 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
         time.sleep(0.05)
+
+
+SPECINFER = Path(sys.executable).parent / "specinfer"  # the installed entry point, as a user runs it
+# what `specinfer up` prints per process once the stack serves
+UP_MEMBER = re.compile(r"^(?P<name>[a-z0-9-]+)\s+(?P<address>127\.0\.0\.1:\d+)\s+metrics http://\S+/metrics\s+\(pid (?P<pid>\d+), log ")
+
+
+class SpecinferUp:
+    """``specinfer up ARGS`` as a subprocess; a thread collects its output (stdout and stderr) line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen([str(SPECINFER), "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.popen.stdout.readline, "")), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_line(self, pattern: str, timeout: float, what: str) -> re.Match:
+        """The first output line matching ``pattern``; fails (with the output) if none comes in ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            assert self.popen.poll() is None or self.reader.is_alive(), f"specinfer up exited ({self.popen.returncode}) before {what}:\n{self.output}"
+            assert time.monotonic() < deadline, f"{what} not seen in {timeout:.0f} s:\n{self.output}"
+            time.sleep(0.1)
+
+    def wait_serving(self, timeout: float = 600) -> str:
+        """The public API's address, once the whole stack serves."""
+        return self.wait_line(r"^public API: (\S+)", timeout, "the stack serving")[1]
+
+    def members(self) -> dict[str, tuple[str, int]]:
+        """``{name: (address, pid)}`` of the processes as first started."""
+        return {m["name"]: (m["address"], int(m["pid"])) for line in list(self.lines) if (m := UP_MEMBER.match(line))}
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 120) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise
+
+
+def processes_naming(text: str) -> list[str]:
+    """Live processes (not zombies) whose command line contains ``text`` (a test's temporary folder)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # exited meanwhile
+            continue
+        if text in cmdline and state != "Z":
+            out.append(f"{proc.name}: {cmdline}")
+    return out

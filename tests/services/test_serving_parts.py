@@ -178,3 +178,26 @@ def test_request_manager_planner_from_reports_and_through_calls(services):
             await workers.close()
 
     asyncio.run(scenario())
+
+
+def test_calls_are_counted_under_the_grpc_service_they_call():
+    """A health check is a call to ``grpc.health.v1.Health``, not to the process's own service
+    (issue 40): the metrics label each call with the service in its path."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def scenario():
+        service = Service(ServerConfig("127.0.0.1", 0), [SERVICE_NAME], lambda server: None)
+        await service.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        finally:
+            await service.stop()
+        registry = service.metrics.registry
+        samples = [s for m in registry.collect() for s in m.samples]
+        started = {(s.labels["service"], s.labels["method"]): s.value for s in samples if s.name == "specinfer_grpc_server_started_total"}
+        assert started == {("grpc.health.v1.Health", "Check"): 1.0}
+        health = {"service": "grpc.health.v1.Health", "method": "Check", "code": "OK"}
+        assert registry.get_sample_value("specinfer_grpc_server_handling_seconds_count", health) == 1.0
+
+    asyncio.run(scenario())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 
 from specinfer.core import InvalidArgument
 from specinfer.serving.security import ClientAuth, ClientTls, ServerSecurity, ServerTls, read_token
@@ -112,18 +113,33 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_named_paths(text: str | None, field: str) -> dict[str, str]:
-    """``NAME=PATH,PATH2`` -> ``{NAME: PATH, <folder name of PATH2>: PATH2}``; names must be distinct."""
+def model_name(path: str | os.PathLike) -> str:
+    """The name a checkpoint ``PATH`` is served under when none is given: its folder's name
+    (``models/demo/ssm-1`` -> ``ssm-1``)."""
+    return os.path.basename(os.path.normpath(path))
+
+
+def named_paths(specs: Iterable[str | os.PathLike], field: str) -> dict[str, str]:
+    """The one naming rule of model checkpoints, wherever they are given (``specinfer up`` and
+    ``generate``'s ``--ssm``, the SSM worker's ``--ssm``, the verifier's ``--llm``): each spec is
+    ``NAME=PATH`` or ``PATH``, which is named after its folder (:func:`model_name`). Returns
+    ``{name: path}`` in the given order; two specs of one name (e.g. two folders called ``ssm``)
+    are an error that says how to tell them apart."""
     out: dict[str, str] = {}
-    for part in split_list(text):
+    for spec in specs:
+        part = str(spec).strip()
         name, sep, path = part.partition("=")
         if not sep:
-            path = part
-            name = os.path.basename(os.path.normpath(part))
+            name, path = model_name(part), part
         name, path = name.strip(), path.strip()
         if not name or not path:
             raise InvalidArgument(field, f"expected NAME=PATH or PATH, got {part!r}")
         if name in out:
-            raise InvalidArgument(field, f"name {name!r} is given twice")
+            raise InvalidArgument(field, f"name {name!r} is given twice ({out[name]} and {path}): name them apart with NAME=PATH")
         out[name] = path
     return out
+
+
+def parse_named_paths(text: str | None, field: str) -> dict[str, str]:
+    """``NAME=PATH,PATH2`` -> ``{NAME: PATH, <folder name of PATH2>: PATH2}`` (:func:`named_paths`)."""
+    return named_paths(split_list(text), field)

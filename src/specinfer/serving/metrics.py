@@ -50,9 +50,9 @@ class ServiceMetrics:
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return _TimingInterceptor(self)
 
-    def observe_call(self, method: str, code: grpc.StatusCode | None, seconds: float) -> None:
+    def observe_call(self, service: str, method: str, code: grpc.StatusCode | None, seconds: float) -> None:
         name = (code or grpc.StatusCode.OK).name
-        self.grpc_seconds.labels(self.service, method, name).observe(seconds)
+        self.grpc_seconds.labels(service, method, name).observe(seconds)
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
@@ -84,10 +84,10 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
 
     @contextlib.contextmanager
-    def _timed(self, method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    def _timed(self, service: str, method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
         """Count the call, and time it to its end with its final status (also when it raises)."""
         metrics = self.metrics
-        metrics.grpc_started.labels(metrics.service, method).inc()
+        metrics.grpc_started.labels(service, method).inc()
         started, error = time.perf_counter(), None
         try:
             yield
@@ -95,18 +95,19 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
             error = exc
             raise
         finally:
-            metrics.observe_call(method, _status(context, error), time.perf_counter() - started)
+            metrics.observe_call(service, method, _status(context, error), time.perf_counter() - started)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method.rsplit("/", 1)[-1]
+        # "/grpc.health.v1.Health/Check": the gRPC service the call is to (health, reflection or ours), and its method
+        service, _, method = details.method.lstrip("/").rpartition("/")
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request, context):
-                with self._timed(method, context):
+                with self._timed(service, method, context):
                     return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
@@ -114,7 +115,7 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                with self._timed(method, context):
+                with self._timed(service, method, context):
                     async for message in inner_stream(request, context):
                         yield message
 

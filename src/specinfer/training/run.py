@@ -17,18 +17,18 @@ from specinfer.training.sources import StudentSource
 
 def add_settings_flags(p: argparse.ArgumentParser, steps: int, batch: int, seq: int | None, lr: float, kd: float, save_dtype: str = "float32") -> None:
     """``seq`` None: the windows' length is set elsewhere (boost-tune: prompt + continuation)."""
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
-    p.add_argument("--batch-size", type=int, default=batch)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=batch, help="training windows per optimizer step")
     if seq is not None:
         p.add_argument("--seq-len", type=int, default=seq, help="tokens per training window")
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, warm-up then cosine)")
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
     p.add_argument("--kd-weight", type=float, default=kd, help="1: match the LLM's distributions (KL); 0: its tokens / the corpus's (CE); between: a mix")
-    p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature of both distributions in the KL term")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between resumable checkpoints (out/checkpoints/step-N)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the sampling of windows")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument("--save-dtype", default=save_dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--save-dtype", default=save_dtype, choices=["float32", "float16", "bfloat16"], help="dtype of the saved checkpoint")
 
 
 def settings_from(args: argparse.Namespace) -> TrainSettings:
@@ -65,8 +65,8 @@ def add_training_parsers(sub) -> None:
     b.add_argument("--ssms", type=int, default=2, help="how many SSMs")
     b.add_argument("--samples", type=int, default=8192, help="training samples (corpus prompts + LLM continuations)")
     b.add_argument("--heldout-samples", type=int, default=256, help="samples from the corpus's held-out tail, for the report")
-    b.add_argument("--prompt-tokens", type=int, default=48)
-    b.add_argument("--continuation-tokens", type=int, default=16)
+    b.add_argument("--prompt-tokens", type=int, default=48, help="corpus tokens of each sample's prompt")
+    b.add_argument("--continuation-tokens", type=int, default=16, help="the LLM's greedy tokens after each prompt (what the SSMs learn)")
     b.add_argument(
         "--cover-tokens",
         type=int,

@@ -134,7 +134,7 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree searched (nodes, the root included)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--out", default="specinfer-tuning.json")
+    p.add_argument("--out", default="specinfer-tuning.json", help="where the result (JSON: the picked tree, acceptance, step costs) is written")
     p.add_argument("--install", action="store_true", help=f"also write {TUNING_FILE} into the SSM folder (--expansion tuned: its pick; auto: its acceptance)")
 
 

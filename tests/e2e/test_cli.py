@@ -1,0 +1,104 @@
+"""What the README promises, the CLI does (issue 40), run as a user runs it (subprocesses of the
+installed ``specinfer``): flags given are honoured (``--ssm`` without ``--llm``), SSMs are named by
+one rule (folder name, ``NAME=PATH``, an error on a collision), the demo drafts with all its SSMs,
+every subcommand's help shows its defaults, and ``generate`` prints the same headers in process and
+through a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from services.harness import SPECINFER, SpecinferUp, processes_naming  # tests/services/harness.py
+
+from specinfer.cli import _HelpFormatter, build_parser
+from specinfer.client import Client
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "models/demo"
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n"]
+
+
+def specinfer(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SPECINFER_DEMO_MODELS"}  # the bundled demo models
+    env["COLUMNS"] = "200"  # --help: no line breaks inside a default
+    return subprocess.run([str(SPECINFER), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def up_with_ssms(tmp_path_factory):
+    """``specinfer up --ssm fast=models/demo/ssm-1 --ssm models/demo/ssm-2``: no --llm."""
+    state = tmp_path_factory.mktemp("up-ssms")
+    env = {k: v for k, v in os.environ.items() if k != "SPECINFER_DEMO_MODELS"}
+    up = SpecinferUp(["--ssm", f"fast={DEMO / 'ssm-1'}", "--ssm", str(DEMO / "ssm-2"), "--port", "0", "--http-port", "0", "--state-dir", str(state)], env)
+    try:
+        yield up.wait_serving(), up
+    finally:
+        code = up.stop()
+        assert code == 0, up.output
+        assert processes_naming(str(state)) == []
+
+
+def test_up_serves_the_given_ssms_with_the_demo_llm_named_by_folder_or_name(up_with_ssms):
+    address, up = up_with_ssms
+    with Client(address, timeout=60) as client:
+        info = client.model_info()
+    assert list(info.ssms) == ["fast", "ssm-2"]  # NAME=PATH, then the folder's name
+    assert info.vocab_size == json.loads((DEMO / "llm/config.json").read_text())["vocab_size"]  # the demo LLM
+    assert "ssm-worker-0" in up.members()
+
+
+def test_generate_prints_the_same_headers_through_a_server_as_in_process(up_with_ssms):
+    address, _ = up_with_ssms
+    remote = specinfer("generate", "--server", address, "--max-new-tokens", "12", *PROMPTS)
+    assert remote.returncode == 0, remote.stderr
+    local = specinfer("generate", "--llm", str(DEMO / "llm"), "--ssm", str(DEMO / "ssm-1"), "--dtype", "float32", "--max-new-tokens", "12", *PROMPTS)
+    assert local.returncode == 0, local.stderr
+    for out in (remote.stdout, local.stdout):
+        headers = re.findall(r"^--- (prompt|generated)\b.*$\n", out, re.M)
+        assert headers == ["prompt", "generated"] * len(PROMPTS), out
+        for prompt in PROMPTS:  # each prompt's text follows its header
+            assert re.search(rf"^--- prompt.*\n{re.escape(prompt)}--- generated", out, re.M), out
+
+
+def test_two_ssm_folders_of_one_name_are_an_error_saying_how_to_name_them(tmp_path):
+    a, b = tmp_path / "a/ssm", tmp_path / "b/ssm"
+    for args in (["up", "--ssm", str(a), "--ssm", str(b)], ["generate", "--llm", str(DEMO / "llm"), "--ssm", str(a), "--ssm", str(b), "x"]):
+        out = specinfer(*args, timeout=120)
+        assert out.returncode == 2, out
+        assert f"invalid argument ssm: name 'ssm' is given twice ({a} and {b}): name them apart with NAME=PATH" in out.stderr, out.stderr
+    assert not list(tmp_path.glob("**/logs-*"))  # refused before anything started
+
+
+def test_demo_drafts_with_all_three_ssms():
+    out = specinfer("demo", "--in-process", "--max-new-tokens", "8", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    assert "drafting with ssm, ssm-1, ssm-2" in out.stdout and "adaptive trees over 3 SSM(s)" in out.stdout, out.stdout
+    one = specinfer("demo", "--in-process", "--max-new-tokens", "8", "--dtype", "float32", "--one-ssm")
+    assert re.search(r"drafting with ssm$", one.stdout, re.M) and "adaptive trees over 1 SSM(s)" in one.stdout, one.stdout
+
+
+def test_every_subcommand_documents_its_flags_and_defaults():
+    top = specinfer("--help", timeout=120).stdout
+    parser = build_parser()
+    (subcommands,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
+    for name, sub in subcommands.choices.items():
+        assert re.search(rf"^\s+{re.escape(name)}\s+\S", top, re.M) or re.search(rf"^\s+{re.escape(name)}\n\s+\S", top, re.M), f"{name} has no help line"
+        formatter = _HelpFormatter(f"specinfer {name}")
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"specinfer {name} {action.option_strings[0]} has no help"
+                assert action.required or "default" in formatter._get_help_string(action), (
+                    f"specinfer {name} {action.option_strings[0]} does not show its default"
+                )
+    up = " ".join(specinfer("up", "--help", timeout=120).stdout.split())
+    for flag, default in (("--workers", "1"), ("--port", "50051"), ("--http-port", "8000"), ("--state-dir", "./specinfer-state")):
+        assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", up), (flag, up)
+    gen = " ".join(specinfer("generate", "--help", timeout=120).stdout.split())
+    assert "(default: 128)" in gen
+    tune = " ".join(specinfer("tune", "--help", timeout=120).stdout.split())
+    assert re.search(r"--out OUT where the result .*\(default: specinfer-tuning\.json\)", tune), tune
