@@ -112,9 +112,9 @@ def test_admission_of_adaptive_speculation():
 
 
 def test_adaptive_requests_survive_the_redis_record():
+    from specinfer.request_manager.live import Live
     from specinfer.request_manager.live_records import live_from_snapshot, live_params
     from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-    from specinfer.request_manager.scheduler import Live
 
     limits = _limits(default_adaptive=True)
     live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8)), 5)

@@ -19,8 +19,8 @@ from specinfer.core.iteration import request_seed
 from specinfer.core.kv_budget import KVBudget, check_fits_alone
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.adaptive import planner_config
+from specinfer.request_manager.live import Live
 from specinfer.request_manager.records import validate_id
-from specinfer.request_manager.scheduler import Live
 from specinfer.request_manager.text import TextStream
 from specinfer.v1 import api_pb2
 

@@ -37,7 +37,7 @@ from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted
 from specinfer.request_manager import openai_wire as ow
 from specinfer.request_manager.admission import build_live
 from specinfer.request_manager.chat_template import ChatTemplate, check_messages
-from specinfer.request_manager.scheduler import StreamEvent
+from specinfer.request_manager.live import StreamEvent
 from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
 from specinfer.serving.security import ServerSecurity
 from specinfer.v1 import api_pb2

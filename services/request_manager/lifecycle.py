@@ -23,10 +23,11 @@ from tokenizers import Tokenizer
 
 from specinfer.core.errors import AlreadyExists, NotFound, Unavailable
 from specinfer.request_manager.admission import ApiLimits
+from specinfer.request_manager.live import MOVED, Finish, Live, StreamEvent
 from specinfer.request_manager.live_records import live_from_snapshot, live_record, snapshot_finish
 from specinfer.request_manager.ownership import Lease
 from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-from specinfer.request_manager.scheduler import MOVED, Finish, Live, Scheduler, StreamEvent
+from specinfer.request_manager.scheduler import Scheduler
 from specinfer.request_manager.store import RequestStore, Tail
 from specinfer.request_manager.store_errors import RequestExistsError, StoreError
 from specinfer.request_manager.text import TextStream

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.admission import ApiLimits, check_kv_fit
+from specinfer.request_manager.live import Finish, Live, Usage
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
-from specinfer.request_manager.scheduler import Finish, Live, Usage
 from specinfer.request_manager.text import TextStream
 
 

@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from specinfer.core import DraftTree
 from specinfer.core.adaptive import Choice
 from specinfer.core.errors import ResourceExhausted
-from specinfer.core.iteration import Running, draft_specs, verify_specs
-from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, schedule, step_rows
+from specinfer.core.iteration import draft_specs, verify_specs
+from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
 from specinfer.core.planner import PlannerConfig
-from specinfer.core.requests import StepStats
 from specinfer.request_manager.adaptive import AdaptivePlanner
+from specinfer.request_manager.live import MOVED, Finish, Live, StreamEvent
+from specinfer.request_manager.placement import Placement
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
@@ -41,7 +41,6 @@ from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
 ROOT_ONLY = PlannerConfig(max_nodes=1, max_depth=0)  # the tree limits without a planner: the root alone
-FREE_BLOCKS_MAX_AGE = 1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
 IDLE_ADMIT_SECONDS = 0.1  # pause between admission tries while requests wait and none fits
 
 
@@ -69,72 +68,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 0  # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
 
 
-@dataclass(frozen=True)
-class Usage:
-    """A request's token counts and speculation statistics (named as the public ``Usage`` message's fields)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    llm_steps: int
-    mean_accepted_tokens: float
-    tokens_per_step: float
-    mean_tree_size: float
-    cached_prompt_tokens: int
-
-    @staticmethod
-    def of(prompt_tokens: int, completion_tokens: int, stats: StepStats) -> Usage:
-        """The usage of a request with ``stats``, the totals of its verify steps."""
-        n = max(1, stats.llm_steps)
-        return Usage(prompt_tokens, completion_tokens, stats.llm_steps, stats.accepted / n, completion_tokens / n, stats.tree_size / n, stats.cached_prompt)
-
-
-@dataclass(frozen=True)
-class Finish:
-    reason: str  # "length" | "eos" | "stop" | "cancelled" | "error"
-    usage: Usage
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """New committed tokens of a request (``offset``: index of the first in its output)."""
-
-    offset: int
-    tokens: tuple[int, ...]
-    text: str
-    finished: Finish | None = None
-
-
-class Moved:
-    """What a request's subscribers get instead of further events when another replica took it over
-    (:data:`MOVED`): they follow it in Redis from there (:meth:`.lifecycle.Requests.attach`)."""
-
-
-MOVED = Moved()
-
 # the store's answers to a fenced write: the request is not this replica's to drive any more
 NOT_OURS = (OwnershipError, RequestFinishedError, RequestNotFoundError)
-
-
-@dataclass
-class Live(Running):
-    """A request the scheduler is running (the Redis record is the durable copy)."""
-
-    stop_strings: tuple[str, ...] = ()
-    text: TextStream | None = None
-    deadline: float | None = None  # time.monotonic() after which the request is abandoned
-    subscribers: list[asyncio.Queue] = field(default_factory=list)
-    stop_reason: str | None = None  # set by cancel(); applied at the next iteration boundary
-    finished: Finish | None = None
-    final: StreamEvent | None = None  # the finishing event, published once Redis recorded the finish
-    moved: bool = False  # another replica took it over; dropped here (its subscribers got MOVED)
-
-    def usage(self) -> Usage:
-        return Usage.of(len(self.request.prompt_tokens), len(self.output), self.stats)
-
-    def publish(self, event: StreamEvent | Moved) -> None:
-        for q in self.subscribers:
-            q.put_nowait(event)
 
 
 class Scheduler:
@@ -157,9 +92,7 @@ class Scheduler:
         self._waiting: deque[Live] = deque()
         self._active: dict[str, Live] = {}  # in admission order, oldest first
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
-        self._replica_blocks: dict[str, int] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
-        self._step_back = False  # a replica refused a step for lack of KV blocks: the next admission steps back
-        self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
+        self.placement = Placement(verifier, config.verifier_backoff_seconds)
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
@@ -278,7 +211,8 @@ class Scheduler:
             await asyncio.sleep(wait)
             return
         verified = time.perf_counter()
-        self._step_back = bool(round_.refused)
+        if round_.refused:
+            self.placement.refused()
         if round_.failed:  # a replica failed: the others' requests go on, its own retry on another replica
             m.verifier_failures.inc()
         if self.verifier_failures:
@@ -311,35 +245,14 @@ class Scheduler:
         in-process engine does). A preempted request's caches are released on the verifier and the
         workers and it waits at the head of the queue with its output (its stream pauses);
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
-        replicas = self.verifier.live()
-        if not replicas or time.monotonic() < self._paused_until:
-            return  # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
-        placed = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
         running = [(rid, self._step_rows(live)) for rid, live in self._active.items()]
         waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
+        committed = {live.request_id: len(live.committed) for live in (*self._waiting, *self._active.values())}
         cfg = self.config
-        await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
-        budgets = self.verifier.kv_budgets(self._replica_blocks)
-        try:
-            if self._step_back:
-                raise ValueError("a replica refused a step for lack of KV blocks")
-            plan = schedule(cfg.kv_budgets, running, waiting, cfg.max_batch, cfg.max_prefill_tokens, Replicas(tuple(budgets), placed))
-        except ValueError:
-            # other request managers hold so much of the replicas that even our oldest request fits in
-            # none of what they leave (each fits a replica alone), or a replica refused our step: two
-            # managers whose requests grow into the same blocks would wait for each other forever.
-            # Step back: every request of ours waits (its blocks go to theirs), and comes back after a
-            # random pause, with fresh counts, so that two managers stepping back at once do not return together.
-            plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
-            self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * cfg.verifier_backoff_seconds
-            log.warning("every running request waits: other request managers hold the verifiers' KV blocks", extra={"requests": len(running)})
-        self._step_back = False
-        # what our requests hold on each replica once this iteration's verify call has run, as its free count will say
-        held = dict.fromkeys(replicas, 0)
-        lives = {**{w.request_id: w for w in self._waiting}, **self._active}
-        for rid, r in plan.placement.items():
-            held[replicas[r]] += budgets[r].blocks_for(len(lives[rid].committed)) if budgets[r] is not None else 0
-        self._replica_blocks = held
+        placed = await self.placement.plan(running, waiting, committed, cfg.kv_budgets, cfg.max_batch, cfg.max_prefill_tokens)
+        if placed is None:
+            return  # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
+        plan, replicas, before = placed
         back = [self._active.pop(rid) for rid in plan.preempted]
         if back:
             self._waiting.extendleft(reversed(back))
@@ -353,7 +266,7 @@ class Scheduler:
             live = self._waiting.popleft()  # schedule admits a prefix of the queue
             assert live.request_id == rid
             self._active[rid] = live
-        moved = [rid for rid, r in plan.placement.items() if rid in self.verifier.placement and placed.get(rid) != r]
+        moved = [rid for rid, r in plan.placement.items() if rid in self.verifier.placement and before.get(rid) != r]
         if moved:  # their replica has no room for them now: their caches go, and are rebuilt on the new one
             await self.verifier.release(moved)
         self.verifier.place({rid: replicas[r] for rid, r in plan.placement.items()})

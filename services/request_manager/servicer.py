@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from specinfer.core.errors import Unavailable
 from specinfer.request_manager.admission import build_live, check_request_id, resume_request_id
 from specinfer.request_manager.lifecycle import Requests, RequestState
+from specinfer.request_manager.live import Finish, StreamEvent
 from specinfer.request_manager.records import RequestStatus
-from specinfer.request_manager.scheduler import Finish, StreamEvent
 from specinfer.serving.rpc import rpc_errors
 from specinfer.v1 import api_pb2, api_pb2_grpc
 

@@ -1,0 +1,78 @@
+"""Which requests run each iteration, and on which verifier replica: :class:`Placement`, the one owner
+of what this request manager knows of the replicas' KV blocks.
+
+It applies :func:`~specinfer.core.kv_budget.schedule` (the in-process engine's rule) over the live
+replicas' budgets, less what other request managers hold there (:meth:`.remote.Verifiers.kv_budgets`),
+and keeps what our own requests hold on each replica once the iteration's verify call has run (their
+committed tokens' blocks), as the replica's next free count will say.
+
+*Stepping back.* Other request managers may hold so much of the replicas that even our oldest request
+fits in none of what they leave (each fits a replica alone), or a replica may refuse our step for lack
+of blocks (:meth:`Placement.refused`): two managers whose requests grow into the same blocks would wait
+for each other forever. So every request of ours waits (its blocks go to theirs) and comes back after a
+random pause, with fresh counts, so that two managers stepping back at once do not return together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+
+from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, schedule
+from specinfer.request_manager.remote import Verifiers
+
+log = logging.getLogger("specinfer.request_manager")
+FREE_BLOCKS_MAX_AGE = 1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
+
+
+class Placement:
+    """Admission and placement over the verifier replicas (see the module docstring). ``backoff_seconds``
+    scales the random pause of a step back."""
+
+    def __init__(self, verifier: Verifiers, backoff_seconds: float) -> None:
+        self.verifier = verifier
+        self.backoff_seconds = backoff_seconds
+        self._held: dict[str, int] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
+        self._step_back = False  # a replica refused a step for lack of KV blocks: the next plan steps back
+        self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
+
+    def refused(self) -> None:
+        """A replica refused this manager's step for lack of KV blocks: the next plan steps back."""
+        self._step_back = True
+
+    async def plan(
+        self,
+        running: Sequence[tuple[str, StepRows]],
+        waiting: Sequence[tuple[str, StepRows]],
+        committed: Mapping[str, int],
+        kv_budgets: Sequence[KVBudget],
+        max_batch: int,
+        max_prefill_tokens: int,
+    ) -> tuple[Schedule, list[str], dict[str, int]] | None:
+        """This iteration's schedule of ``running`` and ``waiting`` requests (oldest first; ``committed``:
+        each one's committed tokens) with the live replicas it places them on and the placement before it
+        (request -> replica index); None while no replica is live or while stepping back."""
+        replicas = self.verifier.live()
+        if not replicas or time.monotonic() < self._paused_until:
+            return None
+        before = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
+        await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
+        budgets = self.verifier.kv_budgets(self._held)
+        plan = None
+        if not self._step_back:
+            # ValueError: our oldest request fits in none of what the other managers leave: step back
+            with contextlib.suppress(ValueError):
+                plan = schedule(kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before))
+        if plan is None:
+            plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
+            self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * self.backoff_seconds
+            log.warning("every running request waits: other request managers hold the verifiers' KV blocks", extra={"requests": len(running)})
+        self._step_back = False
+        held = dict.fromkeys(replicas, 0)
+        for rid, r in plan.placement.items():
+            held[replicas[r]] += budgets[r].blocks_for(committed[rid]) if budgets[r] is not None else 0
+        self._held = held
+        return plan, replicas, before
