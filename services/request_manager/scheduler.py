@@ -427,7 +427,7 @@ class Scheduler:
     @staticmethod
     def _cut_at_stop(live: Live, tokens: tuple[int, ...]) -> tuple[int, ...]:
         """Keep the step's tokens up to the one that completes the stop string."""
-        probe = TextStream(live.text._tok, live.stop_strings)
+        probe = live.text.fresh()
         for k in range(1, len(tokens) + 1):
             probe.text = ""
             if probe.update(live.output + list(tokens[:k]))[1]:

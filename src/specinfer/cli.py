@@ -114,7 +114,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
         print(f"--- prompt ({len(res.prompt_tokens)} tokens)", file=out)
         print(text, end="" if text.endswith("\n") else "\n", file=out)
         print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
-        print(tokenizer.decode(res.output_tokens), file=out)
+        print(tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out)  # no "</s>" in the text, as the servers do
         sizes = [s.tree_size for s in res.steps]
         print(
             f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "

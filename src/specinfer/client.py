@@ -55,7 +55,9 @@ class Client:
         request_id: str = "",
         adaptive: bool = False,
         ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
     ) -> api_pb2.GenerateRequest:
+        """``skip_special_tokens``: leave EOS and the other special tokens out of the text (token IDs keep them)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -64,6 +66,7 @@ class Client:
             stop_token_ids=list(stop_token_ids),
             speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive),
             ignore_eos=ignore_eos,
+            skip_special_tokens=skip_special_tokens,
         )
         if seed is not None:
             msg.sampling.seed = seed

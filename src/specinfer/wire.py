@@ -34,6 +34,11 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
     return _prefixed(field, lambda: SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p), seed=seed))
 
 
+def skip_special_tokens_from_proto(msg: api_pb2.GenerateRequest) -> bool:
+    """Whether the request's text leaves special tokens out: unset (proto3 ``optional``) means yes."""
+    return msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+
+
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingParams:
     msg = api_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.seed is not None:
