@@ -186,9 +186,9 @@ def _stack_security(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specinfer.serving.config import add_setting
+    from specinfer.serving.config import SettingsParser, add_setting
 
-    parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
+    parser = SettingsParser(prog="specinfer", description=__doc__)  # its subcommands' parsers are SettingsParsers too
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
     gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
@@ -266,9 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_generate(_build_config(args, llm, [ssm], prompts))
             else:
                 return _demo_stack(args, llm, ssm, prompts)
-    except InvalidArgument as exc:
-        print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
-        return 2
+    except InvalidArgument as exc:  # a bad setting: one line on stderr, exit status 2
+        return parser.bad_setting(exc)
     return 0
 
 
