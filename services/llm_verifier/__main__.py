@@ -25,7 +25,7 @@ from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.loading import check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, exit_rank, load_driver, run_rank
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
+from specinfer.serving.config import SettingsParser, add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_verifier, load_model, model_identity, verifier_cost_entry
 from specinfer.serving.security import ServerSecurity
@@ -37,7 +37,7 @@ STOP_RANKS_SECONDS = 10.0  # after a clean shutdown, how long the other ranks ge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specinfer-llm-verifier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SettingsParser(prog="specinfer-llm-verifier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting(parser, "--llm", default=None, help="the LLM checkpoint, PATH or NAME=PATH (default name: the folder's) (required)")
     add_server_settings(parser)
     add_model_settings(parser)
@@ -161,27 +161,30 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        # settings first: a bad TLS or token setting fails before minutes of model loading
+    try:  # a bad setting, found here or when the port binds: one line on stderr, exit status 2
+        # settings first: a bad TLS or token setting, or a port in use, fails before minutes of model loading
         security = server_security(args, (internal_token(args),))
+        server = ServerConfig.from_args(args)
         metrics = ServiceMetrics(SERVICE_NAME)
         launch = plan_parallel(args, os.environ)
+        if launch is None or launch.layout.rank == 0:
+            server.check_ports_free()
         if launch is None:
             servicer = load_servicer(args, ModelMetrics(metrics.registry, "llm"))
+            llm = servicer.llm
+            extra = {"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests}
+            log.info("model loaded", extra=extra)
+            # the model loads before the server starts, so health turns SERVING only once it can verify
+            asyncio.run(serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
+            return 0
     except InvalidArgument as exc:
-        log.error("bad settings", extra={"error": str(exc)})
-        return 2
-    if launch is not None:
-        if args.torch_threads > 0:
-            torch.set_num_threads(args.torch_threads)
-        return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv, metrics, security)
-    llm = servicer.llm
-    log.info("model loaded", extra={"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests})
-    # the model loads before the server starts, so health turns SERVING only once it can verify
-    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
-    return 0
+        return parser.bad_setting(exc)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    return run_other_rank(args, launch) if launch.layout.rank else serve_parallel(args, launch, argv, metrics, security)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from specinfer.request_manager.remote import SsmWorkers, Verifiers
 from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.servicer import SpecInferServicer
 from specinfer.request_manager.store import RequestStore
+from specinfer.serving.config import check_ports_free
 from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
 from specinfer.serving.server import Service, run_service, setup_logging, write_port_file
@@ -336,14 +337,14 @@ async def report_speculation(service: Service, workers: SsmWorkers, metrics: Sch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = RequestManagerConfig.from_args(argv)
-    except InvalidArgument as exc:
-        print(f"specinfer-request-manager: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    try:
+    parser = RequestManagerConfig.parser()
+    try:  # a bad setting, found here or when a port binds: one line on stderr, exit status 2
+        cfg = RequestManagerConfig.from_namespace(parser.parse_args(argv))
+        check_ports_free(cfg.host, {"port": cfg.port, "http-port": cfg.http_port, "metrics-port": cfg.server.metrics_port or -1})
+        setup_logging(cfg.log_level)
         return asyncio.run(serve(cfg))
+    except InvalidArgument as exc:
+        return parser.bad_setting(exc)
     except (StartUpError, StateDirInUse, RedisStartError) as exc:
         log.error("cannot start", extra={"error": str(exc)})
         print(f"specinfer-request-manager: {exc}", file=sys.stderr)

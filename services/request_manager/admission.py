@@ -190,5 +190,5 @@ def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Token
     )
     check_kv_fit(request, limits)
     seed = request_seed(sampling)
-    text = TextStream(tokenizer, tuple(msg.stop)) if tokenizer is not None else None
+    text = TextStream(tokenizer, tuple(msg.stop), wire.skip_special_tokens_from_proto(msg)) if tokenizer is not None else None
     return Live(request, seed, tuple(msg.stop), text, deadline)

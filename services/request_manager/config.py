@@ -7,11 +7,21 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specinfer.checkpoint import check_checkpoint, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.request_manager.records import validate_id
 from specinfer.request_manager.redis_server import SOCKET_TIMEOUT_S
-from specinfer.serving.config import add_client_tls_settings, add_server_settings, add_setting, client_auth, internal_token, server_security, split_list
+from specinfer.serving.config import (
+    SettingsParser,
+    add_client_tls_settings,
+    add_server_settings,
+    add_setting,
+    client_auth,
+    internal_token,
+    server_security,
+    split_list,
+)
 from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
 from specinfer.tuning import resolve_expansion
@@ -57,8 +67,8 @@ class RequestManagerConfig:
     http_port_file: str = ""
 
     @staticmethod
-    def parser() -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
+    def parser() -> SettingsParser:
+        p = SettingsParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
         add_server_settings(p, default_port=50051)
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
         add_setting(p, "--redis-password", str, "", "Redis password", secret=True)
@@ -119,7 +129,11 @@ class RequestManagerConfig:
 
     @staticmethod
     def from_args(argv: Sequence[str] | None = None) -> RequestManagerConfig:
-        a = RequestManagerConfig.parser().parse_args(argv)
+        return RequestManagerConfig.from_namespace(RequestManagerConfig.parser().parse_args(argv))
+
+    @staticmethod
+    def from_namespace(a: argparse.Namespace) -> RequestManagerConfig:
+        """From the parsed settings of :meth:`parser`; raises :class:`InvalidArgument` naming the bad one."""
         if not a.lease_seconds > 0:  # NaN included
             raise InvalidArgument("lease-seconds", f"must be positive, got {a.lease_seconds}")
         try:
@@ -131,6 +145,8 @@ class RequestManagerConfig:
         except ValueError as exc:
             raise InvalidArgument("auth-token", str(exc)) from None
         check_redis(a)
+        if a.model_dir:
+            check_model_dir(a.model_dir)
         keyword = a.expansion.strip().lower()
         adaptive = keyword == "auto"
         expansion = () if adaptive or keyword in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
@@ -172,6 +188,16 @@ class RequestManagerConfig:
             http_port=a.http_port,
             http_port_file=a.http_port_file,
         )
+
+
+def check_model_dir(path: str) -> None:
+    """``--model-dir`` is a checkpoint folder whose tokenizer (when it has one) loads: read now, not when
+    the verifier has answered, so a bad folder is a bad setting."""
+    check_checkpoint(path, "model-dir")
+    try:
+        load_tokenizer(path)
+    except Exception as exc:  # the tokenizers library raises its own exception types
+        raise InvalidArgument("model-dir", f"{path}/tokenizer.json cannot be read: {exc}") from None
 
 
 def check_redis(a: argparse.Namespace) -> None:

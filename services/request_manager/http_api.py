@@ -39,6 +39,7 @@ from specinfer.request_manager.admission import build_live
 from specinfer.request_manager.chat_template import ChatTemplate, check_messages
 from specinfer.request_manager.live import StreamEvent
 from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
+from specinfer.serving.config import port_in_use
 from specinfer.serving.security import ServerSecurity
 from specinfer.v1 import api_pb2
 
@@ -390,7 +391,11 @@ class HttpServer:
     def __init__(self, api: HttpApi, host: str, port: int, security: ServerSecurity) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise port_in_use("http-port", host, port, exc) from None
         self.port = self.sock.getsockname()[1]
         tls = security.tls
         ssl: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """The mapping between a :class:`Live` request and its Redis record (:mod:`specinfer.request_manager.records`).
 
 ``live_params`` writes what a record keeps besides the prompt, ``live_from_snapshot`` reads an unfinished
-record back into a request to resume, ``snapshot_finish`` reads a record's final state.
+record back into a request to resume, ``snapshot_finish`` reads a record's final state, ``snapshot_text`` its text.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.admission import ApiLimits, check_kv_fit
 from specinfer.request_manager.live import Finish, Live, Usage
 from specinfer.request_manager.records import RequestRecord, RequestSnapshot
-from specinfer.request_manager.text import TextStream
+from specinfer.request_manager.text import TextStream, output_text
 
 
 def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
@@ -36,6 +36,7 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "stop_token_ids": list(req.stop_token_ids),
         "stop": list(live.stop_strings),
         "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": live.text.skip_special_tokens if live.text is not None else True,
         "speculation": None if spec is None else {"expansion": widths, "ssms": [ssm_names[i] for i in spec.ssms]},
     }
 
@@ -67,13 +68,24 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     )
     check_kv_fit(request, limits)  # the KV caches may be smaller than before the restart
     stop = tuple(params["stop"])
-    text = TextStream(tokenizer, stop) if tokenizer is not None else None
+    text = TextStream(tokenizer, stop, skip_special_tokens(params)) if tokenizer is not None else None
     live = Live(request, int(params["seed"]), stop, text)
     live.output = list(snapshot.output_tokens)
     if text is not None:
         text.update(live.output)  # already streamed before the restart
     live.stats = snapshot.stats
     return live
+
+
+def skip_special_tokens(params: dict[str, Any]) -> bool:
+    """The record's special-token rule (:mod:`.text`); records written before it was kept skip them, the default."""
+    return bool(params.get("skip_special_tokens", True))
+
+
+def snapshot_text(snapshot: RequestSnapshot, tokenizer: Tokenizer) -> str:
+    """A stored request's text as its stream releases it: special tokens left out as it asked, cut before a stop string."""
+    params = snapshot.params
+    return output_text(tokenizer, snapshot.output_tokens, params.get("stop", ()), skip_special_tokens(params), snapshot.is_finished)
 
 
 def snapshot_finish(snapshot: RequestSnapshot) -> Finish | None:

@@ -11,7 +11,8 @@ events back into ``text_completion`` objects. Terms:
   the gRPC field ``max_new_tokens``).
 
 Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
-as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``speculation`` (``"auto"``,
+as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default
+true: EOS and the other special tokens are left out of the text), ``speculation`` (``"auto"``,
 ``"disabled"``, or ``{"expansion": [widths], "ssms": [names]}``) and ``verification`` (``"auto"``,
 ``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With ``n > 1`` and a
 ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
@@ -75,10 +76,10 @@ def _integer(body: Mapping[str, Any], name: str, default: int | None, lo: int, h
     return value
 
 
-def _flag(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise InvalidArgument(name, "must be true or false")
     return value
@@ -187,6 +188,7 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("user", "must be a string")
     stops, speculation, ignore_eos = _stops(body), _speculation(body), _flag(body, "ignore_eos")
+    skip_special_tokens = _flag(body, "skip_special_tokens", True)
     out = []
     for p, prompt in enumerate(params.prompts):
         for i in range(params.n):
@@ -198,6 +200,7 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
                 stop_token_ids=stop_token_ids,
                 speculation=speculation,
                 ignore_eos=ignore_eos,
+                skip_special_tokens=skip_special_tokens,
             )
             if seed is not None:
                 msg.sampling.seed = seed + i

@@ -36,7 +36,6 @@ from specinfer.request_manager.placement import Placement
 from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
-from specinfer.request_manager.text import TextStream
 from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
@@ -341,7 +340,7 @@ class Scheduler:
     @staticmethod
     def _cut_at_stop(live: Live, tokens: tuple[int, ...]) -> tuple[int, ...]:
         """Keep the step's tokens up to the one that completes the stop string."""
-        probe = TextStream(live.text._tok, live.stop_strings)
+        probe = live.text.fresh()
         for k in range(1, len(tokens) + 1):
             probe.text = ""
             if probe.update(live.output + list(tokens[:k]))[1]:

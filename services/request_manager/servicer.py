@@ -20,6 +20,7 @@ from specinfer.core.errors import Unavailable
 from specinfer.request_manager.admission import build_live, check_request_id, resume_request_id
 from specinfer.request_manager.lifecycle import Requests, RequestState
 from specinfer.request_manager.live import Finish, StreamEvent
+from specinfer.request_manager.live_records import snapshot_text
 from specinfer.request_manager.records import RequestStatus
 from specinfer.serving.rpc import rpc_errors
 from specinfer.v1 import api_pb2, api_pb2_grpc
@@ -57,7 +58,7 @@ def state_to_proto(state: RequestState, tokenizer: Tokenizer | None) -> api_pb2.
         request_id=snapshot.request_id, status=STATUSES[state.status], prompt_token_ids=snapshot.prompt_tokens, output_token_ids=snapshot.output_tokens
     )
     if tokenizer is not None:
-        msg.text = tokenizer.decode(list(snapshot.output_tokens), skip_special_tokens=False)
+        msg.text = snapshot_text(snapshot, tokenizer)
     if state.finish is not None:
         msg.finished.CopyFrom(finish_to_proto(state.finish))
     return msg

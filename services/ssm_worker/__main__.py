@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
 from specinfer.models.interface import CausalLM
-from specinfer.serving.config import add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
+from specinfer.serving.config import SettingsParser, add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_drafters, drafter_cost_entry, load_model, model_identity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
@@ -26,7 +26,7 @@ log = logging.getLogger("specinfer.ssm_worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SettingsParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting(parser, "--ssm", default=None, help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)")
     add_setting(
         parser,
@@ -58,19 +58,21 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        # settings first: a bad TLS or token setting fails before minutes of model loading
+    try:  # a bad setting, found here or when the port binds: one line on stderr, exit status 2
+        # settings first: a bad TLS or token setting, or a port in use, fails before minutes of model loading
         security = server_security(args, (internal_token(args),))
+        server = ServerConfig.from_args(args)
+        server.check_ports_free()
         metrics = ServiceMetrics(SERVICE_NAME)
         servicer = load_servicer(args, ModelMetrics(metrics.registry, "ssm"))
+        log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
+        # models load before the server starts, so health turns SERVING only once they can draft
+        asyncio.run(serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
     except InvalidArgument as exc:
-        log.error("bad settings", extra={"error": str(exc)})
-        return 2
-    log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
-    # models load before the server starts, so health turns SERVING only once they can draft
-    asyncio.run(serve(ServerConfig.from_args(args), [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
+        return parser.bad_setting(exc)
     return 0
 
 

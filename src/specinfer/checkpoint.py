@@ -8,7 +8,26 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from specinfer.core.errors import InvalidArgument
 from specinfer.core.vocab_map import TokenTable
+
+
+def check_checkpoint(path: str | Path, field: str) -> Path:
+    """A folder whose ``config.json`` is a JSON object; raises :class:`InvalidArgument` naming ``field`` (the
+    setting that names the folder) when it is missing, not a folder, or its config.json is missing or unreadable."""
+    p = Path(path)
+    config = p / "config.json"
+    if not p.is_dir():
+        raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no such folder)")
+    if not config.is_file():
+        raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no config.json)")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(field, f"{str(config)!r} cannot be read: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidArgument(field, f"{str(config)!r} is not a JSON object")
+    return p
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

@@ -153,7 +153,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     for text, res in zip(cfg.prompts, results, strict=True):
         print_prompt_header(text, out, len(res.prompt_tokens))
         print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
-        print(tokenizer.decode(res.output_tokens), file=out)
+        print(tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out)  # no "</s>" in the text, as the servers do
         sizes = [s.tree_size for s in res.steps]
         print(
             f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
@@ -251,9 +251,10 @@ subcommand; SUBCOMMAND --help lists its flags and their defaults."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand (``main`` runs it; tests check the README's commands with it)."""
-    from specinfer.serving.config import add_setting
+    from specinfer.serving.config import SettingsParser, add_setting
 
-    parser = argparse.ArgumentParser(prog="specinfer", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    # errors are one line with exit status 2; its subcommands' parsers are SettingsParsers too
+    parser = SettingsParser(prog="specinfer", description=DESCRIPTION, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
     gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
@@ -300,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "up":
             from specinfer.launcher import StackConfig, run_up
@@ -351,9 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_generate(_build_config(args, llm, ssms, prompts))
             else:
                 return _demo_stack(args, llm, ssms, prompts)
-    except InvalidArgument as exc:
-        print(f"specinfer: invalid argument {exc.field}: {exc.message}", file=sys.stderr)
-        return 2
+    except InvalidArgument as exc:  # a bad setting: one line on stderr, exit status 2
+        return parser.bad_setting(exc)
     return 0
 
 

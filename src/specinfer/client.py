@@ -74,16 +74,20 @@ class Client:
         adaptive: bool = False,
         ignore_eos: bool = False,
         verification: str = "",
+        skip_special_tokens: bool = True,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
-        ``top_p``/``top_k`` (0: off) filter, ``seed`` fixes the draw. It stops after
-        ``max_new_tokens``, at EOS (unless ``ignore_eos``), at any of ``stop`` (strings) or
-        ``stop_token_ids``. Speculation: by default the server's (``auto``: adaptive); ``adaptive``
-        asks for adaptive trees, ``expansion`` for a static tree (widths per depth, e.g.
-        ``(1, 1, 3, 1)``), ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them),
-        ``speculation=False`` decodes with the LLM alone. ``request_id``: the client's own ID (to
-        resume, read or cancel the request later; empty: the server picks one)."""
+        ``top_p``/``top_k`` (0: off) filter, ``seed`` fixes the draw; ``verification``: how sampled
+        trees are verified ("coupled": a seed fixes the output whatever the speculation; "mss"; empty:
+        the server's rule, coupled for seeded requests). It stops after ``max_new_tokens``, at EOS
+        (unless ``ignore_eos``), at any of ``stop`` (strings) or ``stop_token_ids``.
+        ``skip_special_tokens``: leave EOS and the other special tokens out of the text (token IDs
+        keep them). Speculation: by default the server's (``auto``: adaptive); ``adaptive`` asks for
+        adaptive trees, ``expansion`` for a static tree (widths per depth, e.g. ``(1, 1, 3, 1)``),
+        ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them), ``speculation=False``
+        decodes with the LLM alone. ``request_id``: the client's own ID (to resume, read or cancel
+        the request later; empty: the server picks one)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -92,6 +96,7 @@ class Client:
             stop_token_ids=list(stop_token_ids),
             speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive),
             ignore_eos=ignore_eos,
+            skip_special_tokens=skip_special_tokens,
         )
         if seed is not None:
             msg.sampling.seed = seed

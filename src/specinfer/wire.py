@@ -37,6 +37,11 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
     )
 
 
+def skip_special_tokens_from_proto(msg: api_pb2.GenerateRequest) -> bool:
+    """Whether the request's text leaves special tokens out: unset (proto3 ``optional``) means yes."""
+    return msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+
+
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingParams:
     msg = api_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.verification != "auto":

@@ -74,9 +74,69 @@ def greedy_text(model_pair):
         with torch.inference_mode():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
         ids = out[0, len(prompt) :].tolist()
-        return ids, tok.decode(ids, skip_special_tokens=False)
+        return ids, tok.decode(ids, skip_special_tokens=True)  # the servers' default: no special tokens in the text
 
     return run
+
+
+@pytest.fixture(scope="module")
+def eos_first(stack, model_pair, llm_with_template, greedy_text, tmp_path_factory) -> tuple[str, str, list[int], int, str]:
+    """A request manager on the stack whose checkpoint folder makes EOS the token the LLM emits first after
+    ``prompt``, a special token of its tokenizer (the reported bug: a greedy completion that is EOS at once
+    came back as the text "</s>"), whatever the model: (gRPC address, HTTP base URL, prompt, that token,
+    its text)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    prompt = list(model_pair.prompts[6])
+    (first,), _ = greedy_text(prompt, 1)
+    folder = tmp_path_factory.mktemp("eos-first") / llm_with_template.name
+    folder.mkdir()
+    edited = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    for f in llm_with_template.iterdir():
+        if f.name not in edited:
+            (folder / f.name).symlink_to(f.resolve())
+    tok = Tokenizer.from_file(str(llm_with_template / "tokenizer.json"))
+    content = tok.id_to_token(first)
+    tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])  # an existing token: its ID is kept
+    assert tok.token_to_id(content) == first
+    tok.save(str(folder / "tokenizer.json"))
+    for name in edited[:2]:
+        if (llm_with_template / name).is_file():
+            config = json.loads((llm_with_template / name).read_text())
+            (folder / name).write_text(json.dumps({**config, "eos_token_id": first}))
+    config = json.loads((llm_with_template / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": content}))
+    port = free_tcp_port()
+    proc = stack.spawn_request_manager("rm-eos-first", ["--http-port", str(port), "--model-dir", str(folder)])
+    return proc.address, f"http://127.0.0.1:{port}/v1", prompt, first, tok.decode([first], skip_special_tokens=False)
+
+
+def test_eos_is_not_in_the_text_unless_asked(eos_first):
+    address, base_url, prompt, eos, eos_text = eos_first
+    assert eos_text  # the token has a spelling, which the text must leave out
+    with Client(address, timeout=120) as grpc_client:
+        for skip, text in ((None, ""), (True, ""), (False, eos_text)):
+            request = Client.request(prompt, max_new_tokens=4)
+            if skip is not None:
+                request.skip_special_tokens = skip
+            msgs = list(grpc_client.stream(request))
+            assert [t for m in msgs for t in m.token_ids] == [eos]  # token IDs keep it
+            assert "".join(m.text for m in msgs) == text and msgs[-1].finished.reason == api_pb2.FINISH_REASON_EOS
+            assert grpc_client.get_request(msgs[0].request_id).text == text
+    oa = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    model = oa.models.list().data[0].id
+    for extra, text in (({}, ""), ({"skip_special_tokens": False}, eos_text)):
+        done = oa.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        assert done.choices[0].text == text and done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == 1
+        chunks = list(oa.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    # chat completions take the field too (they become the same generate requests), and check its type
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert oa.chat.completions.create(**chat, extra_body={"skip_special_tokens": False}).choices
+    for create, body in ((oa.chat.completions.create, chat), (oa.completions.create, {"model": model, "prompt": prompt})):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(**body, extra_body={"skip_special_tokens": "no"})
+        assert err.value.body["param"] == "skip_special_tokens"
 
 
 def url(stack: Stack, path: str) -> str:

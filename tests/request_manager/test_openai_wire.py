@@ -54,6 +54,16 @@ def test_choices_are_prompts_times_n_and_samples_get_seed_plus_i():
     assert all(list(m.stop) == ["\n"] and list(m.stop_token_ids) == [2] and m.sampling.top_k == 40 and m.ignore_eos for m in msgs)
 
 
+def test_skip_special_tokens_defaults_to_true():
+    from specinfer import wire
+
+    assert wire.skip_special_tokens_from_proto(api_pb2.GenerateRequest())  # unset (an older client): skip
+    assert not wire.skip_special_tokens_from_proto(api_pb2.GenerateRequest(skip_special_tokens=False))
+    for body, skip in (({}, True), ({"skip_special_tokens": None}, True), ({"skip_special_tokens": True}, True), ({"skip_special_tokens": False}, False)):
+        (msg,) = requests({"prompt": "x", **body})
+        assert wire.skip_special_tokens_from_proto(msg) is skip
+
+
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
@@ -84,6 +94,8 @@ def test_speculation_field(spec, expected):
         ({"speculation": {"expansion": [0]}}, "speculation"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": "yes"}, "stream"),
+        ({"skip_special_tokens": "false"}, "skip_special_tokens"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),
         ({"logprobs": 2}, "logprobs"),
         ({"best_of": 3}, "best_of"),
         ({"presence_penalty": 0.5}, "presence_penalty"),

@@ -61,7 +61,7 @@ def test_sigterm_drains_and_exits_zero(model_pair, tmp_path):
     ("main", "argv", "message"),
     [
         (ssm_worker_main, [], "ssm: name at least one SSM checkpoint"),
-        (ssm_worker_main, ["--ssm", "a=/no/such/folder"], "ssm.a: '/no/such/folder' is not a Hugging Face checkpoint folder"),
+        (ssm_worker_main, ["--ssm", "a=/no/such/folder"], "--ssm (ssm.a): '/no/such/folder' is not a Hugging Face checkpoint folder"),
         (ssm_worker_main, ["--ssm", "a=x,a=y"], "ssm: name 'a' is given twice"),
         (llm_verifier_main, ["--llm", "/no/such/folder"], "llm: '/no/such/folder' is not a Hugging Face checkpoint folder"),
         (llm_verifier_main, ["--llm", "a,b"], "llm: name exactly one checkpoint"),

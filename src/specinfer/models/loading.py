@@ -8,20 +8,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from specinfer.checkpoint import eos_token_id, load_tokenizer
+from specinfer.checkpoint import check_checkpoint, eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
 from specinfer.models.reference import ReferenceBackend
-
-
-def check_checkpoint(path: str | Path, field: str) -> Path:
-    """A folder with ``config.json``; raises :class:`InvalidArgument` naming ``field`` otherwise."""
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise InvalidArgument(field, f"{str(p)!r} is not a Hugging Face checkpoint folder (no config.json)")
-    return p
-
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +44,8 @@ def load_backend(
     in host memory, streamed to the device layer by layer, within ``offload_reserve_bytes`` of device
     memory (0: no bound; native backend only, docs/offloading.md); ``prefix_caching``: with
     a paged pool, requests share the KV blocks of common context prefixes (native backend)."""
+    # every setting is checked before anything is logged or loaded: a bad one is the one line on stderr
     requested, dtype = dtype, resolve_dtype(dtype, device)
-    log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     if backend not in BACKENDS:
         raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {backend!r}")
     if kv_block_size < 0:
@@ -70,9 +61,10 @@ def load_backend(
     path = check_checkpoint(path, field)
     if backend != "reference":
         from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
+        from specinfer.models.native.backend import check_kv_budget
 
         try:
-            ModelSpec.from_dir(path)
+            spec = ModelSpec.from_dir(path)
         except UnsupportedModel as exc:
             if backend == "native" or offload:
                 raise InvalidArgument("offload" if offload else "backend", f"native backend cannot run {path}: {exc}") from exc
@@ -88,5 +80,8 @@ def load_backend(
                 offload_reserve_bytes=offload_reserve_bytes,
                 prefix_caching=prefix_caching,
             )
+            check_kv_budget(spec, options)
+            log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
             return NativeBackend.load(path, options)
+    log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)

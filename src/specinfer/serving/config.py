@@ -3,39 +3,154 @@
 The setting ``--kv-cache-bytes`` is also read from ``SPECINFER_KV_CACHE_BYTES``; a flag on the
 command line wins over the environment, which wins over the default. Lists are comma-separated
 strings in both places.
+
+*Configuration errors* (a bad flag or environment value, a model folder that cannot be read, a KV
+budget that holds no request, a port in use) are :class:`InvalidArgument` whose ``field`` is the
+setting's flag without its dashes (``kv-cache-bytes``), raised where the check is done. Each entry
+point (the services' and the CLI's ``main``) parses with a :class:`SettingsParser` and catches them
+once: :meth:`SettingsParser.bad_setting` prints one line, ``prog: error: --flag: ...`` as argparse
+does, and the process exits with status 2, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable
+import re
+import socket
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NoReturn
 
 from specinfer.core import InvalidArgument
 from specinfer.serving.security import ClientAuth, ClientTls, ServerSecurity, ServerTls, read_token
 
 ENV_PREFIX = "SPECINFER_"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
 def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _flag_type(kind):
-    if kind is bool:
-        return lambda s: s.strip().lower() in ("1", "true", "yes", "on")
-    return kind
+def _converter(kind, default):
+    """``kind``'s parser of a flag's text; a bad text raises ArgumentTypeError saying what would do
+    (argparse prints it after the flag's name)."""
+    if kind is str:
+        return str
+    what = {bool: "on or off", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+    example = f", e.g. {default if kind is not bool else ('on' if default else 'off')} (the default)" if default is not None else ""
+
+    def convert(text: str):
+        word = text.strip().lower()
+        if kind is bool and word in TRUE_WORDS + FALSE_WORDS:
+            return word in TRUE_WORDS
+        try:
+            if kind is not bool:
+                return kind(text)
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}{example}")
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
-def add_setting(parser: argparse.ArgumentParser, flag: str, kind=str, default=None, help: str = "", secret: bool = False) -> None:
+@dataclass(frozen=True)
+class _BadEnvValue:
+    """The default of a setting whose environment variable does not parse: reported by
+    :class:`SettingsParser` when no flag on the command line replaces it (a flag wins over the environment)."""
+
+    message: str
+
+
+def add_setting(parser: SettingsParser, flag: str, kind=str, default=None, help: str = "", secret: bool = False) -> None:
     """Add ``--flag`` (type ``kind``) whose default is its environment variable when set.
     ``secret``: ``--help`` says whether it is set, never the value (it may come from the environment)."""
+    if not isinstance(parser, SettingsParser):  # only it reports a bad environment value
+        raise TypeError(f"settings need a SettingsParser, got {type(parser).__name__}")
     env = env_name(flag)
-    convert = _flag_type(kind)
+    convert = _converter(kind, default)
     raw = os.environ.get(env)
-    value = convert(raw) if raw is not None else default
+    value = default
+    if raw is not None:
+        try:
+            value = convert(raw)
+        except argparse.ArgumentTypeError as exc:
+            value = _BadEnvValue(f"argument {flag} (from {env}): {exc}")
     shown = ("set" if value else "not set") if secret else repr(value)
     parser.add_argument(flag, type=convert, default=value, help=f"{help} [env {env}; default {shown}]")
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """An argument parser for settings (:func:`add_setting`) whose errors are one line on stderr,
+    ``prog: error: message`` (argparse prints its usage first), with exit status 2. Its subcommands'
+    parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {self._with_default(message)}\n")
+
+    def _with_default(self, message: str) -> str:
+        """argparse's ``argument --flag: invalid int value: 'x'`` with the flag's default, a value that works."""
+        flag = re.match(r"argument (--[\w-]+): invalid \w+ value", message)
+        action = self._option_string_actions.get(flag.group(1)) if flag else None
+        if action is None or action.default in (None, argparse.SUPPRESS):
+            return message
+        return f"{message}; e.g. {flag.group(1)} {action.default} (the default)"
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        for value in vars(parsed).values():
+            if isinstance(value, _BadEnvValue):
+                self.error(value.message)
+        return parsed, extras
+
+    def bad_setting(self, exc: InvalidArgument) -> int:
+        """Print the configuration error ``exc`` as this parser's one error line, naming the setting as
+        its flag; the exit status of a bad setting, 2, for ``main`` to return."""
+        print(f"{self.prog}: error: {self._flag(exc.field)}: {exc.message}", file=sys.stderr)
+        return 2
+
+    def _flag(self, field: str) -> str:
+        """``field`` as a flag when it names one of this parser's (or a subcommand's) options, e.g. ``--llm``
+        for ``llm`` and ``--ssm (ssm.a)`` for ``ssm.a`` (the SSM named a); else as it is."""
+        base = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not self._has_option(f"--{base}"):
+            return field
+        return f"--{base}" if base == field else f"--{base} ({field})"
+
+    def _has_option(self, flag: str) -> bool:
+        if flag in self._option_string_actions:
+            return True
+        subcommands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return any(isinstance(p, SettingsParser) and p._has_option(flag) for a in subcommands for p in a.choices.values())
+
+
+def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
+    """:class:`InvalidArgument` naming the setting of the first port of ``ports`` (setting -> port; 0: any
+    free one and negative: none, which always pass) that another process holds on ``host``: checked before
+    minutes of model loading, so that a port in use fails at once (the bind itself reports it too)."""
+    for setting, port in ports.items():
+        if port <= 0:
+            continue
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        except (socket.gaierror, UnicodeError) as exc:
+            raise InvalidArgument("host", f"{host!r} is not an address of this machine ({exc}); e.g. 127.0.0.1 or 0.0.0.0") from None
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed port in TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise port_in_use(setting, host, port, exc) from None
+
+
+def port_in_use(setting: str, host: str, port: int, exc: BaseException) -> InvalidArgument:
+    """The configuration error of a port that cannot be bound (``--http-port 0`` turns the HTTP API off)."""
+    zero = "0 for no HTTP API" if setting == "http-port" else "0 for any free one"
+    return InvalidArgument(setting, f"cannot listen on {host}:{port} ({exc}); pick a free port, or {zero}")
 
 
 def split_list(text: str | None) -> list[str]:

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from specinfer.serving.config import check_ports_free, port_in_use
 from specinfer.serving.metrics import ServiceMetrics
 from specinfer.serving.security import ServerSecurity
 
@@ -63,6 +64,11 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_port_file: str | None = None
 
+    def check_ports_free(self) -> None:
+        """:class:`InvalidArgument` naming ``port`` or ``metrics-port`` when another process holds it
+        (:func:`specinfer.serving.config.check_ports_free`)."""
+        check_ports_free(self.host, {"port": self.port, "metrics-port": self.metrics_port if self.metrics_port is not None else -1})
+
     @staticmethod
     def from_args(args) -> ServerConfig:
         """From the settings of :func:`specinfer.serving.config.add_server_settings`."""
@@ -100,6 +106,9 @@ class Service:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # gRPC sets SO_REUSEPORT by default, so a second server on a taken port would share it
+                # silently (and calls would go to either); without it, the bind fails and says so
+                ("grpc.so_reuseport", 0),
             ],
         )
         register(self.server)
@@ -108,15 +117,22 @@ class Service:
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         address = f"{config.host}:{config.port}"
-        self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # what grpc raises when the bind fails
+            raise port_in_use("port", config.host, config.port, exc) from None
         if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+            raise port_in_use("port", config.host, config.port, OSError("the bind failed"))
 
     async def start(self, serving: bool = True) -> None:
         """Open the port; health SERVING, or NOT_SERVING with ``serving=False`` (still starting)."""
         await self.server.start()
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
+            try:
+                self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
+            except OSError as exc:
+                await self.server.stop(0)
+                raise port_in_use("metrics-port", self.config.host, self.config.metrics_port, exc) from None
             if self.config.metrics_port_file:
                 write_port_file(self.config.metrics_port_file, self.metrics_port)
         await self.set_serving(serving)

@@ -66,7 +66,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from", "skip_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -87,7 +88,8 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationParams
     ignore_eos: bool
     resume_from: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., resume_from: _Optional[int] = ...) -> None: ...
+    skip_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., resume_from: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "llm_steps", "mean_accepted_tokens", "tokens_per_step", "mean_tree_size", "cached_prompt_tokens")

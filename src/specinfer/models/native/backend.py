@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
+from specinfer.core.errors import InvalidArgument
+from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -84,9 +85,31 @@ def request_rows(spec: ModelSpec, options: NativeOptions) -> int:
     return slot_len(spec, options) + options.max_tree_nodes
 
 
+def check_kv_budget(spec: ModelSpec, options: NativeOptions) -> None:
+    """:class:`InvalidArgument` naming ``kv-cache-bytes`` when ``options.kv_cache_bytes`` cannot hold the KV
+    rows of one request at its longest (:func:`request_rows`), saying the smallest budget that does and the
+    largest ``--max-seq-len`` that fits this one."""
+    per_row = KVPool.bytes_per_token(spec, options.dtype)
+    rows = request_rows(spec, options)
+    unit = options.kv_block_size or rows  # paged: whole KV blocks; contiguous: one slot of a request's rows
+    need = per_row * blocks_for(rows, unit) * unit
+    if options.kv_cache_bytes >= need:
+        return
+    fitting_rows = options.kv_cache_bytes // (per_row * unit) * unit if options.kv_block_size else options.kv_cache_bytes // per_row
+    longest = fitting_rows - options.max_tree_nodes  # the rows a request's tree nodes need besides its positions
+    shorter = f", or --max-seq-len {longest} or less" if longest > 0 else ""
+    raise InvalidArgument(
+        "kv-cache-bytes",
+        f"{options.kv_cache_bytes} bytes hold no request of {slot_len(spec, options)} positions ({rows} KV rows with "
+        f"{options.max_tree_nodes} for tree nodes, {per_row} bytes each): give --kv-cache-bytes {need} or more{shorter}",
+    )
+
+
 def pool_geometry(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     """``(rows per unit, units)`` of the KV pool for ``spec`` within ``options.kv_cache_bytes``:
-    slots (:func:`pool_slots`), or KV blocks of ``kv_block_size`` rows for a paged pool."""
+    slots (:func:`pool_slots`), or KV blocks of ``kv_block_size`` rows for a paged pool; raises
+    :class:`InvalidArgument` when it holds no request (:func:`check_kv_budget`)."""
+    check_kv_budget(spec, options)
     if options.kv_block_size:
         return options.kv_block_size, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size)
     return pool_slots(spec, options)
@@ -183,6 +206,7 @@ class NativeBackend:
     def load(cls, path: str | Path, options: NativeOptions = NativeOptions()) -> NativeBackend:
         path = Path(path)
         spec = ModelSpec.from_dir(path)
+        geometry = pool_geometry(spec, options)  # a budget that holds no request fails before the weights load
         device = torch.device(options.device)
         layers = None
         if options.offload:  # built in host memory; only the resident weights move to the device
@@ -192,7 +216,7 @@ class NativeBackend:
             weights = build_weights(spec, read_state_dict(path), options.dtype, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
         model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers)
-        return cls(spec, LocalRunner(model, new_pool(spec, options, device, pool_geometry(spec, options)), device), options)
+        return cls(spec, LocalRunner(model, new_pool(spec, options, device, geometry), device), options)
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)
