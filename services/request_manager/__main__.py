@@ -23,7 +23,8 @@ from specinfer.request_manager.adaptive import start_planner
 from specinfer.request_manager.admission import ApiLimits
 from specinfer.request_manager.chat_template import ChatTemplate
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.http_api import HttpApi, HttpMetrics, HttpServer
+from specinfer.request_manager.http_api import HttpApi
+from specinfer.request_manager.http_transport import HttpMetrics, HttpServer
 from specinfer.request_manager.lifecycle import Requests
 from specinfer.request_manager.ownership import Lease, Ownership
 from specinfer.request_manager.redis_server import EmbeddedRedis, RedisStartError, StateDirInUse, connect
@@ -199,7 +200,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
         http: HttpServer | None = None
         if cfg.http_port:
             chat = ChatTemplate.load(cfg.model_dir) if cfg.model_dir else None
-            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry), chat), cfg.host, cfg.http_port, cfg.security)
+            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry), chat).app, cfg.host, cfg.http_port, cfg.security)
             resources.push_async_callback(http.stop)
             http.start()  # answers at once: /health says 503 and calls 503 until start-up is done
             log.info("HTTP API listening", extra={"url": f"{http.scheme}://{cfg.host}:{http.port}/v1"})

@@ -17,76 +17,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted, Unavailable
+from specinfer.core.errors import InvalidArgument, Unavailable
 from specinfer.request_manager import openai_wire as ow
 from specinfer.request_manager.admission import build_live
 from specinfer.request_manager.chat_template import ChatTemplate, check_messages
+from specinfer.request_manager.http_transport import HttpError, HttpMetrics, disconnected, http_error, json_body, sse
 from specinfer.request_manager.live import StreamEvent
 from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
-from specinfer.serving.config import port_in_use
 from specinfer.serving.security import ServerSecurity
 from specinfer.v1 import api_pb2
 
 log = logging.getLogger("specinfer.request_manager.http")
-
-MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413), not kept nor parsed
-DRAIN_BYTES = 64 << 20  # an oversized body is read (and dropped) up to this, so that its sender gets the 413
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class HttpMetrics:
-    """Latency as clients of the HTTP API see it, and its requests by status."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("specinfer_http_requests", "HTTP API requests by endpoint and status code", ["endpoint", "status"], registry=registry)
-        self.ttft = Histogram("specinfer_time_to_first_token_seconds", "From an HTTP request to its first token", buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram(
-            "specinfer_inter_token_latency_seconds", "Time between a choice's token arrivals over HTTP, per token", buckets=LATENCY_BUCKETS, registry=registry
-        )
-        self.e2e = Histogram("specinfer_e2e_request_latency_seconds", "Time from an HTTP request to its last token", buckets=LATENCY_BUCKETS, registry=registry)
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
-        return JSONResponse(ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers)
-
-
-def http_error(exc: Exception) -> HttpError:
-    """The OpenAI error a core error stands for."""
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, InvalidArgument):
-        param = ow.openai_param(exc.field)
-        return HttpError(400, f"{param}: {exc.message}", "invalid_request_error", param)
-    if isinstance(exc, ResourceExhausted):
-        return HttpError(429, str(exc), "rate_limit_error", None, "queue_full")
-    if isinstance(exc, Unavailable):
-        return HttpError(503, str(exc), "service_unavailable", None, "unavailable", retry_after=1)
-    if isinstance(exc, FieldError):
-        return HttpError(400, str(exc), "invalid_request_error", ow.openai_param(exc.field))
-    log.exception("HTTP request failed")
-    return HttpError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
 @dataclass
@@ -175,12 +128,12 @@ class HttpApi:
 
     async def _completions(self, request: Request) -> Response:
         started = time.monotonic()
-        body = await _json_body(request)
+        body = await json_body(request)
         return await self._generate(request, body, False, started)
 
     async def _chat(self, request: Request) -> Response:
         started = time.monotonic()
-        body = await _json_body(request)
+        body = await json_body(request)
         messages = check_messages(body.get("messages"))
         tokenizer = self.servicer.requests.tokenizer
         if self.chat is None or tokenizer is None:
@@ -248,7 +201,7 @@ class HttpApi:
                     event = None if event.finished is not None else await anext(s.events, None)
 
         work = asyncio.gather(*(follow(i, s) for i, s in enumerate(streams)))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client left: closing the event streams cancels the requests
@@ -302,24 +255,24 @@ class HttpApi:
 
         def chunk(i: int, text: str, finish_reason: str | None) -> str:
             if not chat:
-                return _sse(ow.completion_chunk(response_id, model, created, i, text, finish_reason))
+                return sse(ow.completion_chunk(response_id, model, created, i, text, finish_reason))
             if finish_reason is None:
-                return _sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None))
-            head = _sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
-            return head + _sse(ow.chat_chunk(response_id, model, created, i, {}, finish_reason))
+                return sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None))
+            head = sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
+            return head + sse(ow.chat_chunk(response_id, model, created, i, {}, finish_reason))
 
         try:
             for i in range(len(streams)):
                 if chat:
-                    yield _sse(ow.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
+                    yield sse(ow.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
                 elif echo[i // params.n]:
-                    yield _sse(ow.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
+                    yield sse(ow.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
             open_choices = len(streams)
             while open_choices:
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
                     err = http_error(item)
-                    yield _sse(ow.error_object(str(err), err.kind, err.param, err.code))
+                    yield sse(ow.error_object(str(err), err.kind, err.param, err.code))
                     open_choices -= 1
                     continue
                 last[i] = self._observe(choices[i], item, started, last[i])
@@ -329,7 +282,7 @@ class HttpApi:
                     open_choices -= 1
             if params.include_usage:
                 usage = ow.chat_usage_chunk if chat else ow.usage_chunk
-                yield _sse(usage(response_id, model, created, choices, prompt_tokens))
+                yield sse(usage(response_id, model, created, choices, prompt_tokens))
             yield "data: [DONE]\n\n"
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
@@ -341,84 +294,3 @@ class HttpApi:
 def _usage_proto(event: StreamEvent) -> api_pb2.Usage:
     assert event.finished is not None
     return finish_to_proto(event.finished).usage
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object; 413 past MAX_BODY_BYTES, 400 when it is not one."""
-    raw = bytearray()
-    seen = 0
-    async for part in request.stream():
-        seen += len(part)
-        if seen <= MAX_BODY_BYTES:
-            raw += part
-        elif seen > DRAIN_BYTES:  # past this, answer at once (the client may see the connection close)
-            break
-    if seen > MAX_BODY_BYTES:
-        # read to the end where it is not huge, so that the client, still sending, gets the answer
-        raise HttpError(413, f"the body is over {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise HttpError(400, "the body is not valid JSON", "invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object", "invalid_request_error")
-    return body
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own SIGINT/SIGTERM handlers: the request manager's shutdown
-    (:func:`specinfer.serving.server.run_service`) owns them and stops this server itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-class HttpServer:
-    """uvicorn serving :class:`HttpApi` on the running event loop, on a socket bound at once (port 0:
-    any free port, read back from :attr:`port`); TLS (and mTLS) from the same files as the gRPC port."""
-
-    def __init__(self, api: HttpApi, host: str, port: int, security: ServerSecurity) -> None:
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as exc:
-            self.sock.close()
-            raise port_in_use("http-port", host, port, exc) from None
-        self.port = self.sock.getsockname()[1]
-        tls = security.tls
-        ssl: dict[str, Any] = {}
-        if tls.enabled:
-            import ssl as ssl_module
-
-            ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-            if tls.client_ca:
-                ssl.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
-        config = uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl)
-        self.server = _Server(config)
-        self.scheme = "https" if tls.enabled else "http"
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self.sock.listen(512)
-        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
-
-    async def stop(self) -> None:
-        if self._task is None:
-            self.sock.close()
-            return
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close()

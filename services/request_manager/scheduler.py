@@ -307,7 +307,7 @@ class Scheduler:
         if live.text is not None:
             delta, stopped = live.text.update(live.output + list(outcome.tokens))
             if stopped:
-                outcome = outcome.stopped_at(len(self._cut_at_stop(live, outcome.tokens)))
+                outcome = outcome.stopped_at(live.text.stop_cut(live.output, outcome.tokens))
         tokens, stats = outcome.tokens, outcome.stats
         offset = len(live.output)
         # durable before anyone sees it; the offset makes a retried append idempotent
@@ -336,16 +336,6 @@ class Scheduler:
             live.publish(StreamEvent(offset, tokens, delta))
         else:
             await self._finish(live, outcome.finish_reason, StreamEvent(offset, tokens, delta))
-
-    @staticmethod
-    def _cut_at_stop(live: Live, tokens: tuple[int, ...]) -> tuple[int, ...]:
-        """Keep the step's tokens up to the one that completes the stop string."""
-        probe = live.text.fresh()
-        for k in range(1, len(tokens) + 1):
-            probe.text = ""
-            if probe.update(live.output + list(tokens[:k]))[1]:
-                return tokens[:k]
-        return tokens
 
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         """End ``live`` with ``reason``; ``last``: its final step's tokens, published with the finish. When

@@ -76,6 +76,16 @@ class TextStream:
         self.text = full
         return delta
 
+    def stop_cut(self, output: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many of a step's ``tokens`` (committed after ``output``) to keep: up to the one whose text
+        completes a stop string, all of them when none does."""
+        probe = self.fresh()
+        for k in range(1, len(tokens) + 1):
+            probe.text = ""
+            if probe.update([*output, *tokens[:k]])[1]:
+                return k
+        return len(tokens)
+
     def _find_stop(self, full: str) -> int | None:
         hits = [i for s in self._stop if (i := full.find(s, len(self.text))) >= 0]
         return min(hits) if hits else None
