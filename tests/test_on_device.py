@@ -26,7 +26,7 @@ from specinfer.core import (
     verify_greedy,
     verify_stochastic,
 )
-from specinfer.core.drafts import DraftGroup, ExpansionConfig
+from specinfer.core.drafts import DraftGroup, ExpansionConfig, TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.engine.on_device import greedy_accept, processed_probs, ranked_top_k, stack_rows
 from specinfer.engine.steps import pass_tables, propose, verify_trees
@@ -213,7 +213,9 @@ def test_pass_tables_propose_what_the_reference_drafts():
     jobs, widths = [], []
     for r in range(len(logits)):
         params = SamplingParams() if r % 3 == 0 else PARAMS[r % len(PARAMS)]
-        jobs.append(DraftSpec(f"d{r}", [1], 2, ExpansionConfig((2,)), params, int(rng.integers(1, 8)), r, 0, draft_stream(0)))
+        static = ExpansionConfig((2,)) if r % 2 else None  # the others grow dynamic trees, whose slots the softmax scores
+        budget = None if r % 2 else TreeBudget(6, 2)
+        jobs.append(DraftSpec(f"d{r}", [1], 2, static, params, int(rng.integers(1, 8)), r, 0, draft_stream(0), budget))
         widths.append(int(rng.integers(1, 5)))
     tables = pass_tables(logits, jobs, widths)
     for row, job, width, table in zip(logits.numpy(), jobs, widths, tables, strict=True):
@@ -222,7 +224,8 @@ def test_pass_tables_propose_what_the_reference_drafts():
             x = row.astype(np.float64)
             probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
             assert list(got.tokens) == top_k_tokens(row, width) and got.q is None
-            np.testing.assert_allclose(got.slot_probs, probs[list(got.tokens)], rtol=1e-12)
+            if job.budget is not None:
+                np.testing.assert_allclose(got.slot_probs, probs[list(got.tokens)], rtol=1e-12)
         else:
             q = sparsify(process_logits(row, job.sampling), job.draft_support)
             assert np.array_equal(got.q.tokens, q.tokens)

@@ -43,7 +43,7 @@ from specinfer.models.interface import CausalLM, TreeForward
 class RowTable:
     """What drafting needs of one SSM logit row, in host memory. Greedy: ``tokens``, the top tokens
     best first, and ``probs``, their softmax probabilities (temperature 1: the SSM's confidence, which
-    scores dynamic trees). Sampling: the top tokens of the processed distribution, their (not
+    scores dynamic trees; zeros when no job of the pass grows one). Sampling: the top tokens of the processed distribution, their (not
     renormalised) probabilities, and ``nonzero``, how many tokens it gives mass to."""
 
     tokens: np.ndarray  # [k] int64
@@ -60,11 +60,14 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     parts: list[torch.Tensor] = []
     g_width = min(vocab, max((widths[r] for r in greedy), default=0))
     s_width = min(vocab, max((jobs[r].draft_support for r in sampled), default=0))
+    scored = any(jobs[r].budget is not None for r in greedy)  # dynamic trees score slots by the softmax; static ones need none
     if greedy:
         x = _select(rows, greedy)  # [Rg, V]
         tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
-        x = x.to(torch.float64)
-        parts += [tokens, torch.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1).gather(-1, tokens)]
+        parts.append(tokens)
+        if scored:
+            x = x.to(torch.float64)
+            parts.append(torch.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1).gather(-1, tokens))
     if sampled:
         probs = processed_probs(_select(rows, sampled), [jobs[r].sampling for r in sampled])  # [Rs, V]
         tokens, top = ranked_top_k(probs, s_width)  # [Rs, S]
@@ -74,8 +77,9 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     at = 0
     if greedy:
         n = len(greedy) * g_width
-        tokens, probs = host[:n].reshape(-1, g_width).astype(np.int64), host[n : 2 * n].reshape(-1, g_width)
-        at = 2 * n
+        tokens = host[:n].reshape(-1, g_width).astype(np.int64)
+        probs = host[n : 2 * n].reshape(-1, g_width) if scored else np.zeros_like(tokens, dtype=np.float64)
+        at = 2 * n if scored else n
         for i, r in enumerate(greedy):
             out[r] = RowTable(tokens[i], probs[i])
     if sampled:
