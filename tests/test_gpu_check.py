@@ -32,7 +32,10 @@ CPU_STEPS = {"layout", "env", "collect-gpu-tests", "bench-tree-attention"}
 
 
 def probe_wheel(folder: Path) -> None:
-    """A pure-Python wheel of a distribution no machine has."""
+    """A pure-Python wheel of a distribution no machine has, and one of an old pytest (the test's own is newer: not
+    unpacked)."""
+    with zipfile.ZipFile(folder / "pytest-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("pytest/__init__.py", "raise ImportError('the old pytest of the probe was unpacked')\n")
     with zipfile.ZipFile(folder / "specinfer_gpu_probe-0.1-py3-none-any.whl", "w") as zf:
         zf.writestr("specinfer_gpu_probe/__init__.py", "VALUE = 7\n")
         zf.writestr("specinfer_gpu_probe-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: specinfer-gpu-probe\nVersion: 0.1\n")
@@ -53,7 +56,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(status[s] == "skipped (no CUDA)" for s in STEPS if s not in CPU_STEPS)
     assert summary["dry_run"] and not summary["failed"] and summary["env"]["cuda"] is False
     layout = (out / "layout.log").read_text()
-    assert "unpacked 1 missing distribution(s): specinfer_gpu_probe" in layout and "import layout ok" in layout
+    assert "unpacked 1 missing or older distribution(s): specinfer_gpu_probe" in layout and "import layout ok" in layout
     collected = (out / "collect-gpu-tests.log").read_text()
     for test in ("test_gpu_score_options", "test_gpu_paged_score_options", "test_gpu_large_batch", "test_stack_with_the_verifier_on_cuda_equals_transformers"):
         assert test in collected
