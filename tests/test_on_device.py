@@ -163,7 +163,7 @@ def random_draft(rng: np.random.Generator, vocab: int, depth: int, width: int, g
 
 @pytest.mark.parametrize("one_tensor", [True, False])
 def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
-    """Mixed batches of greedy and sampled jobs (merged drafts with shared nodes, top-k, top-p): the
+    """Mixed batches of greedy and sampled jobs (merged drafts with shared nodes, root-only trees, top-k, top-p): the
     verdicts are those of verify_greedy on the argmax and of verify_stochastic on process_logits
     with the job's own generator, token for token."""
     rng = np.random.default_rng(3)
@@ -174,7 +174,7 @@ def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
         for i in range(int(rng.integers(1, 5))):
             sampled = bool(rng.integers(0, 3))
             params = PARAMS[int(rng.integers(len(PARAMS)))] if sampled else SamplingParams()
-            draft = random_draft(rng, vocab, int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(2, 10)))
+            draft = random_draft(rng, vocab, int(rng.integers(0, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(2, 10)))
             rid = f"r{round_}-{i}"
             # logits that agree with the drafts now and then: greedy walks get somewhere
             rows = rng.normal(size=(len(draft.tree), vocab)) * 2
@@ -246,3 +246,14 @@ def test_verify_trees_of_a_forward_tree_item():
     job = VerifySpec("a", [1, 2], DraftTree(tree), SamplingParams(), 0, 0)
     verify_trees(Recording({"a": torch.zeros(2, 8)}, True), [job])
     assert seen == [TreeForward("a", [1, 2], (5, 6), (-1, 0))]
+
+
+def test_a_sampled_root_alone_draws_its_token_like_the_reference():
+    """Trees without tries (no speculation): the device has no MSS lookups to make, only the bonus draws."""
+    rng = np.random.default_rng(5)
+    logits = {f"r{i}": torch.from_numpy(rng.normal(size=(1, 9)).astype(np.float32)) for i in range(20)}
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    jobs = [VerifySpec(rid, [1], DraftTree(TokenTree((3,), (-1,))), params, seed=i, step=0) for i, rid in enumerate(logits)]
+    got = verify_trees(FixedLM(logits, True), jobs)
+    want = [verify_stochastic(j.draft, lambda u, j=j: process_logits(logits[j.request_id].numpy()[u], params), j.rng()) for j in jobs]
+    assert got == want and len({v.bonus_token for v in got}) > 1
