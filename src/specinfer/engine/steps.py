@@ -33,7 +33,6 @@ from specinfer.core import (
 )
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
-from specinfer.core.tree import node_depths
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
 from specinfer.engine.on_device import greedy_accept, mss_tables, pack, processed_probs, ranked_top_k, stack_rows, to_host
 from specinfer.models.interface import CausalLM, TreeForward
@@ -168,7 +167,7 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult
 
 
 def _select(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
-    """Rows ``index`` of ``rows`` (all of them: ``rows`` itself, no copy).  # [len(index), V]"""
+    """Rows ``index`` of ``rows`` (all of them: ``rows`` itself, no copy).  # [len(index), ...]"""
     if len(index) == rows.shape[0]:
         return rows
     return rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
@@ -178,7 +177,7 @@ def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequenc
     """Greedy verification of ``jobs`` (their trees' rows begin at ``starts``) on the device: each
     walk's end (a node of its tree) and the LLM's token there, the bonus.  # [G], [G]"""
     index = [s + k for s, j in zip(starts, jobs, strict=True) for k in range(len(j.draft.tree))]
-    argmax = _select(rows, index).argmax(dim=-1)  # [Ng]
+    argmax = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]  # [Ng] (the argmax of every row, then the greedy ones: no copy of rows)
     tokens, parents, segments, firsts, depth, at = [], [], [], [], 0, 0
     for g, job in enumerate(jobs):
         tree = job.draft.tree
@@ -186,7 +185,7 @@ def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequenc
         tokens.extend(tree.tokens)
         parents.extend(at if p < 0 else at + p for p in tree.parents)
         segments.extend([g] * len(tree))
-        depth = max(depth, int(node_depths(tree.parents).max()))
+        depth = max(depth, int(tree.depths.max()))
         at += len(tree)
     meta = torch.tensor([tokens, parents, segments], dtype=torch.long).to(rows.device)  # [3, Ng] one host-to-device copy
     ends = greedy_accept(argmax, meta[0], meta[1], meta[2], len(jobs), depth)
