@@ -4,7 +4,8 @@ Every request of a configuration has the same tree size and prefix length; its K
 shared ``[capacity, num_kv_heads, head_dim]`` cache as in the verify step. Prints a markdown table.
 
 GPU timing uses CUDA events (median of ``--iters`` runs after ``--warmup``); the bandwidth column is
-``(K and V bytes of prefix + tree) + Q bytes`` over that time. On CPU the timing is ``time.perf_counter`` and the
+``(K and V bytes of prefix + tree) + Q bytes`` over that time, and "of copy" that bandwidth over the device's own
+device-to-device copy bandwidth, measured first (the roofline of a kernel that streams the KV cache once). On CPU the timing is ``time.perf_counter`` and the
 Triton kernel is skipped unless asked for with ``--impl triton`` (it then runs under the Triton interpreter, whose
 timings say nothing about the kernel).
 
@@ -130,17 +131,28 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> fl
     return statistics.median(times)
 
 
+def copy_bandwidth_gbs(warmup: int, iters: int) -> float:
+    """Device-to-device copy bandwidth (GB/s: bytes read + bytes written per second) of a 1 GiB buffer: what
+    a kernel that streams the KV cache can hope for."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup, iters, cuda=True)
+    torch.cuda.empty_cache()  # the buffers go when the function returns
+    return 2 * (1 << 30) / (ms * 1e-3) / 1e9
+
+
 def main() -> None:
     args = parse_args()
     cuda = args.device.type == "cuda"
     if not cuda and "triton" in args.impls:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module (and triton) is imported
     fns = {name: impl_fn(name) for name in args.impls}
+    copy_gbs = copy_bandwidth_gbs(args.warmup, args.iters) if cuda else 0.0
     print(
         f"device={torch.cuda.get_device_name() if cuda else 'cpu'} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
-        f"head_dim={args.head_dim} tree_shape={args.tree_shape}\n"
+        f"head_dim={args.head_dim} tree_shape={args.tree_shape}" + (f" copy_bandwidth={copy_gbs:.0f} GB/s" if cuda else "") + "\n"
     )
-    cols = ["batch", "tree", "prefix", "impl", "time (ms)", "vs sdpa"] + (["GB/s"] if cuda else []) + (["rel err"] if args.check else [])
+    cols = ["batch", "tree", "prefix", "impl", "time (ms)", "vs sdpa"] + (["GB/s", "of copy"] if cuda else []) + (["rel err"] if args.check else [])
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")
     for batch in args.batches:
@@ -153,7 +165,8 @@ def main() -> None:
                     row = [str(batch), str(tree), str(prefix), name, f"{ms:.3f}"]
                     row.append(f"{times['sdpa'] / ms:.2f}x" if "sdpa" in times else "-")
                     if cuda:
-                        row.append(f"{case.bytes_moved / (ms * 1e-3) / 1e9:.0f}")
+                        gbs = case.bytes_moved / (ms * 1e-3) / 1e9
+                        row += [f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"]
                     if ref is not None:
                         out = fns[name](case).float()
                         row.append(f"{((out - ref.float()).abs().max() / ref.float().abs().max()).item():.2e}")

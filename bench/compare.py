@@ -185,7 +185,7 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
         with torch.inference_mode():
             for first in range(0, len(prompts), case.batch):
                 chunk = prompts[first : first + case.batch]
-                ids, mask = left_padded(chunk)
+                ids, mask = (t.to(llm.device) for t in left_padded(chunk))
                 torch.manual_seed(seed + first)
                 before = calls[0]
                 streamer = _Timing()
@@ -378,6 +378,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-auto", action="store_true", help="skip our adaptive speculation")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="of every row: transformers' models and ours (e.g. cuda)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="of every row, transformers' included")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/compare"))
@@ -396,15 +397,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = max((c.batch for c in cases), default=1)
     print(f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), {len(cases)} runs")
 
-    dtype = resolve_dtype(args.dtype, "cpu")
-    print(f"every row in {dtype}")
+    dtype = resolve_dtype(args.dtype, args.device)
+    print(f"every row in {dtype} on {args.device}")
     hf_llm = hf_ssm = None
     if any(c.method.startswith("hf-") for c in cases):
-        hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=DTYPES[dtype]).eval()
-        hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=DTYPES[dtype]).eval()
+        hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=DTYPES[dtype]).eval().to(args.device)
+        hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=DTYPES[dtype]).eval().to(args.device)
     kv_bytes = _kv_bytes(args.llm, batches, DTYPES[dtype])
-    llm: CausalLM = load_backend(args.llm, "llm", dtype, backend="native", kv_cache_bytes=kv_bytes)
-    ssms = [load_backend(p, f"ssm[{i}]", dtype, backend="native") for i, p in enumerate(args.ssm)]
+    llm: CausalLM = load_backend(args.llm, "llm", dtype, args.device, backend="native", kv_cache_bytes=kv_bytes)
+    ssms = [load_backend(p, f"ssm[{i}]", dtype, args.device, backend="native") for i, p in enumerate(args.ssm)]
     costs = None
     if any(c.method == "auto" for c in cases):
         started = time.perf_counter()
@@ -449,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_tokens": sum(len(p) for p in prompts),
         "threads": args.threads,
         "dtype": dtype,
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
     }

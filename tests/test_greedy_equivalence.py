@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import TEST_DEVICE  # tests/devices.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.core import ExpansionConfig
@@ -33,7 +34,7 @@ def setup(request, model_pair, expected):
     prompts, tokens, eos = expected
     backend, _, paged = request.param.partition("-")
     models = [
-        load_backend(p, "model", "float32", backend=backend, kv_cache_bytes=1 << 28, kv_block_size=3 if paged else 0)
+        load_backend(p, "model", "float32", TEST_DEVICE, backend=backend, kv_cache_bytes=1 << 28, kv_block_size=3 if paged else 0)
         for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)
     ]
     return prompts, tokens, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import on_test_device  # tests/devices.py
 from oracles import hf_greedy
 from rope_configs import GEMMA3_ROPE, LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, gemma3_multimodal, llama3_rope
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
@@ -85,7 +86,7 @@ def family(request, tmp_path_factory):
     llm, ssm = _save_pair(_configs()[request.param], tmp_path_factory.mktemp(request.param))
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 30)]
-    options = NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm="linear")
+    options = on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm="linear"))
     models = [NativeBackend.load(p, options) for p in (llm, ssm, llm)]
     engine = SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos_token_id(llm)))
     return prompts, hf_greedy(llm, prompts, NEW_TOKENS), engine

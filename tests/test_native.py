@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import on_test_device  # tests/devices.py
 from rope_configs import GEMMA3_ROPE, PARTIAL_ROPE, PHI3_LONGROPE, PHI3_TOKENS, gemma3_multimodal, llama3_rope
 from transformers import (
     AutoModelForCausalLM,
@@ -25,8 +26,8 @@ TOL = 1e-4
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|"""
-    return float((a - b).abs().max() / b.abs().max())
+    """max |a - b| / max |b| (``a``: ours, on the test device; ``b``: transformers', on the CPU)"""
+    return float((a.cpu() - b).abs().max() / b.abs().max())
 
 
 LLAMA3_ROPE = llama3_rope(8.0)
@@ -128,7 +129,7 @@ def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm, kv_block_si
     """Both forms of every matrix product (see specinfer.models.native.gemm), and KV blocks of 3 tokens
     (a sliding window then starts mid-block), give transformers' logits."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size))
+    native = NativeBackend.load(path, on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size)))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
     # prefill: the whole prompt as a chain (context empty) -> logits after every token
@@ -155,7 +156,7 @@ def test_incremental_expansion_and_cache_rebuild(checkpoint):
     """SSM-style calls (root, then frontier nodes attached to earlier ones) and a context that
     diverges from the cache (truncation) both give transformers' logits."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    native = NativeBackend.load(path, on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch")))
     ctx = list(range(10, 30))
     root = native.forward_tree([TreeForward("a", ctx[:-1], [ctx[-1]], [-1])])[0]
     assert _rel(root, _hf_last_logits(hf, [ctx])) < TOL
@@ -193,7 +194,7 @@ def test_packed_step_runs_without_the_backend(checkpoint):
     """A prefill chain and a tree on top of it in one packed step, run by the backend's runner
     directly: the tree's logits are transformers'."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, NativeOptions(kv_cache_bytes=1 << 24, attention="torch"))
+    native = NativeBackend.load(path, on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch")))
     context, tokens, parents = list(range(3, 20)), [20, 21, 22, 23], [-1, 0, 0, 2]
     step = PackedStep.from_trees([StepRequest(kv_start=native.pool.slot_len, cached=0, chain=context, tokens=tokens, parents=parents)])
     logits = native.runner.run(step)
@@ -216,7 +217,7 @@ def test_kv_budget_is_enforced(checkpoint):
 def test_shared_pair_logits_match_transformers(model_pair):
     """The LLM of the test pair (the trained one when present): prefill and a tree-verify step."""
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
-    native = NativeBackend.load(model_pair.llm, NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=512, attention="torch"))
+    native = NativeBackend.load(model_pair.llm, on_test_device(NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=512, attention="torch")))
     prompts = [p[:200] for p in model_pair.prompts[:3]]
     out = native.forward_tree([TreeForward(f"s{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
     for p, logits in zip(prompts, out, strict=True):

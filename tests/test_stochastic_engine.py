@@ -25,11 +25,12 @@ from stats import chi_square_pvalue
 
 from specinfer.core import BestFirstTreeBuilder, ExpansionConfig, Proposal, SamplingParams, VerifyResult, process_logits
 from specinfer.core.costs import CostTable, StepCosts
-from specinfer.core.coupled import PositionNoise
+from specinfer.core.coupled import noise_bits
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import engine as engine_module
+from specinfer.engine import on_device as on_device_module
 from specinfer.engine import steps as steps_module
 from specinfer.models.cross_vocab import CrossVocabularyLM
 from specinfer.models.interface import TreeForward
@@ -249,16 +250,14 @@ def test_adaptive_speculative_sampling_matches_llm_sampling(models, case, monkey
     assert pvalue > 0.001, f"p-value {pvalue}"
 
 
-class ReusedNoise(PositionNoise):
-    """Deliberately wrong: one Gumbel vector for every sequence index of a request."""
-
-    def __call__(self, index):
-        return super().__call__(0)
+def reused_noise_bits(seed, index, tokens):
+    """Deliberately wrong: the noise of index 0 for every sequence index of a request."""
+    return noise_bits(seed, index * 0, tokens)
 
 
 @pytest.mark.slow
 def test_coupled_verification_with_noise_reused_across_positions_fails(models, monkeypatch):
-    monkeypatch.setattr(steps_module, "PositionNoise", ReusedNoise)
+    monkeypatch.setattr(on_device_module, "noise_bits", reused_noise_bits)
     params, spec = CASES["coupled-two-ssms-merged"]
     counts = sample_engine(_engine(models), params, spec)
     assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 1e-6

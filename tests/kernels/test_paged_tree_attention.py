@@ -304,6 +304,24 @@ def test_gpu_paged_large_batch(seed: int, dtype: torch.dtype, tol: float, block_
 
 @pytest.mark.gpu
 @needs_triton
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+def test_gpu_paged_score_options(seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None) -> None:
+    """Soft-capping and sliding windows through block tables on a real GPU in every dtype: KV blocks of 16, GQA 4,
+    a ragged batch with partial queries, windows starting mid block; paged vs reference and vs contiguous."""
+    rng = np.random.default_rng(seed)
+    trees = [mixed_tree(rng) for _ in range(6)] + [chain(40), random_tree(rng, 128), [-1]]
+    prefix = [int(rng.integers(0, 2048)) for _ in trees]
+    nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
+    pb = make_paged_batch(rng, trees, prefix, 8, 4, 128, dtype, torch.device("cuda"), 16, num_queries=nq)
+    out = tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, softcap=softcap, window=window)
+    check_against_ref(pb.paged, out, tol, f"seed={seed} {dtype} softcap={softcap} window={window}", softcap, window)
+    contiguous = tree_attention(pb.contiguous.q, pb.contiguous.k_cache, pb.contiguous.v_cache, pb.contiguous.meta, softcap=softcap, window=window)
+    assert rel_err(out, contiguous) < tol, f"seed={seed} paged vs contiguous"
+
+
+@pytest.mark.gpu
+@needs_triton
 def test_gpu_paged_single_request_long_prefix_uses_splits(seed: int) -> None:
     rng = np.random.default_rng(seed)
     pb = make_paged_batch(rng, [random_tree(rng, 32)], [8000], 8, 4, 128, torch.bfloat16, torch.device("cuda"), 16)

@@ -585,6 +585,22 @@ def test_gpu_large_batch(seed: int, dtype: torch.dtype, tol: float, group: int, 
 
 @pytest.mark.gpu
 @needs_triton
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
+def test_gpu_score_options(seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None) -> None:
+    """Soft-capping and sliding windows on a real GPU in every dtype: GQA 4, a ragged batch (trees, a chain, a
+    lone root) with partial queries, prefixes up to 2k (split-KV where the automatic config picks it)."""
+    rng = np.random.default_rng(seed)
+    trees = [mixed_tree(rng) for _ in range(6)] + [chain(40), random_tree(rng, 128), [-1]]
+    prefix = [int(rng.integers(0, 2048)) for _ in trees]
+    nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
+    batch = make_batch(rng, trees, prefix, 8, 4, 128, dtype, torch.device("cuda"), num_queries=nq)
+    out = tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)
+    check_against_ref(batch, out, tol, f"seed={seed} {dtype} softcap={softcap} window={window}", softcap, window)
+
+
+@pytest.mark.gpu
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_single_request_long_prefix_uses_splits(seed: int, dtype: torch.dtype) -> None:
     rng = np.random.default_rng(seed)

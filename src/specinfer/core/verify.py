@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specinfer.core.drafts import DraftTree
-from specinfer.core.sampling import sample
+from specinfer.core.sampling import SparseDist, sample
 from specinfer.core.tree import TokenTree
 
 
@@ -60,42 +60,117 @@ def verify_greedy(tree: TokenTree, target_argmax: np.ndarray) -> VerifyResult:
         u = child
 
 
+@dataclass(frozen=True)
+class MssTry:
+    """One try of MSS at a node: ``child``, whose ``token`` was drawn from ``q``, its group's draft
+    distribution renormalised over the group's tokens not tried before it."""
+
+    child: int
+    token: int
+    q: SparseDist
+
+
+def mss_tries(draft: DraftTree) -> list[list[MssTry]]:
+    """Per node, its tries in the order MSS makes them: its draft groups in order, each group's
+    children in draw order (a node in two groups is tried twice, each time with its group's q)."""
+    tree = draft.tree
+    tries: list[list[MssTry]] = [[] for _ in range(len(tree))]
+    grouped = set()
+    for group in draft.groups:
+        if group.q is None:
+            raise ValueError("stochastic verification needs draft distributions (q)")
+        grouped.add(group.parent)
+        rest = group.q.probs.copy()  # [support] q's mass on the group's tokens not tried yet
+        for child in group.children:
+            x = tree.tokens[child]
+            hit = np.nonzero(group.q.tokens == x)[0]
+            if not hit.size or rest[hit[0]] <= 0:
+                raise ValueError(f"token {x} was drafted with probability 0")
+            tries[group.parent].append(MssTry(child, x, SparseDist(group.q.tokens, rest / rest.sum())))
+            rest[hit[0]] = 0.0
+    for u in range(len(tree)):
+        if tree.children[u] and u not in grouped:
+            raise ValueError(f"node {u} has children but no draft distribution to verify them with")
+    return tries
+
+
+def mss_residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The target after a rejected try: ``normalize(max(0, p - q))``.  # [V] float64
+
+    A residual without mass means p == q, where rejection has probability 0: only rounding gets
+    there, and p is kept."""
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    return residual / total if total > 1e-12 else p
+
+
+def bonus_draws(tries: list[list[MssTry]]) -> list[tuple[int, int]]:
+    """Per node u, the range ``(lo, hi)`` of j such that a walk ending at u draws its bonus token
+    with the j-th uniform of its stream (0-based): one uniform per try made before, on the way
+    (up to the accepting try at each ancestor) and at u (all of them). A node tried in two groups
+    of its parent can be reached after different numbers of tries, hence a range."""
+    reach: list[tuple[int, int] | None] = [None] * len(tries)  # uniforms used before arriving at a node
+    reach[0] = (0, 0)
+    for u, node_tries in enumerate(tries):  # parents before children
+        if reach[u] is None:
+            continue  # never tried: no walk gets here
+        lo, hi = reach[u]
+        for k, t in enumerate(node_tries):
+            seen = reach[t.child]
+            reach[t.child] = (lo + k + 1, hi + k + 1) if seen is None else (min(seen[0], lo + k + 1), max(seen[1], hi + k + 1))
+    return [(0, 0) if r is None else (r[0] + len(t), r[1] + len(t)) for r, t in zip(reach, tries, strict=True)]
+
+
 def verify_stochastic(
     draft: DraftTree,
     target_probs: Callable[[int], np.ndarray],
     rng: np.random.Generator,
 ) -> VerifyResult:
-    """MSS. ``target_probs(i)``: the LLM's processed distribution after node i.  # [V]"""
+    """MSS. ``target_probs(i)``: the LLM's processed distribution after node i.  # [V]
+
+    Each try takes one uniform from ``rng``, and so does the bonus token when every try at the
+    last node fails (:func:`~specinfer.core.sampling.sample`)."""
     tree = draft.tree
+    tries = mss_tries(draft)
     u, path = 0, []
     while True:
         p = np.array(target_probs(u), dtype=np.float64)
         accepted = None
-        groups = draft.groups_at(u)
-        if tree.children[u] and not groups:
-            raise ValueError(f"node {u} has children but no draft distribution to verify them with")
-        for group in groups:
-            if group.q is None:
-                raise ValueError("stochastic verification needs draft distributions (q)")
-            q_rest = group.q.dense(p.size)  # [V] q over the tokens this group has not tried yet
-            for child in group.children:
-                x = tree.tokens[child]
-                q_i = q_rest / q_rest.sum()
-                if q_i[x] <= 0:
-                    raise ValueError(f"token {x} was drafted with probability 0")
-                if rng.random() * q_i[x] < p[x]:
-                    accepted = child
-                    break
-                residual = np.maximum(p - q_i, 0.0)
-                total = residual.sum()
-                # total == 0 means p == q_i, where rejection has probability 0; only rounding gets here
-                if total > 1e-12:
-                    p = residual / total
-                q_rest[x] = 0.0
-            if accepted is not None:
+        for t in tries[u]:
+            q_i = t.q.dense(p.size)  # [V]
+            if rng.random() * q_i[t.token] < p[t.token]:
+                accepted = t.child
+                break
+            p = mss_residual(p, q_i)
+        if accepted is None:
+            return _result(tree, path, sample(p, rng))
+        path.append(accepted)
+        u = accepted
+
+
+def walk_stochastic(
+    draft: DraftTree,
+    tries: list[list[MssTry]],
+    try_probs: Callable[[int, int], float],
+    bonus: Callable[[int, int], int],
+    uniforms: np.ndarray,
+) -> VerifyResult:
+    """:func:`verify_stochastic` from precomputed numbers (see
+    :func:`specinfer.engine.on_device.mss_tables`): ``try_probs(u, k)``: the target at node u after
+    its first k tries were rejected, at the k-th try's token; ``bonus(u, j)``: the token drawn with
+    ``uniforms[j]`` from u's target once all its tries are rejected; ``uniforms``: the stream's
+    draws, in order (at least :func:`bonus_draws`' highest + 1). Given the same numbers, it accepts
+    and draws what :func:`verify_stochastic` does with a generator that yields ``uniforms``."""
+    u, path, j = 0, [], 0
+    while True:
+        accepted = None
+        for k, t in enumerate(tries[u]):
+            w = uniforms[j]
+            j += 1
+            if w * t.q.prob_of(t.token) < try_probs(u, k):
+                accepted = t.child
                 break
         if accepted is None:
-            bonus = sample(p, rng)
-            return _result(tree, path, bonus)
+            return _result(draft.tree, path, bonus(u, j))
         path.append(accepted)
         u = accepted

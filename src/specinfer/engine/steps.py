@@ -2,8 +2,14 @@
 
 - :func:`draft_trees`: one SSM grows a draft tree per job, all jobs batched through the model
   depth by depth (the SSM worker's ``Speculate``).
-- :func:`verify_trees`: one batched LLM forward over every tree, then greedy verification or
-  multi-step speculative sampling per job (the LLM verifier's ``Verify``).
+- :func:`verify_trees`: one batched LLM forward over every tree, then greedy verification, coupled
+  verification (seeded sampling, :mod:`specinfer.core.coupled`) or multi-step speculative sampling
+  per job (the LLM verifier's ``Verify``).
+
+Model outputs stay on the model's device: each SSM pass and each verify step computes what it
+needs there, for all jobs at once (:mod:`specinfer.engine.on_device`), and copies the small results
+to the host once. The host keeps what is sequential and small: growing the trees, drawing drafts
+from their sparse distributions, and the MSS walk.
 
 Jobs are :class:`~specinfer.core.iteration.DraftSpec` / :class:`~specinfer.core.iteration.VerifySpec`;
 each draws from the random stream its spec names.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,38 +31,82 @@ from specinfer.core import (
     TreeBuilder,
     VerifyResult,
     draw_without_replacement,
-    process_logits,
-    sparsify,
-    top_k_tokens,
-    verify_greedy,
-    verify_stochastic,
 )
-from specinfer.core.coupled import PositionNoise, coupled_children, verify_coupled
+from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core.sampling import SparseDist
+from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
+from specinfer.engine.on_device import coupled_targets, greedy_accept, mss_tables, pack, processed_probs, ranked_top_k, stack_rows, to_host
 from specinfer.models.interface import CausalLM, TreeForward
 
 
-def propose_children(logits: torch.Tensor, width: int, job: DraftSpec, rng: np.random.Generator, depth: int) -> tuple[list[int], object]:
-    """Children (at ``depth`` below the root) of one node: top-k under greedy decoding; under sampling,
-    drawn without replacement from the sparse processed distribution q, which is returned with them:
-    from ``rng`` (MSS), or by Gumbel-top-k with the position noise of their sequence index (coupled)."""
+@dataclass(frozen=True)
+class RowTable:
+    """What drafting needs of one SSM logit row, in host memory. Greedy: ``tokens``, the top tokens
+    best first, and ``probs``, their softmax probabilities (temperature 1: the SSM's confidence, which
+    scores dynamic trees; zeros when no job of the pass grows one). Sampling: the top tokens of the processed distribution, their (not
+    renormalised) probabilities, and ``nonzero``, how many tokens it gives mass to."""
+
+    tokens: np.ndarray  # [k] int64
+    probs: np.ndarray  # [k] float64
+    nonzero: int = 0
+
+
+def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[int]) -> list[RowTable]:
+    """:class:`RowTable` of each row of one SSM pass (``rows`` ``[R, V]`` on the SSM's device; row r
+    belongs to ``jobs[r]``, which wants ``widths[r]`` children there), with one device-to-host copy."""
+    vocab = rows.shape[-1]
+    greedy = [r for r, job in enumerate(jobs) if job.sampling.greedy]
+    sampled = [r for r, job in enumerate(jobs) if not job.sampling.greedy]
+    parts: list[torch.Tensor] = []
+    g_width = min(vocab, max((widths[r] for r in greedy), default=0))
+    s_width = min(vocab, max((jobs[r].draft_support for r in sampled), default=0))
+    scored = any(jobs[r].budget is not None for r in greedy)  # dynamic trees score slots by the softmax; static ones need none
+    if greedy:
+        x = _select(rows, greedy)  # [Rg, V]
+        tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
+        parts.append(tokens)
+        if scored:
+            x = x.to(torch.float64)
+            parts.append(torch.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1).gather(-1, tokens))
+    if sampled:
+        probs = processed_probs(_select(rows, sampled), [jobs[r].sampling for r in sampled])  # [Rs, V]
+        tokens, top = ranked_top_k(probs, s_width)  # [Rs, S]
+        parts += [tokens, top, (probs > 0).sum(dim=-1)]
+    host = to_host(pack(parts)) if parts else np.zeros(0)
+    out: list[RowTable | None] = [None] * len(jobs)
+    at = 0
+    if greedy:
+        n = len(greedy) * g_width
+        tokens = host[:n].reshape(-1, g_width).astype(np.int64)
+        probs = host[n : 2 * n].reshape(-1, g_width) if scored else np.zeros_like(tokens, dtype=np.float64)
+        at = 2 * n if scored else n
+        for i, r in enumerate(greedy):
+            out[r] = RowTable(tokens[i], probs[i])
+    if sampled:
+        n = len(sampled) * s_width
+        tokens, probs = host[at : at + n].reshape(-1, s_width).astype(np.int64), host[at + n : at + 2 * n].reshape(-1, s_width)
+        nonzero = host[at + 2 * n :].astype(np.int64)
+        for i, r in enumerate(sampled):
+            out[r] = RowTable(tokens[i], probs[i], int(nonzero[i]))
+    return out  # type: ignore[return-value]
+
+
+def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generator, depth: int) -> Proposal:
+    """Children (at ``depth`` below the root) of one node: the top ``width`` under greedy decoding; under
+    sampling, drawn without replacement from the sparse processed distribution q (the ``job.draft_support``
+    most likely tokens, renormalised), which comes with them: from ``rng`` (MSS), or by Gumbel-top-k with
+    the position noise of their sequence index (coupled verification). ``slot_probs`` score a dynamic
+    tree's slots: greedy, the SSM's own softmax at its top tokens; sampling, q's largest probabilities."""
     if job.sampling.greedy:
-        return top_k_tokens(logits.numpy(), width), None
-    q = sparsify(process_logits(logits.numpy(), job.sampling), job.draft_support)
-    if job.sampling.coupled:
-        return coupled_children(q, job.seed, len(job.context) + depth, width), q
-    return draw_without_replacement(q, width, rng), q
-
-
-def propose_slots(logits: torch.Tensor, width: int, job: DraftSpec, rng: np.random.Generator, depth: int) -> Proposal:
-    """A dynamic tree's proposal at one node: the children as :func:`propose_children` drafts them,
-    and the slot probabilities that score them. Under greedy decoding they come from the SSM's own
-    softmax (temperature 1), the confidence in each of its top-k tokens."""
-    tokens, q = propose_children(logits, width, job, rng, depth)
-    if q is None:
-        x = logits.double()
-        probs = torch.softmax(x - x.max(), dim=-1).numpy()  # [V]
-        return Proposal(tuple(tokens), None, tuple(float(probs[t]) for t in tokens))
+        return Proposal(tuple(int(t) for t in table.tokens[:width]), None, tuple(float(p) for p in table.probs[:width]))
+    k = min(job.draft_support, table.nonzero)
+    top = table.probs[:k]
+    q = SparseDist(table.tokens[:k], top / top.sum())
+    if job.sampling.coupled:  # the root is the last committed token, at sequence index len(context)
+        tokens = coupled_children(q, job.seed, len(job.context) + depth, width)
+    else:
+        tokens = draw_without_replacement(q, width, rng)
     return Proposal(tuple(tokens), q, tuple(float(p) for p in q.probs[:width]))
 
 
@@ -67,7 +118,7 @@ def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int
         for i, job in enumerate(jobs)
     }
     rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
-    depths = [1] * len(jobs)  # the depth of the children each job's next pass drafts (a pass per depth)
+    depths = [1] * len(jobs)  # the depth of the children each job's next pass drafts (one pass per depth)
     out: dict[int, DraftTree] = {}
     while builders:
         started = time.perf_counter()  # a pass costs its Python work too: building the items, drafting the children
@@ -77,13 +128,18 @@ def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int
             frontier = builders[i].frontier()
             items.append(TreeForward(jobs[i].request_id, jobs[i].context, builders[i].tokens_of(frontier), builders[i].parents_of(frontier)))
         logits = ssm.forward_tree(items)
-        for i, node_logits in zip(order, logits, strict=True):
+        owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
+        tables = pass_tables(stack_rows(logits), [jobs[i] for i in owners], [builders[i].width() for i in owners])
+        at = 0
+        for i, item in zip(order, items, strict=True):
             b = builders[i]
-            if isinstance(b, BestFirstTreeBuilder):
-                b.expand([propose_slots(row, b.width(), jobs[i], rngs[i], depths[i]) for row in node_logits])
-            else:
-                b.expand([propose_children(row, b.width(), jobs[i], rngs[i], depths[i]) for row in node_logits])
+            proposals = [propose(table, b.width(), jobs[i], rngs[i], depths[i]) for table in tables[at : at + len(item.tokens)]]
+            at += len(item.tokens)
             depths[i] += 1
+            if isinstance(b, BestFirstTreeBuilder):
+                b.expand(proposals)
+            else:
+                b.expand([(p.tokens, p.q) for p in proposals])
             if b.done:
                 out[i] = b.build()
                 del builders[i]
@@ -94,15 +150,156 @@ def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int
 
 def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
     """Accepted path and bonus token per job, in job order."""
+    if not jobs:
+        return []
     logits = llm.forward_tree([TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs])
-    results = []
-    for job, node_logits in zip(jobs, logits, strict=True):
-        if job.sampling.greedy:
-            results.append(verify_greedy(job.draft.tree, node_logits.argmax(dim=-1).numpy()))
-            continue
-        target = lambda node, lg=node_logits, params=job.sampling: process_logits(lg[node].numpy(), params)  # noqa: E731
-        if job.sampling.coupled:  # the root is the last committed token, at sequence index len(context)
-            results.append(verify_coupled(job.draft.tree, target, PositionNoise(job.seed, node_logits.shape[-1]), len(job.context)))
-        else:
-            results.append(verify_stochastic(job.draft, target, job.rng()))
-    return results
+    rows = stack_rows(logits)  # [N, V] every tree's nodes, job after job
+    starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
+    greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
+    sampled = [i for i, j in enumerate(jobs) if not j.sampling.prunable]  # multi-step speculative sampling
+    parts: list[torch.Tensor] = []
+    if greedy:
+        parts += _greedy_part(rows, [jobs[i] for i in greedy], [starts[i] for i in greedy])
+    mss = _MssPlan([jobs[i] for i in sampled]) if sampled else None
+    if mss is not None:
+        parts += mss.device_part(rows, [starts[i] for i in sampled])
+    host = to_host(pack(parts))  # the step's one device-to-host copy
+    results: dict[int, VerifyResult] = {}
+    if greedy:
+        ends, bonus = host[: len(greedy)].astype(np.int64), host[len(greedy) : 2 * len(greedy)].astype(np.int64)
+        for g, i in enumerate(greedy):
+            results[i] = _greedy_result(jobs[i].draft, int(ends[g]), int(bonus[g]))
+    if mss is not None:
+        for i, result in zip(sampled, mss.results(host[2 * len(greedy) :]), strict=True):
+            results[i] = result
+    return [results[i] for i in range(len(jobs))]
+
+
+def _select(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
+    """Rows ``index`` of ``rows`` (all of them: ``rows`` itself, no copy).  # [len(index), ...]"""
+    if len(index) == rows.shape[0]:
+        return rows
+    return rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
+
+
+def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
+    """The LLM's token after each node of ``jobs``' trees (rows from ``starts``), in their order: the
+    argmax (greedy), or the Gumbel-max draw of its sequence index (coupled).  # [Ng]"""
+    index = [s + k for s, j in zip(starts, jobs, strict=True) for k in range(len(j.draft.tree))]
+    targets = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]  # [Ng] (the argmax of every row, then these: no copy of rows)
+    coupled = [(s, j) for s, j in zip(starts, jobs, strict=True) if j.sampling.coupled]
+    if coupled:
+        at = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1]  # each job's first target
+        where = [int(a) + k for a, j in zip(at, jobs, strict=True) if j.sampling.coupled for k in range(len(j.draft.tree))]
+        # a node at depth d (the root: the last committed token, index len(context)) is followed by index len(context) + d + 1
+        meta = [(j.seed, len(j.context) + int(d) + 1) for _, j in coupled for d in j.draft.tree.depths]
+        seeds, indices = torch.tensor(meta, dtype=torch.int64).T.to(rows.device)  # one host-to-device copy
+        params = [j.sampling for _, j in coupled for _ in range(len(j.draft.tree))]
+        drawn = coupled_targets(_select(rows, [s + k for s, j in coupled for k in range(len(j.draft.tree))]), params, seeds, indices)
+        targets = targets.index_put((torch.tensor(where, device=rows.device),), drawn)
+    return targets
+
+
+def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> list[torch.Tensor]:
+    """Greedy and coupled verification of ``jobs`` (their trees' rows begin at ``starts``) on the device:
+    each walk's end (a node of its tree) and the LLM's token there, the bonus.  # [G], [G]"""
+    argmax = _targets(rows, jobs, starts)  # [Ng]
+    tokens, parents, segments, firsts, depth, at = [], [], [], [], 0, 0
+    for g, job in enumerate(jobs):
+        tree = job.draft.tree
+        firsts.append(at)
+        tokens.extend(tree.tokens)
+        parents.extend(at if p < 0 else at + p for p in tree.parents)
+        segments.extend([g] * len(tree))
+        depth = max(depth, int(tree.depths.max()))
+        at += len(tree)
+    meta = torch.tensor([tokens, parents, segments], dtype=torch.long).to(rows.device)  # [3, Ng] one host-to-device copy
+    ends = greedy_accept(argmax, meta[0], meta[1], meta[2], len(jobs), depth)
+    return [ends - meta.new_tensor(firsts), argmax[ends]]
+
+
+def _greedy_result(draft: DraftTree, end: int, bonus: int) -> VerifyResult:
+    """The verdict of a greedy walk that ended at node ``end``: the path down to it, then ``bonus``."""
+    tree, path, u = draft.tree, [], end
+    while u > 0:
+        path.append(u)
+        u = tree.parents[u]
+    path.reverse()
+    return VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path), bonus)
+
+
+class _MssPlan:
+    """Multi-step speculative sampling of one step's sampled jobs: the host's tables of tries and
+    uniforms, the device's part (:func:`~specinfer.engine.on_device.mss_tables`), the walks."""
+
+    def __init__(self, jobs: Sequence[VerifySpec]) -> None:
+        self.jobs = list(jobs)
+        self.tries = [mss_tries(j.draft) for j in self.jobs]
+        self.draws = [bonus_draws(t) for t in self.tries]
+        # Each walk takes its uniforms in order, one per try and one for the bonus token: drawn here
+        # up front, as many as its longest walk may use, they are the values verify_stochastic would
+        # take from the same generator (the generator is the step's own: the surplus is never used).
+        self.uniforms = [j.rng().random(max(hi for _, hi in d) + 1) for j, d in zip(self.jobs, self.draws, strict=True)]
+        self.rows: list[list[int]] = []  # per job, its nodes' rows among the sampled rows
+        self.internal: dict[int, int] = {}  # sampled row -> its index among rows with tries
+        at = 0
+        for tries in self.tries:
+            self.rows.append(list(range(at, at + len(tries))))
+            for u, node_tries in enumerate(tries):
+                if node_tries:
+                    self.internal[at + u] = len(self.internal)
+            at += len(tries)
+        self.num_rows = at
+        self.width = max(hi - lo + 1 for d in self.draws for lo, hi in d)  # R: bonus draws per node
+        self.max_tries = max((len(t) for tries in self.tries for t in tries), default=0)  # K
+
+    def device_part(self, rows: torch.Tensor, starts: Sequence[int]) -> list[torch.Tensor]:
+        """The device's tables for these jobs (their trees' rows begin at ``starts`` in ``rows``).  # [Ni * K], [Ns * R]"""
+        device = rows.device
+        index = [s + k for s, j in zip(starts, self.jobs, strict=True) for k in range(len(j.draft.tree))]
+        params = [j.sampling for j in self.jobs for _ in range(len(j.draft.tree))]
+        probs = processed_probs(_select(rows, index), params)  # [Ns, V]
+        flat = [t for tries in self.tries for t in tries]  # per sampled row, its tries
+        internal = [r for r in range(self.num_rows) if flat[r]]
+        k_max, support = self.max_tries, max((t.q.tokens.size for r in internal for t in flat[r]), default=1)
+        try_tokens = np.zeros((len(internal), k_max), dtype=np.int64)
+        try_valid = np.zeros((len(internal), k_max), dtype=bool)
+        q_tokens = np.zeros((len(internal), k_max, support), dtype=np.int64)
+        q_probs = np.zeros((len(internal), k_max, support), dtype=np.float64)
+        for i, r in enumerate(internal):
+            for k, t in enumerate(flat[r]):
+                try_tokens[i, k], try_valid[i, k] = t.token, True
+                q_tokens[i, k, : t.q.tokens.size], q_probs[i, k, : t.q.probs.size] = t.q.tokens, t.q.probs
+        draws = np.zeros((self.num_rows, self.width), dtype=np.float64)
+        for rows_of_job, ranges, uniforms in zip(self.rows, self.draws, self.uniforms, strict=True):
+            for r, (lo, hi) in zip(rows_of_job, ranges, strict=True):
+                draws[r, : hi - lo + 1] = uniforms[lo : hi + 1]
+
+        def to(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        try_probs, bonus = mss_tables(probs, to(np.array(internal, dtype=np.int64)), to(try_tokens), to(try_valid), to(q_tokens), to(q_probs), to(draws))
+        return [try_probs, bonus]
+
+    def results(self, host: np.ndarray) -> list[VerifyResult]:
+        """The walks, from :meth:`device_part`'s tables in host memory."""
+        n_try = len(self.internal) * self.max_tries
+        try_probs = host[:n_try].reshape(len(self.internal), self.max_tries)
+        bonus = host[n_try : n_try + self.num_rows * self.width].astype(np.int64).reshape(self.num_rows, self.width)
+        out = []
+        for job, tries, ranges, rows, uniforms in zip(self.jobs, self.tries, self.draws, self.rows, self.uniforms, strict=True):
+            out.append(walk_stochastic(job.draft, tries, self._try_prob(try_probs, rows), self._bonus(bonus, rows, ranges), uniforms))
+        return out
+
+    def _try_prob(self, try_probs: np.ndarray, rows: list[int]) -> Callable[[int, int], float]:
+        return lambda u, k: float(try_probs[self.internal[rows[u]], k])
+
+    @staticmethod
+    def _bonus(bonus: np.ndarray, rows: list[int], ranges: list[tuple[int, int]]) -> Callable[[int, int], int]:
+        def lookup(u: int, j: int) -> int:
+            lo, hi = ranges[u]
+            if not lo <= j <= hi:
+                raise RuntimeError(f"the walk drew its bonus at node {u} with uniform {j}, outside the planned {lo}..{hi}")
+            return int(bonus[rows[u], j - lo])
+
+        return lookup

@@ -70,7 +70,12 @@ class CausalLM(Protocol):
         ...
 
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
-        """Logits for the new nodes of each request, in ``batch`` order.  # each [n_new, V]"""
+        """Logits for the new nodes of each request, in ``batch`` order.  # each [n_new, V]
+
+        They live on the model's device (a backend's ``device`` option), and are returned without
+        waiting for the device to finish computing them. Callers read values only through one
+        device-to-host copy per call of small results (:mod:`specinfer.engine.on_device`): any other
+        read (``.numpy()``, ``.item()``, ``.cpu()``, ...) is a copy and a wait of its own on a GPU."""
         ...
 
     def release(self, request_id: str) -> None:

@@ -17,6 +17,7 @@ from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.acceptance import nondecreasing
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.engine.on_device import wait_for
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.tuning.model import CostModel
 
@@ -41,7 +42,7 @@ def ssm_ranks(ssm: CausalLM, prompt: Sequence[int], continuation: Sequence[int])
     chain = [prompt[-1], *continuation[:-1]]
     (logits,) = ssm.forward_tree([TreeForward("tune-ranks", list(prompt[:-1]), chain, list(range(-1, len(chain) - 1)))])  # [len(chain), vocab]
     ssm.release("tune-ranks")
-    target = torch.tensor(continuation, dtype=torch.long)
+    target = torch.tensor(continuation, dtype=torch.long, device=logits.device)
     own = logits.gather(1, target[:, None])  # [n, 1]
     return (logits > own).sum(dim=1).cpu().numpy().astype(np.int64)  # tokens strictly more likely
 
@@ -61,7 +62,7 @@ def pass_seconds(model: CausalLM, contexts: Sequence[Sequence[int]], sizes: Sequ
     for _ in range(reps):
         for n, batch in batches.items():
             start = time.perf_counter()
-            model.forward_tree(batch)
+            wait_for(model.forward_tree(batch))  # a device returns before it has computed them
             times[n].append(time.perf_counter() - start)
     for rid in ids:
         model.release(rid)
