@@ -15,12 +15,13 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from oracles import serving  # tests/oracles.py
+from oracles import hf_seeded_sampling, serving  # tests/oracles.py
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.client import Client
+from specinfer.core import SamplingParams
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.redis_server import free_tcp_port
 from specinfer.v1 import api_pb2
@@ -404,6 +405,25 @@ def test_openai_client_completions(stack, model_pair, greedy_text):
     body = {**extra, "speculation": {"expansion": [1, 1, 3]}}
     a, b = oa.completions.create(**sampled, extra_body=body), oa.completions.create(**sampled, extra_body=body)
     assert [c.text for c in a.choices] == [c.text for c in b.choices] and [c.index for c in a.choices] == [0, 1, 2]
+
+
+def test_a_seed_fixes_the_text_whatever_the_speculation(stack, model_pair):
+    """OpenAI's ``seed`` (coupled verification): the default speculation, a static tree and none give
+    the same text, equal to transformers' plain decoding with that seed; with ``n`` = 2, choice i is the
+    request seeded ``seed + i``; ``verification: "mss"`` is accepted."""
+    oa = client(stack)
+    model = oa.models.list().data[0].id
+    prompt = list(model_pair.prompts[6])
+    sampled = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 1.0, "top_p": 0.95}
+    texts = []
+    for speculation in ("auto", {"expansion": [2, 2, 1]}, "disabled"):
+        done = oa.completions.create(**sampled, n=2, seed=40, extra_body={"speculation": speculation})
+        texts.append([c.text for c in done.choices])
+    assert texts[0] == texts[1] == texts[2]
+    tok = load_tokenizer(model_pair.llm)
+    oracle = hf_seeded_sampling(model_pair.llm, [prompt, prompt], [40, 41], SamplingParams(temperature=1.0, top_p=0.95), 24)
+    assert texts[0] == [tok.decode(ids, skip_special_tokens=True) for ids in oracle]
+    assert oa.completions.create(**sampled, seed=40, extra_body={"verification": "mss"}).choices[0].text
 
 
 def test_openai_client_chat(stack, llm_with_template, greedy_text):
