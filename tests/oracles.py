@@ -36,11 +36,11 @@ def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, igno
     return out
 
 
-def hf_seeded_sampling(llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int) -> list[list[int]]:
+def hf_seeded_sampling(llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
     """Plain decoding with transformers (fp32, no cache: every step runs the whole sequence): the token
     at sequence index t is ``coupled_token(process_logits(logits, params), position_noise(seed, t, V))``,
     the rule coupled verification reproduces whatever the speculation (``specinfer.core.coupled``).
-    Ends at EOS included."""
+    Ends at EOS included, unless ``ignore_eos``."""
     from specinfer.core import process_logits
     from specinfer.core.coupled import coupled_token, position_noise
 
@@ -50,7 +50,7 @@ def hf_seeded_sampling(llm: Path, prompts: Sequence[Sequence[int]], seeds: Seque
     with torch.inference_mode():
         for ids, seed in zip(prompts, seeds, strict=True):
             seq = list(ids)
-            while len(seq) - len(ids) < new_tokens and (len(seq) == len(ids) or seq[-1] != eos):
+            while len(seq) - len(ids) < new_tokens and (ignore_eos or len(seq) == len(ids) or seq[-1] != eos):
                 logits = hf(torch.tensor([seq])).logits[0, -1].double().numpy()
                 seq.append(coupled_token(process_logits(logits, params), position_noise(seed, len(seq), logits.size)))
             out.append(seq[len(ids) :])

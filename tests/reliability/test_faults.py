@@ -10,9 +10,11 @@ import signal
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from oracles import hf_seeded_sampling  # tests/oracles.py
 from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
+from specinfer.core import SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.__main__ import SPECULATION_HEALTH
@@ -134,19 +136,27 @@ def test_verifier_killed_and_restarted(stack, model_pair, greedy):
 def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_pair, greedy, tmp_path):
     """kill -9 the request manager while 8 streams run, start it again on the same Redis: every
     request is recovered, and each client, resuming from the offset it had reached, gets exactly
-    the remaining tokens (no gap, no duplicate). (tests/e2e/test_stack.py resumes one from 0.)"""
+    the remaining tokens (no gap, no duplicate). (tests/e2e/test_stack.py resumes one from 0.) Two of
+    the streams sample with a seed: after the restart they go on with the same draw, equal to plain
+    decoding with their seeds (coupled verification)."""
     prompts = model_pair.prompts[24 : 24 + STREAMS]
     ids = [f"rm-kill-{i}" for i in range(STREAMS)]
+    sampled = {STREAMS - 2: 500, STREAMS - 1: 501}  # stream -> seed
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    oracle = dict(
+        zip(sampled, hf_seeded_sampling(model_pair.llm, [prompts[i] for i in sampled], list(sampled.values()), params, NEW_TOKENS, True), strict=True)
+    )
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
         # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
         args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16", "--lease-seconds", "2"]
         args += ["--redis-cluster", "off", "--redis-min-replica-acks", "0"]  # this Redis, whatever the environment says (conftest)
         first = stack.spawn_request_manager("rm-kill-1", args)
 
-        def consume(client: Client, prompt, rid: str) -> list[int]:
+        def consume(client: Client, prompt, rid: str, seed: int | None) -> list[int]:
             seen: list[int] = []
+            sampling = {} if seed is None else {"temperature": 1.0, "top_p": 0.95, "seed": seed}
             try:
-                for m in client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True)):
+                for m in client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True, **sampling)):
                     assert m.offset == len(seen)
                     seen.extend(m.token_ids)
             except grpc.RpcError as exc:
@@ -154,7 +164,7 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
             return seen
 
         with Client(first.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-            futures = [pool.submit(consume, client, p, r) for p, r in zip(prompts, ids, strict=True)]
+            futures = [pool.submit(consume, client, p, r, sampled.get(i)) for i, (p, r) in enumerate(zip(prompts, ids, strict=True))]
             wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
             first.popen.kill()
             first.popen.wait()
@@ -164,7 +174,7 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
         second = stack.spawn_request_manager("rm-kill-2", args)
         assert '"resumed requests from Redis", "count": 8' in _log(stack, "rm-kill-2")
         with Client(second.address, timeout=600) as client:
-            for prompt, rid, got in zip(prompts, ids, seen, strict=True):
+            for i, (prompt, rid, got) in enumerate(zip(prompts, ids, seen, strict=True)):
                 messages = list(client.resume(rid, len(got)))
                 assert messages[0].offset == len(got)
                 rest = []
@@ -172,4 +182,4 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
                     assert m.offset == len(got) + len(rest), "gap or duplicate after reattaching"
                     rest.extend(m.token_ids)
                 assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH
-                assert got + rest == greedy(prompt, NEW_TOKENS), rid
+                assert got + rest == (oracle[i] if i in sampled else greedy(prompt, NEW_TOKENS)), rid
