@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracles import hf_greedy, serving  # tests/oracles.py
+from oracles import hf_greedy, hf_seeded_sampling, serving  # tests/oracles.py
 from services.conftest import llm_verifier_command
 from services.harness import start_service
 from transformers import AutoModelForCausalLM
@@ -63,7 +63,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_greedy_generation_through_the_stack_with_tp2(model_pair, tmp_path):
+def test_greedy_and_seeded_generation_through_the_stack_with_tp2(model_pair, tmp_path):
     prompts = model_pair.prompts[:4]
     expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
     config = StackConfig(
@@ -79,6 +79,15 @@ def test_greedy_generation_through_the_stack_with_tp2(model_pair, tmp_path):
     )
     with serving(config) as stack:
         greedy_streams(stack, prompts, expected)
+        # seeded sampling through the parallel verifier: plain decoding's draw (coupled verification)
+        params = SamplingParams(temperature=1.0, top_p=0.95)
+        drawn = hf_seeded_sampling(model_pair.llm, prompts[:2], [71, 72], params, NEW_TOKENS)
+        with Client(stack.address, timeout=120) as client:
+            got = [
+                client.generate(Client.request(ids, NEW_TOKENS, temperature=1.0, top_p=0.95, seed=s)).token_ids
+                for ids, s in zip(prompts[:2], (71, 72), strict=True)
+            ]
+        assert got == drawn
     verifier_log = (stack.workdir / "llm-verifier.log").read_text()
     assert '"tensor_parallel": 2' in verifier_log and '"rank stopped"' in verifier_log  # rank 1 stopped cleanly too
 
