@@ -40,6 +40,7 @@ import numpy as np
 
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
 from specinfer.core.tree import binary_tree_parents
+from specinfer.engine.on_device import wait_for
 from specinfer.models.interface import CausalLM, TreeForward
 
 log = logging.getLogger("specinfer.calibrate")
@@ -88,7 +89,7 @@ def _time_rounds(probes: Sequence[tuple[_Requests, int]], repeats: int, progress
         for k, (reqs, n) in enumerate(probes):
             items = reqs.call(n)
             started = time.perf_counter()
-            reqs.model.forward_tree(items)
+            wait_for(reqs.model.forward_tree(items))  # a GPU runs asynchronously: time the work, not its launch
             if r > 0:
                 times[k].append(time.perf_counter() - started)
         if progress is not None and r > 0:
@@ -214,7 +215,7 @@ def probe_table(model: CausalLM, sizes: Sequence[int], budget_seconds: float, ro
     reqs = _Requests(model, 1, PROBE_CONTEXT, np.random.default_rng(2), f"probe-{tag}")
     times: dict[int, list[float]] = {}
     try:
-        model.forward_tree(reqs.call(1))
+        wait_for(model.forward_tree(reqs.call(1)))
         for _ in range(max(1, rounds)):
             timed_any = False
             for k, n in enumerate(sizes):
@@ -222,7 +223,7 @@ def probe_table(model: CausalLM, sizes: Sequence[int], budget_seconds: float, ro
                     continue
                 items = reqs.call(n)
                 started = time.perf_counter()
-                model.forward_tree(items)
+                wait_for(model.forward_tree(items))
                 times.setdefault(n, []).append(time.perf_counter() - started)
                 timed_any = True
             if not timed_any:
