@@ -49,18 +49,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=24, help="prompts per row")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: near-ties may flip between batch shapes")
+    ap.add_argument("--trees", default="paper,adaptive", help="which of paper,adaptive to run")
     args = ap.parse_args(argv)
     print("| pair | temperature | tree | verification | accepted per step | tokens per step | equal to no speculation |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for pair in args.pair:
-        llm = load_backend(pair / "llm", "llm", "float32", backend="native", kv_cache_bytes=1 << 30)
-        ssm = load_backend(pair / "ssm", "ssm", "float32", backend="native", kv_cache_bytes=1 << 30)
+        llm = load_backend(pair / "llm", "llm", args.dtype, backend="native", kv_cache_bytes=1 << 30)
+        ssm = load_backend(pair / "ssm", "ssm", args.dtype, backend="native", kv_cache_bytes=1 << 30)
         config = EngineConfig(eos_token_id=eos_token_id(pair / "llm"))
         costs = calibrate_costs(llm, [ssm], max_verify_tokens=64)  # once per pair; each row refines its own copy
         plain_engine = SpeculativeEngine(llm, [ssm], config)
         prompts = prompts_of(pair, args.count, args.max_prompt_tokens)
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            for tree, spec in (("paper " + PAPER_EXPANSION, SpeculationConfig(ExpansionConfig.parse(PAPER_EXPANSION))), ("adaptive", SpeculationConfig(None))):
+            trees = {
+                "paper": ("paper " + PAPER_EXPANSION, SpeculationConfig(ExpansionConfig.parse(PAPER_EXPANSION))),
+                "adaptive": ("adaptive", SpeculationConfig(None)),
+            }
+            for tree, spec in (trees[name] for name in args.trees.split(",")):
                 for verification in ("mss", "coupled"):
                     params = SamplingParams(temperature=temperature, verification=verification)
                     plain = run(plain_engine, prompts, params, None, args.new_tokens, f"plain-{verification}")
