@@ -70,7 +70,7 @@ def test_two_ssm_folders_of_one_name_are_an_error_saying_how_to_name_them(tmp_pa
     for args in (["up", "--ssm", str(a), "--ssm", str(b)], ["generate", "--llm", str(DEMO / "llm"), "--ssm", str(a), "--ssm", str(b), "x"]):
         out = specinfer(*args, timeout=120)
         assert out.returncode == 2, out
-        assert f"invalid argument ssm: name 'ssm' is given twice ({a} and {b}): name them apart with NAME=PATH" in out.stderr, out.stderr
+        assert f"specinfer: error: --ssm: name 'ssm' is given twice ({a} and {b}): name them apart with NAME=PATH" in out.stderr, out.stderr
     assert not list(tmp_path.glob("**/logs-*"))  # refused before anything started
 
 
