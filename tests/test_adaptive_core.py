@@ -27,7 +27,7 @@ from specinfer.core.acceptance import (
 )
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
-from specinfer.core.drafts import EDGE_KNOTS, edge_values, slot_probabilities, tree_values
+from specinfer.core.drafts import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
 VOCAB = 8
@@ -110,7 +110,7 @@ def _tree_slots(draft: DraftTree, slots: list[Slot]) -> list[int]:
 
 
 def _best(slots: list[Slot], budget: TreeBudget) -> set[int]:
-    eligible = [i for i in range(1, len(slots)) if slots[i].value >= budget.min_score and slots[i].value > 0.0 and slots[i].score > 0.0]
+    eligible = [i for i in range(1, len(slots)) if slots[i].value >= budget.min_score and slots[i].value > 0.0 and slots[i].score >= MIN_SCORE]
     return {0, *sorted(eligible, key=lambda i: (-slots[i].value, i))[: budget.nodes - 1]}
 
 
@@ -782,3 +782,12 @@ def test_select_drafts_cuts_only_adaptive_greedy_trees():
         out = select_drafts(batch, drafted, adaptive, 0.0)
         assert len(out["greedy"][0][1].tree) == expect
         assert out["sampled"] == drafted["sampled"] and out["static"] == drafted["static"]
+
+
+def test_a_subnormal_path_score_counts_as_zero():
+    """A slot whose path score is subnormal is never chosen (hypothesis found one whose child's slot
+    probability could not be recovered from the scores: 5e-324 * 0.75 rounds back to 5e-324)."""
+    budget = TreeBudget(5, 2, 4, 0.0, (0.05,) * (len(EDGE_KNOTS) - 1) + (0.1,))
+    builder = BestFirstTreeBuilder(0, budget)
+    builder.expand([Proposal((0, 1, 2, 3), None, (0.0, 0.0, 0.0, 5e-324))])
+    assert builder.done and len(builder.build().tree) == 1

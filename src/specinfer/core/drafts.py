@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,10 @@ from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import TokenTree
 
 PAPER_EXPANSION = "1,1,3,1,1,1,1,1"  # the paper's static tree (21 nodes): the default expansion where no tuning is installed
+# A path score below the smallest normal float counts as 0 (the slot is never chosen): in the
+# subnormal range a score has too few significant bits for tree_values to recover a child's slot
+# probability from it (score / parent score), and such a path is never worth a verify row anyway.
+MIN_SCORE = sys.float_info.min
 DEFAULT_DRAFT_SUPPORT = 32  # most tokens of a sparse draft distribution q, unless a request or a flag says otherwise
 
 
@@ -352,7 +357,7 @@ class BestFirstTreeBuilder:
     def _select(self) -> None:
         budget = self.budget
         values = self._values
-        eligible = (i for i in range(1, len(self._tokens)) if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] > 0.0)
+        eligible = (i for i in range(1, len(self._tokens)) if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] >= MIN_SCORE)
         best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-values[i], i))
         self._chosen = {0, *best}
         full = len(best) == budget.nodes - 1
