@@ -41,11 +41,11 @@ def pair(model_pair):
     return model_pair, prompts, longest, expected, eos
 
 
-def tight_engine(model_pair, longest: int, eos, ssm_room: float = 1.5) -> SpeculativeEngine:
-    """The LLM's pool holds about 1.5 requests at their longest, for a batch of NUM_PROMPTS: they run
-    together while short, and the newest are preempted as contexts grow. The SSM's pool holds
+def tight_engine(model_pair, longest: int, eos, ssm_room: float = 1.5, llm_room: float = 1.5) -> SpeculativeEngine:
+    """The LLM's pool holds about ``llm_room`` requests at their longest, for a batch of NUM_PROMPTS:
+    they run together while short, and the newest are preempted as contexts grow. The SSM's pool holds
     ``ssm_room`` requests of its longest drafts."""
-    llm = backend(model_pair.llm, longest, 3, 1.5)
+    llm = backend(model_pair.llm, longest, 3, llm_room)
     ssm = backend(model_pair.ssm, longest, 5, ssm_room, DRAFT_ROWS)
     return SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos))
 
@@ -57,7 +57,10 @@ def test_greedy_output_is_transformers_with_preemption(pair, speculation):
     requests = [GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
     # an adaptive draft may expand 249 nodes (core.kv_budget.step_rows), so a tight SSM pool would
     # run such requests one at a time: the LLM's pool is what makes them preempt
-    engine = tight_engine(model_pair, longest, eos, ssm_room=NUM_PROMPTS + 1 if speculation == "auto" else 1.5)
+    # and adaptive requests are admitted with room for the planner's largest tree (up to TREE_ROWS rows
+    # each), so fewer run at once: a smaller LLM pool makes the running ones outgrow it
+    auto = speculation == "auto"
+    engine = tight_engine(model_pair, longest, eos, ssm_room=NUM_PROMPTS + 1 if auto else 1.5, llm_room=1.2 if auto else 1.5)
     results = engine.generate(requests)
     for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
         assert res.output_tokens == exp, f"prompt {i} differs"
