@@ -93,9 +93,9 @@ def test_the_rule_survives_the_redis_record(tok, skip):
     from specinfer.core import SamplingParams
     from specinfer.core.requests import GenerationRequest
     from specinfer.request_manager.admission import ApiLimits
+    from specinfer.request_manager.live import Live
     from specinfer.request_manager.live_records import live_from_snapshot, live_params, snapshot_text
     from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-    from specinfer.request_manager.scheduler import Live
 
     limits = ApiLimits(
         vocab_size=259,
