@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from stats import chi_square_pvalue
 from test_verify import VOCAB, _exact, synthetic_logits  # tests/test_verify.py
 
 from specinfer.core import SamplingParams, TokenTree, process_logits, sparsify
-from specinfer.core.coupled import PositionNoise, coupled_children, coupled_token, noise_at, position_noise, verify_coupled
+from specinfer.core.coupled import coupled_children, coupled_token, noise_at, position_noise, verify_coupled
 
 PARAMS = SamplingParams(temperature=1.0)
 
@@ -48,7 +49,7 @@ def _draft_tree(
 
 def _generate(seed: int, n_tokens: int, widths: tuple[int, ...], salt: str, params=PARAMS, keep: float = 1.0, noise_of=None) -> tuple[int, ...]:
     """``n_tokens`` tokens after the context ``(0,)``, one coupled verify step after another."""
-    noise = noise_of(seed) if noise_of else PositionNoise(seed, VOCAB)
+    noise = noise_of(seed) if noise_of else partial(position_noise, seed, vocab_size=VOCAB)
     rng = np.random.default_rng(seed + 10**6)  # the tree shapes: independent of the noise
     context: tuple[int, ...] = (0,)
     while len(context) - 1 < n_tokens:
@@ -65,8 +66,6 @@ def test_position_noise_is_a_pure_function_of_seed_and_index():
     a, b = position_noise(7, 12, 100), position_noise(7, 12, 100)
     assert np.array_equal(a, b)
     assert not np.array_equal(a, position_noise(7, 13, 100)) and not np.array_equal(a, position_noise(8, 12, 100))
-    cache = PositionNoise(7, 100, keep=2)
-    assert np.array_equal(cache(12), a) and np.array_equal(cache(3), position_noise(7, 3, 100)) and np.array_equal(cache(40), position_noise(7, 40, 100))
 
 
 def test_position_noise_is_standard_gumbel_and_independent_across_tokens_indices_and_seeds():
@@ -109,7 +108,7 @@ def test_every_tree_gives_plain_decodings_tokens(seed, widths, salt, keep, param
 
 def test_a_good_drafter_is_accepted():
     """With the LLM as its own drafter every child the noise ranks first is the LLM's token."""
-    noise = PositionNoise(5, VOCAB)
+    noise = partial(position_noise, 5, vocab_size=VOCAB)
     context = (0,)
     tree = _draft_tree(context, (1, 1, 1, 1), "llm", PARAMS, 5, np.random.default_rng(0), 1.0)
     res = verify_coupled(tree, lambda node: process_logits(synthetic_logits(context + tree.tokens[1 : node + 1], "llm"), PARAMS), noise, 0)

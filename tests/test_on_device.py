@@ -10,6 +10,7 @@ are those of verify_stochastic on the same stream).
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from specinfer.core import (
     verify_greedy,
     verify_stochastic,
 )
-from specinfer.core.coupled import PositionNoise, coupled_children, coupled_token, position_noise, verify_coupled
+from specinfer.core.coupled import coupled_children, coupled_token, position_noise, verify_coupled
 from specinfer.core.drafts import DraftGroup, ExpansionConfig, TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.engine.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
@@ -194,7 +195,7 @@ def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
                 checked["greedy"] += 1
             elif job.sampling.coupled:
                 target = lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p)  # noqa: E731
-                want = verify_coupled(job.draft.tree, target, PositionNoise(job.seed, vocab), len(job.context))
+                want = verify_coupled(job.draft.tree, target, partial(position_noise, job.seed, vocab_size=vocab), len(job.context))
                 checked["coupled"] += 1
             else:
                 want = verify_stochastic(job.draft, lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p), job.rng())

@@ -116,27 +116,6 @@ def coupled_children(q: SparseDist, seed: int, index: int, k: int) -> list[int]:
     return [int(t) for t in tokens[order]]
 
 
-class PositionNoise:
-    """A request's position noise by sequence index, drawn once per index and kept while it may be
-    needed again (a verify step's walk and the next step's drafts revisit the indices past the
-    committed tokens)."""
-
-    def __init__(self, seed: int, vocab_size: int, keep: int = 64) -> None:
-        self.seed = seed
-        self.vocab_size = vocab_size
-        self._keep = keep
-        self._cache: dict[int, np.ndarray] = {}
-
-    def __call__(self, index: int) -> np.ndarray:
-        noise = self._cache.get(index)
-        if noise is None:
-            noise = position_noise(self.seed, index, self.vocab_size)
-            if len(self._cache) >= self._keep:
-                del self._cache[min(self._cache)]  # the oldest index: committed, never needed again
-            self._cache[index] = noise
-        return noise
-
-
 def verify_coupled(tree: TokenTree, target_probs: Callable[[int], np.ndarray], noise: Callable[[int], np.ndarray], root_index: int) -> VerifyResult:
     """Coupled verification of ``tree``, whose root is the last committed token, at sequence index
     ``root_index``. ``target_probs(i)``: the LLM's processed distribution after node i;  # [V]

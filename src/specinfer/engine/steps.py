@@ -185,17 +185,20 @@ def _select(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
 def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
     """The LLM's token after each node of ``jobs``' trees (rows from ``starts``), in their order: the
     argmax (greedy), or the Gumbel-max draw of its sequence index (coupled).  # [Ng]"""
-    index = [s + k for s, j in zip(starts, jobs, strict=True) for k in range(len(j.draft.tree))]
+    index: list[int] = []  # each node's row
+    where, meta, params = [], [], []  # coupled nodes: their place in ``index``, (seed, sequence index), parameters
+    for start, job in zip(starts, jobs, strict=True):
+        n = len(job.draft.tree)
+        if job.sampling.coupled:
+            # a node at depth d (the root: the last committed token, at index len(context)) is followed by index len(context) + d + 1
+            where.extend(range(len(index), len(index) + n))
+            meta.extend((job.seed, len(job.context) + int(d) + 1) for d in job.draft.tree.depths)
+            params.extend([job.sampling] * n)
+        index.extend(range(start, start + n))
     targets = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]  # [Ng] (the argmax of every row, then these: no copy of rows)
-    coupled = [(s, j) for s, j in zip(starts, jobs, strict=True) if j.sampling.coupled]
-    if coupled:
-        at = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1]  # each job's first target
-        where = [int(a) + k for a, j in zip(at, jobs, strict=True) if j.sampling.coupled for k in range(len(j.draft.tree))]
-        # a node at depth d (the root: the last committed token, index len(context)) is followed by index len(context) + d + 1
-        meta = [(j.seed, len(j.context) + int(d) + 1) for _, j in coupled for d in j.draft.tree.depths]
+    if meta:
         seeds, indices = torch.tensor(meta, dtype=torch.int64).T.to(rows.device)  # one host-to-device copy
-        params = [j.sampling for _, j in coupled for _ in range(len(j.draft.tree))]
-        drawn = coupled_targets(_select(rows, [s + k for s, j in coupled for k in range(len(j.draft.tree))]), params, seeds, indices)
+        drawn = coupled_targets(_select(rows, [index[w] for w in where]), params, seeds, indices)
         targets = targets.index_put((torch.tensor(where, device=rows.device),), drawn)
     return targets
 
