@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import sys
 from collections.abc import Coroutine, Sequence
@@ -150,9 +149,8 @@ class SsmSet:
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
-            planner = await start_planner(self.info, self.verifier, self.workers, names, self.cfg.max_tree_nodes, self.metrics)
-            self.scheduler.planner = planner
-            self.scheduler.config = dataclasses.replace(self.scheduler.config, ssm_names=names)
+            adaptive = await start_planner(self.info, self.verifier, self.workers, names, self.cfg.max_tree_nodes)
+            self.scheduler.add_ssms(names, adaptive)
             self.requests.limits = limits
             log.info("speculating with more SSMs", extra={"added": new, "ssms": names})
 
@@ -248,7 +246,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 limits = api_limits(cfg, info, workers, ssm_names, eos, budgets)
             except ValueError as exc:
                 raise StartUpError(str(exc)) from None
-            planner = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes, scheduler_metrics)
+            adaptive = await start_planner(info, verifier, workers, ssm_names, cfg.max_tree_nodes)
             scheduler_config = SchedulerConfig(
                 max_batch,
                 cfg.max_queue,
@@ -259,7 +257,7 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 kv_budgets=worker_kv_budgets(workers),
                 max_prefill_tokens=cfg.max_prefill_tokens,
             )
-            scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, planner)
+            scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, adaptive)
             requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, lease)
             await lease.acquire(force=not cfg.redis_url)  # nobody else reaches the embedded Redis
             await requests.recover()

@@ -7,8 +7,9 @@ when the verifier reports none (``--calibrate-tokens 0``), :func:`calibrate_thro
 few real Verify and Speculate calls on synthetic requests instead. Each SSM's slot prior is the one
 its worker reports (from the SSM's tuning file), else the default.
 
-Each iteration (:class:`AdaptivePlanner`): plan the adaptive requests' trees, then hear the
-workers' SSM pass times, the verify round trip and each request's outcome.
+Each iteration the engine core (:mod:`specinfer.core.engine_core`) plans the adaptive requests' trees
+and hears the workers' SSM pass times, the verify round trips and each request's outcome;
+:class:`PlannerMetrics` publishes what it learned.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import numpy as np
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
-from specinfer.core.iteration import DraftSpec, Running, VerifySpec, adaptive_contexts, draft_stream, select_drafts, static_shape, verify_shape
+from specinfer.core.engine_core import StepReport
+from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.tree import binary_tree_parents
 from specinfer.request_manager.remote import SsmWorkers, Verifiers
@@ -112,71 +114,28 @@ def planner_config(max_tree_nodes: int) -> PlannerConfig:
     return PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
 
 
-class AdaptivePlanner:
-    """The scheduler's side of adaptive speculation: plans, observations and their metrics."""
+class PlannerMetrics:
+    """The metrics of adaptive speculation, whose state the engine core owns: the planned tree sizes,
+    predicted and realised accepted tokens, nodes cut, per-position acceptance, each SSM's kept share
+    and the cost model's tables."""
 
-    def __init__(self, adaptive: AdaptiveSpeculation, metrics: SchedulerMetrics, ssm_names: Sequence[str]) -> None:
-        self.adaptive = adaptive
+    def __init__(self, metrics: SchedulerMetrics, ssm_names: Sequence[str]) -> None:
         self.metrics = metrics
         self.ssm_names = tuple(ssm_names)
-        self._published = (0.0, 0, 0, np.zeros_like(adaptive.totals.position_accepted))  # totals already counted in the metrics
-        self._draft_seconds = 0.0  # SSM pass seconds of the current iteration
+        self._source: AdaptiveSpeculation | None = None  # whose totals _published counts
+        self._published = (0.0, 0, 0, np.zeros(0))  # totals already counted in the metrics
 
-    @staticmethod
-    def build(
-        costs: StepCosts, priors: Mapping[int, Sequence[float]], max_tree_nodes: int, metrics: SchedulerMetrics, ssm_names: Sequence[str]
-    ) -> AdaptivePlanner:
-        """A planner whose trees stay within the API's ``max_tree_nodes``."""
-        return AdaptivePlanner(AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors), metrics, ssm_names)
+    def step(self, adaptive: AdaptiveSpeculation, report: StepReport) -> None:
+        """One engine-core step's planned tree sizes, then :meth:`publish`."""
+        for nodes in report.planned_nodes:
+            self.metrics.planned_tree_nodes.observe(nodes)
+        self.publish(adaptive)
 
-    @property
-    def config(self) -> PlannerConfig:
-        """The planner's limits (tree nodes, depth), which its trees obey."""
-        return self.adaptive.config
-
-    def plan(self, batch: Sequence[Running]) -> dict[str, Choice]:
-        """This iteration's choices for the batch's adaptive requests (a request left out verifies its root alone)."""
-        self._draft_seconds = 0.0
-        contexts = adaptive_contexts(batch)
-        if not contexts:
-            return {}
-        choices = self.adaptive.plan(contexts, static_shape(batch))
-        for c in contexts:
-            choice = choices.get(c.request_id)
-            self.metrics.planned_tree_nodes.observe(choice.budget.nodes if choice is not None else 1)
-        return choices
-
-    def select(self, batch: Sequence[Running], drafted: Mapping[str, Sequence[tuple[int, DraftTree]]]) -> dict[str, list[tuple[int, DraftTree]]]:
-        """The drafted trees with the adaptive greedy requests' cut to the nodes worth verifying."""
-        return select_drafts(batch, drafted, self.adaptive, self._draft_seconds)
-
-    def observe_passes(self, ssm_index: int, passes: Sequence[tuple[int, float]]) -> None:
-        """The SSM passes a worker reported (its own compute time, without the network)."""
-        for tokens, seconds in passes:
-            self._draft_seconds += seconds
-            self.adaptive.observe_draft(ssm_index, tokens, seconds)
-
-    def observe_verify(self, calls: Sequence[VerifySpec], seconds: float) -> None:
-        """One verify round trip (the network is part of what a step costs)."""
-        self.adaptive.observe_verify(verify_shape(calls), seconds)
-
-    def observe_step(self, request_id: str, drafted: Sequence[tuple[int, DraftTree]], accepted_tokens: Sequence[int]) -> None:
-        """One request's step: its trees by SSM index and the tokens the verifier accepted."""
-        if drafted:
-            self.adaptive.observe_step(request_id, dict(drafted), accepted_tokens)
-
-    def end_iteration(self, iteration_seconds: float, verify_seconds: float) -> None:
-        """The iteration is over: what it took beyond the verify call and the SSM passes (network,
-        planning, commits) is overhead to the cost model; then the metrics catch up."""
-        self.adaptive.observe_overhead(iteration_seconds - verify_seconds - self._draft_seconds)
-        self.publish()
-
-    def forget(self, request_id: str) -> None:
-        self.adaptive.forget(request_id)
-
-    def publish(self) -> None:
+    def publish(self, adaptive: AdaptiveSpeculation) -> None:
         """Bring the metrics up to date: prediction and acceptance counters, the cost model's tables."""
-        m, totals = self.metrics, self.adaptive.totals
+        m, totals = self.metrics, adaptive.totals
+        if adaptive is not self._source:  # a new planner (SSMs joined): its totals start at zero
+            self._source, self._published = adaptive, (0.0, 0, 0, np.zeros_like(totals.position_accepted))
         predicted, accepted, cut, positions = self._published
         m.predicted_accepted_tokens.inc(max(0.0, totals.predicted_accepted - predicted))
         m.realised_accepted_tokens.inc(max(0, totals.accepted - accepted))
@@ -185,21 +144,24 @@ class AdaptivePlanner:
             if hits > 0:
                 m.position_accepted_tokens.labels(str(depth)).inc(float(hits))
         self._published = (totals.predicted_accepted, totals.accepted, totals.cut, totals.position_accepted.copy())
-        for ssm, share in self.adaptive.kept_share.items():
-            m.kept_share.labels(self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)).set(share)
-        described = self.adaptive.costs.describe()
+        for ssm, share in adaptive.kept_share.items():
+            m.kept_share.labels(self._name(ssm)).set(share)
+        described = adaptive.costs.describe()
         for tokens, seconds in described["verify_seconds"].items():
             m.cost_verify_seconds.labels(str(tokens)).set(seconds)
         for ssm, table in described["draft_seconds"].items():
-            name = self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)
             for tokens, seconds in table.items():
-                m.cost_draft_seconds.labels(name, str(tokens)).set(seconds)
+                m.cost_draft_seconds.labels(self._name(ssm), str(tokens)).set(seconds)
+
+    def _name(self, ssm: int) -> str:
+        return self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)
 
 
 async def start_planner(
-    info: internal_pb2.LlmInfo, verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int, metrics: SchedulerMetrics
-) -> AdaptivePlanner | None:
-    """The planner from the services' reports, calibrated through calls where they report nothing; None without SSMs."""
+    info: internal_pb2.LlmInfo, verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int
+) -> AdaptiveSpeculation | None:
+    """Adaptive speculation's state from the services' reports, calibrated through calls where they
+    report nothing, its trees within the API's ``max_tree_nodes``; None without SSMs."""
     if not ssm_names or workers is None:
         return None
     profiles = workers.profiles
@@ -207,7 +169,5 @@ async def start_planner(
     if costs is None or len(costs.drafts) < len(ssm_names):
         costs = await asyncio.wait_for(calibrate_through_calls(verifier, workers, ssm_names, info.vocab_size, costs), timeout=max(60.0, verifier.timeout))
     priors = priors_from_reports(profiles, ssm_names)
-    planner = AdaptivePlanner.build(costs, priors, max_tree_nodes, metrics, ssm_names)
     log.info("adaptive speculation ready", extra={"costs": costs.describe(), "slot_priors": {ssm_names[i]: p for i, p in priors.items()}})
-    planner.publish()
-    return planner
+    return AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors)

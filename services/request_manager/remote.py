@@ -18,6 +18,7 @@ import grpc
 
 from specinfer import wire
 from specinfer.core import DraftTree
+from specinfer.core.engine_core import Verdict, VerifyRound  # what a verification round gives the engine core
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.kv_budget import KVBudget
 from specinfer.serving.security import ClientAuth
@@ -41,16 +42,6 @@ class Drafts:
 
     trees: dict[str, DraftTree]
     passes: list[tuple[int, float]]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the verifier decided: accepted tree tokens and the bonus token; ``prefix_hits``: context
-    tokens its forward took from its prefix cache."""
-
-    accepted_tokens: tuple[int, ...]
-    bonus_token: int
-    prefix_hits: int = 0
 
 
 class SsmWorkers(WorkerPool):
@@ -141,20 +132,6 @@ class SsmWorkers(WorkerPool):
 
 class VerifierUnavailable(Exception):
     """No verify call of a round got through: no replica is live, or every one failed."""
-
-
-@dataclass(frozen=True)
-class VerifyRound:
-    """What one round of verify calls (one per replica, concurrently) gave: ``verdicts`` by request ID;
-    ``failed``, the requests whose replica failed or refused (not verified: they retry next iteration,
-    on another replica if theirs was taken out); ``timings``, each replica that answered: its address,
-    its calls and the round trip in seconds; ``refused``, the replicas that refused their call for lack
-    of KV blocks (other request managers hold them)."""
-
-    verdicts: dict[str, Verdict]
-    failed: tuple[str, ...] = ()
-    timings: tuple[tuple[str, tuple[VerifySpec, ...], float], ...] = ()
-    refused: tuple[str, ...] = ()
 
 
 class Verifiers(ReplicaPool):

@@ -2,15 +2,15 @@
 
 Each iteration admits waiting requests (up to ``max_batch`` running and, where the verifier and
 workers report KV budgets, while their KV blocks hold them: :func:`~specinfer.core.kv_budget.schedule`,
-the in-process engine's rule, which may also preempt the newest running ones), drops cancelled or
-expired ones, asks every SSM (on its sticky worker) for draft trees, merges them per request,
-has the verifier check every tree (one call per verifier replica, concurrently: each request is placed
-on one replica, :class:`~specinfer.core.kv_budget.Replicas`), and commits: tokens are persisted in Redis
-*before* they are published to the client streams (fenced by this replica's owner ID and lease token:
-a request another replica took over is dropped here, see :mod:`.ownership`). The bookkeeping of an iteration (which jobs,
-which random streams, what to commit) is :mod:`specinfer.core.iteration`, shared with the
-in-process engine; the scheduler drives it through remote calls. Requests with adaptive
-speculation get their trees sized each iteration by the :class:`~specinfer.request_manager.adaptive.AdaptivePlanner`.
+the in-process engine's rule, which may also preempt the newest running ones; the requests are placed on
+verifier replicas by :class:`~.placement.Placement`), drops cancelled or expired ones, and hands the
+batch to the engine core (:meth:`specinfer.core.engine_core.EngineCore.step`, the in-process engine's
+iteration too): every SSM drafts on its sticky worker, the trees are merged per request and the
+verifier replicas check them (:class:`~.executor.RemoteExecutor`), and each verified request is
+committed here: its tokens are persisted in Redis *before* they are published to the client streams
+(fenced by this replica's owner ID and lease token: a request another replica took over is dropped
+here, see :mod:`.ownership`). The core owns adaptive speculation's state; :class:`~.adaptive.PlannerMetrics`
+publishes it.
 """
 
 from __future__ import annotations
@@ -19,21 +19,22 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 
-from specinfer.core import DraftTree
-from specinfer.core.adaptive import Choice
+from specinfer.core.adaptive import AdaptiveSpeculation
+from specinfer.core.engine_core import EngineCore, admit
 from specinfer.core.errors import ResourceExhausted
-from specinfer.core.iteration import draft_specs, verify_specs
+from specinfer.core.iteration import StepOutcome
 from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
 from specinfer.core.planner import PlannerConfig
-from specinfer.request_manager.adaptive import AdaptivePlanner
+from specinfer.request_manager.adaptive import PlannerMetrics
+from specinfer.request_manager.executor import Backoff, RemoteExecutor
 from specinfer.request_manager.live import MOVED, Finish, Live, StreamEvent
 from specinfer.request_manager.placement import Placement
-from specinfer.request_manager.remote import SsmWorkers, Verdict, Verifiers, VerifierUnavailable
+from specinfer.request_manager.remote import SsmWorkers, Verifiers, VerifierUnavailable
 from specinfer.request_manager.store import RequestStore
 from specinfer.request_manager.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
 from specinfer.serving.metrics import SchedulerMetrics
@@ -79,11 +80,10 @@ class Scheduler:
         workers: SsmWorkers | None,
         verifier: Verifiers,
         metrics: SchedulerMetrics,
-        planner: AdaptivePlanner | None = None,
+        adaptive: AdaptiveSpeculation | None = None,
     ) -> None:
-        """``planner``: sizes the trees of adaptive requests (None: they verify their root alone, as without SSMs)."""
+        """``adaptive``: sizes the trees of adaptive requests (None: they verify their root alone, as without SSMs)."""
         self.config = config
-        self.planner = planner
         self.store = store
         self.workers = workers
         self.verifier = verifier
@@ -92,20 +92,44 @@ class Scheduler:
         self._active: dict[str, Live] = {}  # in admission order, oldest first
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
         self.placement = Placement(verifier, config.verifier_backoff_seconds)
+        backoff = Backoff(config.verifier_backoff_seconds, config.verifier_backoff_max_seconds)
+        self.executor = RemoteExecutor(config.ssm_names, workers, verifier, self.placement, metrics, backoff)
+        self.core = EngineCore(self.executor, len(config.ssm_names), config.eos_token_id, adaptive)
+        self.planner_metrics = PlannerMetrics(metrics, config.ssm_names)
+        if adaptive is not None:
+            self.planner_metrics.publish(adaptive)
         self._wake = asyncio.Event()
         self._stopping = False
         self.iterations = 0
-        self.verifier_failures = 0  # failed verifier calls in a row
-        # called with False when a verifier call fails after one that answered, with True when it
-        # answers again (the request manager's health follows it)
-        self.on_verifier_change: Callable[[bool], object] | None = None
+
+    def add_ssms(self, ssm_names: Sequence[str], adaptive: AdaptiveSpeculation | None) -> None:
+        """Speculate with ``ssm_names`` from the next iteration (the old ones first, in their order:
+        SSM i keeps index i), planned by ``adaptive`` (built for all of them)."""
+        if tuple(ssm_names[: len(self.config.ssm_names)]) != self.config.ssm_names:
+            raise ValueError(f"SSMs only join after the others: {tuple(ssm_names)} does not extend {self.config.ssm_names}")
+        self.config = replace(self.config, ssm_names=tuple(ssm_names))
+        self.executor.ssm_names = self.config.ssm_names
+        self.core.add_ssms(len(ssm_names), adaptive)
+        self.planner_metrics = PlannerMetrics(self.metrics, ssm_names)
+        if adaptive is not None:
+            self.planner_metrics.publish(adaptive)
+
+    @property
+    def on_verifier_change(self) -> Callable[[bool], object] | None:
+        """Called with False when a verification round fails after one that answered, with True when one
+        answers again (the request manager's health follows it)."""
+        return self.executor.on_verifier_change
+
+    @on_verifier_change.setter
+    def on_verifier_change(self, callback: Callable[[bool], object] | None) -> None:
+        self.executor.on_verifier_change = callback
 
     # -- requests -----------------------------------------------------------------------
 
     @property
     def verifier_reachable(self) -> bool:
         """False from a failed verifier call until one answers (requests in flight wait meanwhile)."""
-        return self.verifier_failures == 0
+        return self.executor.failures == 0
 
     def get(self, request_id: str) -> Live | None:
         live = self._active.get(request_id)
@@ -190,54 +214,18 @@ class Scheduler:
             return
         self.iterations += 1
         started = time.perf_counter()
-        choices = self.planner.plan(batch) if self.planner is not None else {}
-        drafted = await self._speculate(batch, choices)
-        if choices:
-            drafted = self.planner.select(batch, drafted)
-        calls = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        speculated = time.perf_counter()
         try:
-            round_ = await self.verifier.verify(calls)
-        except VerifierUnavailable as exc:
-            # no replica answers (down or restarting): requests wait (nothing was committed), caches are
-            # rebuilt from the committed tokens when one is back (the contexts go out whole)
-            self.verifier_failures += 1
-            wait = min(self.config.verifier_backoff_max_seconds, self.config.verifier_backoff_seconds * 2 ** (self.verifier_failures - 1))
-            log.warning("verifier call failed; retrying", extra={"error": str(exc), "retry_in_s": wait})
-            m.verifier_failures.inc()
-            if self.verifier_failures == 1 and self.on_verifier_change is not None:
-                self.on_verifier_change(False)
-            await asyncio.sleep(wait)
-            return
-        verified = time.perf_counter()
-        if round_.refused:
-            self.placement.refused()
-        if round_.failed:  # a replica failed: the others' requests go on, its own retry on another replica
-            m.verifier_failures.inc()
-        if self.verifier_failures:
-            log.info("verifier answers again", extra={"failed_calls": self.verifier_failures})
-            self.verifier_failures = 0
-            if self.on_verifier_change is not None:
-                self.on_verifier_change(True)
-        verdicts = round_.verdicts
-        for address, replica_calls, seconds in round_.timings:
-            if self.planner is not None:
-                self.planner.observe_verify(replica_calls, seconds)
-            m.verifier_requests.labels(address).inc(len(replica_calls))
-        for live, call in zip(batch, calls, strict=True):
-            # not finished meanwhile (the planner forgot those), and verified (its replica did not fail)
-            if live.request_id in self._active and live.request_id in verdicts:
-                verdict = verdicts[live.request_id]
-                if self.planner is not None:
-                    self.planner.observe_step(live.request_id, drafted[live.request_id], verdict.accepted_tokens)
-                await self._commit(live, call.draft, verdict)
+            report = await self.core.step(batch, self._commit, live=self._active.__contains__)
+        except VerifierUnavailable:
+            return  # the executor waited its backoff; nothing was committed, the next iteration retries
         m.iterations.inc()
         m.batch_size.observe(len(batch))
-        m.speculate_seconds.observe(speculated - started)
-        m.verify_seconds.observe(verified - speculated)
+        m.speculate_seconds.observe(report.speculate_seconds)
+        m.verify_seconds.observe(report.verify_seconds)
         m.iteration_seconds.observe(time.perf_counter() - started)
-        if self.planner is not None:
-            self.planner.end_iteration(time.perf_counter() - started, verified - speculated)
+        adaptive = self.core.adaptive_built
+        if adaptive is not None:
+            self.planner_metrics.step(adaptive, report)
 
     async def _admit(self) -> None:
         """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`, as the
@@ -252,19 +240,13 @@ class Scheduler:
         if placed is None:
             return  # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
         plan, replicas, before = placed
-        back = [self._active.pop(rid) for rid in plan.preempted]
+        back = admit(self._active, self._waiting, plan)
         if back:
-            self._waiting.extendleft(reversed(back))
             self.metrics.preemptions.inc(len(back))
             log.info("preempted for lack of KV blocks", extra={"request_ids": list(plan.preempted), "kv_blocks_used": list(plan.blocks_used)})
-            if self.planner is not None:
-                for live in back:
-                    self.planner.forget(live.request_id)
+            for live in back:
+                self.core.forget(live.request_id)
             await self._release(plan.preempted)
-        for rid in plan.admitted:
-            live = self._waiting.popleft()  # schedule admits a prefix of the queue
-            assert live.request_id == rid
-            self._active[rid] = live
         moved = [rid for rid, r in plan.placement.items() if rid in self.verifier.placement and before.get(rid) != r]
         if moved:  # their replica has no room for them now: their caches go, and are rebuilt on the new one
             await self.verifier.release(moved)
@@ -274,34 +256,11 @@ class Scheduler:
 
     def _step_rows(self, live: Live) -> StepRows:
         # adaptive trees obey the planner's limits (it may come later, when SSMs join); without one they verify the root alone
-        limits = self.planner.config if self.planner is not None else ROOT_ONLY
+        adaptive = self.core.adaptive_built
+        limits = adaptive.config if adaptive is not None else ROOT_ONLY
         return step_rows(live.request, len(live.committed), len(self.config.ssm_names), limits)
 
-    async def _speculate(self, batch: Sequence[Live], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
-        """Every SSM drafts for the requests that name it (static) or that the plan gave it
-        (adaptive): their (SSM index, tree) pairs by request ID, in SSM order."""
-        drafted: dict[str, list[tuple[int, DraftTree]]] = {lv.request_id: [] for lv in batch}
-        tasks, indices = [], []
-        for index, name in enumerate(self.config.ssm_names):
-            calls = draft_specs(batch, index, choices)
-            if calls and self.workers is not None:
-                tasks.append(self.workers.speculate(name, calls))
-                indices.append(index)
-        for index, result in zip(indices, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
-            name = self.config.ssm_names[index]
-            if isinstance(result, BaseException):
-                # a failed SSM costs speed, not answers: its requests verify smaller trees
-                log.warning("speculation failed", extra={"ssm": name, "error": repr(result)})
-                self.metrics.ssm_failures.labels(name).inc()
-                continue
-            if self.planner is not None:
-                self.planner.observe_passes(index, result.passes)
-            for rid, tree in result.trees.items():
-                drafted[rid].append((index, tree))
-        return drafted
-
-    async def _commit(self, live: Live, draft: DraftTree, verdict: Verdict) -> None:
-        outcome = live.outcome(draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id, verdict.prefix_hits)
+    async def _commit(self, live: Live, outcome: StepOutcome) -> None:
         delta = ""
         released = live.text.text if live.text is not None else ""
         if live.text is not None:
@@ -345,8 +304,7 @@ class Scheduler:
         if live.finished is None:
             live.finished = Finish(reason, live.usage(), error)
             self.metrics.requests.labels(reason).inc()
-            if self.planner is not None:
-                self.planner.forget(live.request_id)
+            self.core.forget(live.request_id)
             text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
             live.final = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
         try:
@@ -374,8 +332,7 @@ class Scheduler:
         self._active.pop(rid, None)
         if live in self._waiting:
             self._waiting.remove(live)
-        if self.planner is not None:
-            self.planner.forget(rid)
+        self.core.forget(rid)
         self.verifier.forget((rid,))
         if self.workers is not None:
             self.workers.forget((rid,))

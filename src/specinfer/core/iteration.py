@@ -1,6 +1,5 @@
-"""One continuous-batching iteration, as the bookkeeping both drivers share.
-
-A *driver* runs iterations over its batch of :class:`Running` requests: the in-process engine
+"""The jobs and bookkeeping of one continuous-batching iteration, which the engine core
+(:class:`specinfer.core.engine_core.EngineCore`) runs for both drivers: the in-process engine
 (:class:`specinfer.engine.SpeculativeEngine`, models called locally) and the request manager's
 scheduler (SSM workers and the LLM verifier called remotely). One iteration:
 
@@ -10,7 +9,7 @@ scheduler (SSM workers and the LLM verifier called remotely). One iteration:
    verifying; :func:`verify_specs` merges each request's trees into its verify job; the driver
    verifies them all in one batch;
 3. *commit*: :meth:`Running.outcome` turns a verdict into the tokens to commit, the finish reason
-   and the step's :class:`StepStats`; the driver persists or publishes them as it must, then
+   and the step's :class:`StepStats`; the driver's commit persists or publishes them as it must, then
    :meth:`Running.commit` applies them.
 
 Random streams: every job draws from its own generator, ``step_rng(seed, step, stream)`` (the

@@ -9,9 +9,9 @@ Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
    or multi-step speculative sampling per request;
 3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
 
-The bookkeeping of an iteration (which jobs, which random streams, what to commit) is
-:mod:`specinfer.core.iteration`, shared with the request manager's scheduler; the engine drives
-it by calling its models directly. Requests can be added between steps (continuous batching);
+The iteration is the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`), which the
+request manager's scheduler runs too; the engine runs it over its models in process
+(:class:`~specinfer.engine.local.LocalExecutor`) and keeps the queue. Requests can be added between steps (continuous batching);
 KV caches live in the backends and follow the committed tokens automatically (see
 :mod:`specinfer.models.interface`).
 """
@@ -19,23 +19,24 @@ KV caches live in the backends and follow the committed tokens automatically (se
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from specinfer.core import DraftTree, InvalidArgument
+from specinfer.core import InvalidArgument
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.costs import StepCosts
+from specinfer.core.engine_core import EngineCore, admit, run_to_end
 from specinfer.core.errors import check_token_ids
-from specinfer.core.iteration import Running, adaptive_contexts, draft_specs, request_seed, select_drafts, static_shape, verify_shape, verify_specs
+from specinfer.core.iteration import Running, StepOutcome, request_seed
 from specinfer.core.kv_budget import StepRows, check_fits_alone, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs, probe_costs
 from specinfer.engine.calibration_cache import CostEntry
-from specinfer.engine.steps import draft_trees, verify_trees
+from specinfer.engine.local import LocalExecutor
 from specinfer.models.interface import CausalLM
 
 
@@ -81,7 +82,7 @@ class SpeculativeEngine:
         self.ssms = list(ssms)
         self.config = config
         self._active: dict[str, _Active] = {}  # in admission order, oldest first
-        self._waiting: list[_Active] = []
+        self._waiting: deque[_Active] = deque()
         # A request holds a KV cache in every model until it finishes. Models that size their cache
         # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
         # many requests their caches hold.
@@ -93,17 +94,19 @@ class SpeculativeEngine:
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
         self._cost_entry = cost_entry
-        self._adaptive: AdaptiveSpeculation | None = None
-        self._draft_seconds = 0.0  # SSM seconds of the current iteration
+        self._core = EngineCore(LocalExecutor(llm, self.ssms), len(self.ssms), config.eos_token_id, self._build_adaptive)
 
     @property
     def adaptive(self) -> AdaptiveSpeculation:
         """Adaptive speculation's state (cost and acceptance models), calibrated on first use."""
-        if self._adaptive is None:
-            costs = self._costs or self._initial_costs()
-            priors = {i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR) for i in range(len(self.ssms))}
-            self._adaptive = AdaptiveSpeculation(costs, self.config.planner, priors)
-        return self._adaptive
+        adaptive = self._core.adaptive
+        assert adaptive is not None  # the core was given a builder
+        return adaptive
+
+    def _build_adaptive(self) -> AdaptiveSpeculation:
+        costs = self._costs or self._initial_costs()
+        priors = {i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR) for i in range(len(self.ssms))}
+        return AdaptiveSpeculation(costs, self.config.planner, priors)
 
     def _initial_costs(self) -> StepCosts:
         if self._cost_entry is None:
@@ -113,8 +116,9 @@ class SpeculativeEngine:
     def save_costs(self) -> None:
         """Write the cost model, as the steps so far refined it, to the engine's cost entry (nothing
         without one, or before any adaptive step built the model)."""
-        if self._cost_entry is not None and self._adaptive is not None:
-            self._cost_entry.save_costs(self._adaptive.costs)
+        adaptive = self._core.adaptive_built
+        if self._cost_entry is not None and adaptive is not None:
+            self._cost_entry.save_costs(adaptive.costs)
 
     # -- request lifecycle ------------------------------------------------------------
 
@@ -186,38 +190,23 @@ class SpeculativeEngine:
     # -- one iteration ------------------------------------------------------------------
 
     def step(self) -> list[GenerationResult]:
-        """One speculate/verify/commit iteration; returns the requests that finished."""
+        """One speculate/verify/commit iteration (:meth:`EngineCore.step`); returns the requests that finished."""
         self._admit()
         states = list(self._active.values())
         if not states:
             return []
-        started = time.perf_counter()
-        contexts = adaptive_contexts(states) if self.ssms else []
-        choices = self.adaptive.plan(contexts, static_shape(states)) if contexts else {}
-        drafted = self._speculate(states, choices)
-        if choices:
-            drafted = select_drafts(states, drafted, self.adaptive, self._draft_seconds)
-        jobs = verify_specs(states, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        verify_started = time.perf_counter()
-        verdicts = verify_trees(self.llm, jobs)
-        verified = time.perf_counter()
-        finished = []
-        for state, job, verdict in zip(states, jobs, verdicts, strict=True):
-            if self._adaptive is not None and drafted[state.request_id]:
-                self._adaptive.observe_step(state.request_id, dict(drafted[state.request_id]), verdict.accepted_tokens)
-            hits = self.llm.prefix_hits(state.request_id)
-            outcome = state.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.config.eos_token_id, hits)
-            state.commit(outcome)
-            state.result.steps.append(outcome.stats)
-            state.result.finish_reason = outcome.finish_reason
-            if outcome.finish_reason is not None:
-                finished.append(state.result)
-                del self._active[state.request_id]
-                self._release(state.request_id)
-        if self._adaptive is not None:
-            self._adaptive.observe_verify(verify_shape(jobs), verified - verify_started)
-            self._adaptive.observe_overhead(time.perf_counter() - started - (verified - verify_started) - self._draft_seconds)
+        finished: list[GenerationResult] = []
+        run_to_end(self._core.step(states, partial(self._commit, finished)))
         return finished
+
+    async def _commit(self, finished: list[GenerationResult], state: _Active, outcome: StepOutcome) -> None:
+        state.commit(outcome)
+        state.result.steps.append(outcome.stats)
+        state.result.finish_reason = outcome.finish_reason
+        if outcome.finish_reason is not None:
+            finished.append(state.result)
+            del self._active[state.request_id]
+            self._release(state.request_id)
 
     def _admit(self) -> None:
         """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`): a
@@ -230,37 +219,13 @@ class SpeculativeEngine:
             self._capacity,
             self.config.max_prefill_tokens,
         )
-        back = [self._active.pop(rid) for rid in plan.preempted]
+        back = admit(self._active, self._waiting, plan)
         for state in back:
             self._release(state.request_id)
-        self._waiting[:0] = back
         self.preemptions += len(back)
-        for rid in plan.admitted:
-            w = self._waiting.pop(0)  # schedule admits a prefix of the queue
-            assert w.request_id == rid
-            self._active[rid] = w
-
-    def _speculate(self, states: list[_Active], choices: Mapping[str, Choice]) -> dict[str, list[tuple[int, DraftTree]]]:
-        """Every SSM drafts for the requests that name it (static) or that the plan gave it
-        (adaptive): their (SSM index, tree) pairs by request ID, in SSM order."""
-        drafted: dict[str, list[tuple[int, DraftTree]]] = {s.request_id: [] for s in states}
-        self._draft_seconds = 0.0
-        for ssm_index, ssm in enumerate(self.ssms):
-            jobs = draft_specs(states, ssm_index, choices)
-            if not jobs:
-                continue
-            for job, tree in zip(jobs, draft_trees(ssm, jobs, partial(self._observe_pass, ssm_index)), strict=True):
-                drafted[job.request_id].append((ssm_index, tree))
-        return drafted
-
-    def _observe_pass(self, ssm_index: int, frontier_tokens: int, seconds: float) -> None:
-        self._draft_seconds += seconds
-        if self._adaptive is not None:
-            self._adaptive.observe_draft(ssm_index, frontier_tokens, seconds)
 
     def _release(self, request_id: str) -> None:
         self.llm.release(request_id)
-        if self._adaptive is not None:
-            self._adaptive.forget(request_id)
+        self._core.forget(request_id)
         for ssm in self.ssms:
             ssm.release(request_id)

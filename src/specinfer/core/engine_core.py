@@ -1,0 +1,229 @@
+"""The engine core: one continuous-batching iteration, written once, behind both drivers.
+
+A *driver* keeps the queue of requests and runs iterations over its batch of :class:`Running`
+requests: the in-process engine (:class:`specinfer.engine.SpeculativeEngine`) and the request
+manager's scheduler. Both hand the batch to :meth:`EngineCore.step`, which runs
+
+    plan -> draft -> select -> verify -> observe -> commit
+
+over an :class:`Executor` (where the models run: in process, or SSM workers and verifier replicas
+over gRPC) and the driver's *commit* callback (what committing means: append to the result, or
+persist in Redis and publish). Admission and preemption are :func:`admit`, applied to the plan of
+:func:`specinfer.core.kv_budget.schedule` (the engine) or of the request manager's placement.
+
+The core owns adaptive speculation's state (:class:`~specinfer.core.adaptive.AdaptiveSpeculation`):
+it plans the adaptive requests' trees, cuts them before verification, and feeds the cost and
+acceptance models with what each step measured. Drivers only read it (metrics).
+
+The core does no I/O itself. :meth:`EngineCore.step` is a coroutine so that a remote executor can
+await its calls; an executor whose methods never suspend (the in-process one) runs it to the end
+with :func:`run_to_end`, without an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.drafts import DraftTree
+from specinfer.core.iteration import (
+    DraftSpec,
+    Running,
+    StepOutcome,
+    VerifySpec,
+    adaptive_contexts,
+    draft_specs,
+    select_drafts,
+    static_shape,
+    verify_shape,
+    verify_specs,
+)
+from specinfer.core.kv_budget import Schedule
+
+T = TypeVar("T")
+R = TypeVar("R", bound=Running)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided for one request: accepted tree tokens and the bonus token;
+    ``prefix_hits``: context tokens the LLM's forward took from its prefix cache."""
+
+    accepted_tokens: tuple[int, ...]
+    bonus_token: int
+    prefix_hits: int = 0
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """What the SSMs drafted in one iteration: ``trees[ssm][request_id]``, and every SSM pass as
+    (SSM index, frontier tokens, seconds): the SSMs' own compute time, which the cost model learns.
+    An SSM whose call failed is absent: its requests verify smaller trees (speed, not answers)."""
+
+    trees: dict[int, dict[str, DraftTree]]
+    passes: tuple[tuple[int, int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class VerifyRound:
+    """What one verification round gave: ``verdicts`` by request ID; ``failed``, requests not
+    verified this round (they retry next iteration); ``timings``, each verify call that answered:
+    who ran it (a replica's address, or ``"local"``), its jobs and its seconds (a remote call's
+    round trip: the network is part of what a step costs); ``refused``, replicas that refused
+    their call for lack of KV blocks."""
+
+    verdicts: dict[str, Verdict]
+    failed: tuple[str, ...] = ()
+    timings: tuple[tuple[str, tuple[VerifySpec, ...], float], ...] = ()
+    refused: tuple[str, ...] = ()
+
+
+class Executor(Protocol):
+    """Where the models run. ``draft`` gets each SSM's jobs by SSM index (in SSM order) and returns
+    what they drafted; ``verify`` verifies every job in one round (it may raise when nothing could
+    be verified: the step then commits nothing and the driver retries it)."""
+
+    async def draft(self, jobs: Mapping[int, Sequence[DraftSpec]]) -> DraftRound: ...
+
+    async def verify(self, jobs: Sequence[VerifySpec]) -> VerifyRound: ...
+
+
+Commit = Callable[[R, StepOutcome], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`EngineCore.step` did, for the driver's metrics. ``planned_nodes``: the
+    planned tree size of each adaptive request (1: its root alone); ``speculate_seconds``: planning,
+    drafting and selection; ``verify_seconds``: the verification round."""
+
+    batch_size: int
+    planned_nodes: tuple[int, ...]
+    verify: VerifyRound
+    speculate_seconds: float
+    verify_seconds: float
+
+
+class EngineCore:
+    """See the module docstring. ``num_ssms``: the SSMs the executor drafts with (indices
+    ``0..num_ssms-1``); ``eos_token_id``: ends a request unless it ignores EOS. ``adaptive``:
+    adaptive speculation's state, or a function that builds it when the first adaptive request
+    runs (e.g. a calibration), or None: adaptive requests verify their root alone."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        num_ssms: int,
+        eos_token_id: int | None,
+        adaptive: AdaptiveSpeculation | Callable[[], AdaptiveSpeculation] | None = None,
+    ) -> None:
+        self.executor = executor
+        self.num_ssms = num_ssms
+        self.eos_token_id = eos_token_id
+        self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
+        self._build = None if isinstance(adaptive, AdaptiveSpeculation) else adaptive
+
+    @property
+    def adaptive(self) -> AdaptiveSpeculation | None:
+        """Adaptive speculation's state; built on first use where the core was given a builder."""
+        if self._adaptive is None and self._build is not None:
+            self._adaptive = self._build()
+        return self._adaptive
+
+    @property
+    def adaptive_built(self) -> AdaptiveSpeculation | None:
+        """Adaptive speculation's state if it exists yet (never builds it)."""
+        return self._adaptive
+
+    def add_ssms(self, num_ssms: int, adaptive: AdaptiveSpeculation | None) -> None:
+        """The executor now drafts with ``num_ssms`` SSMs (a driver's SSM set only grows: SSM i keeps
+        index i), planned by ``adaptive`` (built for all of them)."""
+        if num_ssms < self.num_ssms:
+            raise ValueError(f"SSMs only join: {num_ssms} < {self.num_ssms}")
+        self.num_ssms = num_ssms
+        self._adaptive, self._build = adaptive, None
+
+    def forget(self, request_id: str) -> None:
+        """A request left the batch (finished, preempted, moved): its per-request state goes."""
+        if self._adaptive is not None:
+            self._adaptive.forget(request_id)
+
+    async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
+        """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
+        (in batch order). ``live``: whether a request is still the driver's to commit after the
+        verification round (one cancelled or taken over meanwhile is skipped); default all."""
+        started = time.perf_counter()
+        contexts = adaptive_contexts(batch) if self.num_ssms else []
+        adaptive = self.adaptive if contexts else None
+        choices = adaptive.plan(contexts, static_shape(batch)) if adaptive is not None else {}
+        planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
+        drafted, draft_seconds = await self._draft(batch, choices)
+        if choices:
+            drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
+        jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
+        verify_started = time.perf_counter()
+        verified = await self.executor.verify(jobs)
+        verify_seconds = time.perf_counter() - verify_started
+        if self._adaptive is not None:
+            for _, calls, seconds in verified.timings:
+                self._adaptive.observe_verify(verify_shape(calls), seconds)
+        for r, job in zip(batch, jobs, strict=True):
+            verdict = verified.verdicts.get(r.request_id)
+            if verdict is None or (live is not None and not live(r.request_id)):
+                continue
+            if self._adaptive is not None and drafted[r.request_id]:
+                self._adaptive.observe_step(r.request_id, dict(drafted[r.request_id]), verdict.accepted_tokens)
+            outcome = r.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.eos_token_id, verdict.prefix_hits)
+            await commit(r, outcome)
+        if self._adaptive is not None:
+            # what the iteration took beyond the model calls (planning, verification maths, network, commits)
+            self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
+        return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
+
+    async def _draft(self, batch: Sequence[Running], choices: Mapping[str, Choice]) -> tuple[dict[str, list[tuple[int, DraftTree]]], float]:
+        """Every SSM's trees for the requests that name it (static) or that the plan gave it
+        (adaptive): (SSM index, tree) pairs by request ID, in SSM order; and the SSM seconds spent."""
+        drafted: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in batch}
+        jobs = {i: specs for i in range(self.num_ssms) if (specs := draft_specs(batch, i, choices))}
+        if not jobs:
+            return drafted, 0.0
+        round_ = await self.executor.draft(jobs)
+        seconds = 0.0
+        for ssm, tokens, secs in round_.passes:
+            seconds += secs
+            if self._adaptive is not None:
+                self._adaptive.observe_draft(ssm, tokens, secs)
+        for ssm in sorted(round_.trees):
+            for rid, tree in round_.trees[ssm].items():
+                if rid in drafted:
+                    drafted[rid].append((ssm, tree))
+        return drafted, seconds
+
+
+def admit(active: MutableMapping[str, R], waiting: deque[R], plan: Schedule) -> list[R]:
+    """Apply an admission plan: the preempted requests leave ``active`` for the head of ``waiting``
+    (in their order, keeping their output), then the admitted prefix of ``waiting`` joins ``active``.
+    Returns the preempted ones (their caches must be released)."""
+    back = [active.pop(rid) for rid in plan.preempted]
+    waiting.extendleft(reversed(back))
+    for rid in plan.admitted:
+        request = waiting.popleft()  # schedule admits a prefix of the queue
+        if request.request_id != rid:
+            raise AssertionError(f"admitted {rid!r} is not at the head of the queue ({request.request_id!r})")
+        active[rid] = request
+    return back
+
+
+def run_to_end(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (its awaits all complete at once: an in-process
+    executor's) to its result, without an event loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine suspended: run_to_end is only for executors that complete at once")
