@@ -206,8 +206,9 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
 
 def run_ours(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm) -> Run:
     """Our in-process engine, prompts in rounds of ``case.batch`` concurrent requests."""
-    if case.method == "auto":
-        spec = SpeculationConfig(None, case.ssms)
+    if case.method in ("auto", "auto-ssm-only", "suffix-only"):
+        # auto: SSMs and the text's own suffix drafts merged; the others one kind alone
+        spec = SpeculationConfig(None, () if case.method == "suffix-only" else case.ssms, suffix=case.method != "auto-ssm-only")
     else:
         spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
     run = Run(case)
@@ -272,6 +273,8 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
                 cases.append(Case("merged", batch, temp, args.merged_tree or trees[0], tuple(range(num_ssms))))
             if not args.no_auto:
                 cases.append(Case("auto", batch, temp, "", tuple(range(num_ssms))))
+            if args.drafter_rows:
+                cases += [Case("auto-ssm-only", batch, temp, "", tuple(range(num_ssms))), Case("suffix-only", batch, temp, "", ())]
     return cases
 
 
@@ -376,6 +379,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
     ap.add_argument("--no-sequence", action="store_true", help="skip our sequence speculation")
     ap.add_argument("--no-auto", action="store_true", help="skip our adaptive speculation")
+    ap.add_argument("--drafter-rows", action="store_true", help="add adaptive rows with one kind of drafter: SSMs alone, suffix alone")
     ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="of every row: transformers' models and ours (e.g. cuda)")
@@ -407,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm: CausalLM = load_backend(args.llm, "llm", dtype, args.device, backend="native", kv_cache_bytes=kv_bytes)
     ssms = [load_backend(p, f"ssm[{i}]", dtype, args.device, backend="native") for i, p in enumerate(args.ssm)]
     costs = None
-    if any(c.method == "auto" for c in cases):
+    if any(c.method in ("auto", "auto-ssm-only", "suffix-only") for c in cases):
         started = time.perf_counter()
         costs = calibrate_costs(llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr))
         print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")

@@ -634,7 +634,7 @@ def test_kept_share_stops_drafting_that_is_always_cut_and_retries_later():
         choices = adaptive.plan(batch)
         drafting.append(bool(choices))
         if choices:
-            cut = adaptive.select([Drafted("a", 10, 0, unsure)])["a"]
+            [(_, cut)] = adaptive.select([Drafted("a", 10, ((0, unsure),))])["a"]
             assert len(cut.tree) == 1  # nodes of acceptance 0.01 never pay for a verify token
             adaptive.observe_step("a", {0: cut}, [])
     assert drafting[0] and not all(drafting[:60]), "stopped drafting"
@@ -645,7 +645,8 @@ def test_kept_share_stops_drafting_that_is_always_cut_and_retries_later():
     sure = DraftTree(TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.95, 0.9))
     for _ in range(50):
         adaptive.plan(batch)
-        assert len(adaptive.select([Drafted("a", 10, 0, sure)])["a"].tree) == 3
+        [(_, kept)] = adaptive.select([Drafted("a", 10, ((0, sure),))])["a"]
+        assert len(kept.tree) == 3
     assert adaptive.kept_share[0] == 1.0
 
 

@@ -37,6 +37,7 @@ SPECULATIONS = {
     "two-ssms-merged": SpeculationConfig(ExpansionConfig((2, 2, 1)), ssms=(0, 1)),
     "adaptive": SpeculationConfig(None, ssms=(0,)),
     "adaptive-two-ssms": SpeculationConfig(None, ssms=(0, 1)),
+    "adaptive-without-suffix": SpeculationConfig(None, ssms=(0,), suffix=False),
 }
 
 

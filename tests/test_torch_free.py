@@ -24,6 +24,8 @@ CORE_TESTS = (
     "tests/test_sampling.py",
     "tests/test_adaptive_core.py",
     "tests/test_kv_budget.py",
+    "tests/test_suffix.py",
+    "tests/test_engine_core.py",
 )  # the tests of specinfer.core
 NO_TORCH_PLUGIN = """
 import sys

@@ -109,6 +109,8 @@ def test_admission_of_adaptive_speculation():
     assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, expansion=[1]), auto)) == "speculation.adaptive"
     assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["c"]), auto)) == "speculation.ssms"
     assert (auto.default_speculation, static.default_speculation, _limits().default_speculation) == ("auto", "1,2", "none")
+    assert speculation(api_pb2.SpeculationParams(adaptive=True), auto).suffix  # unset: drafts from the text too
+    assert not speculation(api_pb2.SpeculationParams(adaptive=True, suffix=False), auto).suffix
 
 
 def test_adaptive_requests_survive_the_redis_record():
@@ -117,11 +119,14 @@ def test_adaptive_requests_survive_the_redis_record():
     from specinfer.request_manager.records import RequestSnapshot, RequestStatus
 
     limits = _limits(default_adaptive=True)
-    live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8)), 5)
-    params = live_params(live, limits.ssm_names)
-    assert params["speculation"] == {"expansion": None, "ssms": ["b"]}
-    snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0)
-    assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(None, (1,), 8)
+    for suffix in (True, False):
+        live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8, suffix)), 5)
+        params = live_params(live, limits.ssm_names)
+        assert params["speculation"] == {"expansion": None, "ssms": ["b"], "suffix": suffix}
+        snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0)
+        assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(None, (1,), 8, suffix)
+    del params["speculation"]["suffix"]  # a record from before suffix drafts: on, the default
+    assert live_from_snapshot(snapshot, limits, None).request.speculation.suffix
 
 
 def test_request_manager_expansion_keywords():

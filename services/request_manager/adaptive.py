@@ -25,7 +25,7 @@ import numpy as np
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.adaptive import AdaptiveSpeculation
+from specinfer.core.adaptive import SUFFIX_DRAFTER, AdaptiveSpeculation
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
 from specinfer.core.engine_core import StepReport
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
@@ -153,8 +153,10 @@ class PlannerMetrics:
             for tokens, seconds in table.items():
                 m.cost_draft_seconds.labels(self._name(ssm), str(tokens)).set(seconds)
 
-    def _name(self, ssm: int) -> str:
-        return self.ssm_names[ssm] if ssm < len(self.ssm_names) else str(ssm)
+    def _name(self, drafter: int) -> str:
+        if drafter == SUFFIX_DRAFTER:
+            return "suffix"
+        return self.ssm_names[drafter] if 0 <= drafter < len(self.ssm_names) else str(drafter)
 
 
 async def start_planner(

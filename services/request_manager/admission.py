@@ -132,7 +132,8 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
         nodes = merged_tree_nodes(expansion, len(names))
         if nodes > limits.max_tree_nodes:
             raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {limits.max_tree_nodes}")
-    return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support)
+    suffix = msg.suffix if msg.HasField("suffix") else True
+    return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix)
 
 
 def _static_expansion(widths: tuple[int, ...], limits: ApiLimits) -> ExpansionConfig | None:

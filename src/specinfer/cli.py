@@ -27,6 +27,7 @@ class GenerateConfig:
     ssms: tuple[Path, ...]
     expansion: ExpansionConfig | None  # a static tree; None: adaptive (see ``adaptive``) or no speculation
     adaptive: bool  # adaptive speculation (``--expansion auto``): the planner sizes each step's tree
+    suffix: bool  # adaptive trees also drafted from the request's own text (core.suffix)
     sampling: SamplingParams
     max_new_tokens: int
     dtype: str
@@ -48,6 +49,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
+    p.add_argument("--no-suffix", action="store_true", help="adaptive trees without the model-free drafts from the prompt's and output's own text")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this probability (1: all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
@@ -87,6 +89,7 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
         ssms=tuple(Path(s) for s in ssms),
         expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)) if speculate and not adaptive else None,
         adaptive=adaptive,
+        suffix=not args.no_suffix,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, verification=args.verification),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
@@ -141,7 +144,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     planner = OFFLOAD_PLANNER if cfg.offload else PlannerConfig()  # offloaded steps cost a transfer whatever their tokens: larger trees pay
     config = EngineConfig(eos_token_id=eos_token_id(cfg.llm), planner=planner, slot_priors=priors)
     engine = SpeculativeEngine(llm, ssms, config, cost_entry=_cost_entry(cfg, vocabularies) if cfg.adaptive else None)
-    spec = SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms)))) if cfg.expansion is not None or cfg.adaptive else None
+    spec = SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms))), suffix=cfg.suffix) if cfg.expansion is not None or cfg.adaptive else None
     requests = []
     for i, text in enumerate(cfg.prompts):
         if not text:
@@ -412,6 +415,7 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
         # auto: the server's default (adaptive speculation unless the server runs otherwise)
         expansion=() if args.no_speculation or keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),
+        suffix=False if args.no_suffix else None,
     )
     print_prompt_header(prompt)
     print("--- generated (streamed)", flush=True)

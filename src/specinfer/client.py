@@ -75,6 +75,7 @@ class Client:
         ignore_eos: bool = False,
         verification: str = "",
         skip_special_tokens: bool = True,
+        suffix: bool | None = None,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
@@ -85,16 +86,17 @@ class Client:
         ``skip_special_tokens``: leave EOS and the other special tokens out of the text (token IDs
         keep them). Speculation: by default the server's (``auto``: adaptive); ``adaptive`` asks for
         adaptive trees, ``expansion`` for a static tree (widths per depth, e.g. ``(1, 1, 3, 1)``),
-        ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them), ``speculation=False``
-        decodes with the LLM alone. ``request_id``: the client's own ID (to resume, read or cancel
-        the request later; empty: the server picks one)."""
+        ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them), ``suffix`` turns drafts from
+        the request's own text on or off (None: on), ``speculation=False`` decodes with the LLM alone.
+        ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
+        server picks one)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
             sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, verification=verification),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
-            speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive),
+            speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive, suffix=suffix),
             ignore_eos=ignore_eos,
             skip_special_tokens=skip_special_tokens,
         )

@@ -247,6 +247,7 @@ def test_streaming_with_usage(stack, model_pair, greedy_text):
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"prompt": "x", "speculation": {"expansion": [2, 0]}}, 400, "speculation"),
         ({"prompt": "x", "speculation": {"ssms": ["nope"]}}, 400, "speculation"),
+        ({"prompt": "x", "speculation": {"adaptive": True, "suffix": "yes"}}, 400, "speculation"),
         ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),

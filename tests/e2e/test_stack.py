@@ -147,6 +147,22 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     assert total(after, "specinfer_cost_model_draft_seconds", ssm="ssm", tokens="1") > 0
 
 
+def test_suffix_drafts_through_the_services_equal_transformers_greedy(stack, model_pair):
+    """Adaptive requests on text that repeats (each prompt twice over) draft from their own text in the
+    request manager (model-free, merged with the SSMs' trees) and stream transformers' greedy output;
+    a request may turn it off (``suffix=False``) and is unchanged."""
+    prompts = [list(p[:24]) * 2 for p in model_pair.prompts[:3]]
+    want = hf_greedy(model_pair.llm, prompts, NEW_TOKENS, ignore_eos=True)
+    requests = [Client.request(p, NEW_TOKENS, adaptive=True, ignore_eos=True) for p in prompts]
+    requests += [Client.request(p, NEW_TOKENS, adaptive=True, ignore_eos=True, suffix=False) for p in prompts]
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: _run(client, r), requests))
+    for i, msgs in enumerate(results):
+        assert [t for m in msgs for t in m.token_ids] == want[i % len(prompts)], f"stream {i} differs from transformers"
+    with_suffix = sum(msgs[-1].finished.usage.llm_steps for msgs in results[: len(prompts)])
+    assert with_suffix < len(prompts) * NEW_TOKENS * 0.8, f"{with_suffix} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+
+
 def test_health_and_reflection(stack):
     for proc in stack.processes:
         with grpc.insecure_channel(proc.address) as ch:

@@ -70,6 +70,8 @@ def test_skip_special_tokens_defaults_to_true():
         ("auto", api_pb2.SpeculationParams(adaptive=True)),
         ("disabled", api_pb2.SpeculationParams(disabled=True)),
         ({"expansion": [1, 1, 3], "ssms": ["a"]}, api_pb2.SpeculationParams(expansion=[1, 1, 3], ssms=["a"])),
+        ({"adaptive": True, "suffix": False}, api_pb2.SpeculationParams(adaptive=True, suffix=False)),
+        ({"adaptive": True}, api_pb2.SpeculationParams(adaptive=True)),  # suffix unset: the server's default (on)
     ],
 )
 def test_speculation_field(spec, expected):
@@ -92,6 +94,7 @@ def test_speculation_field(spec, expected):
         ({"stop_token_ids": "2"}, "stop_token_ids"),
         ({"speculation": "maybe"}, "speculation"),
         ({"speculation": {"expansion": [0]}}, "speculation"),
+        ({"speculation": {"adaptive": True, "suffix": 1}}, "speculation"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": "yes"}, "stream"),
         ({"skip_special_tokens": "false"}, "skip_special_tokens"),

@@ -20,6 +20,7 @@ import numpy as np
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, EdgeCalibration, NodeValues, SlotAcceptance, node_values, step_outcomes
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
 from specinfer.core.drafts import DraftTree, TreeBudget, tree_values
+from specinfer.core.merge import merge_with_maps
 from specinfer.core.planner import BatchPlan, DraftedNodes, PlanInput, PlannerConfig, RequestPlan, plan_batch, select_nodes
 
 
@@ -46,15 +47,17 @@ class Totals:
     position_accepted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
 
 
+SUFFIX_DRAFTER = -1  # the drafter index of model-free suffix drafting (core.suffix) beside SSMs 0, 1, ...
+
+
 @dataclass(frozen=True)
 class Drafted:
-    """A request whose drafted tree may be cut before verification: committed ``context`` length, the
-    SSM that drafted it and the tree."""
+    """A request whose drafted trees may be cut before verification: committed ``context`` length and
+    its trees by drafter (an SSM's index, or :data:`SUFFIX_DRAFTER`), which verification merges."""
 
     request_id: str
     context: int
-    ssm: int
-    draft: DraftTree
+    drafts: tuple[tuple[int, DraftTree], ...]
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ class AdaptiveSpeculation:
         self.costs = costs
         self.config = config
         self.ssm_slots = {s: SlotAcceptance(p, prior_weight=32.0, decay=0.999) for s, p in slot_priors.items()}
-        self.edges = {s: EdgeCalibration() for s in slot_priors}
+        # suffix drafts are scored like an SSM's trees (core.suffix): their edge curve is learned the same way
+        self.edges = {s: EdgeCalibration() for s in (*slot_priors, SUFFIX_DRAFTER)}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
         self.kept_share = {s: 1.0 for s in slot_priors}
@@ -147,29 +151,39 @@ class AdaptiveSpeculation:
 
     def select(
         self, drafted: Sequence[Drafted], fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
-    ) -> dict[str, DraftTree]:
-        """Each tree cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`, whose
-        arguments these are), by request ID; a node's predicted acceptance is its value under its SSM's
-        edge acceptance (:func:`~specinfer.core.drafts.tree_values`). Only for greedy requests (see
+    ) -> dict[str, list[tuple[int, DraftTree]]]:
+        """Each request's trees cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`,
+        whose arguments these are), by request ID, as (drafter, tree) pairs. The cut is made on the trees
+        merged: a node's predicted acceptance is its value under its drafter's edge acceptance
+        (:func:`~specinfer.core.drafts.tree_values`), the likelier one where two drafters proposed it; each
+        drafter's tree then keeps its nodes the cut kept. Only for greedy and coupled requests (see
         :meth:`DraftTree.subtree`)."""
         curves = self._edge_curves()
-        nodes = []
+        nodes, sources = [], []
         for d in drafted:
-            values = np.array(tree_values(d.draft.tree.parents, d.draft.scores, curves.get(d.ssm, ()))[1:], dtype=np.float64)
-            nodes.append(DraftedNodes(d.request_id, d.context, values, np.asarray(d.draft.tree.parents[1:], dtype=np.int64)))
+            merged, maps = merge_with_maps([t.tree for _, t in d.drafts])
+            values = np.zeros(len(merged))
+            own = [np.array(tree_values(t.tree.parents, t.scores, curves.get(s, ())), dtype=np.float64) for s, t in d.drafts]
+            for m, v in zip(maps, own, strict=True):
+                np.maximum.at(values, m, v)
+            nodes.append(DraftedNodes(d.request_id, d.context, values[1:], np.asarray(merged.parents[1:], dtype=np.int64)))
+            sources.append((maps, own))
         keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
         out = {}
         drafted_value: dict[int, float] = {}
         kept_value: dict[int, float] = {}
-        for d, n in zip(drafted, nodes, strict=True):
-            kept = keep[d.request_id]
-            out[d.request_id] = d.draft if len(kept) == len(d.draft.tree) else d.draft.subtree(kept)
-            self.totals.cut += len(d.draft.tree) - len(kept)
-            value = float(sum(n.values[k - 1] for k in kept[1:]))
-            drafted_value[d.ssm] = drafted_value.get(d.ssm, 0.0) + float(n.values.sum())
-            kept_value[d.ssm] = kept_value.get(d.ssm, 0.0) + value
+        for d, n, (maps, own) in zip(drafted, nodes, sources, strict=True):
+            kept = set(keep[d.request_id])
+            self.totals.cut += len(n.values) + 1 - len(kept)
+            pairs = []
+            for (ssm, tree), m, v in zip(d.drafts, maps, own, strict=True):
+                mine = [i for i in range(len(tree.tree)) if m[i] in kept]
+                pairs.append((ssm, tree if len(mine) == len(tree.tree) else tree.subtree(mine)))
+                drafted_value[ssm] = drafted_value.get(ssm, 0.0) + float(v[1:].sum())
+                kept_value[ssm] = kept_value.get(ssm, 0.0) + float(v[mine[1:]].sum())
+            out[d.request_id] = pairs
             if d.request_id in self._predicted:  # the prediction is now that of the nodes kept
-                self._predicted[d.request_id] = value
+                self._predicted[d.request_id] = float(sum(n.values[k - 1] for k in kept if k > 0))
         for ssm, total in drafted_value.items():
             if ssm in self.kept_share and total > 0.0:
                 share = self.kept_share[ssm] + KEPT_SHARE_RATE * (kept_value[ssm] / total - self.kept_share[ssm])
@@ -186,9 +200,10 @@ class AdaptiveSpeculation:
             outcome = step_outcomes(draft, accepted_tokens)
             self.totals.drafted += len(draft.tree) - 1
             self.totals.position_accepted += outcome.depth_hits
+            if ssm in self.edges:
+                self.edges[ssm].observe(outcome)
             if ssm in self.ssm_slots:
                 self.ssm_slots[ssm].observe(outcome)
-                self.edges[ssm].observe(outcome)
                 self._slots(request_id, ssm).observe(outcome)
 
     def observe_verify(self, shape: VerifyShape | None, seconds: float) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapp
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.adaptive import SUFFIX_DRAFTER, AdaptiveSpeculation, Choice
 from specinfer.core.drafts import DraftTree
 from specinfer.core.iteration import (
     DraftSpec,
@@ -43,7 +43,12 @@ from specinfer.core.iteration import (
     verify_specs,
 )
 from specinfer.core.kv_budget import Schedule
+from specinfer.core.planner import PlannerConfig
+from specinfer.core.suffix import SuffixConfig, TokenHistory
 
+# Suffix drafts: matches of at least two tokens (a lone repeated token proposes too much that the LLM
+# rejects); the planner's limits bound the rest per request
+SUFFIX_CONFIG = SuffixConfig(min_match=2)
 T = TypeVar("T")
 R = TypeVar("R", bound=Running)
 
@@ -93,6 +98,7 @@ class Executor(Protocol):
 
 
 Commit = Callable[[R, StepOutcome], Awaitable[None]]
+Drafts = dict[str, list[tuple[int, DraftTree]]]  # a request's trees by request ID, as (drafter, tree) pairs
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,7 @@ class EngineCore:
         self.eos_token_id = eos_token_id
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
         self._build = None if isinstance(adaptive, AdaptiveSpeculation) else adaptive
+        self._histories: dict[str, TokenHistory] = {}  # committed tokens of requests that draft suffix trees
 
     @property
     def adaptive(self) -> AdaptiveSpeculation | None:
@@ -151,18 +158,20 @@ class EngineCore:
         """A request left the batch (finished, preempted, moved): its per-request state goes."""
         if self._adaptive is not None:
             self._adaptive.forget(request_id)
+        self._histories.pop(request_id, None)
 
     async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
         """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
         (in batch order). ``live``: whether a request is still the driver's to commit after the
         verification round (one cancelled or taken over meanwhile is skipped); default all."""
         started = time.perf_counter()
-        contexts = adaptive_contexts(batch) if self.num_ssms else []
+        contexts = adaptive_contexts(batch)
         adaptive = self.adaptive if contexts else None
         choices = adaptive.plan(contexts, static_shape(batch)) if adaptive is not None else {}
         planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
         drafted, draft_seconds = await self._draft(batch, choices)
-        if choices:
+        if adaptive is not None:
+            self._draft_suffixes(batch, choices, drafted, adaptive.config)
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
         verify_started = time.perf_counter()
@@ -184,10 +193,10 @@ class EngineCore:
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
         return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
 
-    async def _draft(self, batch: Sequence[Running], choices: Mapping[str, Choice]) -> tuple[dict[str, list[tuple[int, DraftTree]]], float]:
+    async def _draft(self, batch: Sequence[Running], choices: Mapping[str, Choice]) -> tuple[Drafts, float]:
         """Every SSM's trees for the requests that name it (static) or that the plan gave it
         (adaptive): (SSM index, tree) pairs by request ID, in SSM order; and the SSM seconds spent."""
-        drafted: dict[str, list[tuple[int, DraftTree]]] = {r.request_id: [] for r in batch}
+        drafted: Drafts = {r.request_id: [] for r in batch}
         jobs = {i: specs for i in range(self.num_ssms) if (specs := draft_specs(batch, i, choices))}
         if not jobs:
             return drafted, 0.0
@@ -202,6 +211,36 @@ class EngineCore:
                 if rid in drafted:
                     drafted[rid].append((ssm, tree))
         return drafted, seconds
+
+    def _draft_suffixes(
+        self, batch: Sequence[Running], choices: Mapping[str, Choice], drafted: dict[str, list[tuple[int, DraftTree]]], limits: PlannerConfig
+    ) -> None:
+        """Add a suffix tree (:mod:`specinfer.core.suffix`) to the drafts of each adaptive greedy or coupled
+        request that allows it and whose text repeats: within the planner's limits, less the nodes its
+        plan gave an SSM (the cut that follows keeps what pays). Microseconds a request: no model runs."""
+        for r in batch:
+            speculation = r.request.speculation
+            if speculation is None or not (speculation.adaptive and speculation.suffix and r.request.sampling.prunable):
+                continue
+            choice = choices.get(r.request_id)
+            nodes = limits.max_nodes - (choice.budget.nodes if choice is not None else 1)
+            depth = min(limits.max_depth, r.remaining - 1)
+            if nodes <= 0 or depth <= 0:
+                continue
+            tree = self._history(r).suffix_tree(SUFFIX_CONFIG.within(nodes, depth), with_q=not r.request.sampling.greedy)
+            if len(tree.tree) > 1:
+                drafted[r.request_id].append((SUFFIX_DRAFTER, tree))
+
+    def _history(self, r: Running) -> TokenHistory:
+        """The request's committed tokens as a suffix index, brought up to date (rebuilt if they shrank: a
+        request resumed elsewhere and back)."""
+        history = self._histories.get(r.request_id)
+        prompt = len(r.request.prompt_tokens)
+        if history is None or len(history) < prompt or len(history) > prompt + len(r.output):
+            history = self._histories[r.request_id] = TokenHistory(r.committed)
+        elif len(history) < prompt + len(r.output):
+            history.extend(r.output[len(history) - prompt :])
+        return history
 
 
 def admit(active: MutableMapping[str, R], waiting: deque[R], plan: Schedule) -> list[R]:

@@ -226,7 +226,7 @@ def static_shape(batch: Sequence[Running]) -> VerifyShape:
 def select_drafts(
     batch: Sequence[Running], drafted: Mapping[str, Sequence[tuple[int, DraftTree]]], adaptive: AdaptiveSpeculation, spent_seconds: float
 ) -> dict[str, list[tuple[int, DraftTree]]]:
-    """``drafted`` (by request ID: (SSM index, tree) pairs, in SSM order) with the trees of adaptive
+    """``drafted`` (by request ID: (drafter, tree) pairs, in drafter order) with the trees of adaptive
     requests whose verification allows it (greedy and coupled: :attr:`SamplingParams.prunable`) cut to
     the nodes worth verifying (:meth:`AdaptiveSpeculation.select`); the others' trees count as a fixed
     part of the verify call. Requests verified by multi-step speculative sampling keep their trees
@@ -239,8 +239,8 @@ def select_drafts(
         pairs = drafted.get(r.request_id, ())
         context = len(r.request.prompt_tokens) + len(r.output)
         speculation = r.request.speculation
-        if speculation is not None and speculation.adaptive and r.request.sampling.prunable and len(pairs) == 1 and pairs[0][1].scores:
-            candidates.append(Drafted(r.request_id, context, pairs[0][0], pairs[0][1]))
+        if speculation is not None and speculation.adaptive and r.request.sampling.prunable and pairs and all(t.scores for _, t in pairs):
+            candidates.append(Drafted(r.request_id, context, tuple(pairs)))
             continue
         nodes = len(combine_drafts(r.committed[-1], [tree for _, tree in pairs]).tree) if pairs else 1
         tokens += nodes
@@ -248,8 +248,7 @@ def select_drafts(
         others += 1
     if not candidates:
         return dict(drafted)
-    cut = adaptive.select(candidates, VerifyShape(tokens, work), float(others), spent_seconds)
-    return {**drafted, **{d.request_id: [(d.ssm, cut[d.request_id])] for d in candidates}}
+    return {**drafted, **adaptive.select(candidates, VerifyShape(tokens, work), float(others), spent_seconds)}
 
 
 def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:

@@ -17,17 +17,21 @@ class SpeculationConfig:
     for *adaptive* speculation (``speculation: auto``): each step the planner decides whether to
     speculate, how many nodes the request's dynamic tree may hold and which one of ``ssms``
     drafts it (see :mod:`specinfer.core.adaptive`).
-    ``ssms``: indices of the engine's SSMs the request may draft with.
+    ``ssms``: indices of the engine's SSMs the request may draft with (none: an adaptive request that
+    drafts from its own text alone).
     ``draft_support``: most tokens kept in a sparse draft distribution q under sampling.
+    ``suffix``: adaptive greedy and coupled requests also draft from their own text, model-free
+    (:mod:`specinfer.core.suffix`): the trees are merged and the planner's cut keeps what pays.
     """
 
     expansion: ExpansionConfig | None
     ssms: tuple[int, ...] = (0,)
     draft_support: int = DEFAULT_DRAFT_SUPPORT
+    suffix: bool = True
 
     def __post_init__(self) -> None:
-        if not self.ssms:
-            raise InvalidArgument("speculation.ssms", "name at least one SSM, or turn speculation off")
+        if not self.ssms and not (self.adaptive and self.suffix):
+            raise InvalidArgument("speculation.ssms", "name at least one SSM, or draft from the text alone (adaptive with suffix), or turn speculation off")
         if len(set(self.ssms)) != len(self.ssms):
             raise InvalidArgument("speculation.ssms", f"lists an SSM twice: {self.ssms}")
         if self.draft_support <= 0:
