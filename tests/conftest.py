@@ -30,7 +30,10 @@ if not HAS_CUDA:
 # otherwise run in --dtype auto, which is bfloat16 on a machine with AVX512-BF16 or AMX.
 os.environ.setdefault("SPECINFER_DTYPE", "float32")
 if torch is not None:
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # under pytest-xdist (scripts/test.sh) the workers share the cores: each gets its part, so that
+    # torch's thread pools do not spin against each other
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
