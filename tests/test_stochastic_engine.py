@@ -29,7 +29,7 @@ from specinfer.core.coupled import noise_bits
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-from specinfer.engine import engine as engine_module
+from specinfer.engine import local as local_module
 from specinfer.engine import on_device as on_device_module
 from specinfer.engine import steps as steps_module
 from specinfer.models.cross_vocab import CrossVocabularyLM
@@ -152,7 +152,7 @@ def test_sampling_on_paged_kv_with_prefix_caching_matches_llm_sampling(models, t
 
 @pytest.mark.slow
 def test_always_accepting_verifier_fails(models, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_trees", always_accept_verify)
+    monkeypatch.setattr(local_module, "verify_trees", always_accept_verify)
     params, spec = CASES["one-ssm-width-3"]
     counts = sample_engine(_engine(models), params, spec)
     assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 1e-6
