@@ -53,6 +53,9 @@ def test_suffix_trees_are_drafted_and_accepted_only_where_allowed(setup):
     assert (edges.drafted.sum(), edges.accepted.sum()) == pytest.approx(before, rel=0.01)  # decays a little, gains nothing
     engine.generate([GenerationRequest("on", prompts[0], NEW_TOKENS, speculation=SPECS["suffix-alone"], ignore_eos=True)])
     assert edges.accepted.sum() > before[1] + 5, "the suffix drafter's nodes were verified and accepted"
+    totals = engine.adaptive.totals
+    assert 0 < totals.drafter_accepted[SUFFIX_DRAFTER] <= totals.drafter_proposed[SUFFIX_DRAFTER]
+    assert totals.drafter_steps[SUFFIX_DRAFTER] > 0
 
 
 def test_seeded_sampling_with_suffix_trees_is_plain_decodings(setup):

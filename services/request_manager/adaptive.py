@@ -124,6 +124,7 @@ class PlannerMetrics:
         self.ssm_names = tuple(ssm_names)
         self._source: AdaptiveSpeculation | None = None  # whose totals _published counts
         self._published = (0.0, 0, 0, np.zeros(0))  # totals already counted in the metrics
+        self._drafters: dict[str, dict[int, int]] = {}  # per-drafter totals already counted, by counter
 
     def step(self, adaptive: AdaptiveSpeculation, report: StepReport) -> None:
         """One engine-core step's planned tree sizes, then :meth:`publish`."""
@@ -136,6 +137,17 @@ class PlannerMetrics:
         m, totals = self.metrics, adaptive.totals
         if adaptive is not self._source:  # a new planner (SSMs joined): its totals start at zero
             self._source, self._published = adaptive, (0.0, 0, 0, np.zeros_like(totals.position_accepted))
+            self._drafters = {}
+        for name, counts, counter in (
+            ("proposed", totals.drafter_proposed, m.drafter_proposed_tokens),
+            ("accepted", totals.drafter_accepted, m.drafter_accepted_tokens),
+            ("steps", totals.drafter_steps, m.drafter_steps),
+        ):
+            seen = self._drafters.setdefault(name, {})
+            for drafter, count in counts.items():
+                if count > seen.get(drafter, 0):
+                    counter.labels(self._name(drafter)).inc(count - seen.get(drafter, 0))
+                seen[drafter] = count
         predicted, accepted, cut, positions = self._published
         m.predicted_accepted_tokens.inc(max(0.0, totals.predicted_accepted - predicted))
         m.realised_accepted_tokens.inc(max(0, totals.accepted - accepted))

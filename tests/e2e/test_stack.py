@@ -161,6 +161,11 @@ def test_suffix_drafts_through_the_services_equal_transformers_greedy(stack, mod
         assert [t for m in msgs for t in m.token_ids] == want[i % len(prompts)], f"stream {i} differs from transformers"
     with_suffix = sum(msgs[-1].finished.usage.llm_steps for msgs in results[: len(prompts)])
     assert with_suffix < len(prompts) * NEW_TOKENS * 0.8, f"{with_suffix} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+    after = scrape(stack.process("request-manager").metrics_address)
+    assert total(after, "specinfer_drafter_accepted_tokens_total", drafter="suffix") > 0
+    assert total(after, "specinfer_drafter_steps_total", drafter="suffix") > 0
+    proposed = total(after, "specinfer_drafter_proposed_tokens_total", drafter="suffix")
+    assert proposed >= total(after, "specinfer_drafter_accepted_tokens_total", drafter="suffix")
 
 
 def test_health_and_reflection(stack):

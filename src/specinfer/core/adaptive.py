@@ -37,7 +37,7 @@ class Choice:
 class Totals:
     """Counters since start, for metrics and tests: steps planned to speculate, predicted and realised
     accepted tokens of those steps, drafted nodes, nodes cut before verification (:meth:`AdaptiveSpeculation.select`),
-    accepted tokens by depth (per-position acceptance)."""
+    accepted tokens by depth (per-position acceptance), and per drafter."""
 
     speculative_steps: int = 0
     predicted_accepted: float = 0.0
@@ -45,6 +45,11 @@ class Totals:
     drafted: int = 0
     cut: int = 0
     position_accepted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
+    # per drafter (an SSM's index or SUFFIX_DRAFTER): draft tokens verified, accepted tokens that were on its
+    # tree, verify steps it proposed in (its tokens per step there: 1 + accepted / steps)
+    drafter_proposed: dict[int, int] = field(default_factory=dict)
+    drafter_accepted: dict[int, int] = field(default_factory=dict)
+    drafter_steps: dict[int, int] = field(default_factory=dict)
 
 
 SUFFIX_DRAFTER = -1  # the drafter index of model-free suffix drafting (core.suffix) beside SSMs 0, 1, ...
@@ -198,8 +203,12 @@ class AdaptiveSpeculation:
             self.totals.accepted += len(accepted_tokens)
         for ssm, draft in drafts.items():
             outcome = step_outcomes(draft, accepted_tokens)
-            self.totals.drafted += len(draft.tree) - 1
-            self.totals.position_accepted += outcome.depth_hits
+            t = self.totals
+            t.drafted += len(draft.tree) - 1
+            t.position_accepted += outcome.depth_hits
+            t.drafter_proposed[ssm] = t.drafter_proposed.get(ssm, 0) + len(draft.tree) - 1
+            t.drafter_accepted[ssm] = t.drafter_accepted.get(ssm, 0) + int(outcome.depth_hits.sum())
+            t.drafter_steps[ssm] = t.drafter_steps.get(ssm, 0) + 1
             if ssm in self.edges:
                 self.edges[ssm].observe(outcome)
             if ssm in self.ssm_slots:

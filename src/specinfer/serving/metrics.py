@@ -184,6 +184,15 @@ class SchedulerMetrics:
         self.cut_draft_nodes = Counter(
             "specinfer_cut_draft_nodes", "Drafted nodes cut before verification because they would not pay for their verify cost", registry=registry
         )
+        self.drafter_proposed_tokens = Counter(
+            "specinfer_drafter_proposed_tokens", "Draft tokens a drafter's trees sent to verification (adaptive requests)", ["drafter"], registry=registry
+        )
+        self.drafter_accepted_tokens = Counter(
+            "specinfer_drafter_accepted_tokens", "Accepted tokens that were on a drafter's tree (adaptive requests)", ["drafter"], registry=registry
+        )
+        self.drafter_steps = Counter(
+            "specinfer_drafter_steps", "Verify steps of adaptive requests in which a drafter proposed a tree", ["drafter"], registry=registry
+        )
         self.kept_share = Gauge(
             "specinfer_draft_kept_share",
             "Moving average of the share of drafted value kept for verification, per SSM (scales the planner's node values)",
