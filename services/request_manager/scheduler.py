@@ -110,7 +110,7 @@ class Scheduler:
         self.config = replace(self.config, ssm_names=tuple(ssm_names))
         self.executor.ssm_names = self.config.ssm_names
         self.core.add_ssms(len(ssm_names), adaptive)
-        self.planner_metrics = PlannerMetrics(self.metrics, ssm_names)
+        self.planner_metrics.ssm_names = self.config.ssm_names  # it counts a new planner's totals from zero
         if adaptive is not None:
             self.planner_metrics.publish(adaptive)
 
