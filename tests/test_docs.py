@@ -86,6 +86,40 @@ def test_architecture_names_existing_modules_and_their_definitions():
             assert re.search(rf"(def|class) {name}\b|^{name}\b|\b{name} =", sources, re.M), f"{name} is not defined in {modules.strip()}"
 
 
+def package_modules() -> list[str]:
+    """Every module of the installed ``specinfer`` namespace (generated protobuf code left out)."""
+    roots = {"specinfer": "src/specinfer", **PACKAGE_DIRS}
+    out = set()
+    for prefix, folder in roots.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([prefix, *parts])
+            if name == "specinfer":  # the namespace's root: README.md and this page describe it
+                continue
+            if prefix == "specinfer" and (parts[:1] == ["v1"] or any(name.startswith(p) for p in PACKAGE_DIRS)):
+                continue
+            out.add(name)
+    return sorted(out)
+
+
+def test_architecture_names_every_module_in_a_row():
+    """A module is in a row when the row names it, a module inside it, or its package with the
+    module's own name in backticks (``specinfer.serving`` ... `config`)."""
+    rows = [line for line in ARCHITECTURE.read_text().splitlines() if line.startswith("| ") and "`specinfer." in line]
+    unnamed = []
+    for module in package_modules():
+        package, leaf = module.rsplit(".", 1)
+        for row in rows:
+            named = MODULE.findall(row)
+            if any(n == module or n.startswith(module + ".") for n in named) or (package in named and f"`{leaf}`" in row):
+                break
+        else:
+            unnamed.append(module)
+    assert not unnamed, f"docs/architecture.md: no row of its tables names {unnamed}"
+
+
 def readme_commands() -> list[list[str]]:
     """Each ``specinfer SUBCOMMAND ...`` command (at the start of a line or after ``;``, ``&&``, ``|``,
     past ``VAR=value`` settings) of the README's shell blocks, as words (continued lines joined,
@@ -122,3 +156,18 @@ def test_readme_commands_name_subcommands_and_flags_that_exist():
         for word in words[2:]:
             if word.startswith("--"):
                 assert word.split("=", 1)[0] in flags, f"README: `{' '.join(words)}`: specinfer {words[1]} has no flag {word}"
+
+
+def test_the_file_by_file_flow_names_files_that_exist():
+    """The architecture page's "how a request flows" table: each file, as written (from the repository,
+    from ``src/specinfer/``, or beside the row's previous file), exists."""
+    text = ARCHITECTURE.read_text()
+    table = text.split("How a request flows, file by file", 1)[1].split("\n\n")[1]
+    files = 0
+    for row in table.splitlines()[2:]:
+        folder = REPO
+        for name in re.findall(r"`([\w/]+\.py)`", row):
+            found = [p for p in (REPO / name, REPO / "src/specinfer" / name, folder / name) if p.is_file()]
+            assert found, f"docs/architecture.md: the flow names {name}, which is no file"
+            folder, files = found[0].parent, files + 1
+    assert files > 20
