@@ -50,14 +50,20 @@ def main() -> int:
     prompts = load_prompts(args.prompts, args.llm, 64, args.max_prompt_tokens)
     llm = load_backend(args.llm, "llm", dtype, backend="native", kv_cache_bytes=_kv_bytes(args.llm, args.peak, dtype))
     ssm = load_backend(args.ssm, "ssm", dtype, backend="native")
-    costs = calibrate_costs(llm, [ssm], max_verify_tokens=64, progress=lambda m: print(f"calibrating {m}", file=sys.stderr))
+    costs = calibrate_costs(
+        llm, [ssm], max_verify_tokens=64, progress=lambda m: print(f"calibrating {m}", file=sys.stderr)
+    )
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=args.peak), costs)
     source = cycle(prompts)
     serial = 0
 
     def add() -> None:
         nonlocal serial
-        engine.add(GenerationRequest(f"t{serial}", tuple(next(source)), args.new_tokens, speculation=SpeculationConfig(None), ignore_eos=True))
+        engine.add(
+            GenerationRequest(
+                f"t{serial}", tuple(next(source)), args.new_tokens, speculation=SpeculationConfig(None), ignore_eos=True
+            )
+        )
         serial += 1
 
     trace = []
@@ -88,7 +94,10 @@ def main() -> int:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trace.json").write_text(json.dumps({"dtype": dtype, "peak": args.peak, "trace": trace}, indent=0))
-    print("| phase | concurrency | iterations | mean planned nodes/request | mean tree size | tokens/s | iteration p50 ms | max ms |")
+    print(
+        "| phase | concurrency | iterations | mean planned nodes/request | mean tree size | tokens/s "
+        "| iteration p50 ms | max ms |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for phase, concurrency in enumerate((1, args.peak, 1)):
         rows = [r for r in trace if r["phase"] == phase]
@@ -96,7 +105,8 @@ def main() -> int:
         tps = sum(r["committed"] for r in rows) / sum(secs)
         print(
             f"| {phase + 1} | {concurrency} | {len(rows)} | {statistics.mean(r['planned_nodes'] for r in rows):.2f} | "
-            f"{statistics.mean(r['tree_size'] for r in rows):.2f} | {tps:.2f} | {1000 * statistics.median(secs):.0f} | {1000 * secs[-1]:.0f} |"
+            f"{statistics.mean(r['tree_size'] for r in rows):.2f} | {tps:.2f} | {1000 * statistics.median(secs):.0f} "
+            f"| {1000 * secs[-1]:.0f} |"
         )
     plot(trace, args.out / "planned_budget.png")
     return 0
@@ -118,7 +128,9 @@ def plot(trace: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.0))
     ts = [r["t"] for r in trace]
-    ax.step(ts, [r["planned_nodes"] for r in trace], where="post", label="planned nodes per request (1 = no speculation)")
+    ax.step(
+        ts, [r["planned_nodes"] for r in trace], where="post", label="planned nodes per request (1 = no speculation)"
+    )
     ax.plot(ts, [r["tree_size"] for r in trace], ".", ms=2, alpha=0.5, label="verified tree size (mean over the batch)")
     ax.set_xlabel("seconds")
     ax.set_ylabel("tree nodes per request")

@@ -52,10 +52,15 @@ def in_process(args, rounds: list[list[tuple[int, ...]]], batch: int, methods: l
         engine.adaptive  # noqa: B018 - calibrates the cost model now, outside the timed rows
     runs = {}
     for method in methods:
-        spec = None if method == "none" else SpeculationConfig(None if method == "auto" else ExpansionConfig.parse(method))
+        spec = (
+            None if method == "none" else SpeculationConfig(None if method == "auto" else ExpansionConfig.parse(method))
+        )
         run = runs[method] = Run()
         for r, prompts in enumerate(rounds):
-            reqs = [GenerationRequest(f"{method}-r{r}p{i}", tuple(p), args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
+            reqs = [
+                GenerationRequest(f"{method}-r{r}p{i}", tuple(p), args.new_tokens, speculation=spec, ignore_eos=True)
+                for i, p in enumerate(prompts)
+            ]
             start = time.perf_counter()
             results = engine.generate(reqs)
             elapsed = time.perf_counter() - start
@@ -83,15 +88,29 @@ def through_services(args, rounds: list[list[tuple[int, ...]]], batch: int, meth
     runs = {}
     started = time.perf_counter()
     with Stack(cfg) as stack, Client(stack.address, timeout=3600) as client:
-        print(f"stack for batch {batch} up (start-up calibration included) in {time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"stack for batch {batch} up (start-up calibration included) in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
         for method in methods:
 
             def one(prompt: tuple[int, ...], method: str = method) -> tuple[tuple[int, ...], int, float]:
                 widths = () if method in ("none", "auto") else ExpansionConfig.parse(method).widths
-                req = Client.request(prompt, args.new_tokens, expansion=widths, speculation=method != "none", adaptive=method == "auto", ignore_eos=True)
+                req = Client.request(
+                    prompt,
+                    args.new_tokens,
+                    expansion=widths,
+                    speculation=method != "none",
+                    adaptive=method == "auto",
+                    ignore_eos=True,
+                )
                 t0 = time.perf_counter()
                 done = client.generate(req)
-                return tuple(done.token_ids), done.finished.usage.llm_steps, (time.perf_counter() - t0) / max(1, len(done.token_ids))
+                return (
+                    tuple(done.token_ids),
+                    done.finished.usage.llm_steps,
+                    (time.perf_counter() - t0) / max(1, len(done.token_ids)),
+                )
 
             run = runs[method] = Run()
             for prompts in rounds:
@@ -124,8 +143,15 @@ def main() -> None:
     args = ap.parse_args()
     methods = [m.strip() for m in args.methods.split(";") if m.strip()]
     prompts = load_prompts(Path(args.prompts), Path(args.llm), args.count, args.max_prompt_tokens)
-    print(f"LLM {args.llm}, SSM {args.ssm}, {len(prompts)} prompts x {args.new_tokens} tokens, greedy, {args.dtype}, {args.threads} threads")
-    table = ["| batch | path | method | seconds | tokens/s | vs none | mean per-token latency ms | LLM steps | greedy = none |", "| --- " * 9 + "|"]
+    print(
+        f"LLM {args.llm}, SSM {args.ssm}, {len(prompts)} prompts x {args.new_tokens} tokens, greedy, {args.dtype}, "
+        f"{args.threads} threads"
+    )
+    table = [
+        "| batch | path | method | seconds | tokens/s | vs none | mean per-token latency ms | LLM steps "
+        "| greedy = none |",
+        "| --- " * 9 + "|",
+    ]
     for batch in (int(b) for b in args.batch.split(",")):
         rounds = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         paths = {"services": through_services(args, rounds, batch, methods)}
@@ -136,9 +162,16 @@ def main() -> None:
             for method, run in runs.items():
                 rate = run.tokens / run.seconds
                 versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None else ""
-                same = f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}" if base is not None else ""
+                same = (
+                    f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}"
+                    if base is not None
+                    else ""
+                )
                 latency = 1000 * statistics.mean(run.per_token)
-                row = f"| {batch} | {path} | {method} | {run.seconds:.3f} | {rate:.2f} | {versus} | {latency:.1f} | {run.steps} | {same} |"
+                row = (
+                    f"| {batch} | {path} | {method} | {run.seconds:.3f} | {rate:.2f} | {versus} | {latency:.1f} "
+                    f"| {run.steps} | {same} |"
+                )
                 table.append(row)
                 print(row, flush=True)
     print()

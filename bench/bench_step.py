@@ -83,7 +83,9 @@ def load(runtime: str, args: argparse.Namespace) -> CausalLM:
         dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
         return NativeBackend.load(args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), gemm="linear"))
     backend = "native" if runtime == "native" else "reference"
-    return load_backend(args.llm, "llm", args.dtype, args.device, backend=backend, kv_cache_bytes=int(args.kv_cache_bytes))
+    return load_backend(
+        args.llm, "llm", args.dtype, args.device, backend=backend, kv_cache_bytes=int(args.kv_cache_bytes)
+    )
 
 
 def main() -> None:
@@ -92,7 +94,9 @@ def main() -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--prefix", default="128")
     ap.add_argument("--nodes", default="1,2,4,8,16,32,64", help="tree sizes (complete binary trees)")
-    ap.add_argument("--expansion", default="", help=f"time this expansion tree instead of --nodes, e.g. {PAPER_EXPANSION}")
+    ap.add_argument(
+        "--expansion", default="", help=f"time this expansion tree instead of --nodes, e.g. {PAPER_EXPANSION}"
+    )
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -107,28 +111,48 @@ def main() -> None:
         sys.exit(f"--runtimes: unknown {sorted(set(runtimes) - set(RUNTIMES))}; choose from {RUNTIMES}")
     if args.expansion:
         cfg = ExpansionConfig.parse(args.expansion)
-        shapes = [(f"<{args.expansion}>", cfg.max_nodes, lambda root, vocab, gen: expansion_tree(cfg, root, vocab, gen))]
+        shapes = [
+            (f"<{args.expansion}>", cfg.max_nodes, lambda root, vocab, gen: expansion_tree(cfg, root, vocab, gen))
+        ]
     else:
-        shapes = [(str(n), n, lambda root, vocab, gen, n=n: binary_tree(n, root, vocab, gen)) for n in (int(x) for x in args.nodes.split(","))]
+        shapes = [
+            (str(n), n, lambda root, vocab, gen, n=n: binary_tree(n, root, vocab, gen))
+            for n in (int(x) for x in args.nodes.split(","))
+        ]
     dtype = resolve_dtype(args.dtype, args.device)
     configs = [(int(b), int(p)) for b in args.batch.split(",") for p in args.prefix.split(",")]
     ms: dict[tuple[str, int, int, str], float] = {}
-    for r in runtimes:  # one model in memory at a time: several 1B copies crowd this machine's memory and slow each other
+    for (
+        r
+    ) in runtimes:  # one model in memory at a time: several 1B copies crowd this machine's memory and slow each other
         model = load(r, args)
         for batch, prefix in configs:
             for label, nodes, make_tree in shapes:
-                times = time_steps(model, batch, prefix, make_tree, args.steps, args.warmup, seed=batch * 1000 + prefix + nodes)
+                times = time_steps(
+                    model, batch, prefix, make_tree, args.steps, args.warmup, seed=batch * 1000 + prefix + nodes
+                )
                 ms[(r, batch, prefix, label)] = 1000 * statistics.median(times)
-                print(f"{r} batch {batch} prefix {prefix} tree {label}: {ms[(r, batch, prefix, label)]:.1f} ms", file=sys.stderr, flush=True)
+                print(
+                    f"{r} batch {batch} prefix {prefix} tree {label}: {ms[(r, batch, prefix, label)]:.1f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
         del model
         gc.collect()
-    print(f"LLM {args.llm}, {dtype} on {args.device}, {args.threads} threads, median of {args.steps} steps ({time.strftime('%Y-%m-%d')})")
+    print(
+        f"LLM {args.llm}, {dtype} on {args.device}, {args.threads} threads, median of {args.steps} steps "
+        f"({time.strftime('%Y-%m-%d')})"
+    )
     print()
     print("| batch | prefix | tree | " + " | ".join(f"{r} ms | {r} vs first" for r in runtimes) + " |")
     print("|" + " --- |" * (3 + 2 * len(runtimes)))
     for batch, prefix in configs:
         for label, _, _ in shapes:
-            cells = [f"{ms[(r, batch, prefix, label)]:.1f} | {ms[(r, batch, prefix, label)] / ms[(r, batch, prefix, shapes[0][0])]:.2f}x" for r in runtimes]
+            cells = [
+                f"{ms[(r, batch, prefix, label)]:.1f} | "
+                f"{ms[(r, batch, prefix, label)] / ms[(r, batch, prefix, shapes[0][0])]:.2f}x"
+                for r in runtimes
+            ]
             print(f"| {batch} | {prefix} | {label} | " + " | ".join(cells) + " |")
 
 

@@ -5,13 +5,13 @@ shared ``[capacity, num_kv_heads, head_dim]`` cache as in the verify step. Print
 
 GPU timing uses CUDA events (median of ``--iters`` runs after ``--warmup``); the bandwidth column is
 ``(K and V bytes of prefix + tree) + Q bytes`` over that time, and "of copy" that bandwidth over the device's own
-device-to-device copy bandwidth, measured first (the roofline of a kernel that streams the KV cache once). On CPU the timing is ``time.perf_counter`` and the
-Triton kernel is skipped unless asked for with ``--impl triton`` (it then runs under the Triton interpreter, whose
-timings say nothing about the kernel).
+device-to-device copy bandwidth, measured first (the roofline of a kernel that streams the KV cache once). On CPU the
+timing is ``time.perf_counter`` and the Triton kernel is skipped unless asked for with ``--impl triton`` (it then runs
+under the Triton interpreter, whose timings say nothing about the kernel).
 
 Examples::
 
-    python bench/bench_tree_attention.py                       # GPU defaults: trees 16..256, prefixes 512..8k, batch 1..16
+    python bench/bench_tree_attention.py                    # GPU defaults: trees 16..256, prefixes 512..8k, batch 1..16
     python bench/bench_tree_attention.py --trees 64 --prefixes 2048 --batches 1 4 --dtype fp16 --check
     python bench/bench_tree_attention.py --impl triton --trees 16 --prefixes 512 --batches 1   # CPU, interpreter
 """
@@ -35,18 +35,34 @@ IMPLS = ("triton", "sdpa", "ref")
 def parse_args() -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256] if gpu else [16, 64], help="tree sizes (nodes per request)")
-    p.add_argument("--prefixes", type=int, nargs="+", default=[512, 2048, 8192] if gpu else [512, 2048], help="prefix lengths")
+    p.add_argument(
+        "--trees",
+        type=int,
+        nargs="+",
+        default=[16, 64, 256] if gpu else [16, 64],
+        help="tree sizes (nodes per request)",
+    )
+    p.add_argument(
+        "--prefixes", type=int, nargs="+", default=[512, 2048, 8192] if gpu else [512, 2048], help="prefix lengths"
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16] if gpu else [1, 4], help="batch sizes")
     p.add_argument("--tree-shape", choices=["random", "chain", "star", "branches"], default="random")
     p.add_argument("--heads", type=int, default=32 if gpu else 8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8 if gpu else 2, help="KV heads (GQA group = heads / kv-heads)")
     p.add_argument("--head-dim", type=int, default=128 if gpu else 64)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
-    p.add_argument("--impl", dest="impls", action="append", choices=IMPLS, help="implementation(s) to time (repeatable); default: all that apply")
+    p.add_argument(
+        "--impl",
+        dest="impls",
+        action="append",
+        choices=IMPLS,
+        help="implementation(s) to time (repeatable); default: all that apply",
+    )
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
-    p.add_argument("--check", action="store_true", help="also report each implementation's relative error against the reference")
+    p.add_argument(
+        "--check", action="store_true", help="also report each implementation's relative error against the reference"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     args.device = torch.device("cuda" if gpu else "cpu")
@@ -149,10 +165,16 @@ def main() -> None:
     fns = {name: impl_fn(name) for name in args.impls}
     copy_gbs = copy_bandwidth_gbs(args.warmup, args.iters) if cuda else 0.0
     print(
-        f"device={torch.cuda.get_device_name() if cuda else 'cpu'} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
-        f"head_dim={args.head_dim} tree_shape={args.tree_shape}" + (f" copy_bandwidth={copy_gbs:.0f} GB/s" if cuda else "") + "\n"
+        f"device={torch.cuda.get_device_name() if cuda else 'cpu'} dtype={args.dtype} heads={args.heads} "
+        f"kv_heads={args.kv_heads} head_dim={args.head_dim} tree_shape={args.tree_shape}"
+        + (f" copy_bandwidth={copy_gbs:.0f} GB/s" if cuda else "")
+        + "\n"
     )
-    cols = ["batch", "tree", "prefix", "impl", "time (ms)", "vs sdpa"] + (["GB/s", "of copy"] if cuda else []) + (["rel err"] if args.check else [])
+    cols = (
+        ["batch", "tree", "prefix", "impl", "time (ms)", "vs sdpa"]
+        + (["GB/s", "of copy"] if cuda else [])
+        + (["rel err"] if args.check else [])
+    )
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")
     for batch in args.batches:
@@ -160,7 +182,10 @@ def main() -> None:
             for prefix in args.prefixes:
                 case = make_case(args, batch, tree, prefix)
                 ref = impl_fn("ref")(case) if args.check else None
-                times = {name: time_ms(lambda fn=fn, case=case: fn(case), args.warmup, args.iters, cuda) for name, fn in fns.items()}
+                times = {
+                    name: time_ms(lambda fn=fn, case=case: fn(case), args.warmup, args.iters, cuda)
+                    for name, fn in fns.items()
+                }
                 for name, ms in times.items():
                     row = [str(batch), str(tree), str(prefix), name, f"{ms:.3f}"]
                     row.append(f"{times['sdpa'] / ms:.2f}x" if "sdpa" in times else "-")

@@ -123,9 +123,15 @@ class Run:
             "tokens_per_second": round(tps, 3),
             "decode_tokens_per_second": round(dtps, 3),
             "speedup_vs_hf_incremental": round(tps / (baseline.tokens / baseline.seconds), 3) if baseline else None,
-            "decode_speedup_vs_hf_incremental": round(dtps / (baseline.decode_tokens / baseline.decode_seconds), 3) if baseline else None,
-            "speedup_vs_incremental_same_batch": round(tps / (batch_baseline.tokens / batch_baseline.seconds), 3) if batch_baseline else None,
-            "speedup_vs_hf_same_batch": round(tps / (hf_batch_baseline.tokens / hf_batch_baseline.seconds), 3) if hf_batch_baseline else None,
+            "decode_speedup_vs_hf_incremental": round(dtps / (baseline.decode_tokens / baseline.decode_seconds), 3)
+            if baseline
+            else None,
+            "speedup_vs_incremental_same_batch": round(tps / (batch_baseline.tokens / batch_baseline.seconds), 3)
+            if batch_baseline
+            else None,
+            "speedup_vs_hf_same_batch": round(tps / (hf_batch_baseline.tokens / hf_batch_baseline.seconds), 3)
+            if hf_batch_baseline
+            else None,
             "latency_p50_ms": round(1000 * percentile(lat, 50), 1),
             "latency_p99_ms": round(1000 * percentile(lat, 99), 1),
         }
@@ -167,7 +173,8 @@ class _Timing(BaseStreamer):
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of a batch, padded on the left as decoder-only generate needs.  # [B, L] each"""
+    """``input_ids`` and ``attention_mask`` of a batch, padded on the left as decoder-only generate
+    needs.  # [B, L] each"""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -178,7 +185,11 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
     """transformers generate, ``case.batch`` prompts at a time (left-padded); EOS does not stop generation."""
     calls = [0]
     hook = llm.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    sampling = {"do_sample": True, "temperature": case.temperature, "top_k": 0, "top_p": 1.0} if case.temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": case.temperature, "top_k": 0, "top_p": 1.0}
+        if case.temperature > 0
+        else {"do_sample": False}
+    )
     config = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **sampling)
     run = Run(case)
     try:
@@ -191,7 +202,11 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
                 streamer = _Timing()
                 start = time.perf_counter()
                 out = llm.generate(
-                    ids, attention_mask=mask, generation_config=config, streamer=streamer, assistant_model=ssm if case.method == "hf-assisted" else None
+                    ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    streamer=streamer,
+                    assistant_model=ssm if case.method == "hf-assisted" else None,
                 )
                 run.add_round(start, time.perf_counter(), [streamer.emissions] * len(chunk))
                 run.llm_steps += (calls[0] - before) * len(chunk)  # per request, as ours count them
@@ -204,11 +219,15 @@ def run_hf(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, llm, s
     return run
 
 
-def run_ours(case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm) -> Run:
+def run_ours(
+    case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm
+) -> Run:
     """Our in-process engine, prompts in rounds of ``case.batch`` concurrent requests."""
     if case.method in ("auto", "auto-ssm-only", "suffix-only"):
         # auto: SSMs and the text's own suffix drafts merged; the others one kind alone
-        spec = SpeculationConfig(None, () if case.method == "suffix-only" else case.ssms, suffix=case.method != "auto-ssm-only")
+        spec = SpeculationConfig(
+            None, () if case.method == "suffix-only" else case.ssms, suffix=case.method != "auto-ssm-only"
+        )
     else:
         spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
     run = Run(case)
@@ -260,7 +279,10 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
     cases = []
     for temp in temperatures:
         if not args.skip_hf and 1 in batches:
-            cases += [Case("hf-incremental", 1, temp), Case("hf-assisted", 1, temp)]  # transformers' assisted generation takes batch 1 only
+            cases += [
+                Case("hf-incremental", 1, temp),
+                Case("hf-assisted", 1, temp),
+            ]  # transformers' assisted generation takes batch 1 only
         for batch in batches:
             if not args.skip_hf and batch > 1:
                 cases.append(Case("hf-incremental", batch, temp))  # batched generate
@@ -274,7 +296,10 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
             if not args.no_auto:
                 cases.append(Case("auto", batch, temp, "", tuple(range(num_ssms))))
             if args.drafter_rows:
-                cases += [Case("auto-ssm-only", batch, temp, "", tuple(range(num_ssms))), Case("suffix-only", batch, temp, "", ())]
+                cases += [
+                    Case("auto-ssm-only", batch, temp, "", tuple(range(num_ssms))),
+                    Case("suffix-only", batch, temp, "", ()),
+                ]
     return cases
 
 
@@ -316,7 +341,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     paths = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for temp in sorted({r["temperature"] for r in rows}):
-        ours = [r for r in rows if r["temperature"] == temp and r["batch"] == 1 and r["method"] not in ("hf-assisted", "hf-incremental")]
+        ours = [
+            r
+            for r in rows
+            if r["temperature"] == temp and r["batch"] == 1 and r["method"] not in ("hf-assisted", "hf-incremental")
+        ]
         pts = sorted((r["mean_tree_size"], r["tokens_per_step"], r["label"]) for r in ours)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"temperature {temp:g}")
         for x, y, label in pts:
@@ -333,12 +362,16 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label in dict.fromkeys(r["label"] for r in rows if r["method"] not in ("hf-incremental", "hf-assisted", "incremental")):
+    for label in dict.fromkeys(
+        r["label"] for r in rows if r["method"] not in ("hf-incremental", "hf-assisted", "incremental")
+    ):
         for temp in sorted({r["temperature"] for r in rows}):
             pts = sorted(
                 (r["batch"], r["speedup_vs_incremental_same_batch"])
                 for r in rows
-                if r["label"] == label and r["temperature"] == temp and r["speedup_vs_incremental_same_batch"] is not None
+                if r["label"] == label
+                and r["temperature"] == temp
+                and r["speedup_vs_incremental_same_batch"] is not None
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label}, T={temp:g}")
@@ -366,21 +399,41 @@ def load_prompts(path: Path, tokenizer_dir: Path, count: int, max_tokens: int) -
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llm", type=Path, required=True)
-    ap.add_argument("--ssm", type=Path, action="append", required=True, help="an SSM checkpoint; repeat for merged trees")
+    ap.add_argument(
+        "--ssm", type=Path, action="append", required=True, help="an SSM checkpoint; repeat for merged trees"
+    )
     ap.add_argument("--prompts", type=Path, required=True, help="JSON lines with a 'text' field")
     ap.add_argument("--count", type=int, default=50, help="prompts to run")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--trees", default=PAPER_EXPANSION, help="our expansion trees, ';'-separated (the first also sets the sequence depth)")
-    ap.add_argument("--tuned", type=Path, default=None, help="a tuner result (bench/tune.py --out): its pick is added to --trees")
-    ap.add_argument("--merged-tree", default="", help="expansion of each SSM in the merged runs (default: the first tree)")
+    ap.add_argument(
+        "--trees",
+        default=PAPER_EXPANSION,
+        help="our expansion trees, ';'-separated (the first also sets the sequence depth)",
+    )
+    ap.add_argument(
+        "--tuned", type=Path, default=None, help="a tuner result (bench/tune.py --out): its pick is added to --trees"
+    )
+    ap.add_argument(
+        "--merged-tree", default="", help="expansion of each SSM in the merged runs (default: the first tree)"
+    )
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (transformers: generate at each, assisted generation at 1)")
+    ap.add_argument(
+        "--batch", default="1,8", help="batch sizes (transformers: generate at each, assisted generation at 1)"
+    )
     ap.add_argument("--skip-hf", action="store_true", help="only our runs")
-    ap.add_argument("--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)")
+    ap.add_argument(
+        "--no-incremental", action="store_true", help="skip our incremental decoding (the batch-size baseline)"
+    )
     ap.add_argument("--no-sequence", action="store_true", help="skip our sequence speculation")
     ap.add_argument("--no-auto", action="store_true", help="skip our adaptive speculation")
-    ap.add_argument("--drafter-rows", action="store_true", help="add adaptive rows with one kind of drafter: SSMs alone, suffix alone")
-    ap.add_argument("--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)")
+    ap.add_argument(
+        "--drafter-rows",
+        action="store_true",
+        help="add adaptive rows with one kind of drafter: SSMs alone, suffix alone",
+    )
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="of every row: transformers' models and ours (e.g. cuda)")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="of every row, transformers' included")
@@ -399,7 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, args.llm, args.count, args.max_prompt_tokens)
     cases = build_cases(args, len(args.ssm))
     batches = max((c.batch for c in cases), default=1)
-    print(f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), {len(cases)} runs")
+    print(
+        f"LLM {args.llm}, SSMs {[str(s) for s in args.ssm]}, {len(prompts)} prompts x {args.new_tokens} new tokens "
+        f"(EOS ignored), {len(cases)} runs"
+    )
 
     dtype = resolve_dtype(args.dtype, args.device)
     print(f"every row in {dtype} on {args.device}")
@@ -413,15 +469,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = None
     if any(c.method in ("auto", "auto-ssm-only", "suffix-only") for c in cases):
         started = time.perf_counter()
-        costs = calibrate_costs(llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr))
+        costs = calibrate_costs(
+            llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr)
+        )
         print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")
-    # the tuner's measured agreement (if given) is SSM 0's prior slot acceptance, as a tuning file installed in its folder would be
+    # the tuner's measured agreement (if given) is SSM 0's prior slot acceptance, as a tuning file installed in its
+    # folder would be
     priors: tuple[tuple[float, ...], ...] = ()
     if args.tuned:
         top_k = json.loads(args.tuned.read_text())["acceptance"]["top_k_agreement"]
         priors = (slot_prior_from_agreement({int(k): v for k, v in top_k.items()}),)
     batches_ours = {c.batch for c in cases if not c.method.startswith("hf-")}
-    engines = {b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), costs) for b in batches_ours}
+    engines = {
+        b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), costs) for b in batches_ours
+    }
 
     # warm-up (lazy initialisation, allocator, thread pools), not timed
     with tqdm(total=0, disable=True) as quiet:
@@ -472,12 +533,35 @@ def summarise(runs: list[Run]) -> list[dict]:
     rows = []
     for run in runs:
         c = run.case
-        base = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == 1), None)
-        batch_base = next((r for r in runs if r.case.method == "incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch), None)
-        hf_batch = next((r for r in runs if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch), None)
+        base = next(
+            (
+                r
+                for r in runs
+                if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == 1
+            ),
+            None,
+        )
+        batch_base = next(
+            (
+                r
+                for r in runs
+                if r.case.method == "incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch
+            ),
+            None,
+        )
+        hf_batch = next(
+            (
+                r
+                for r in runs
+                if r.case.method == "hf-incremental" and r.case.temperature == c.temperature and r.case.batch == c.batch
+            ),
+            None,
+        )
         row = run.row(base, batch_base, hf_batch)
         if c.temperature == 0 and base is not None:
-            row["greedy_equals_hf"] = f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}"
+            row["greedy_equals_hf"] = (
+                f"{sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))}/{len(run.outputs)}"
+            )
         if c.temperature == 0 and batch_base is not None and not c.method.startswith("hf-"):
             same, prefix = agreement(run.outputs, batch_base.outputs)
             row["greedy_equals_incremental"] = f"{same}/{len(run.outputs)}"
@@ -489,7 +573,10 @@ def summarise(runs: list[Run]) -> list[dict]:
 def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[int, float]:
     """How many outputs equal the reference's, and the mean length of the prefix each shares with it."""
     same = sum(list(a) == list(b) for a, b in zip(outputs, reference, strict=True))
-    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) for a, b in zip(outputs, reference, strict=True)]
+    prefixes = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        for a, b in zip(outputs, reference, strict=True)
+    ]
     return same, sum(prefixes) / max(1, len(prefixes))
 
 

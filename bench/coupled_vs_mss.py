@@ -34,9 +34,22 @@ def prompts_of(pair: Path, count: int, max_tokens: int) -> list[tuple[int, ...]]
     return [tuple(tok.encode(json.loads(line)["text"]).ids[-max_tokens:]) for line in lines]
 
 
-def run(engine: SpeculativeEngine, prompts: Sequence[tuple[int, ...]], params: SamplingParams, spec: SpeculationConfig | None, new_tokens: int, tag: str):
+def run(
+    engine: SpeculativeEngine,
+    prompts: Sequence[tuple[int, ...]],
+    params: SamplingParams,
+    spec: SpeculationConfig | None,
+    new_tokens: int,
+    tag: str,
+):
     requests = [
-        GenerationRequest(f"{tag}-{i}", p, new_tokens, SamplingParams(params.temperature, params.top_k, params.top_p, 1000 + i, params.verification), spec)
+        GenerationRequest(
+            f"{tag}-{i}",
+            p,
+            new_tokens,
+            SamplingParams(params.temperature, params.top_k, params.top_p, 1000 + i, params.verification),
+            spec,
+        )
         for i, p in enumerate(prompts)
     ]
     return engine.generate(requests)
@@ -44,15 +57,24 @@ def run(engine: SpeculativeEngine, prompts: Sequence[tuple[int, ...]], params: S
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", type=Path, action="append", required=True, help="folder with llm/, ssm/, prompts.jsonl (repeat)")
+    ap.add_argument(
+        "--pair", type=Path, action="append", required=True, help="folder with llm/, ssm/, prompts.jsonl (repeat)"
+    )
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--count", type=int, default=24, help="prompts per row")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: near-ties may flip between batch shapes")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: near-ties may flip between batch shapes",
+    )
     ap.add_argument("--trees", default="paper,adaptive", help="which of paper,adaptive to run")
     args = ap.parse_args(argv)
-    print("| pair | temperature | tree | verification | accepted per step | tokens per step | equal to no speculation |")
+    print(
+        "| pair | temperature | tree | verification | accepted per step | tokens per step | equal to no speculation |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for pair in args.pair:
         llm = load_backend(pair / "llm", "llm", args.dtype, backend="native", kv_cache_bytes=1 << 30)
@@ -78,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     tokens = sum(len(r.output_tokens) for r in results)
                     same = sum(r.output_tokens == p.output_tokens for r, p in zip(results, plain, strict=True))
                     print(
-                        f"| {pair.name} | {temperature} | {tree} | {verification} | {accepted / steps:.2f} | {tokens / steps:.2f} | {same}/{len(results)} |",
+                        f"| {pair.name} | {temperature} | {tree} | {verification} | {accepted / steps:.2f} "
+                        f"| {tokens / steps:.2f} | {same}/{len(results)} |",
                         flush=True,
                     )
     return 0

@@ -31,7 +31,13 @@ from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids
 from specinfer.models.loading import eos_token_id, load_backend
-from specinfer.training.corpus import read_texts, source_files, stdlib_dir, train_sentencepiece_style_tokenizer, train_tokenizer
+from specinfer.training.corpus import (
+    read_texts,
+    source_files,
+    stdlib_dir,
+    train_sentencepiece_style_tokenizer,
+    train_tokenizer,
+)
 from specinfer.training.distill import TrainSettings, train
 from specinfer.training.sources import ArchSpec, corpus_tokens, new_llama, val_windows, window_batches
 
@@ -46,7 +52,9 @@ def build_tokenizer(out: Path, style: str, corpus: tuple[Path, ...], vocab_size:
     (out / "config.json").write_text(f'{{"vocab_size": {vocab_size}, "eos_token_id": 1, "bos_token_id": 0}}\n')
 
 
-def train_ssm(out: Path, tokenizer_dir: Path, corpus: tuple[Path, ...], arch: ArchSpec, settings: TrainSettings, max_bytes: int) -> None:
+def train_ssm(
+    out: Path, tokenizer_dir: Path, corpus: tuple[Path, ...], arch: ArchSpec, settings: TrainSettings, max_bytes: int
+) -> None:
     """An SSM trained from scratch on the corpus in ``tokenizer_dir``'s tokenizer (next-token cross-entropy)."""
     if (out / "training.json").is_file():
         return
@@ -69,7 +77,9 @@ def train_ssm(out: Path, tokenizer_dir: Path, corpus: tuple[Path, ...], arch: Ar
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl")
+    ap.add_argument(
+        "--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl"
+    )
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--corpus", nargs="*", type=Path, default=None, help="default: this Python's standard library")
     ap.add_argument("--styles", default="sentencepiece,byte-level", help="the other tokenizers to train drafts in")
@@ -85,7 +95,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     corpus = tuple(args.corpus or (stdlib_dir(),))
     llm_dir = args.pair / "llm"
-    settings = TrainSettings(steps=args.steps, batch_size=16, seq_len=256, lr=2e-3, kd_weight=0.0, device="cpu", checkpoint_every=500)
+    settings = TrainSettings(
+        steps=args.steps, batch_size=16, seq_len=256, lr=2e-3, kd_weight=0.0, device="cpu", checkpoint_every=500
+    )
     arch = ArchSpec.parse(args.arch, "arch")
 
     started = time.perf_counter()
@@ -93,17 +105,32 @@ def main() -> None:
     for style in styles:
         vocab = args.vocab_size if style == "sentencepiece" else args.bpe_vocab_size
         build_tokenizer(args.work / f"tokenizer-{style}", style, corpus, vocab, args.max_corpus_bytes)
-        train_ssm(args.work / f"cross-{style}", args.work / f"tokenizer-{style}", corpus, arch, settings, args.max_corpus_bytes)
+        train_ssm(
+            args.work / f"cross-{style}",
+            args.work / f"tokenizer-{style}",
+            corpus,
+            arch,
+            settings,
+            args.max_corpus_bytes,
+        )
     train_ssm(args.work / "same", llm_dir, corpus, arch, settings, args.max_corpus_bytes)
     print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     prompts = load_prompts(args.pair / "prompts.jsonl", llm_dir, args.prompts, 0)
     llm = load_backend(llm_dir, "llm", "float32", backend="native")
-    drafts = {"pair's SSM (distilled, same tokenizer)": args.pair / "ssm", "same (CE, same tokenizer)": args.work / "same"}
+    drafts = {
+        "pair's SSM (distilled, same tokenizer)": args.pair / "ssm",
+        "same (CE, same tokenizer)": args.work / "same",
+    }
     drafts.update({f"cross (CE, {style} tokenizer)": args.work / f"cross-{style}" for style in styles})
-    print(f"LLM {llm_dir}; {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), batch {len(prompts)}; fp32, native backend")
+    print(
+        f"LLM {llm_dir}; {len(prompts)} prompts x {args.new_tokens} new tokens (EOS ignored), batch {len(prompts)}; "
+        "fp32, native backend"
+    )
     print()
-    print("| draft | vocabulary | shared tokens | expansion | temperature | accepted / step | tokens / step | LLM steps |")
+    print(
+        "| draft | vocabulary | shared tokens | expansion | temperature | accepted / step | tokens / step | LLM steps |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, path in drafts.items():
         vmap = draft_vocabulary(llm_dir, path, "ssm")
@@ -114,7 +141,14 @@ def main() -> None:
             for temp in (0.0, 1.0):
                 spec = SpeculationConfig(ExpansionConfig.parse(widths))
                 reqs = [
-                    GenerationRequest(f"{name}-{widths}-{temp}-{i}", p, args.new_tokens, SamplingParams(temperature=temp, seed=i), spec, ignore_eos=True)
+                    GenerationRequest(
+                        f"{name}-{widths}-{temp}-{i}",
+                        p,
+                        args.new_tokens,
+                        SamplingParams(temperature=temp, seed=i),
+                        spec,
+                        ignore_eos=True,
+                    )
                     for i, p in enumerate(prompts)
                 ]
                 results = engine.generate(reqs)
@@ -122,7 +156,11 @@ def main() -> None:
                 accepted = sum(s.accepted for s in steps) / len(steps)
                 tokens = sum(len(r.output_tokens) for r in results) / len(steps)
                 vocab = "shared" if vmap is None else "token-intersection"
-                print(f"| {name} | {vocab} | {shared} | <{widths}> | {temp:g} | {accepted:.2f} | {tokens:.2f} | {len(steps)} |", flush=True)
+                print(
+                    f"| {name} | {vocab} | {shared} | <{widths}> | {temp:g} | {accepted:.2f} | {tokens:.2f} "
+                    f"| {len(steps)} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,11 @@ def cut(src: Path, dst: Path, layers: int) -> None:
     save_file(keep, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file() and not f.name.startswith("specinfer-tuning"):
+        if (
+            f.name not in ("config.json", "model.safetensors")
+            and f.is_file()
+            and not f.name.startswith("specinfer-tuning")
+        ):
             shutil.copy(f, dst / f.name)
 
 

@@ -59,7 +59,14 @@ from specinfer.v1 import api_pb2
 SAMPLING_TREE = (1, 1, 3, 1)
 RETRY_SECONDS = 0.2
 # what a client sees while the manager is down, stopped or starting: try again
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 
 
 @dataclass
@@ -167,7 +174,14 @@ class Campaign:
     def greedy(self, prompt: list[int]) -> list[int]:
         n = self.args.new_tokens
         with torch.inference_mode():
-            out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = self.hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         return out[0, len(prompt) :].tolist()
 
     def requests(self, r: int, prompts: list[list[int]]) -> list[tuple[api_pb2.GenerateRequest, str]]:
@@ -176,10 +190,22 @@ class Campaign:
         for i, prompt in enumerate(prompts):
             rid = f"round{r}-s{i}"
             if i % 2 == 0:
-                out.append((Client.request(prompt, self.args.new_tokens, request_id=rid, ignore_eos=True, adaptive=True), "greedy"))
+                out.append(
+                    (
+                        Client.request(prompt, self.args.new_tokens, request_id=rid, ignore_eos=True, adaptive=True),
+                        "greedy",
+                    )
+                )
             else:
                 req = Client.request(
-                    prompt, self.args.new_tokens, request_id=rid, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1000 + i, expansion=SAMPLING_TREE
+                    prompt,
+                    self.args.new_tokens,
+                    request_id=rid,
+                    ignore_eos=True,
+                    temperature=0.9,
+                    top_p=0.95,
+                    seed=1000 + i,
+                    expansion=SAMPLING_TREE,
                 )
                 out.append((req, "sampling"))
         return out
@@ -277,7 +303,11 @@ class Campaign:
             try:
                 with urllib.request.urlopen(url, timeout=2) as reply:
                     text = reply.read().decode()
-                live = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specinfer_ssm_workers_live{")]
+                live = [
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("specinfer_ssm_workers_live{")
+                ]
                 if live and min(live) >= self.stack.config.workers:
                     return
             except OSError:
@@ -300,7 +330,10 @@ class Campaign:
                 deadline = time.monotonic() + 600
                 live = [Outcome() for _ in reqs]
                 with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
-                    futures = [pool.submit(run_client, self.stack.address, req, deadline, o) for (req, _), o in zip(reqs, live, strict=True)]
+                    futures = [
+                        pool.submit(run_client, self.stack.address, req, deadline, o)
+                        for (req, _), o in zip(reqs, live, strict=True)
+                    ]
                     # mid-stream: once every stream has tokens, at a random moment within the window
                     wait_until = time.monotonic() + 60
                     while not all(o.tokens for o in live) and time.monotonic() < wait_until:
@@ -333,7 +366,9 @@ class Campaign:
                     if o.tokens != refs[i]:
                         print(f"round {r} stream {i} ({reqs[i][1]}) differs: {o.tokens} != {refs[i]}", flush=True)
                 self.rows.append(row)
-                totals.update({k: row[k] for k in ("requests", "exact", "duplicated", "lost", "retries", "resubmitted")})
+                totals.update(
+                    {k: row[k] for k in ("requests", "exact", "duplicated", "lost", "retries", "resubmitted")}
+                )
                 print(json.dumps(row), flush=True)
         finally:
             for p in self.stack.processes:  # a stopped process cannot handle SIGTERM
@@ -365,13 +400,19 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=48)
-    ap.add_argument("--fault-window", type=float, default=1.0, help="faults land within this many seconds after every stream has tokens")
+    ap.add_argument(
+        "--fault-window",
+        type=float,
+        default=1.0,
+        help="faults land within this many seconds after every stream has tokens",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-seconds", type=float, default=0.0, help="how long a SIGSTOP lasts (0: 0.5-4 s at random)")
     ap.add_argument(
         "--only",
         default="",
-        help='fixed faults, e.g. "ssm-worker-0 kill,request-manager stop"; sets separated by ";" take turns, one per round (reproducing a sequence)',
+        help='fixed faults, e.g. "ssm-worker-0 kill,request-manager stop"; sets separated by ";" take turns, '
+        "one per round (reproducing a sequence)",
     )
     ap.add_argument("--out", help="folder for summary.json and rounds.jsonl")
     args = ap.parse_args()
@@ -380,12 +421,16 @@ def main() -> None:
     campaign = Campaign(args)
     summary = campaign.run()
     print()
-    print("| rounds | requests | exact % | duplicated | lost | client retries | resubmitted | max recovery s | max re-adoption s | orphans | seconds |")
+    print(
+        "| rounds | requests | exact % | duplicated | lost | client retries | resubmitted | max recovery s "
+        "| max re-adoption s | orphans | seconds |"
+    )
     print("| --- " * 11 + "|")
     s = summary
     print(
-        f"| {s['rounds']} | {s['requests']} | {s['exact_percent']} | {s['duplicated']} | {s['lost']} | {s['retries']} | {s['resubmitted']} "
-        f"| {s['max_recovery_seconds']} | {s['max_readoption_seconds']} | {s['orphans']} | {s['seconds']} |"
+        f"| {s['rounds']} | {s['requests']} | {s['exact_percent']} | {s['duplicated']} | {s['lost']} | {s['retries']} "
+        f"| {s['resubmitted']} | {s['max_recovery_seconds']} | {s['max_readoption_seconds']} | {s['orphans']} "
+        f"| {s['seconds']} |"
     )
     print()
     print("| fault | count |")

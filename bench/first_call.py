@@ -18,7 +18,8 @@ On an otherwise idle machine (each repeat runs 6 generations, ~3 minutes for a 1
 2 CPU cores):
 
     python ../shared/tools/inflate_llm.py ../shared/models/pycode-a/llm /tmp/llm-1b --params 1e9 --dtype bfloat16
-    python bench/first_call.py --llm /tmp/llm-1b --ssm ../shared/models/pycode-a/ssm --prompts ../shared/models/pycode-a/prompts.jsonl
+    python bench/first_call.py --llm /tmp/llm-1b --ssm ../shared/models/pycode-a/ssm \\
+        --prompts ../shared/models/pycode-a/prompts.jsonl
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SUMMARY = re.compile(r"^=== (\d+) request\(s\), .*: (\d+) tokens in (\d+) LLM steps \(([\d.]+) tokens/step\), ([\d.]+) s$", re.MULTILINE)
+SUMMARY = re.compile(
+    r"^=== (\d+) request\(s\), .*: (\d+) tokens in (\d+) LLM steps \(([\d.]+) tokens/step\), ([\d.]+) s$", re.MULTILINE
+)
 TARGETS = {("first-ever", 1): 0.9, ("first-ever", 8): 0.9, ("warm", 1): 1.0, ("warm", 8): 0.98}
 
 
@@ -51,14 +54,28 @@ class Run:
 
 
 def generate(args: argparse.Namespace, prompts: list[str], flags: list[str]) -> Run:
-    cmd = [sys.executable, "-m", "specinfer.cli", "generate", "--llm", args.llm, "--ssm", args.ssm, "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specinfer.cli",
+        "generate",
+        "--llm",
+        args.llm,
+        "--ssm",
+        args.ssm,
+        "--dtype",
+        args.dtype,
+    ]
     cmd += ["--max-new-tokens", str(args.new_tokens), *flags, *prompts]
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
     match = SUMMARY.search(done.stdout)
     if done.returncode != 0 or match is None:
-        sys.exit(f"specinfer generate failed ({done.returncode}): {' '.join(cmd[:12])} ...\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        sys.exit(
+            f"specinfer generate failed ({done.returncode}): {' '.join(cmd[:12])} ...\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
     return Run(int(match[2]), int(match[3]), float(match[5]), wall)
 
 
@@ -66,7 +83,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llm", required=True)
     p.add_argument("--ssm", required=True)
-    p.add_argument("--prompts", required=True, help="JSON lines with a 'text' field (the first line is skipped: it loops at once)")
+    p.add_argument(
+        "--prompts", required=True, help="JSON lines with a 'text' field (the first line is skipped: it loops at once)"
+    )
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--dtype", default="bfloat16", help="passed to specinfer generate (issue 34 measures bf16)")
@@ -88,9 +107,15 @@ def main() -> int:
                         sys.exit("the first-ever run wrote no calibration cache entry")
                     run = generate(args, prompts, flags)
                     runs.setdefault((mode, batch), []).append(run)
-                    say = f"repeat {r + 1}, batch {batch}, {mode}: {run.tokens_per_second:.2f} tokens/s, {run.seconds:.2f} s, wall {run.wall:.1f} s"
+                    say = (
+                        f"repeat {r + 1}, batch {batch}, {mode}: {run.tokens_per_second:.2f} tokens/s, "
+                        f"{run.seconds:.2f} s, wall {run.wall:.1f} s"
+                    )
                     print(say, file=sys.stderr)
-    print(f"specinfer generate, {args.new_tokens} new tokens per prompt, --dtype {args.dtype}, median of {args.repeats} runs")
+    print(
+        f"specinfer generate, {args.new_tokens} new tokens per prompt, --dtype {args.dtype}, "
+        f"median of {args.repeats} runs"
+    )
     print()
     print("| batch | run | tokens/s | x no speculation | target | tokens/step | generate s | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

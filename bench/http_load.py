@@ -94,7 +94,10 @@ def run_phase(target, address, prompts, args, totals: Totals, seconds: float) ->
     into ``totals``; returns the phase's wall time."""
     start = time.monotonic()
     stop_at = start + seconds
-    threads = [threading.Thread(target=target, args=(address, prompts, i, args, stop_at, totals), daemon=True) for i in range(args.streams)]
+    threads = [
+        threading.Thread(target=target, args=(address, prompts, i, args, stop_at, totals), daemon=True)
+        for i in range(args.streams)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -108,8 +111,14 @@ def summary(totals: Totals, elapsed: float) -> dict:
         "errors": dict(totals.errors),
         "tokens": totals.tokens,
         "tokens_per_s": round(totals.tokens / elapsed, 1),
-        "ttft_ms": {"p50": round(1000 * pct(totals.first_token, 50), 1), "p99": round(1000 * pct(totals.first_token, 99), 1)},
-        "itl_ms": {"p50": round(1000 * pct(totals.per_token, 50), 1), "p99": round(1000 * pct(totals.per_token, 99), 1)},
+        "ttft_ms": {
+            "p50": round(1000 * pct(totals.first_token, 50), 1),
+            "p99": round(1000 * pct(totals.first_token, 99), 1),
+        },
+        "itl_ms": {
+            "p50": round(1000 * pct(totals.per_token, 50), 1),
+            "p99": round(1000 * pct(totals.per_token, 99), 1),
+        },
         "seconds": round(elapsed, 1),
     }
 
@@ -122,7 +131,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--seconds", type=float, default=60.0, help="per path, in two halves (gRPC, HTTP, HTTP, gRPC)")
-    p.add_argument("--warmup-seconds", type=float, default=10.0, help="gRPC load before the measured phases (not counted)")
+    p.add_argument(
+        "--warmup-seconds", type=float, default=10.0, help="gRPC load before the measured phases (not counted)"
+    )
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--expansion", default="auto")
@@ -156,15 +167,19 @@ def main() -> int:
         for path in ("grpc", "http", "http", "grpc"):
             print(f"{path}: {args.seconds / 2:.0f} s with {args.streams} streams", flush=True)
             seconds[path] += run_phase(*targets[path], prompts, args, totals[path], args.seconds / 2)
-    out = {"streams": args.streams, "new_tokens": args.new_tokens, **{path: summary(totals[path], seconds[path]) for path in ("grpc", "http")}}
+    out = {
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        **{path: summary(totals[path], seconds[path]) for path in ("grpc", "http")},
+    }
     out["http_vs_grpc_tokens_per_s"] = round(out["http"]["tokens_per_s"] / max(1e-9, out["grpc"]["tokens_per_s"]), 3)
     print("| path | requests | errors | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("| --- " * 8 + "|")
     for path in ("grpc", "http"):
         s = out[path]
         print(
-            f"| {path} | {s['requests']} | {sum(s['errors'].values())} | {s['tokens_per_s']} | {s['ttft_ms']['p50']} | {s['ttft_ms']['p99']} "
-            f"| {s['itl_ms']['p50']} | {s['itl_ms']['p99']} |"
+            f"| {path} | {s['requests']} | {sum(s['errors'].values())} | {s['tokens_per_s']} | {s['ttft_ms']['p50']} "
+            f"| {s['ttft_ms']['p99']} | {s['itl_ms']['p50']} | {s['itl_ms']['p99']} |"
         )
     print(f"HTTP tokens/s = {out['http_vs_grpc_tokens_per_s']}x gRPC's")
     print(json.dumps(out))

@@ -55,9 +55,17 @@ def run(args: argparse.Namespace, block_size: int, prompts: list[tuple[int, ...]
         ssm_spec = ModelSpec.from_dir(args.ssm)
         room = KVPool.bytes_per_token(ssm_spec, dtype) * (ssm_spec.positions_limit + 256) * (len(prompts) + 1)
         ssms = [NativeBackend.load(args.ssm, NativeOptions(dtype, "cpu", room, kv_block_size=16))]
-    engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens))
-    spec = None if args.speculation == "none" else SpeculationConfig(None if args.speculation == "auto" else ExpansionConfig.parse(args.speculation))
-    requests = [GenerationRequest(f"r{i}", p, args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    engine = SpeculativeEngine(
+        llm, ssms, EngineConfig(max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens)
+    )
+    spec = (
+        None
+        if args.speculation == "none"
+        else SpeculationConfig(None if args.speculation == "auto" else ExpansionConfig.parse(args.speculation))
+    )
+    requests = [
+        GenerationRequest(f"r{i}", p, args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
     if spec is not None and spec.expansion is None:
         engine.adaptive  # noqa: B018 (calibrate the cost model before the clock starts)
     for r in requests:
@@ -89,11 +97,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--context", type=int, default=256, help="tokens of a request at its end (prompt + new tokens)")
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="the LLM's KV pool (the services' default: 1 GiB)")
+    ap.add_argument(
+        "--kv-cache-bytes", type=int, default=1 << 30, help="the LLM's KV pool (the services' default: 1 GiB)"
+    )
     ap.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes to run beside slots")
     ap.add_argument("--speculation", default="auto", help="none, auto or a static tree such as 1,1,3,1")
     ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens, help="admission's prefill cap per iteration (0: none)")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=EngineConfig.max_prefill_tokens,
+        help="admission's prefill cap per iteration (0: none)",
+    )
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -103,15 +118,23 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, "cpu")
     cap = args.max_prefill_tokens or "none"
     pool = f"LLM KV pool {args.kv_cache_bytes / 2**20:.0f} MiB"
-    print(f"{args.requests} requests of {args.context} tokens, speculation {args.speculation}, {pool}, {dtype}, prefill cap {cap}")
+    print(
+        f"{args.requests} requests of {args.context} tokens, speculation {args.speculation}, {pool}, {dtype}, "
+        f"prefill cap {cap}"
+    )
     print("| layout | pool | most requests running at once | vs slots | preemptions | iterations | tokens/s |")
     print("| --- " * 7 + "|")
     for r in rows:
         versus = r["most_running"] / rows[0]["most_running"]
-        print(f"| {r['layout']} | {r['pool']} | {r['most_running']} | {versus:.1f}x | {r['preemptions']} | {r['iterations']} | {r['tokens_per_s']} |")
+        print(
+            f"| {r['layout']} | {r['pool']} | {r['most_running']} | {versus:.1f}x | {r['preemptions']} "
+            f"| {r['iterations']} | {r['tokens_per_s']} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,16 @@ def best_single(ranks: list, max_nodes: int, max_depth: int = 8, max_width: int 
     return best.widths, best.tokens_per_step
 
 
-def run_case(engine: SpeculativeEngine, index: dict[str, int], case: Case, prompts, new_tokens: int, temperature: float, seed: int, batch: int) -> dict:
+def run_case(
+    engine: SpeculativeEngine,
+    index: dict[str, int],
+    case: Case,
+    prompts,
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    batch: int,
+) -> dict:
     copies: dict[str, int] = {}
     ids = []
     for name in case.ssms:  # the k-th use of a name takes its k-th loaded copy
@@ -121,7 +130,9 @@ def markdown(rows: Sequence[dict]) -> str:
     for c in cases:
         by_t = {r["temperature"]: r for r in rows if r["case"] == c}
         first = next(iter(by_t.values()))
-        cells = [f"{by_t[t]['tokens_per_step']:.2f} ({by_t[t]['mean_tree_size']:.0f})" if t in by_t else "" for t in temps]
+        cells = [
+            f"{by_t[t]['tokens_per_step']:.2f} ({by_t[t]['mean_tree_size']:.0f})" if t in by_t else "" for t in temps
+        ]
         lines.append(f"| {c} | {first['node_budget']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -133,12 +144,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--count", type=int, default=50)
     ap.add_argument("--offset", type=int, default=0, help="first test prompt")
-    ap.add_argument("--select-offset", type=int, default=100, help="first prompt of the set that picks the best single trees")
+    ap.add_argument(
+        "--select-offset", type=int, default=100, help="first prompt of the set that picks the best single trees"
+    )
     ap.add_argument("--select-count", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=64)
     ap.add_argument("--case", action="append", default=[], help="NAME[+NAME...]@WIDTHS; repeat")
-    ap.add_argument("--best-single", action="append", default=[], help="NAME:MAX_NODES: add that SSM's best tree of at most MAX_NODES nodes")
+    ap.add_argument(
+        "--best-single",
+        action="append",
+        default=[],
+        help="NAME:MAX_NODES: add that SSM's best tree of at most MAX_NODES nodes",
+    )
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -171,8 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             ranks[name] = greedy_ranks(llm, backends[index[f"{name}#1"]], select, args.new_tokens)
         widths, est = best_single(ranks[name], int(nodes))
         case = Case(f"single, best at <= {nodes} nodes: {name} <{','.join(map(str, widths))}>", (name,), widths)
-        picked.append({"ssm": name, "max_nodes": int(nodes), "widths": list(widths), "nodes": num_nodes(widths), "selection_tokens_per_step": round(est, 3)})
-        print(f"best single tree for {name} within {nodes} nodes (on prompts {args.select_offset}..): {widths}, {num_nodes(widths)} nodes", file=sys.stderr)
+        picked.append(
+            {
+                "ssm": name,
+                "max_nodes": int(nodes),
+                "widths": list(widths),
+                "nodes": num_nodes(widths),
+                "selection_tokens_per_step": round(est, 3),
+            }
+        )
+        print(
+            f"best single tree for {name} within {nodes} nodes (on prompts {args.select_offset}..): {widths}, "
+            f"{num_nodes(widths)} nodes",
+            file=sys.stderr,
+        )
         cases.append(case)
     engine = SpeculativeEngine(llm, backends, EngineConfig(eos_token_id=None, max_batch=args.batch))
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -186,7 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": "bench/merge.py " + " ".join(sys.argv[1:] if argv is None else argv), "date": time.strftime("%Y-%m-%d"), "picked": picked}
+        meta = {
+            "command": "bench/merge.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "picked": picked,
+        }
         (args.out / "merge.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
         (args.out / "merge.md").write_text(table + "\n")
     return 0

@@ -1,4 +1,5 @@
-"""Offloading inference (issue 19): what streaming the LLM's layers from host memory costs, and what speculation buys back.
+"""Offloading inference (issue 19): what streaming the LLM's layers from host memory costs, and what speculation
+buys back.
 
 On the machine it runs on, the bench measures:
 
@@ -18,7 +19,8 @@ On a CPU the same code runs (device = cpu, synchronous copies into the staging b
 correctness only: the timings say nothing about PCIe and the bench says so.
 
     python bench/offload.py --llm ../shared/models/pycode-a/llm --ssm ../shared/models/pycode-a/ssm
-    python bench/offload.py --llm /models/llama-2-70b --ssm /models/llama-68m --device cuda --dtype float16 --offload-reserve-bytes 8000000000
+    python bench/offload.py --llm /models/llama-2-70b --ssm /models/llama-68m --device cuda --dtype float16 \\
+        --offload-reserve-bytes 8000000000
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def sync(device: torch.device) -> None:
 
 
 def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> tuple[float, str]:
-    """Best-of-``repeats`` bytes/s of copying ``nbytes`` from host memory into a buffer on ``device``, and what was measured."""
+    """Best-of-``repeats`` bytes/s of copying ``nbytes`` from host memory into a buffer on ``device``, and what was
+    measured."""
     cuda = device.type == "cuda"
     src = torch.empty(nbytes, dtype=torch.uint8)
     src = src.pin_memory() if cuda else src
@@ -62,7 +65,10 @@ def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> tuple[flo
         dst.copy_(src, non_blocking=cuda)
         sync(device)
         best = min(best, time.perf_counter() - start)
-    return nbytes / best, "host->device over PCIe (pinned)" if cuda else "host->host memcpy (CPU only: NOT a PCIe transfer)"
+    return (
+        nbytes / best,
+        "host->device over PCIe (pinned)" if cuda else "host->host memcpy (CPU only: NOT a PCIe transfer)",
+    )
 
 
 def verify_seconds(llm: NativeBackend, context: list[int], nodes: int, repeats: int) -> float:
@@ -82,7 +88,14 @@ def verify_seconds(llm: NativeBackend, context: list[int], nodes: int, repeats: 
     return statistics.median(times[1:])
 
 
-def decode(llm: NativeBackend, ssm: NativeBackend, prompts: list[tuple[int, ...]], args: argparse.Namespace, speculate: bool, planner: PlannerConfig) -> dict:
+def decode(
+    llm: NativeBackend,
+    ssm: NativeBackend,
+    prompts: list[tuple[int, ...]],
+    args: argparse.Namespace,
+    speculate: bool,
+    planner: PlannerConfig,
+) -> dict:
     """Batch-1 greedy decoding of every prompt in turn: outputs, tokens/s and tokens per LLM step."""
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(args.llm), planner=planner))
     expansion = None if args.expansion == "auto" else ExpansionConfig.parse(args.expansion)
@@ -92,12 +105,19 @@ def decode(llm: NativeBackend, ssm: NativeBackend, prompts: list[tuple[int, ...]
     outputs, steps, seconds = [], 0, 0.0
     for i, prompt in enumerate(prompts):
         start = time.perf_counter()
-        (result,) = engine.generate([GenerationRequest(f"p{i}", prompt, args.new_tokens, speculation=spec, ignore_eos=True)])
+        (result,) = engine.generate(
+            [GenerationRequest(f"p{i}", prompt, args.new_tokens, speculation=spec, ignore_eos=True)]
+        )
         seconds += time.perf_counter() - start
         outputs.append(result.output_tokens)
         steps += result.llm_steps
     tokens = sum(len(o) for o in outputs)
-    return {"outputs": outputs, "tokens_per_s": tokens / seconds, "tokens_per_step": tokens / max(1, steps), "seconds": seconds}
+    return {
+        "outputs": outputs,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_step": tokens / max(1, steps),
+        "seconds": seconds,
+    }
 
 
 def prompts_of(llm: Path, prompts: Path, count: int) -> list[tuple[int, ...]]:
@@ -113,7 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=Path, default=Path("../shared/models/pycode-a/prompts.jsonl"))
     ap.add_argument("--requests", type=int, default=4, help="prompts decoded one after another (batch 1)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--expansion", default="auto", help="auto (adaptive: the planner sizes trees from the measured step costs) or a static tree, e.g. 1,1,3,1")
+    ap.add_argument(
+        "--expansion",
+        default="auto",
+        help="auto (adaptive: the planner sizes trees from the measured step costs) or a static tree, e.g. 1,1,3,1",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 28)
@@ -126,7 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
     base = NativeOptions(dtype, args.device, args.kv_cache_bytes, max_seq_len=1024, max_tree_nodes=256)
     offload_options = NativeOptions(
-        dtype, args.device, args.kv_cache_bytes, max_seq_len=1024, max_tree_nodes=256, offload=True, offload_reserve_bytes=args.offload_reserve_bytes
+        dtype,
+        args.device,
+        args.kv_cache_bytes,
+        max_seq_len=1024,
+        max_tree_nodes=256,
+        offload=True,
+        offload_reserve_bytes=args.offload_reserve_bytes,
     )
     ssm = NativeBackend.load(args.ssm, base)  # the SSM stays on the device either way
     llms = {"offloaded": NativeBackend.load(args.llm, offload_options)}
@@ -137,18 +167,38 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = prompts_of(args.llm, args.prompts, args.requests)
     context = list(prompts[0][:32])
 
-    report: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "layer_bytes": layer, "copy": measured, "copy_gb_per_s": bandwidth / 1e9}
-    print(f"device {device}, {report['dtype']}, LLM {args.llm.name} ({llms['offloaded'].spec.layers} layers of {layer / 2**20:.1f} MiB), SSM {args.ssm.name}")
+    report: dict = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "layer_bytes": layer,
+        "copy": measured,
+        "copy_gb_per_s": bandwidth / 1e9,
+    }
+    print(
+        f"device {device}, {report['dtype']}, LLM {args.llm.name} "
+        f"({llms['offloaded'].spec.layers} layers of {layer / 2**20:.1f} MiB), SSM {args.ssm.name}"
+    )
     if device.type != "cuda":
-        print("NOTE: no GPU here, so no host-to-device transfer exists to measure. The offloaded model runs the same staging")
-        print("code with synchronous host memcpy copies: its timings check correctness only and say nothing about PCIe offloading.")
+        print(
+            "NOTE: no GPU here, so no host-to-device transfer exists to measure. "
+            "The offloaded model runs the same staging"
+        )
+        print(
+            "code with synchronous host memcpy copies: its timings check correctness only "
+            "and say nothing about PCIe offloading."
+        )
     print(f"copy of one layer into a staging buffer: {bandwidth / 1e9:.2f} GB/s, {measured}")
-    steps = {name: {n: verify_seconds(llm, context, n, args.repeats) for n in VERIFY_NODES} for name, llm in llms.items()}
+    steps = {
+        name: {n: verify_seconds(llm, context, n, args.repeats) for n in VERIFY_NODES} for name, llm in llms.items()
+    }
     report["verify_seconds"] = steps
     if "resident" in steps:
         per_layer = steps["resident"][1] / llms["resident"].spec.layers
         report["per_layer_compute_s"] = per_layer
-        print(f"per-layer compute (resident verify step of 1 node / layers): {per_layer * 1e3:.3f} ms; one layer's copy: {layer / bandwidth * 1e3:.3f} ms")
+        print(
+            f"per-layer compute (resident verify step of 1 node / layers): {per_layer * 1e3:.3f} ms; "
+            f"one layer's copy: {layer / bandwidth * 1e3:.3f} ms"
+        )
     print("| LLM | verify 1 node | verify 64 nodes | growth 1 -> 64 |")
     print("| --- | --- | --- | --- |")
     for name, s in steps.items():
@@ -157,21 +207,33 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for name, llm in llms.items():
         planner = OFFLOAD_PLANNER if name == "offloaded" else PlannerConfig()
-        runs[name] = {mode: decode(llm, ssm, prompts, args, mode == "speculative", planner) for mode in ("incremental", "speculative")}
+        runs[name] = {
+            mode: decode(llm, ssm, prompts, args, mode == "speculative", planner)
+            for mode in ("incremental", "speculative")
+        }
     outputs = [run["outputs"] for modes in runs.values() for run in modes.values()]
     identical = all(o == outputs[0] for o in outputs)
     same = "yes" if identical else "NO"
-    print(f"batch-1 greedy decoding, {len(prompts)} prompts x {args.new_tokens} tokens, speculation {args.expansion}; outputs identical: {same}")
+    print(
+        f"batch-1 greedy decoding, {len(prompts)} prompts x {args.new_tokens} tokens, speculation {args.expansion}; "
+        f"outputs identical: {same}"
+    )
     print("| LLM | mode | tokens/s | tokens per LLM step | speedup over incremental | paper (offloading) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, modes in runs.items():
         for mode, run in modes.items():
             speedup = run["tokens_per_s"] / modes["incremental"]["tokens_per_s"]
             paper = PAPER_OFFLOAD_SPEEDUP if name == "offloaded" and mode == "speculative" else ""
-            print(f"| {name} | {mode} | {run['tokens_per_s']:.1f} | {run['tokens_per_step']:.2f} | {speedup:.2f}x | {paper} |")
+            print(
+                f"| {name} | {mode} | {run['tokens_per_s']:.1f} | {run['tokens_per_step']:.2f} | {speedup:.2f}x "
+                f"| {paper} |"
+            )
     if device.type != "cuda":
         print("(CPU: speedups above are of a resident-speed model with memcpy staging, not offloading speedups)")
-    report["decoding"] = {name: {mode: {k: v for k, v in run.items() if k != "outputs"} for mode, run in modes.items()} for name, modes in runs.items()}
+    report["decoding"] = {
+        name: {mode: {k: v for k, v in run.items() if k != "outputs"} for mode, run in modes.items()}
+        for name, modes in runs.items()
+    }
     report["outputs_identical"] = identical
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not identical and dtype == torch.float32:
         raise SystemExit("greedy outputs differ between runs")
     if not identical:  # fp16/bf16: a tree step and a one-token step round differently, which can flip a near tie
-        print(f"(outputs differ in {report['dtype']}: rounding of tree vs one-token steps can flip near ties; run --dtype float32 to check exactness)")
+        print(
+            f"(outputs differ in {report['dtype']}: rounding of tree vs one-token steps can flip near ties; "
+            "run --dtype float32 to check exactness)"
+        )
     return report
 
 

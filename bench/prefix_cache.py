@@ -30,7 +30,9 @@ from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.native import NativeBackend, NativeOptions
 
 
-def first_token_seconds(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> tuple[dict[str, float], dict[str, list[int]], dict[str, int]]:
+def first_token_seconds(
+    engine: SpeculativeEngine, requests: list[GenerationRequest]
+) -> tuple[dict[str, float], dict[str, list[int]], dict[str, int]]:
     """Add ``requests`` now and step the engine until all finish: each one's seconds from now to the
     end of the step that committed its first token, its output and its cached prompt tokens."""
     started = time.perf_counter()
@@ -53,16 +55,33 @@ def first_token_seconds(engine: SpeculativeEngine, requests: list[GenerationRequ
 
 def run(args: argparse.Namespace, prefix_caching: bool, prompts: list[tuple[int, ...]]) -> dict:
     dtype = DTYPES[resolve_dtype(args.dtype, "cpu")]
-    options = NativeOptions(dtype, "cpu", args.kv_cache_bytes, kv_block_size=args.kv_block_size, prefix_caching=prefix_caching)
+    options = NativeOptions(
+        dtype, "cpu", args.kv_cache_bytes, kv_block_size=args.kv_block_size, prefix_caching=prefix_caching
+    )
     llm = NativeBackend.load(args.llm, options)
     ssms = []
     if args.speculation != "none":
-        ssms = [NativeBackend.load(args.ssm, NativeOptions(dtype, "cpu", args.kv_cache_bytes, kv_block_size=args.kv_block_size, prefix_caching=prefix_caching))]
-    engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=len(prompts), max_prefill_tokens=args.max_prefill_tokens))
-    spec = None if args.speculation == "none" else SpeculationConfig(None if args.speculation == "auto" else ExpansionConfig.parse(args.speculation))
+        ssms = [
+            NativeBackend.load(
+                args.ssm,
+                NativeOptions(
+                    dtype, "cpu", args.kv_cache_bytes, kv_block_size=args.kv_block_size, prefix_caching=prefix_caching
+                ),
+            )
+        ]
+    engine = SpeculativeEngine(
+        llm, ssms, EngineConfig(max_batch=len(prompts), max_prefill_tokens=args.max_prefill_tokens)
+    )
+    spec = (
+        None
+        if args.speculation == "none"
+        else SpeculationConfig(None if args.speculation == "auto" else ExpansionConfig.parse(args.speculation))
+    )
     if spec is not None and spec.expansion is None:
         engine.adaptive  # noqa: B018 (calibrate the cost model before the clock starts)
-    requests = [GenerationRequest(f"r{i}", p, args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"r{i}", p, args.new_tokens, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
     first, first_out, _ = first_token_seconds(engine, requests[:1])
     later, outputs, cached = first_token_seconds(engine, requests[1:])
     seconds = [later[r.request_id] for r in requests[1:]]
@@ -86,9 +105,16 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=32, help="tokens of each request's own prompt after the prefix")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--kv-block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="each model's KV pool (the services' default: 1 GiB)")
+    ap.add_argument(
+        "--kv-cache-bytes", type=int, default=1 << 30, help="each model's KV pool (the services' default: 1 GiB)"
+    )
     ap.add_argument("--speculation", default="none", help="none, auto or a static tree such as 1,1,3,1")
-    ap.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens, help="admission's prefill cap per iteration (0: none)")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=EngineConfig.max_prefill_tokens,
+        help="admission's prefill cap per iteration (0: none)",
+    )
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -103,18 +129,31 @@ def main() -> None:
     speedup = rows[0]["later_ttft_median_s"] / rows[1]["later_ttft_median_s"]
     dtype = resolve_dtype(args.dtype, "cpu")
     print(
-        f"{args.requests} requests: a {args.prefix}-token shared prefix + {args.suffix} tokens each, {args.new_tokens} new tokens, "
-        f"speculation {args.speculation}, KV blocks of {args.kv_block_size}, {dtype}, prefill cap {args.max_prefill_tokens or 'none'}"
+        f"{args.requests} requests: a {args.prefix}-token shared prefix + {args.suffix} tokens each, "
+        f"{args.new_tokens} new tokens, speculation {args.speculation}, KV blocks of {args.kv_block_size}, {dtype}, "
+        f"prefill cap {args.max_prefill_tokens or 'none'}"
     )
-    print("| prefix caching | TTFT first request (s) | TTFT later requests, median (s) | mean (s) | cached prompt tokens of later requests |")
+    print(
+        "| prefix caching | TTFT first request (s) | TTFT later requests, median (s) | mean (s) "
+        "| cached prompt tokens of later requests |"
+    )
     print("| --- " * 5 + "|")
     for r in rows:
-        print(f"| {r['prefix_caching']} | {r['first_ttft_s']} | {r['later_ttft_median_s']} | {r['later_ttft_mean_s']} | {r['later_cached_prompt_tokens']} |")
+        print(
+            f"| {r['prefix_caching']} | {r['first_ttft_s']} | {r['later_ttft_median_s']} | {r['later_ttft_mean_s']} "
+            f"| {r['later_cached_prompt_tokens']} |"
+        )
     print(f"later requests' median TTFT {speedup:.1f}x lower with prefix caching")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": summary, "speedup": round(speedup, 2)}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "rows": summary, "speedup": round(speedup, 2)},
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

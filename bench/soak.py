@@ -116,13 +116,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llm", type=Path, default=DEFAULT_PAIR / "llm")
     p.add_argument("--ssm", type=Path, default=DEFAULT_PAIR / "ssm")
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PAIR / "prompts.jsonl", help="JSON lines with 'text' (tokenized with the LLM's tokenizer)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=DEFAULT_PAIR / "prompts.jsonl",
+        help="JSON lines with 'text' (tokenized with the LLM's tokenizer)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-queue", type=int, default=16, help="below streams - max_batch, so some requests meet RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="below streams - max_batch, so some requests meet RESOURCE_EXHAUSTED"
+    )
     p.add_argument("--expansion", default=PAPER_EXPANSION)
     p.add_argument("--retry-pause", type=float, default=0.2)
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -152,7 +159,10 @@ def main() -> int:
         totals = Totals()
         start = time.monotonic()
         stop_at = start + args.seconds
-        threads = [threading.Thread(target=stream_loop, args=(stack.address, prompts, i, args, stop_at, totals), daemon=True) for i in range(args.streams)]
+        threads = [
+            threading.Thread(target=stream_loop, args=(stack.address, prompts, i, args, stop_at, totals), daemon=True)
+            for i in range(args.streams)
+        ]
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -191,7 +201,10 @@ def main() -> int:
             "p99": round(1000 * pct(totals.per_token, 99), 1),
             "mean": round(1000 * statistics.fmean(totals.per_token), 1) if totals.per_token else None,
         },
-        "first_token_ms": {"p50": round(1000 * pct(totals.first_token, 50), 1), "p99": round(1000 * pct(totals.first_token, 99), 1)},
+        "first_token_ms": {
+            "p50": round(1000 * pct(totals.first_token, 50), 1),
+            "p99": round(1000 * pct(totals.first_token, 99), 1),
+        },
         "memory": memory,
         "processes_alive_at_end": alive,
         "cpu_count": os.cpu_count(),

@@ -4,7 +4,14 @@ The Triton kernel lives in :mod:`specinfer.kernels.tree_attention_triton`, impor
 this package never needs Triton (and so ``TRITON_INTERPRET`` can still be set before it is imported).
 """
 
-from .metadata import TreeAttentionMetadata, build_paged_tree_metadata, build_tree_metadata, is_chain, pack_bits, token_positions
+from .metadata import (
+    TreeAttentionMetadata,
+    build_paged_tree_metadata,
+    build_tree_metadata,
+    is_chain,
+    pack_bits,
+    token_positions,
+)
 from .tree_attention import HAS_TRITON, tree_attention
 from .tree_attention_ref import dense_tree_mask, soft_cap, tree_attention_ref, tree_attention_sdpa
 

@@ -45,13 +45,23 @@ class Forced:
     num_splits: int | None = None  # >= 1
 
     def __post_init__(self) -> None:
-        if self.block_m not in (None, 16, 32, 64, 128) or self.block_n not in (None, 16, 32, 64) or (self.num_splits is not None and self.num_splits < 1):
+        if (
+            self.block_m not in (None, 16, 32, 64, 128)
+            or self.block_n not in (None, 16, 32, 64)
+            or (self.num_splits is not None and self.num_splits < 1)
+        ):
             raise ValueError(f"unsupported launch override {self}")
 
 
-def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMetadata, forced: Forced | None = None, window: int | None = None) -> LaunchConfig:
-    """Heuristic launch configuration; any of ``block_m``, ``block_n``, ``num_splits`` can be ``forced``; ``window``: the
-    call's sliding window (a query reads at most that many prefix keys).
+def choose_config(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    forced: Forced | None = None,
+    window: int | None = None,
+) -> LaunchConfig:
+    """Heuristic launch configuration; any of ``block_m``, ``block_n``, ``num_splits`` can be ``forced``; ``window``:
+    the call's sliding window (a query reads at most that many prefix keys).
 
     ``block_m`` follows the packed rows (``max_queries * group``) of the largest request: 16/32 for small verify steps
     so little of a tile is padding, 64 for larger trees, 128 for prefill-sized chains. Warps and stages were picked
@@ -78,7 +88,9 @@ def choose_config(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMet
             if programs < sms:
                 keys = meta.max_prefix_len if window is None else min(meta.max_prefix_len, window)
                 num_splits = max(1, min(-(-sms // programs), keys // (4 * block_n), 32))
-                num_splits = 1 << (num_splits.bit_length() - 1)  # a power of two: NUM_SPLITS is constexpr, few variants to JIT
+                num_splits = 1 << (
+                    num_splits.bit_length() - 1
+                )  # a power of two: NUM_SPLITS is constexpr, few variants to JIT
     num_warps = 8 if block_m >= 128 or (block_m == 64 and head_dim > 64) else 4
     num_stages = 2 if fp32 or head_dim > 128 or (block_m == 16 and head_dim > 64) else 3
     return LaunchConfig(block_m, block_n, num_splits, num_warps, num_stages)

@@ -74,7 +74,9 @@ class TreeAttentionMetadata:
     differs, and the caches' rank must match (3-D: contiguous, 4-D: paged; checked at every call).
     """
 
-    q_start: torch.Tensor  # [B + 1] int32, cu_seqlens of the packed queries (request b has q_start[b+1]-q_start[b] queries)
+    q_start: (
+        torch.Tensor
+    )  # [B + 1] int32, cu_seqlens of the packed queries (request b has q_start[b+1]-q_start[b] queries)
     kv_start: torch.Tensor  # [B] int32, first KV-cache row of each request (all zero when paged)
     prefix_len: torch.Tensor  # [B] int32, committed tokens already in the cache
     tree_len: torch.Tensor  # [B] int32, tree nodes (>= 1) written right behind the prefix
@@ -99,7 +101,9 @@ class TreeAttentionMetadata:
     _dense_masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # Paged layout only (defaults: contiguous).
     block_size: int = 0  # token slots per KV block; 0: contiguous layout
-    block_table: torch.Tensor | None = None  # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded
+    block_table: torch.Tensor | None = (
+        None  # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded
+    )
     block_tables: tuple[tuple[int, ...], ...] = ()  # host copy of each request's block-table row, unpadded
 
     @property
@@ -173,7 +177,9 @@ def build_tree_metadata(
     Chains are detected automatically and get no bit rows.
     """
     if len(prefix_lens) != len(parents_list) or len(kv_starts) != len(parents_list):
-        raise ValueError(f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(kv_starts)} kv starts")
+        raise ValueError(
+            f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(kv_starts)} kv starts"
+        )
     starts = tuple(int(s) for s in kv_starts)
     if starts and min(starts) < 0:
         raise ValueError("kv starts must be non-negative")
@@ -203,9 +209,19 @@ def build_paged_tree_metadata(
     if int(block_size) < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if len(prefix_lens) != len(parents_list) or len(block_tables) != len(parents_list):
-        raise ValueError(f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(block_tables)} block tables")
+        raise ValueError(
+            f"got {len(parents_list)} trees, {len(prefix_lens)} prefix lengths and {len(block_tables)} block tables"
+        )
     tables = tuple(tuple(int(x) for x in t) for t in block_tables)
-    return _build(parents_list, prefix_lens, (0,) * len(tables), device, num_queries, block_tables=tables, block_size=int(block_size))
+    return _build(
+        parents_list,
+        prefix_lens,
+        (0,) * len(tables),
+        device,
+        num_queries,
+        block_tables=tables,
+        block_size=int(block_size),
+    )
 
 
 def _build(
@@ -266,7 +282,9 @@ def _build(
 
     q_starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(queries)]))
     arrays = [q_starts, starts, prefix, tree_lens, row_start, bits, depth, *extra]
-    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits, node_depth, *paged = _to_device(arrays, device)  # one transfer
+    q_start, kv_start, prefix_len, tree_len, anc_row_start, anc_bits, node_depth, *paged = _to_device(
+        arrays, device
+    )  # one transfer
     return TreeAttentionMetadata(
         q_start=q_start,
         kv_start=kv_start,
@@ -296,16 +314,22 @@ def _build(
     )
 
 
-def _check_block_tables(tables: tuple[tuple[int, ...], ...], block_size: int, prefix: tuple[int, ...], tree_lens: tuple[int, ...]) -> int:
+def _check_block_tables(
+    tables: tuple[tuple[int, ...], ...], block_size: int, prefix: tuple[int, ...], tree_lens: tuple[int, ...]
+) -> int:
     """Validate each request's block table against its length; returns the number of blocks the caches need."""
     max_id = -1
     for b, (t, p, n) in enumerate(zip(tables, prefix, tree_lens, strict=True)):
         need = blocks_for(p + n, block_size)
         if len(t) < need:
             raise ValueError(
-                f"request {b}: block table has {len(t)} blocks but prefix_len {p} + tree_len {n} = {p + n} positions need {need} blocks of {block_size}"
+                f"request {b}: block table has {len(t)} blocks but prefix_len {p} + tree_len {n} = {p + n} positions "
+                f"need {need} blocks of {block_size}"
             )
         if min(t[:need]) < 0 or (len(t) > need and min(t[need:]) < -1):
-            raise ValueError(f"request {b}: block table {list(t)} has a negative block id among its first {need} entries, or one below -1 (padding)")
+            raise ValueError(
+                f"request {b}: block table {list(t)} has a negative block id among its first {need} entries, "
+                "or one below -1 (padding)"
+            )
         max_id = max(max_id, *t[:need])
     return max_id + 1

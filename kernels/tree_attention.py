@@ -20,7 +20,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def tree_attention(
     q: torch.Tensor,  # [total_queries, num_heads, head_dim] (total_nodes unless num_queries was given)
-    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim], or paged [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim], or paged
+    #                         [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # same shape as k_cache
     meta: TreeAttentionMetadata,
     sm_scale: float | None = None,

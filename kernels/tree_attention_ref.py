@@ -20,7 +20,9 @@ from specinfer.core.tree import ancestor_matrix
 from .metadata import TreeAttentionMetadata, is_chain, token_positions
 
 
-def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
+def dense_tree_mask(
+    parents: Sequence[int], prefix_len: int, device: torch.device | str = "cpu", window: int | None = None
+) -> torch.Tensor:
     """Boolean mask of one request: ``mask[i, k]`` is True iff tree node i may attend to key k.  # [n, prefix_len + n]
 
     Keys ``0 .. prefix_len-1`` are the prefix (visible unless ``window`` excludes them); key ``prefix_len + j`` is
@@ -31,7 +33,9 @@ def dense_tree_mask(parents: Sequence[int], prefix_len: int, device: torch.devic
     n = len(parents)
     mask = torch.ones(n, prefix_len + n, dtype=torch.bool)
     # A chain's ancestor relation is j <= i; tril avoids the O(n) Python loop for long prefill chains.
-    mask[:, prefix_len:] = torch.ones(n, n, dtype=torch.bool).tril() if is_chain(parents) else torch.from_numpy(ancestor_matrix(parents))
+    mask[:, prefix_len:] = (
+        torch.ones(n, n, dtype=torch.bool).tril() if is_chain(parents) else torch.from_numpy(ancestor_matrix(parents))
+    )
     if window is not None:
         pos = torch.from_numpy(token_positions(parents, prefix_len))  # [prefix_len + n]
         mask &= pos[None, :] > pos[prefix_len:, None] - window
@@ -50,13 +54,21 @@ def _request_views(
     length = meta.kv_len(b)
     if meta.paged:
         assert meta.block_table is not None
-        blocks = meta.block_table[b, : blocks_for(length, meta.block_size)].to(k_cache.device)  # [num_request_blocks] int32 (no copy when same device)
-        return q[q0:q1], k_cache.index_select(0, blocks).flatten(0, 1)[:length], v_cache.index_select(0, blocks).flatten(0, 1)[:length]
+        blocks = meta.block_table[b, : blocks_for(length, meta.block_size)].to(
+            k_cache.device
+        )  # [num_request_blocks] int32 (no copy when same device)
+        return (
+            q[q0:q1],
+            k_cache.index_select(0, blocks).flatten(0, 1)[:length],
+            v_cache.index_select(0, blocks).flatten(0, 1)[:length],
+        )
     kv0 = meta.kv_starts[b]
     return q[q0:q1], k_cache[kv0 : kv0 + length], v_cache[kv0 : kv0 + length]
 
 
-def _request_kv_by_position(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _request_kv_by_position(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys/values ``[prefix_len + n, H_kv, D]``, each logical position looked up on its own from the
     *host* block table: the reference's deliberately naive gather, so it also checks the device table the faster
     paths read. Contiguous layout: the same views as :func:`_request_views`."""
@@ -85,7 +97,8 @@ def check_score_options(softcap: float | None, window: int | None) -> None:
 
 
 def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Attention-logit soft-capping: ``softcap * tanh(scores / softcap)`` (Gemma 2), or ``scores`` unchanged for None."""
+    """Attention-logit soft-capping: ``softcap * tanh(scores / softcap)`` (Gemma 2), or ``scores`` unchanged for
+    None."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
@@ -101,7 +114,10 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         layout = f"paged (block_size {meta.block_size})" if meta.paged else "contiguous"
         raise ValueError(f"{k_cache.dim()}-D k/v caches but the metadata describes the {layout} KV layout")
     if meta.paged and k_cache.shape[1] != meta.block_size:
-        raise ValueError(f"the paged caches hold KV blocks of {k_cache.shape[1]} slots but the metadata's block_size is {meta.block_size}")
+        raise ValueError(
+            f"the paged caches hold KV blocks of {k_cache.shape[1]} slots but the metadata's block_size is "
+            f"{meta.block_size}"
+        )
     if q.shape[0] != meta.total_queries:
         raise ValueError(f"q has {q.shape[0]} rows but the metadata describes {meta.total_queries} queries")
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
@@ -111,7 +127,9 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     if meta.cache_len > k_cache.shape[0]:
         if meta.paged:
-            raise ValueError(f"the block tables name KV block {meta.cache_len - 1} but the cache holds {k_cache.shape[0]} blocks")
+            raise ValueError(
+                f"the block tables name KV block {meta.cache_len - 1} but the cache holds {k_cache.shape[0]} blocks"
+            )
         raise ValueError(f"requests reach KV row {meta.cache_len} but the cache holds {k_cache.shape[0]} rows")
     return q.shape[1] // num_kv_heads
 
@@ -144,7 +162,9 @@ def tree_attention_ref(
     return out
 
 
-def _cached_additive_mask(meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+def _cached_additive_mask(
+    meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype, window: int | None
+) -> torch.Tensor:
     """Request b's query mask as an additive float mask (0 = attend, -inf = not), built once per metadata (i.e.
     per verify step) and window, and reused by every layer. Float, not bool: CPU SDPA is several times slower with
     bool masks."""
@@ -170,8 +190,8 @@ def tree_attention_sdpa(
 
     The "SDPA with explicit mask" baseline and the CPU path of :func:`tree_attention`. A chain without prefix
     (all of whose nodes have queries), without window or soft-capping, uses ``is_causal=True`` instead (same result,
-    lets SDPA pick its flash backend). SDPA has no soft-capping, so with ``softcap`` the same masked attention is written out
-    (scores in q's dtype, softmax in fp32, as ``transformers``' eager attention does).
+    lets SDPA pick its flash backend). SDPA has no soft-capping, so with ``softcap`` the same masked attention is
+    written out (scores in q's dtype, softmax in fp32, as ``transformers``' eager attention does).
     Paged caches are gathered block-wise through the block table first (:func:`_request_views`).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
@@ -186,7 +206,9 @@ def tree_attention_sdpa(
         causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
         mask = None if causal else _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
         if softcap is None:
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
+            ob = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
+            )
         else:
             ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap, group)
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)

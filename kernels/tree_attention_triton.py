@@ -70,7 +70,8 @@ LOG2E = 1.4426950408889634  # log2(e): the kernel works in base 2 (exp2 is the n
 
 @triton.jit
 def _load_tile(ptrs, row_ok, d_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load a ``[rows, BLOCK_D]`` tile; masks only what can be out of bounds (rows of a partial block, padded head_dim)."""
+    """Load a ``[rows, BLOCK_D]`` tile; masks only what can be out of bounds (rows of a partial block, padded
+    head_dim)."""
     if MASK_ROWS:
         if EVEN_D:
             mask = row_ok[:, None]
@@ -133,12 +134,26 @@ def _tanh(x):
 
 @triton.jit
 def _in_window(qpos, kpos, window):
-    """``[BLOCK_M, BLOCK_N]``: key token positions ``kpos`` inside the sliding window of row token positions ``qpos``."""
+    """``[BLOCK_M, BLOCK_N]``: key token positions ``kpos`` inside the sliding window of row token positions
+    ``qpos``."""
     return kpos[None, :] > (qpos - window)[:, None]
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _softmax_step(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k,
+    v,
+    allowed,
+    qk_scale,
+    cap_log2e,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One online-softmax update with a ``[BLOCK_N, BLOCK_D]`` K/V block; returns the new (acc, l_i, m_i).
 
     ``m_i`` is the running row max of the base-2 logits, ``l_i`` the running sum of ``exp2(logit - m_i)``, ``acc`` the
@@ -256,9 +271,15 @@ def _tree_attn_fwd_kernel(
     # Phase 1 range [dense_lo, dense_end): positions every row of the tile attends to (but for a window's cut).
     dense_end = prefix + tl.where(is_tree, 0, node_min + 1)
     if WINDOW:
-        qpos = prefix + tl.where(tree_row, tl.load(depth_ptr + anc_row + node, mask=tree_row, other=0), node)  # [BLOCK_M] token positions
-        first_seen = tl.min(tl.where(row_ok, qpos, prefix + n_tree), 0) - window + 1  # lowest key position a row of the tile sees
-        dense_lo = tl.minimum(tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N, dense_end)  # a tree row of window 1 sees no prefix
+        qpos = prefix + tl.where(
+            tree_row, tl.load(depth_ptr + anc_row + node, mask=tree_row, other=0), node
+        )  # [BLOCK_M] token positions
+        first_seen = (
+            tl.min(tl.where(row_ok, qpos, prefix + n_tree), 0) - window + 1
+        )  # lowest key position a row of the tile sees
+        dense_lo = tl.minimum(
+            tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N, dense_end
+        )  # a tree row of window 1 sees no prefix
     else:
         qpos = node  # unused
         dense_lo = 0
@@ -269,24 +290,32 @@ def _tree_attn_fwd_kernel(
 
     for start_n in range(lo, full_end, BLOCK_N):
         pos = start_n + offs_n  # [BLOCK_N] logical positions (= token positions: prefix keys, chain nodes)
-        k_off, v_off = _kv_offsets(pos, pos, table_row, stride_kb, stride_kt, stride_vb, stride_vt, False, PAGED, KV_BLOCK_SIZE)
+        k_off, v_off = _kv_offsets(
+            pos, pos, table_row, stride_kb, stride_kt, stride_vb, stride_vt, False, PAGED, KV_BLOCK_SIZE
+        )
         k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
         v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], pos, d_ok, False, EVEN_D)
         if WINDOW:
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, _in_window(qpos, pos, window), qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
+            acc, l_i, m_i = _softmax_step(
+                acc, l_i, m_i, q, k, v, _in_window(qpos, pos, window), qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION
+            )
         else:
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, 0, qk_scale, cap_log2e, False, SOFTCAP, DOT_PRECISION)
 
     if full_end < hi:  # phase 2: partial block at the end of this split's dense chunk
         pos = full_end + offs_n
         in_bounds = pos < hi
-        k_off, v_off = _kv_offsets(pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE)
+        k_off, v_off = _kv_offsets(
+            pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE
+        )
         k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         allowed = in_bounds[None, :]
         if WINDOW:
             allowed = allowed & _in_window(qpos, pos, window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(
+            acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION
+        )
 
     # Phase 3 (last split only): tree nodes the tile does not uniformly see.
     tree_lo = dense_end
@@ -296,7 +325,9 @@ def _tree_attn_fwd_kernel(
         pos = start_n + offs_n
         in_bounds = pos < tree_hi
         j = pos - prefix  # [BLOCK_N] tree node of each key
-        k_off, v_off = _kv_offsets(pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE)
+        k_off, v_off = _kv_offsets(
+            pos, in_bounds, table_row, stride_kb, stride_kt, stride_vb, stride_vt, True, PAGED, KV_BLOCK_SIZE
+        )
         k = _load_tile(k_req + k_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         v = _load_tile(v_req + v_off[:, None] + offs_d[None, :], in_bounds, d_ok, True, EVEN_D)
         # For a non-chain tree the blocks start at node j0 = a multiple of BLOCK_N (tree_lo == prefix), so with
@@ -312,9 +343,13 @@ def _tree_attn_fwd_kernel(
         allowed = tl.where(tree_row[:, None], is_ancestor, j[None, :] <= node[:, None]) & in_bounds[None, :]
         if WINDOW:
             tree_key = in_bounds & ((anc_row + tl.zeros_like(j)) >= 0)  # [BLOCK_N]
-            kpos = prefix + tl.where(tree_key, tl.load(depth_ptr + anc_row + j, mask=tree_key, other=0), j)  # [BLOCK_N] token positions
+            kpos = prefix + tl.where(
+                tree_key, tl.load(depth_ptr + anc_row + j, mask=tree_key, other=0), j
+            )  # [BLOCK_N] token positions
             allowed = allowed & _in_window(qpos, kpos, window)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(
+            acc, l_i, m_i, q, k, v, allowed, qk_scale, cap_log2e, True, SOFTCAP, DOT_PRECISION
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or padding row: output 0, lse -inf
     out = acc / l_safe[:, None]
@@ -342,7 +377,8 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merge the split partials of one (node, head) row: ``o = sum_s 2^(lse_s - lse) o_s`` with ``lse = log2 sum 2^lse_s``."""
+    """Merge the split partials of one (node, head) row: ``o = sum_s 2^(lse_s - lse) o_s`` with
+    ``lse = log2 sum 2^lse_s``."""
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
@@ -351,7 +387,11 @@ def _combine_kernel(
     lse = tl.load(PartLse + offs_s * num_rows + row, mask=s_ok, other=float("-inf"))  # [SPLITS_P2]
     lse_max = tl.max(lse, 0)  # finite: some split holds the row's own key
     w = tl.math.exp2(lse - lse_max)  # [SPLITS_P2], 0 for empty splits
-    o = tl.load(PartO + (offs_s[:, None] * num_rows + row) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.load(
+        PartO + (offs_s[:, None] * num_rows + row) * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [BLOCK_D]
     o_ptrs = Out + (row // num_heads) * stride_ot + (row % num_heads) * stride_oh + offs_d
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
@@ -367,11 +407,12 @@ def tree_attention_triton(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Run the fused tree-attention kernel (see the module docstring); arguments and result as :func:`specinfer.kernels.tree_attention`,
-    contiguous or paged caches alike.
+    """Run the fused tree-attention kernel (see the module docstring); arguments and result as
+    :func:`specinfer.kernels.tree_attention`, contiguous or paged caches alike.
 
-    ``forced`` overrides :func:`choose_config`. q, k_cache and v_cache must share one dtype (fp16/bf16/fp32; fp32/fp16 under the
-    interpreter) and be contiguous in head_dim; any other strides work (e.g. q as a view of a fused qkv output).
+    ``forced`` overrides :func:`choose_config`. q, k_cache and v_cache must share one dtype (fp16/bf16/fp32; fp32/fp16
+    under the interpreter) and be contiguous in head_dim; any other strides work (e.g. q as a view of a fused qkv
+    output).
     """
     group = _check_shapes(q, k_cache, v_cache, meta)
     check_score_options(softcap, window)
@@ -399,7 +440,8 @@ def tree_attention_triton(
     grid = (triton.cdiv(meta.max_queries * group, cfg.block_m), meta.batch_size * cfg.num_splits, num_kv_heads)
     _tree_attn_fwd_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
-        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits, meta.node_depth, block_table,
+        meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits, meta.node_depth,
+        block_table,
         scale * LOG2E if softcap is None else scale / softcap, 0.0 if softcap is None else softcap * LOG2E, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0) if paged else 0, k_cache.stride(-3), k_cache.stride(-2),
@@ -407,14 +449,17 @@ def tree_attention_triton(
         out.stride(0), out.stride(1), meta.anc_bits.stride(0), block_table.stride(0) if paged else 0,
         total, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=cfg.num_splits, EVEN_D=head_dim == block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PAGED=paged, KV_BLOCK_SIZE=meta.block_size if paged else 1, SOFTCAP=softcap is not None, WINDOW=window is not None,
+        NUM_SPLITS=cfg.num_splits, EVEN_D=head_dim == block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=paged, KV_BLOCK_SIZE=meta.block_size if paged else 1,
+        SOFTCAP=softcap is not None, WINDOW=window is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:
         _combine_kernel[(total * num_heads,)](
             part_o, part_lse, out, out.stride(0), out.stride(1), total * num_heads, num_heads,
-            NUM_SPLITS=cfg.num_splits, SPLITS_P2=max(2, triton.next_power_of_2(cfg.num_splits)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=cfg.num_splits, SPLITS_P2=max(2, triton.next_power_of_2(cfg.num_splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
         )  # fmt: skip
     return out

@@ -21,7 +21,14 @@ def generate(out: Path) -> list[Path]:
     files = sorted(PROTOS.glob("specinfer/v1/*.proto"))
     (out / "specinfer/v1").mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+    ]
     if protoc.main(args + [str(f.relative_to(PROTOS)) for f in files]) != 0:
         raise SystemExit("protoc failed")
     package = out / "specinfer/v1"

@@ -133,7 +133,10 @@ def main() -> int:
     paths = [str(py)]
     if args.wheels is not None and args.wheels.is_dir():
         unpacked = unpack_missing(args.wheels, dest / "site")
-        print(f"unpacked {len(unpacked)} missing or older distribution(s): {', '.join(unpacked) or 'none'}", file=sys.stderr)
+        print(
+            f"unpacked {len(unpacked)} missing or older distribution(s): {', '.join(unpacked) or 'none'}",
+            file=sys.stderr,
+        )
         paths.append(str(dest / "site"))
     pythonpath = os.pathsep.join(paths)
     if args.check:

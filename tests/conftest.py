@@ -76,7 +76,9 @@ def model_pair(tmp_path_factory) -> ModelPair:
     from specinfer.models.tiny import truncated_copy
 
     if not (TEST_PAIR / "llm/config.json").is_file():
-        raise FileNotFoundError(f"no test pair at {TEST_PAIR} (SPECINFER_TEST_MODELS names a folder with llm/, ssm/, prompts.jsonl)")
+        raise FileNotFoundError(
+            f"no test pair at {TEST_PAIR} (SPECINFER_TEST_MODELS names a folder with llm/, ssm/, prompts.jsonl)"
+        )
     big = AutoModelForCausalLM.from_pretrained(str(TEST_PAIR / "llm"), dtype=torch.float32)
     ssm2 = tmp_path_factory.mktemp("pair") / "ssm2"
     truncated_copy(big, 2).save_pretrained(ssm2)

@@ -18,7 +18,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def relabelled_ssm(llm_dir: Path, ssm_dir: Path, out: Path, seed: int = 0, drop: float = 0.2, extra: int = 48, max_positions: int | None = None) -> Path:
+def relabelled_ssm(
+    llm_dir: Path,
+    ssm_dir: Path,
+    out: Path,
+    seed: int = 0,
+    drop: float = 0.2,
+    extra: int = 48,
+    max_positions: int | None = None,
+) -> Path:
     """``ssm_dir``'s model with another tokenizer (module docstring), saved at ``out``. ``max_positions``:
     a shorter position limit than the SSM's (its RoPE is unchanged, so logits within it are the same)."""
     llm_tok = Tokenizer.from_file(str(llm_dir / "tokenizer.json"))

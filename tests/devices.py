@@ -17,4 +17,6 @@ def on_test_device(options: NativeOptions) -> NativeOptions:
     Triton interpreter out of the model tests; on a GPU the kernel is what runs (``auto``)."""
     if TEST_DEVICE == "cpu":
         return options
-    return dataclasses.replace(options, device=TEST_DEVICE, attention="auto" if options.attention == "torch" else options.attention)
+    return dataclasses.replace(
+        options, device=TEST_DEVICE, attention="auto" if options.attention == "torch" else options.attention
+    )

@@ -15,7 +15,9 @@ from specinfer.launcher import Stack, StackConfig
 from specinfer.models.loading import eos_token_id
 
 
-def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+def hf_greedy(
+    llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
     """transformers' fp32 greedy continuation of each prompt (``new_tokens`` at most), ending at the
     checkpoint's EOS token included, as our services end a request; ``ignore_eos``: exactly
     ``new_tokens``, past any EOS (as requests with ``ignore_eos`` run)."""
@@ -26,17 +28,30 @@ def hf_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, igno
         for ids in prompts:
             if ignore_eos:
                 gen = hf.generate(
-                    torch.tensor([list(ids)]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+                    torch.tensor([list(ids)]),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
                 )
                 out.append(gen[0, len(ids) :].tolist())
                 continue
-            gen = hf.generate(torch.tensor([list(ids)]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            gen = hf.generate(
+                torch.tensor([list(ids)]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
             tokens = gen[0, len(ids) :].tolist()
             out.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
     return out
 
 
-def hf_seeded_sampling(llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+def hf_seeded_sampling(
+    llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
     """Plain decoding with transformers (fp32, no cache: every step runs the whole sequence): the token
     at sequence index t is ``coupled_token(process_logits(logits, params), position_noise(seed, t, V))``,
     the rule coupled verification reproduces whatever the speculation (``specinfer.core.coupled``).

@@ -104,7 +104,14 @@ class LocalRedisCluster:
         try:
             for i in range(self.n_masters * (1 + self.n_replicas)):
                 directory = self.root / f"node-{i}"
-                server = EmbeddedRedis(directory, transport="tcp", port=free_cluster_port(), appendonly=True, appendfsync="always", extra_config=config)
+                server = EmbeddedRedis(
+                    directory,
+                    transport="tcp",
+                    port=free_cluster_port(),
+                    appendonly=True,
+                    appendfsync="always",
+                    extra_config=config,
+                )
                 self.nodes.append(ClusterNode(server.start()))
             self._form()
         except BaseException:
@@ -128,7 +135,9 @@ class LocalRedisCluster:
         first = self.nodes[0]
         for node in self.nodes[1:]:
             first.call("CLUSTER", "MEET", "127.0.0.1", node.port)
-        wait_for(lambda: all(self._known(n) == len(self.nodes) for n in self.nodes), 30, "every node meeting every other")
+        wait_for(
+            lambda: all(self._known(n) == len(self.nodes) for n in self.nodes), 30, "every node meeting every other"
+        )
         masters = self.nodes[: self.n_masters]
         for i, master in enumerate(masters):
             lo, hi = i * SLOTS // self.n_masters, (i + 1) * SLOTS // self.n_masters
@@ -161,7 +170,9 @@ class LocalRedisCluster:
 
     def masters(self) -> list[ClusterNode]:
         """The live nodes that are masters now (with slots)."""
-        return [n for n in self.nodes if n.alive and n.info("replication").get("role") == "master" and self._owns_slots(n)]
+        return [
+            n for n in self.nodes if n.alive and n.info("replication").get("role") == "master" and self._owns_slots(n)
+        ]
 
     def _owns_slots(self, node: ClusterNode) -> bool:
         for line in node.call("CLUSTER", "NODES").decode().splitlines():
@@ -200,7 +211,9 @@ class LocalRedisCluster:
             return False
         for node in live:
             info = node.info("replication")
-            if info.get("role") == "slave" and (info.get("master_link_status") != "up" or info.get("master_sync_in_progress") != "0"):
+            if info.get("role") == "slave" and (
+                info.get("master_link_status") != "up" or info.get("master_sync_in_progress") != "0"
+            ):
                 return False
         return True
 

@@ -46,8 +46,15 @@ def gemma3_multimodal(text_config):
     with a tiny SigLIP vision tower; its special image tokens are the vocabulary's last three ids."""
     from transformers import Gemma3Config, SiglipVisionConfig
 
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     v = text_config.vocab_size
     return Gemma3Config(
-        text_config=text_config, vision_config=vision, mm_tokens_per_image=4, boi_token_index=v - 3, eoi_token_index=v - 2, image_token_index=v - 1
+        text_config=text_config,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=v - 3,
+        eoi_token_index=v - 2,
+        image_token_index=v - 1,
     )

@@ -8,7 +8,9 @@ import numpy as np
 from scipy.stats import chisquare
 
 
-def chi_square_pvalue(counts: Counter, expected_probs: dict[tuple[int, ...], float], min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    counts: Counter, expected_probs: dict[tuple[int, ...], float], min_expected: float = 5.0
+) -> float:
     """Goodness of fit of observed outcome counts to exact probabilities.
 
     Cells whose expected count is below ``min_expected`` are pooled into one cell so the

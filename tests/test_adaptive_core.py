@@ -42,7 +42,9 @@ def budgets(draw) -> TreeBudget:
     width = draw(st.integers(1, 4))
     min_score = draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.2]))
     # an edge curve: none (the identity), or any non-decreasing one, flat stretches included
-    steps = draw(st.lists(st.sampled_from([0.0, 0.0, 0.05, 0.1, 0.3]), min_size=len(EDGE_KNOTS), max_size=len(EDGE_KNOTS)))
+    steps = draw(
+        st.lists(st.sampled_from([0.0, 0.0, 0.05, 0.1, 0.3]), min_size=len(EDGE_KNOTS), max_size=len(EDGE_KNOTS))
+    )
     curve = tuple(float(v) for v in np.minimum(1.0, np.cumsum(steps))) if draw(st.booleans()) else ()
     return TreeBudget(nodes, depth, width, min_score, curve)
 
@@ -79,11 +81,15 @@ def _drive(builder: BestFirstTreeBuilder, propose) -> tuple[list[Slot], dict[int
         frontier = builder.frontier()
         assert frontier, "a builder that is not done has a frontier"
         assert len(set(frontier)) == len(frontier)
-        assert all(0 <= s < len(slots) and s not in proposals for s in frontier), "only drafted, unexpanded slots are expanded"
+        assert all(0 <= s < len(slots) and s not in proposals for s in frontier), (
+            "only drafted, unexpanded slots are expanded"
+        )
         assert builder.tokens_of(frontier) == [slots[s].token for s in frontier]
         cache_parents = builder.parents_of(frontier)
         for s, p in zip(frontier, cache_parents, strict=True):
-            assert p == (-1 if slots[s].parent < 0 else sent.index(slots[s].parent)), "parents are numbered by the order nodes were sent"
+            assert p == (-1 if slots[s].parent < 0 else sent.index(slots[s].parent)), (
+                "parents are numbered by the order nodes were sent"
+            )
         sent.extend(frontier)
         props = [propose(s, slots) for s in frontier]
         builder.expand(props)
@@ -110,7 +116,11 @@ def _tree_slots(draft: DraftTree, slots: list[Slot]) -> list[int]:
 
 
 def _best(slots: list[Slot], budget: TreeBudget) -> set[int]:
-    eligible = [i for i in range(1, len(slots)) if slots[i].value >= budget.min_score and slots[i].value > 0.0 and slots[i].score >= MIN_SCORE]
+    eligible = [
+        i
+        for i in range(1, len(slots))
+        if slots[i].value >= budget.min_score and slots[i].value > 0.0 and slots[i].score >= MIN_SCORE
+    ]
     return {0, *sorted(eligible, key=lambda i: (-slots[i].value, i))[: budget.nodes - 1]}
 
 
@@ -353,7 +363,9 @@ def test_nondecreasing_is_a_monotone_weighted_fit(values, data):
     fit = nondecreasing(values, weights)
     assert len(fit) == len(values)
     assert np.all(np.diff(fit) >= -1e-9)
-    assert np.isclose(np.dot(fit, weights), np.dot(values, weights), rtol=1e-6, atol=1e-6)  # PAV keeps the weighted mean
+    assert np.isclose(
+        np.dot(fit, weights), np.dot(values, weights), rtol=1e-6, atol=1e-6
+    )  # PAV keeps the weighted mean
     if all(a <= b for a, b in itertools.pairwise(values)):
         assert np.allclose(fit, values)
 
@@ -393,7 +405,13 @@ def test_slot_acceptance_converges_to_the_truth():
 
 
 def _edges(probs, hits):
-    return StepOutcomes(np.zeros(MAX_SLOTS), np.zeros(MAX_SLOTS), np.asarray(probs, dtype=np.float64), np.asarray(hits, dtype=bool), np.zeros(MAX_POSITIONS))
+    return StepOutcomes(
+        np.zeros(MAX_SLOTS),
+        np.zeros(MAX_SLOTS),
+        np.asarray(probs, dtype=np.float64),
+        np.asarray(hits, dtype=bool),
+        np.zeros(MAX_POSITIONS),
+    )
 
 
 def test_edge_calibration_converges_to_the_truth_and_stays_monotone():
@@ -482,7 +500,9 @@ def _hand_tree(scored: bool = True) -> DraftTree:
 
 def test_step_outcomes_on_hand_built_trees():
     # slot probabilities of the hand tree: 0.5, 0.3, 0.1 under the root, 0.5 and 0.2 under node 1
-    assert np.allclose(slot_probabilities(_hand_tree().tree.parents, _hand_tree().scores), [1.0, 0.5, 0.3, 0.1, 0.5, 0.2])
+    assert np.allclose(
+        slot_probabilities(_hand_tree().tree.parents, _hand_tree().scores), [1.0, 0.5, 0.3, 0.1, 0.5, 0.2]
+    )
     out = step_outcomes(_hand_tree(), [21])  # the second child of the root
     assert out.slot_tries.tolist() == [1, 1, 0, 0] and out.slot_hits.tolist() == [0, 1, 0, 0]
     assert out.depth_hits.tolist() == [1] + [0] * (MAX_POSITIONS - 1)
@@ -492,7 +512,13 @@ def test_step_outcomes_on_hand_built_trees():
     out = step_outcomes(_hand_tree(), [20, 31, 99])  # 99 came from another SSM's tree
     assert out.slot_tries.tolist() == [2, 1, 0, 0] and out.slot_hits.tolist() == [1, 1, 0, 0]
     assert out.depth_hits[:3].tolist() == [1, 1, 0]
-    assert np.allclose(out.edge_probs, [0.5, 0.3, 0.1, 0.5, 0.2]) and out.edge_hits.tolist() == [True, False, False, False, True]
+    assert np.allclose(out.edge_probs, [0.5, 0.3, 0.1, 0.5, 0.2]) and out.edge_hits.tolist() == [
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
 
     out = step_outcomes(_hand_tree(), [])  # everything rejected at the root: node 1's children were never tried
     assert out.slot_tries.tolist() == [1, 1, 1, 0] and out.slot_hits.sum() == 0 and out.depth_hits.sum() == 0
@@ -505,7 +531,9 @@ def test_step_outcomes_on_hand_built_trees():
 
 def test_tree_values_are_edge_products():
     tree = _hand_tree()
-    assert np.allclose(tree_values(tree.tree.parents, tree.scores, ()), tree.scores)  # the identity curve: values are scores
+    assert np.allclose(
+        tree_values(tree.tree.parents, tree.scores, ()), tree.scores
+    )  # the identity curve: values are scores
     curve = tuple(float(np.sqrt(k)) for k in EDGE_KNOTS)  # an underconfident SSM
     values = tree_values(tree.tree.parents, tree.scores, curve)
     e = edge_values([0.5, 0.3, 0.1, 0.5, 0.2], curve)
@@ -516,7 +544,9 @@ def test_tree_values_are_edge_products():
 # -- the planner -------------------------------------------------------------------------
 
 
-def _costs(per_token: float, base: float = 1.0, draft: float = 0.0, draft_per_token: float = 0.0, per_context: float = 0.0) -> StepCosts:
+def _costs(
+    per_token: float, base: float = 1.0, draft: float = 0.0, draft_per_token: float = 0.0, per_context: float = 0.0
+) -> StepCosts:
     verify = CostTable({b: base + per_token * (b - 1) for b in (1, 2, 4, 8, 16, 32, 64, 128)})
     drafts = {0: CostTable({b: draft + draft_per_token * b for b in (1, 2, 4, 8, 16, 32, 64, 128)})}
     return StepCosts(verify, per_context, drafts)
@@ -525,7 +555,13 @@ def _costs(per_token: float, base: float = 1.0, draft: float = 0.0, draft_per_to
 DEFAULT_PLANNER = PlannerConfig()
 
 
-def _input(rid: str, rates=(0.8, 0.1, 0.05, 0.02), remaining: int = 100, context: int = 10, config: PlannerConfig = DEFAULT_PLANNER) -> PlanInput:
+def _input(
+    rid: str,
+    rates=(0.8, 0.1, 0.05, 0.02),
+    remaining: int = 100,
+    context: int = 10,
+    config: PlannerConfig = DEFAULT_PLANNER,
+) -> PlanInput:
     return PlanInput(rid, context, remaining, {0: node_values(rates, config.max_nodes - 1, config.max_depth)})
 
 
@@ -570,8 +606,16 @@ def test_planner_respects_remaining_tokens_and_caps():
     assert plans["r2"].depth == 1
     # a depth cap keeps every shallow node, also the siblings ranked after a deeper one (0.5 > 0.25 > 0.1)
     sibling_rates = (0.5, 0.2, 0.1, 0.05)
-    plans = plan_batch([_input("r2", sibling_rates, remaining=2), _input("rd", sibling_rates, config=PlannerConfig(max_depth=1))], costs, config).requests
-    assert plans["r2"].nodes == 5 and plans["r2"].depth == 1 and np.isclose(plans["r2"].predicted_accepted, sum(sibling_rates))
+    plans = plan_batch(
+        [_input("r2", sibling_rates, remaining=2), _input("rd", sibling_rates, config=PlannerConfig(max_depth=1))],
+        costs,
+        config,
+    ).requests
+    assert (
+        plans["r2"].nodes == 5
+        and plans["r2"].depth == 1
+        and np.isclose(plans["r2"].predicted_accepted, sum(sibling_rates))
+    )
     one_deep = plan_batch([_input("rd", sibling_rates)], costs, PlannerConfig(max_depth=1)).requests["rd"]
     assert one_deep.nodes == 5 and one_deep.depth == 1
     shallow = PlannerConfig(max_nodes=32, max_depth=2)
@@ -583,7 +627,9 @@ def test_planner_picks_the_better_ssm_per_request():
     costs = _costs(per_token=0.01, draft=0.01)
     costs.drafts[1] = CostTable({1: 0.01, 64: 0.01})
     good, bad = node_values((0.9, 0.05), 31, 8), node_values((0.2, 0.1), 31, 8)
-    plans = plan_batch([PlanInput("a", 10, 100, {0: good, 1: bad}), PlanInput("b", 10, 100, {0: bad, 1: good})], costs, PlannerConfig()).requests
+    plans = plan_batch(
+        [PlanInput("a", 10, 100, {0: good, 1: bad}), PlanInput("b", 10, 100, {0: bad, 1: good})], costs, PlannerConfig()
+    ).requests
     assert plans["a"].ssm == 0 and plans["b"].ssm == 1
     costs.drafts[1] = CostTable({1: 100.0})  # now SSM 1 is far too slow to pay
     plans = plan_batch([PlanInput("b", 10, 100, {0: bad, 1: good})], costs, PlannerConfig()).requests
@@ -628,7 +674,9 @@ def test_kept_share_stops_drafting_that_is_always_cut_and_retries_later():
     costs = StepCosts(CostTable({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.35}), 0.0, {0: CostTable({1: 0.01})}, frozen=True)
     adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
     batch = [Context("a", 10, 1000, (0,))]
-    unsure = DraftTree(TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.01, 0.001))
+    unsure = DraftTree(
+        TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.01, 0.001)
+    )
     drafting = []
     for _ in range(200):
         choices = adaptive.plan(batch)
@@ -642,7 +690,9 @@ def test_kept_share_stops_drafting_that_is_always_cut_and_retries_later():
     assert KEPT_SHARE_FLOOR <= adaptive.kept_share[0] < 1.0
 
     adaptive = AdaptiveSpeculation(costs, PlannerConfig(max_nodes=8, max_depth=4), {0: (0.8, 0.1)})
-    sure = DraftTree(TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.95, 0.9))
+    sure = DraftTree(
+        TokenTree((5, 6, 7), (-1, 0, 1)), (DraftGroup(0, (1,), None), DraftGroup(1, (2,), None)), (1.0, 0.95, 0.9)
+    )
     for _ in range(50):
         adaptive.plan(batch)
         [(_, kept)] = adaptive.select([Drafted("a", 10, ((0, sure),))])["a"]
@@ -663,7 +713,9 @@ def scored_trees(draw) -> DraftTree:
         parents.append(p)
         scores.append(scores[p] * draw(st.floats(0.0, 1.0)))
         tokens.append(i)  # distinct tokens: never two equal siblings
-    groups = tuple(DraftGroup(p, tuple(c for c in range(1, n) if parents[c] == p), None) for p in range(n) if p in parents[1:])
+    groups = tuple(
+        DraftGroup(p, tuple(c for c in range(1, n) if parents[c] == p), None) for p in range(n) if p in parents[1:]
+    )
     return DraftTree(TokenTree(tuple(tokens), tuple(parents)), groups, tuple(scores))
 
 
@@ -703,7 +755,13 @@ def _drafted(rid: str, values, parents, context: int = 10) -> DraftedNodes:
 def _rate(drafted, keep, costs, spent=0.0) -> float:
     extra = sum(len(keep[d.request_id]) - 1 for d in drafted)
     value = sum(min([d.values[k - 1] for k in _ancestry(d, node)]) for d in drafted for node in keep[d.request_id][1:])
-    seconds = costs.verify_seconds(VerifyShape(len(drafted) + extra, sum(d.context * len(keep[d.request_id]) for d in drafted))) + spent + costs.overhead
+    seconds = (
+        costs.verify_seconds(
+            VerifyShape(len(drafted) + extra, sum(d.context * len(keep[d.request_id]) for d in drafted))
+        )
+        + spent
+        + costs.overhead
+    )
     return (len(drafted) + value) / seconds
 
 
@@ -721,7 +779,12 @@ def test_select_nodes_keeps_the_best_prefix_of_the_batch(trees, per_token, step_
     """The kept nodes are closed under parents, every kept node is worth at least every dropped one,
     and no other cut of the best-first order has a higher expected rate."""
     costs = StepCosts(
-        CostTable({1: 1.0, 4: 1.0 + 3 * per_token, 6: 1.0 + 5 * per_token + step_at_5, 64: 2.0 + 63 * per_token + step_at_5}), 0.0, {}, frozen=True
+        CostTable(
+            {1: 1.0, 4: 1.0 + 3 * per_token, 6: 1.0 + 5 * per_token + step_at_5, 64: 2.0 + 63 * per_token + step_at_5}
+        ),
+        0.0,
+        {},
+        frozen=True,
     )
     drafted = [_drafted(f"r{i}", t.scores[1:], [p for p in t.tree.parents[1:]]) for i, t in enumerate(trees)]
     keep = select_nodes(drafted, costs, spent_seconds=spent)
@@ -764,7 +827,11 @@ def test_select_drafts_cuts_only_adaptive_greedy_trees():
     from specinfer.core.iteration import Running, select_drafts
     from specinfer.core.requests import GenerationRequest, SpeculationConfig
 
-    tree = DraftTree(TokenTree((5, 7, 8, 9), (-1, 0, 0, 1)), (DraftGroup(0, (1, 2), None), DraftGroup(1, (3,), None)), (1.0, 0.3, 0.05, 0.2))
+    tree = DraftTree(
+        TokenTree((5, 7, 8, 9), (-1, 0, 0, 1)),
+        (DraftGroup(0, (1, 2), None), DraftGroup(1, (3,), None)),
+        (1.0, 0.3, 0.05, 0.2),
+    )
     static = DraftTree(TokenTree((5, 7), (-1, 0)), (DraftGroup(0, (1,), None),))
 
     def running(rid, sampling, spec):
@@ -779,7 +846,9 @@ def test_select_drafts_cuts_only_adaptive_greedy_trees():
     # tokens cost a whole step (the batch, 7 tokens committing 3, does 0.43 tokens per token: nodes
     # worth 0.3 do not pay) / almost nothing (every node pays)
     for per_token, expect in ((1.0, 1), (1e-4, 4)):
-        adaptive = AdaptiveSpeculation(_costs(per_token), PlannerConfig(), {0: (0.8, 0.1)})  # edge prior: acceptance = slot probability, values = scores
+        adaptive = AdaptiveSpeculation(
+            _costs(per_token), PlannerConfig(), {0: (0.8, 0.1)}
+        )  # edge prior: acceptance = slot probability, values = scores
         out = select_drafts(batch, drafted, adaptive, 0.0)
         assert len(out["greedy"][0][1].tree) == expect
         assert out["sampled"] == drafted["sampled"] and out["static"] == drafted["static"]

@@ -28,7 +28,9 @@ def fixed_costs(verify_per_token: float, draft: dict[int, float]) -> StepCosts:
     """A frozen cost model: it ignores the engine's timings, so the plans do not depend on the machine."""
     buckets = (1, 2, 4, 8, 16, 32, 64)
     verify = CostTable({b: 1.0 + verify_per_token * (b - 1) for b in buckets})
-    return StepCosts(verify, 0.0, {ssm: CostTable({b: seconds for b in buckets}) for ssm, seconds in draft.items()}, frozen=True)
+    return StepCosts(
+        verify, 0.0, {ssm: CostTable({b: seconds for b in buckets}) for ssm, seconds in draft.items()}, frozen=True
+    )
 
 
 def speculation_pays(ssms: int = 2) -> StepCosts:
@@ -96,7 +98,11 @@ def backends(request, models, tmp_path_factory):
     for name, model in zip(("llm", "ssm", "ssm2"), models, strict=True):
         model.save_pretrained(root / name)
         paths.append(root / name)
-    return lambda: tuple((lambda ms: (ms[0], ms[1:]))([load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 24) for p in paths]))
+    return lambda: tuple(
+        (lambda ms: (ms[0], ms[1:]))(
+            [load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 24) for p in paths]
+        )
+    )
 
 
 def _engine(backends, costs, counting: bool = False, slot_priors=()) -> SpeculativeEngine:
@@ -108,7 +114,9 @@ def _engine(backends, costs, counting: bool = False, slot_priors=()) -> Speculat
 
 def test_adaptive_greedy_equals_transformers_when_speculation_pays(backends, prompts, expected):
     engine = _engine(backends, speculation_pays(), counting=True)
-    results = engine.generate([GenerationRequest(f"a{i}", p, NEW_TOKENS, speculation=AUTO, ignore_eos=True) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"a{i}", p, NEW_TOKENS, speculation=AUTO, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
     for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
         assert res.output_tokens == exp, f"prompt {i} differs"
         assert sum(s.committed for s in res.steps) == NEW_TOKENS
@@ -126,7 +134,9 @@ def test_adaptive_greedy_equals_transformers_when_speculation_pays(backends, pro
 def test_adaptive_never_speculating_is_incremental_decoding(backends, prompts, expected):
     engine = _engine(backends, speculation_never_pays(), counting=True)
     spec = SpeculationConfig(None, ssms=(0, 1))
-    results = engine.generate([GenerationRequest(f"n{i}", p, NEW_TOKENS, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"n{i}", p, NEW_TOKENS, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
     for res, exp in zip(results, expected, strict=True):
         assert res.output_tokens == exp
         assert all(s.tree_size == 1 for s in res.steps)
@@ -136,8 +146,18 @@ def test_adaptive_never_speculating_is_incremental_decoding(backends, prompts, e
 
 def test_mixed_batch_of_adaptive_static_and_plain_requests(backends, prompts, expected):
     engine = _engine(backends, speculation_pays(), counting=True)
-    specs = [AUTO, SpeculationConfig(ExpansionConfig((2, 1, 1))), None, SpeculationConfig(None, ssms=(0, 1)), SpeculationConfig(None, ssms=(1,)), None]
-    requests = [GenerationRequest(f"m{i}", p, NEW_TOKENS, speculation=s, ignore_eos=True) for i, (p, s) in enumerate(zip(prompts, specs, strict=True))]
+    specs = [
+        AUTO,
+        SpeculationConfig(ExpansionConfig((2, 1, 1))),
+        None,
+        SpeculationConfig(None, ssms=(0, 1)),
+        SpeculationConfig(None, ssms=(1,)),
+        None,
+    ]
+    requests = [
+        GenerationRequest(f"m{i}", p, NEW_TOKENS, speculation=s, ignore_eos=True)
+        for i, (p, s) in enumerate(zip(prompts, specs, strict=True))
+    ]
     engine.add(requests[0])
     engine.add(requests[1])
     done = {}
@@ -165,7 +185,12 @@ def test_planner_picks_the_ssm_that_pays(backends, prompts, expected, cheap):
     draft = {cheap: 1e-4, 1 - cheap: 1e3}
     engine = _engine(backends, fixed_costs(1e-4, draft), counting=True)
     spec = SpeculationConfig(None, ssms=(0, 1))
-    results = engine.generate([GenerationRequest(f"p{i}", p, NEW_TOKENS, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts[:3])])
+    results = engine.generate(
+        [
+            GenerationRequest(f"p{i}", p, NEW_TOKENS, speculation=spec, ignore_eos=True)
+            for i, p in enumerate(prompts[:3])
+        ]
+    )
     for res, exp in zip(results, expected[:3], strict=True):
         assert res.output_tokens == exp
     assert engine.ssms[cheap].calls > 0 and engine.ssms[1 - cheap].calls == 0
@@ -218,7 +243,9 @@ def test_calibration_times_every_bucket_in_rounds_and_releases_its_requests(back
     messages = []
     costs = calibrate_costs(llm, ssms, max_verify_tokens=16, max_frontier_tokens=8, repeats=1, progress=messages.append)
     assert list(costs.verify_table.as_dict()) == [b for b in BUCKETS if b <= 16]
-    assert sorted(costs.drafts) == [0, 1] and all(list(t.as_dict()) == [b for b in BUCKETS if b <= 8] for t in costs.drafts.values())
+    assert sorted(costs.drafts) == [0, 1] and all(
+        list(t.as_dict()) == [b for b in BUCKETS if b <= 8] for t in costs.drafts.values()
+    )
     assert any("verify: 1 tokens" in m for m in messages)
     for model in (llm, *ssms):
         assert not model.cached_requests()
@@ -231,7 +258,9 @@ def test_calibration_fits_a_kv_pool_of_one_request(tmp_path, models):
 
     models[0].save_pretrained(tmp_path / "llm")
     slots = load_backend(tmp_path / "llm", "llm", "float32", backend="native", kv_cache_bytes=1 << 24).max_requests
-    llm = load_backend(tmp_path / "llm", "llm", "float32", backend="native", kv_cache_bytes=(1 << 24) // slots)  # room for one slot
+    llm = load_backend(
+        tmp_path / "llm", "llm", "float32", backend="native", kv_cache_bytes=(1 << 24) // slots
+    )  # room for one slot
     assert llm.max_requests == 1
     costs = calibrate_costs(llm, (), max_verify_tokens=8, repeats=1, progress=lambda msg: None)
     assert costs.verify_seconds(VerifyShape(8, 0)) > 0 and costs.per_context >= 0

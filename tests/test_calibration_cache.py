@@ -77,13 +77,35 @@ def test_key_changes_with_what_changes_the_costs(pair, tmp_path, threads):
         assert key.file_name() not in names
         names.add(key.file_name())
 
-    differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, ModelRuntime("bfloat16", "cpu", "auto", "auto"))], {"max_tokens": 64}))
-    differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "reference", "auto"))], {"max_tokens": 64}))
-    differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "auto", "auto", kv_block_size=16))], {"max_tokens": 64}))
-    differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "auto", "auto", offload=True))], {"max_tokens": 64}))
+    differs(
+        CalibrationKey.build(
+            "engine", [ModelIdentity.of(llm, ModelRuntime("bfloat16", "cpu", "auto", "auto"))], {"max_tokens": 64}
+        )
+    )
+    differs(
+        CalibrationKey.build(
+            "engine", [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "reference", "auto"))], {"max_tokens": 64}
+        )
+    )
+    differs(
+        CalibrationKey.build(
+            "engine",
+            [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "auto", "auto", kv_block_size=16))],
+            {"max_tokens": 64},
+        )
+    )
+    differs(
+        CalibrationKey.build(
+            "engine",
+            [ModelIdentity.of(llm, ModelRuntime("float32", "cpu", "auto", "auto", offload=True))],
+            {"max_tokens": 64},
+        )
+    )
     differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32)], {"max_tokens": 32}))
     differs(CalibrationKey.build("verifier", [ModelIdentity.of(llm, FP32)], {"max_tokens": 64}))
-    differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32), ModelIdentity.of(ssm, FP32)], {"max_tokens": 64}))
+    differs(
+        CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32), ModelIdentity.of(ssm, FP32)], {"max_tokens": 64})
+    )
     torch.set_num_threads(1 if torch.get_num_threads() != 1 else 2)
     differs(CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32)], {"max_tokens": 64}))
 
@@ -126,14 +148,19 @@ def test_cost_model_round_trips_through_json():
     for c in (costs, back):
         c.observe_verify(VerifyShape(7, 50), 0.05)
     assert back.describe() == costs.describe()
-    for bad in ({**costs_to_json(costs), "overhead": -1.0}, {**costs_to_json(costs), "verify": {"buckets": [5], "seconds": [1.0], "samples": [1.0]}}):
+    for bad in (
+        {**costs_to_json(costs), "overhead": -1.0},
+        {**costs_to_json(costs), "verify": {"buckets": [5], "seconds": [1.0], "samples": [1.0]}},
+    ):
         with pytest.raises(ValueError):
             costs_from_json(bad)
 
 
 def _entry(tmp_path, pair) -> CostEntry:
     llm, ssm = pair
-    return engine_cost_entry(CalibrationCache(tmp_path / "cache"), ModelIdentity.of(llm, FP32), [ModelIdentity.of(ssm, FP32)], ["shared"])
+    return engine_cost_entry(
+        CalibrationCache(tmp_path / "cache"), ModelIdentity.of(llm, FP32), [ModelIdentity.of(ssm, FP32)], ["shared"]
+    )
 
 
 def test_corrupt_or_stale_entry_is_ignored_logged_once_and_rewritten(tmp_path, pair, caplog):
@@ -149,7 +176,12 @@ def test_corrupt_or_stale_entry_is_ignored_logged_once_and_rewritten(tmp_path, p
         "{not json",
         json.dumps({**saved, "version": FORMAT_VERSION + 1}),  # stale: another format
         json.dumps({**saved, "key": {**saved["key"], "threads": saved["key"]["threads"] + 1}}),  # stale: another key
-        json.dumps({**saved, "payload": {**saved["payload"], "verify": {"buckets": [1, 2], "seconds": [1.0], "samples": [1.0]}}}),
+        json.dumps(
+            {
+                **saved,
+                "payload": {**saved["payload"], "verify": {"buckets": [1, 2], "seconds": [1.0], "samples": [1.0]}},
+            }
+        ),
         json.dumps({**saved, "payload": {"verify": None}}),
     ]
     for text in broken:
@@ -168,7 +200,9 @@ def test_write_failure_and_disabled_cache_never_raise(tmp_path, pair):
     blocked = tmp_path / "file"
     blocked.write_text("")
     key = CalibrationKey.build("engine", [ModelIdentity.of(pair[0], FP32)], {})
-    CostEntry(CalibrationCache(blocked / "cache"), key).save_costs(_refined_costs())  # a file where the folder should be
+    CostEntry(CalibrationCache(blocked / "cache"), key).save_costs(
+        _refined_costs()
+    )  # a file where the folder should be
     off = CostEntry(CalibrationCache(None), key)
     off.save_costs(_refined_costs())
     assert off.load_costs() is None and off.cache.path(key) is None
@@ -181,7 +215,9 @@ def test_cache_keeps_at_most_max_entries(tmp_path, pair, monkeypatch):
     cache = CalibrationCache(tmp_path / "cache")
     llm, _ = pair
     for n in range(5):
-        CostEntry(cache, CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32)], {"n": n})).save_costs(_refined_costs())
+        CostEntry(cache, CalibrationKey.build("engine", [ModelIdentity.of(llm, FP32)], {"n": n})).save_costs(
+            _refined_costs()
+        )
     assert len(list((tmp_path / "cache").glob("*.json"))) == 3
 
 
@@ -212,7 +248,10 @@ def test_probe_predicts_a_call_from_the_two_largest_sizes():
 
 def _requests(n: int = 2):
     prompts = [[5, 6, 7, 8], [9, 10, 11]][:n]
-    return [GenerationRequest(f"r{i}", tuple(p), 12, SamplingParams(), SpeculationConfig(None, ssms=(0,))) for i, p in enumerate(prompts)]
+    return [
+        GenerationRequest(f"r{i}", tuple(p), 12, SamplingParams(), SpeculationConfig(None, ssms=(0,)))
+        for i, p in enumerate(prompts)
+    ]
 
 
 class _Counting:
@@ -242,7 +281,9 @@ def test_engine_probes_once_then_reads_the_refined_model(tmp_path, pair, monkeyp
     out1 = [r.output_tokens for r in first.generate(_requests())]
     assert probes == [1]
     saved = entry.load_costs()
-    assert saved is not None and saved.describe() == first.adaptive.costs.describe()  # the refined model, as the run left it
+    assert (
+        saved is not None and saved.describe() == first.adaptive.costs.describe()
+    )  # the refined model, as the run left it
     assert saved.overhead > 0  # learned from the run, not probed
 
     def no_probe(llm, ssms):
@@ -250,7 +291,9 @@ def test_engine_probes_once_then_reads_the_refined_model(tmp_path, pair, monkeyp
 
     monkeypatch.setattr(engine_module, "probe_costs", no_probe)
     counted = _Counting(load_backend(llm_path, "llm", "float32"))
-    second = SpeculativeEngine(counted, [load_backend(ssm_path, "ssm", "float32")], EngineConfig(), cost_entry=_entry(tmp_path, pair))
+    second = SpeculativeEngine(
+        counted, [load_backend(ssm_path, "ssm", "float32")], EngineConfig(), cost_entry=_entry(tmp_path, pair)
+    )
     results = second.generate(_requests())
     assert [r.output_tokens for r in results] == out1  # greedy: the same tokens
     assert counted.calls == max(r.llm_steps for r in results)  # one verify call per iteration: no timing calls
@@ -261,20 +304,43 @@ def test_engine_without_cache_folder_still_probes_quickly(pair, monkeypatch):
     probes = []
     real_probe = engine_module.probe_costs
     monkeypatch.setattr(engine_module, "probe_costs", lambda llm, ssms: probes.append(1) or real_probe(llm, ssms))
-    monkeypatch.setattr(engine_module, "calibrate_costs", lambda *a, **k: pytest.fail("the full calibration must not run"))
-    entry = engine_cost_entry(CalibrationCache(None), ModelIdentity.of(llm_path, FP32), [ModelIdentity.of(ssm_path, FP32)], ["shared"])
-    engine = SpeculativeEngine(load_backend(llm_path, "llm", "float32"), [load_backend(ssm_path, "ssm", "float32")], EngineConfig(), cost_entry=entry)
+    monkeypatch.setattr(
+        engine_module, "calibrate_costs", lambda *a, **k: pytest.fail("the full calibration must not run")
+    )
+    entry = engine_cost_entry(
+        CalibrationCache(None), ModelIdentity.of(llm_path, FP32), [ModelIdentity.of(ssm_path, FP32)], ["shared"]
+    )
+    engine = SpeculativeEngine(
+        load_backend(llm_path, "llm", "float32"),
+        [load_backend(ssm_path, "ssm", "float32")],
+        EngineConfig(),
+        cost_entry=entry,
+    )
     engine.generate(_requests(1))
     assert probes == [1]
 
 
 def _generate(pair, *flags: str) -> list[str]:
     llm, ssm = pair
-    return ["generate", "--llm", str(llm), "--ssm", str(ssm), "--dtype", "float32", "--max-new-tokens", "10", *flags, "def f(x):", "class A:"]
+    return [
+        "generate",
+        "--llm",
+        str(llm),
+        "--ssm",
+        str(ssm),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "10",
+        *flags,
+        "def f(x):",
+        "class A:",
+    ]
 
 
 def _text(out: str) -> list[str]:
-    """The prompts and generated text of ``specinfer generate``'s output, without its statistics (which follow the plans)."""
+    """The prompts and generated text of ``specinfer generate``'s output, without its statistics (which follow the
+    plans)."""
     lines = [line for line in out.splitlines() if not line.startswith(("===", "--- LLM steps"))]
     assert any(line.startswith("--- generated") for line in lines)
     return lines
@@ -286,7 +352,9 @@ def test_cli_second_run_reads_the_cache(tmp_path, pair, monkeypatch, capsys):
     first = capsys.readouterr().out
     (entry,) = cache.glob("engine-*.json")
     assert json.loads(entry.read_text())["key"]["kind"] == "engine"
-    monkeypatch.setattr(engine_module, "probe_costs", lambda llm, ssms: pytest.fail("a cached cost model must not be probed again"))
+    monkeypatch.setattr(
+        engine_module, "probe_costs", lambda llm, ssms: pytest.fail("a cached cost model must not be probed again")
+    )
     assert cli.main(_generate(pair, "--calibration-cache", str(cache))) == 0
     second = capsys.readouterr().out
     assert _text(first) == _text(second)
@@ -337,7 +405,9 @@ def test_cli_offload_generates_the_same_tokens(tmp_path, pair, monkeypatch, caps
 def _verifier_args(llm, cache, *extra: str):
     from specinfer.llm_verifier.__main__ import build_parser
 
-    return build_parser().parse_args(["--llm", str(llm), "--calibrate-tokens", "4", "--calibration-cache", str(cache), *extra])
+    return build_parser().parse_args(
+        ["--llm", str(llm), "--calibrate-tokens", "4", "--calibration-cache", str(cache), *extra]
+    )
 
 
 def test_verifier_calibrates_once_then_reads_the_cache(tmp_path, pair, monkeypatch):
@@ -351,12 +421,16 @@ def test_verifier_calibrates_once_then_reads_the_cache(tmp_path, pair, monkeypat
     first = load_servicer(_verifier_args(pair[0], cache), ModelMetrics(CollectorRegistry(), "llm"))
     assert len(list(cache.glob("verifier-*.json"))) == 1
     assert set(first.costs.verify_table.as_dict()) == {1, 2, 3, 4}
-    monkeypatch.setattr(runner, "calibrate_costs", lambda *a, **k: pytest.fail("a cached calibration must not run again"))
+    monkeypatch.setattr(
+        runner, "calibrate_costs", lambda *a, **k: pytest.fail("a cached calibration must not run again")
+    )
     second = load_servicer(_verifier_args(pair[0], cache), ModelMetrics(CollectorRegistry(), "llm"))
     assert second.costs.describe() == first.costs.describe()
     calls = []
     monkeypatch.setattr(runner, "calibrate_costs", lambda *a, **k: calls.append(1) or first.costs)
-    load_servicer(_verifier_args(pair[0], cache, "--kv-block-size", "0"), ModelMetrics(CollectorRegistry(), "llm"))  # another kernel: calibrates
+    load_servicer(
+        _verifier_args(pair[0], cache, "--kv-block-size", "0"), ModelMetrics(CollectorRegistry(), "llm")
+    )  # another kernel: calibrates
     load_servicer(_verifier_args(pair[0], "off"), ModelMetrics(CollectorRegistry(), "llm"))
     assert calls == [1, 1] and len(list(cache.glob("verifier-*.json"))) == 2
 
@@ -373,6 +447,10 @@ def test_worker_calibrates_once_then_reads_the_cache(tmp_path, pair, monkeypatch
     argv = ["--ssm", f"a={ssm},b={llm}", "--calibrate-tokens", "4", "--calibration-cache", str(cache)]
     first = load_servicer(build_parser().parse_args(argv), ModelMetrics(CollectorRegistry(), "ssm"))
     assert len(list(cache.glob("drafter-*.json"))) == 2 and set(first.draft_costs) == {"a", "b"}
-    monkeypatch.setattr(runner, "calibrate_table", lambda *a, **k: pytest.fail("a cached calibration must not run again"))
+    monkeypatch.setattr(
+        runner, "calibrate_table", lambda *a, **k: pytest.fail("a cached calibration must not run again")
+    )
     second = load_servicer(build_parser().parse_args(argv), ModelMetrics(CollectorRegistry(), "ssm"))
-    assert {n: t.as_dict() for n, t in second.draft_costs.items()} == {n: t.as_dict() for n, t in first.draft_costs.items()}
+    assert {n: t.as_dict() for n, t in second.draft_costs.items()} == {
+        n: t.as_dict() for n, t in first.draft_costs.items()
+    }

@@ -27,7 +27,13 @@ PARAMS = SamplingParams(temperature=1.0)
 
 
 def _draft_tree(
-    context: tuple[int, ...], widths: tuple[int, ...], salt: str, params: SamplingParams, seed: int, rng: np.random.Generator, keep: float
+    context: tuple[int, ...],
+    widths: tuple[int, ...],
+    salt: str,
+    params: SamplingParams,
+    seed: int,
+    rng: np.random.Generator,
+    keep: float,
 ) -> TokenTree:
     """A static tree drafted by Gumbel-top-k with the position noise, then a random subtree of it
     (each node kept with probability ``keep`` if its parent is): shape and tokens vary freely."""
@@ -47,7 +53,9 @@ def _draft_tree(
     return TokenTree(tuple(tokens), tuple(parents))
 
 
-def _generate(seed: int, n_tokens: int, widths: tuple[int, ...], salt: str, params=PARAMS, keep: float = 1.0, noise_of=None) -> tuple[int, ...]:
+def _generate(
+    seed: int, n_tokens: int, widths: tuple[int, ...], salt: str, params=PARAMS, keep: float = 1.0, noise_of=None
+) -> tuple[int, ...]:
     """``n_tokens`` tokens after the context ``(0,)``, one coupled verify step after another."""
     noise = noise_of(seed) if noise_of else partial(position_noise, seed, vocab_size=VOCAB)
     rng = np.random.default_rng(seed + 10**6)  # the tree shapes: independent of the noise
@@ -57,7 +65,12 @@ def _generate(seed: int, n_tokens: int, widths: tuple[int, ...], salt: str, para
         seqs = {0: context}
         for i in range(1, len(tree)):
             seqs[i] = seqs[tree.parents[i]] + (tree.tokens[i],)
-        res = verify_coupled(tree, lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params), noise, len(context) - 1)
+        res = verify_coupled(
+            tree,
+            lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params),
+            noise,
+            len(context) - 1,
+        )
         context = context + res.new_tokens
     return context[1 : n_tokens + 1]
 
@@ -69,7 +82,9 @@ def test_position_noise_is_a_pure_function_of_seed_and_index():
 
 
 def test_position_noise_is_standard_gumbel_and_independent_across_tokens_indices_and_seeds():
-    g = np.concatenate([position_noise(seed, index, 1000) for seed in (0, 1, 2**40 + 3) for index in (0, 1, 7, 1000)])  # 12000 draws
+    g = np.concatenate(
+        [position_noise(seed, index, 1000) for seed in (0, 1, 2**40 + 3) for index in (0, 1, 7, 1000)]
+    )  # 12000 draws
     assert kstest(g, gumbel_r.cdf).pvalue > 0.001
     a, b, c = position_noise(11, 5, 20000), position_noise(11, 6, 20000), position_noise(12, 5, 20000)
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.03 and abs(np.corrcoef(a, c)[0, 1]) < 0.03
@@ -111,7 +126,12 @@ def test_a_good_drafter_is_accepted():
     noise = partial(position_noise, 5, vocab_size=VOCAB)
     context = (0,)
     tree = _draft_tree(context, (1, 1, 1, 1), "llm", PARAMS, 5, np.random.default_rng(0), 1.0)
-    res = verify_coupled(tree, lambda node: process_logits(synthetic_logits(context + tree.tokens[1 : node + 1], "llm"), PARAMS), noise, 0)
+    res = verify_coupled(
+        tree,
+        lambda node: process_logits(synthetic_logits(context + tree.tokens[1 : node + 1], "llm"), PARAMS),
+        noise,
+        0,
+    )
     assert res.num_accepted == 4
 
 

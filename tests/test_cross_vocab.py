@@ -80,13 +80,17 @@ def test_tokenizer_spellings_are_the_text_bytes(model_pair):
     """Byte-level BPE (the test LLM's) and SentencePiece-style with byte fallback: the spellings of a text's
     tokens, joined, are the text's bytes (special tokens have none)."""
     byte_level = Tokenizer.from_file(str(model_pair.llm / "tokenizer.json"))
-    sentencepiece = train_sentencepiece_style_tokenizer([t[:-1] for t in TEXTS] * 20, 556)  # the last characters only through byte fallback
+    sentencepiece = train_sentencepiece_style_tokenizer(
+        [t[:-1] for t in TEXTS] * 20, 556
+    )  # the last characters only through byte fallback
     for tok in (byte_level, sentencepiece):
         spellings = tokenizer_table(tok, tok.get_vocab_size(), None).spellings
         for text in TEXTS:
             ids = tok.encode(text).ids
             assert b"".join(spellings[i] for i in ids) == text.encode(), (tok.decoder, text)
-    assert any(len(sentencepiece.id_to_token(i)) == 6 for i in sentencepiece.encode(TEXTS[0]).ids), "byte fallback was not exercised"
+    assert any(len(sentencepiece.id_to_token(i)) == 6 for i in sentencepiece.encode(TEXTS[0]).ids), (
+        "byte fallback was not exercised"
+    )
     specials = tokenizer_table(sentencepiece, sentencepiece.get_vocab_size(), 2)
     assert specials.special == {0: "<s>", 1: "</s>", 2: "<unk>"} and specials.spellings[1] is None
 
@@ -124,7 +128,9 @@ def test_the_wrapper_gives_the_ssms_logits_of_the_spelt_tokens(model_pair, cross
         ids = [s for t in [*ctx, *path] for s in vmap.ssm_tokens(t)]
         with torch.inference_mode():
             direct = hf(torch.tensor([ids])).logits[0, -1]
-        assert torch.allclose(row[torch.from_numpy(vmap.llm_ids)], direct[torch.from_numpy(vmap.ssm_ids)], rtol=1e-4, atol=1e-4)
+        assert torch.allclose(
+            row[torch.from_numpy(vmap.llm_ids)], direct[torch.from_numpy(vmap.ssm_ids)], rtol=1e-4, atol=1e-4
+        )
         others = torch.ones(vmap.llm_size, dtype=torch.bool)
         others[torch.from_numpy(vmap.llm_ids)] = False
         assert torch.isinf(row[others]).all()
@@ -157,7 +163,9 @@ def test_greedy_with_a_cross_vocabulary_draft_equals_the_llm(model_pair, cross_s
     eos = eos_token_id(model_pair.llm)
     expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
     llm = load_backend(model_pair.llm, "llm", "float32", backend=backend)
-    ssm = CrossVocabularyLM(load_backend(cross_ssm, "ssm", "float32", backend=backend), draft_vocabulary(model_pair.llm, cross_ssm, "ssm"))
+    ssm = CrossVocabularyLM(
+        load_backend(cross_ssm, "ssm", "float32", backend=backend), draft_vocabulary(model_pair.llm, cross_ssm, "ssm")
+    )
     for spec in (SpeculationConfig(ExpansionConfig((1, 1, 3, 1, 1)), ssms=(0,)), SpeculationConfig(None, ssms=(0,))):
         results = _generate(llm, ssm, prompts, spec, eos=eos)
         assert [list(r.output_tokens) for r in results] == expected, spec
@@ -171,10 +179,14 @@ def test_a_context_past_the_ssms_positions_moves_its_window(model_pair, tmp_path
     prompts = [p[:30] for p in model_pair.prompts[:2]]
     expected = hf_greedy(model_pair.llm, prompts, 40, ignore_eos=True)
     llm = load_backend(model_pair.llm, "llm", "float32", backend="native")
-    ssm = CrossVocabularyLM(load_backend(short, "ssm", "float32", backend="native"), draft_vocabulary(model_pair.llm, short, "ssm"))
+    ssm = CrossVocabularyLM(
+        load_backend(short, "ssm", "float32", backend="native"), draft_vocabulary(model_pair.llm, short, "ssm")
+    )
     engine = SpeculativeEngine(llm, [ssm], EngineConfig())
     spec = SpeculationConfig(ExpansionConfig((2, 1, 1)), ssms=(0,))
-    results = engine.generate([GenerationRequest(f"w{i}", tuple(p), 40, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"w{i}", tuple(p), 40, speculation=spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
     assert [list(r.output_tokens) for r in results] == expected
     assert ssm.max_positions > 70
 
@@ -182,7 +194,10 @@ def test_a_context_past_the_ssms_positions_moves_its_window(model_pair, tmp_path
 def test_cli_generate_accepts_a_draft_with_another_tokenizer(model_pair, cross_ssm, capsys):
     from specinfer.cli import main
 
-    assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(cross_ssm), "--max-new-tokens", "8", "def main("]) == 0
+    assert (
+        main(["generate", "--llm", str(model_pair.llm), "--ssm", str(cross_ssm), "--max-new-tokens", "8", "def main("])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "another tokenizer" in out and "tokens/step" in out
 

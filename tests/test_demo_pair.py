@@ -22,9 +22,15 @@ from specinfer.models.loading import load_backend
 
 MODELS = ("llm", "ssm", "ssm-1", "ssm-2")
 PAPER_TREE = ExpansionConfig.parse(PAPER_EXPANSION)
-PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef read_config(path):\n    "]
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\n\n\ndef read_config(path):\n    ",
+]
 
-pytestmark = pytest.mark.skipif(not (BUNDLED_PAIR / "llm/config.json").is_file(), reason="models/demo is not in this checkout")
+pytestmark = pytest.mark.skipif(
+    not (BUNDLED_PAIR / "llm/config.json").is_file(), reason="models/demo is not in this checkout"
+)
 
 
 def test_bundled_files_are_small_float16_and_share_one_tokenizer():
@@ -49,7 +55,9 @@ def greedy_reference():
     with torch.inference_mode():
         for p in PROMPTS:
             ids = tok.encode(p).ids
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=1)
+            gen = hf.generate(
+                torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=1
+            )
             out[p] = (ids, gen[0, len(ids) :].tolist())
     return out
 
@@ -61,7 +69,10 @@ def test_merged_boosted_ssms_are_exact_and_text_is_python_like(greedy_reference)
     tok = load_tokenizer(BUNDLED_PAIR / "llm")
     for ssm_ids in ((0,), (0, 1), (0, 1, 2)):
         spec = SpeculationConfig(PAPER_TREE, ssm_ids)
-        reqs = [GenerationRequest(f"r{i}", tuple(ids), 48, SamplingParams(), spec, ignore_eos=True) for i, (ids, _) in enumerate(greedy_reference.values())]
+        reqs = [
+            GenerationRequest(f"r{i}", tuple(ids), 48, SamplingParams(), spec, ignore_eos=True)
+            for i, (ids, _) in enumerate(greedy_reference.values())
+        ]
         results = engine.generate(reqs)
         for res, (prompt, (_, want)) in zip(results, greedy_reference.items(), strict=True):
             assert list(res.output_tokens) == want, (ssm_ids, prompt)
@@ -93,4 +104,6 @@ def test_services_merge_three_ssms(greedy_reference, tmp_path):
             got = [t for m in messages for t in m.token_ids]
             assert got == want
             usage = messages[-1].finished.usage
-            assert usage.tokens_per_step > 1.5 and usage.mean_tree_size > 21  # three trees merged, more than one paper tree
+            assert (
+                usage.tokens_per_step > 1.5 and usage.mean_tree_size > 21
+            )  # three trees merged, more than one paper tree

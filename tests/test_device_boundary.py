@@ -37,7 +37,9 @@ from specinfer.ssm_worker.servicer import SsmWorkerServicer
 from specinfer.v1 import internal_pb2
 
 # Tensor methods that read values into host memory (or into Python scalars).
-HOST_READS = frozenset({"numpy", "tolist", "item", "cpu", "__array__", "__float__", "__int__", "__index__", "__bool__", "__complex__"})
+HOST_READS = frozenset(
+    {"numpy", "tolist", "item", "cpu", "__array__", "__float__", "__int__", "__index__", "__bool__", "__complex__"}
+)
 
 
 class HostRead(AssertionError):
@@ -47,13 +49,18 @@ class HostRead(AssertionError):
 def _to_host_device(args: tuple, kwargs: dict) -> bool:
     """Whether a ``Tensor.to(...)`` call names the CPU as its target."""
     targets = (*args[1:], *kwargs.values())
-    return any((isinstance(a, str) and a.startswith("cpu")) or (isinstance(a, torch.device) and a.type == "cpu") for a in targets)
+    return any(
+        (isinstance(a, str) and a.startswith("cpu")) or (isinstance(a, torch.device) and a.type == "cpu")
+        for a in targets
+    )
 
 
 def _caller_is_boundary() -> bool:
     """Whether the first frame outside torch and this module is ``on_device.to_host``."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_globals.get("__name__", "").startswith("torch") or frame.f_code.co_filename == __file__):
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith("torch") or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back
     return frame is not None and frame.f_code is on_device.to_host.__code__
 
@@ -138,7 +145,9 @@ def models(model_pair):
 def free_speculation() -> StepCosts:
     """Verify tokens and SSM passes almost free (frozen): adaptive plans speculate with dynamic trees."""
     buckets = (1, 64, 1024)
-    return StepCosts(CostTable({b: 1.0 + 1e-9 * b for b in buckets}), 0.0, {0: CostTable({b: 1e-6 for b in buckets})}, frozen=True)
+    return StepCosts(
+        CostTable({b: 1.0 + 1e-9 * b for b in buckets}), 0.0, {0: CostTable({b: 1e-6 for b in buckets})}, frozen=True
+    )
 
 
 SPECS = {
@@ -154,9 +163,14 @@ SAMPLINGS = {
 
 
 def _generate(llm, ssm, model_pair, spec: SpeculationConfig, sampling: SamplingParams):
-    engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=8, planner=PlannerConfig(max_nodes=8, max_depth=3)), free_speculation())
+    engine = SpeculativeEngine(
+        llm, [ssm], EngineConfig(max_batch=8, planner=PlannerConfig(max_nodes=8, max_depth=3)), free_speculation()
+    )
     prompts = model_pair.prompts[:2]
-    requests = [GenerationRequest(f"b{i}", tuple(p), 8, dataclasses.replace(sampling, seed=i), spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"b{i}", tuple(p), 8, dataclasses.replace(sampling, seed=i), spec, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     results = engine.generate(requests)
     for r in requests:
         llm.release(r.request_id)
@@ -186,16 +200,24 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
     verifier = LlmVerifierServicer("llm", Guarded(llm), ModelMetrics(CollectorRegistry(), "llm_verifier"))
     prompts = model_pair.prompts[:4]
     params = [SAMPLINGS["greedy"], SAMPLINGS["mss"], dataclasses.replace(SAMPLINGS["coupled"], seed=7)]
-    jobs = [DraftSpec(f"s{i}", list(p[:-1]), p[-1], ExpansionConfig((2, 2)), params[i % 3], 8, 100 + i, 0, draft_stream(0)) for i, p in enumerate(prompts)]
+    jobs = [
+        DraftSpec(f"s{i}", list(p[:-1]), p[-1], ExpansionConfig((2, 2)), params[i % 3], 8, 100 + i, 0, draft_stream(0))
+        for i, p in enumerate(prompts)
+    ]
     context = [wire.context_to_proto(j.request_id, j.context, 0) for j in jobs]
 
     async def serve():
         speculated = await worker.Speculate(
-            internal_pb2.SpeculateRequest(ssm="ssm", items=[wire.draft_job_to_proto(j, c) for j, c in zip(jobs, context, strict=True)]), None
+            internal_pb2.SpeculateRequest(
+                ssm="ssm", items=[wire.draft_job_to_proto(j, c) for j, c in zip(jobs, context, strict=True)]
+            ),
+            None,
         )
         drafts = [wire.draft_from_proto(r.tree) for r in speculated.results]
         items = [
-            internal_pb2.VerifyItem(context=c, tree=wire.draft_to_proto(d), sampling=wire.sampling_to_proto(j.sampling), seed=j.seed, step=0)
+            internal_pb2.VerifyItem(
+                context=c, tree=wire.draft_to_proto(d), sampling=wire.sampling_to_proto(j.sampling), seed=j.seed, step=0
+            )
             for j, c, d in zip(jobs, context, drafts, strict=True)
         ]
         verified = await verifier.Verify(internal_pb2.VerifyRequest(items=items), None)
@@ -210,10 +232,16 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
         llm.release(j.request_id)
         ssm.release(j.request_id)
     for plain, sent in zip(draft_trees(ssm, jobs), drafts, strict=True):  # q crossed the wire in float32
-        assert plain.tree == sent.tree and [(g.parent, g.children) for g in plain.groups] == [(g.parent, g.children) for g in sent.groups]
+        assert plain.tree == sent.tree and [(g.parent, g.children) for g in plain.groups] == [
+            (g.parent, g.children) for g in sent.groups
+        ]
         for a, b in zip(plain.groups, sent.groups, strict=True):
             assert (a.q is None) == (b.q is None)
             if a.q is not None:
                 assert np.array_equal(a.q.tokens, b.q.tokens) and np.allclose(a.q.probs, b.q.probs, rtol=1e-6)
-    verdicts = verify_trees(llm, [VerifySpec(j.request_id, j.context, d, j.sampling, j.seed, 0) for j, d in zip(jobs, drafts, strict=True)])
-    assert [(list(v.accepted_tokens), v.bonus_token) for v in verdicts] == [(list(r.accepted_tokens), r.bonus_token) for r in verified.results]
+    verdicts = verify_trees(
+        llm, [VerifySpec(j.request_id, j.context, d, j.sampling, j.seed, 0) for j, d in zip(jobs, drafts, strict=True)]
+    )
+    assert [(list(v.accepted_tokens), v.bonus_token) for v in verdicts] == [
+        (list(r.accepted_tokens), r.bonus_token) for r in verified.results
+    ]

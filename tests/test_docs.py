@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted(REPO.glob("docs/*.md")), *sorted(REPO.glob("*/README.md")), REPO / "models/demo/README.md"]
+DOCS = [
+    REPO / "README.md",
+    REPO / "BENCHMARKS.md",
+    *sorted(REPO.glob("docs/*.md")),
+    *sorted(REPO.glob("*/README.md")),
+    REPO / "models/demo/README.md",
+]
 ARCHITECTURE = REPO / "docs/architecture.md"
 # pyproject.toml's package-dir: top-level folders installed into the specinfer namespace
 PACKAGE_DIRS = {
@@ -76,14 +82,20 @@ def test_architecture_names_existing_modules_and_their_definitions():
         module, rest = longest_module(dotted)
         assert module_path(module) is not None, f"docs/architecture.md names {dotted}, which does not exist"
         if rest:
-            assert re.search(rf"\b{re.escape(rest.split('.')[0])}\b", module_sources(module)), f"{module} defines no {rest}"
-    rows = [line for line in text.splitlines() if line.startswith("| ") and "`specinfer." in line and line.count("|") == 4]
+            assert re.search(rf"\b{re.escape(rest.split('.')[0])}\b", module_sources(module)), (
+                f"{module} defines no {rest}"
+            )
+    rows = [
+        line for line in text.splitlines() if line.startswith("| ") and "`specinfer." in line and line.count("|") == 4
+    ]
     assert len(rows) > 25
     for row in rows:
         _, modules, names = row.strip().strip("|").split("|")  # concept | module(s) | what to look for
         sources = "\n".join(module_sources(longest_module(m)[0]) for m in MODULE.findall(modules))
         for name in IDENTIFIER.findall(names):
-            assert re.search(rf"(def|class) {name}\b|^{name}\b|\b{name} =", sources, re.M), f"{name} is not defined in {modules.strip()}"
+            assert re.search(rf"(def|class) {name}\b|^{name}\b|\b{name} =", sources, re.M), (
+                f"{name} is not defined in {modules.strip()}"
+            )
 
 
 def package_modules() -> list[str]:
@@ -113,7 +125,9 @@ def test_architecture_names_every_module_in_a_row():
         package, leaf = module.rsplit(".", 1)
         for row in rows:
             named = MODULE.findall(row)
-            if any(n == module or n.startswith(module + ".") for n in named) or (package in named and f"`{leaf}`" in row):
+            if any(n == module or n.startswith(module + ".") for n in named) or (
+                package in named and f"`{leaf}`" in row
+            ):
                 break
         else:
             unnamed.append(module)
@@ -137,7 +151,9 @@ def readme_commands() -> list[list[str]]:
     out = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
-            for command in re.findall(r"(?:^|[;&|(]\s*)(?:[A-Z_]+=\S*\s+)*(specinfer\s+[a-z][a-z-]*.*)", line.strip())[:1]:
+            for command in re.findall(r"(?:^|[;&|(]\s*)(?:[A-Z_]+=\S*\s+)*(specinfer\s+[a-z][a-z-]*.*)", line.strip())[
+                :1
+            ]:
                 words = shlex.split(command.replace("[", " ").replace("]", " "), comments=True)
                 out.append(words)
     return out
@@ -149,13 +165,17 @@ def test_readme_commands_name_subcommands_and_flags_that_exist():
     parser = build_parser()
     (subcommands,) = [a for a in parser._actions if isinstance(a.choices, dict)]
     commands = readme_commands()
-    assert len(commands) >= 10 and {"up", "generate", "tune", "train-ssm", "boost-tune", "train-demo"} <= {c[1] for c in commands}
+    assert len(commands) >= 10 and {"up", "generate", "tune", "train-ssm", "boost-tune", "train-demo"} <= {
+        c[1] for c in commands
+    }
     for words in commands:
         assert words[1] in subcommands.choices, f"README: `{' '.join(words)}`: no subcommand {words[1]!r}"
         flags = subcommands.choices[words[1]]._option_string_actions
         for word in words[2:]:
             if word.startswith("--"):
-                assert word.split("=", 1)[0] in flags, f"README: `{' '.join(words)}`: specinfer {words[1]} has no flag {word}"
+                assert word.split("=", 1)[0] in flags, (
+                    f"README: `{' '.join(words)}`: specinfer {words[1]} has no flag {word}"
+                )
 
 
 def test_the_file_by_file_flow_names_files_that_exist():

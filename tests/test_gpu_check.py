@@ -38,7 +38,10 @@ def probe_wheel(folder: Path) -> None:
         zf.writestr("pytest/__init__.py", "raise ImportError('the old pytest of the probe was unpacked')\n")
     with zipfile.ZipFile(folder / "specinfer_gpu_probe-0.1-py3-none-any.whl", "w") as zf:
         zf.writestr("specinfer_gpu_probe/__init__.py", "VALUE = 7\n")
-        zf.writestr("specinfer_gpu_probe-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: specinfer-gpu-probe\nVersion: 0.1\n")
+        zf.writestr(
+            "specinfer_gpu_probe-0.1.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: specinfer-gpu-probe\nVersion: 0.1\n",
+        )
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -47,7 +50,13 @@ def test_gpu_check_dry_run(tmp_path):
     probe_wheel(gpu / "wheels")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, SPECINFER_GPU_DIR=str(gpu), TMPDIR=str(tmp_path))
-    done = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "--dry-run", str(out)], env=env, timeout=600, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts/gpu_check.sh"), "--dry-run", str(out)],
+        env=env,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     status = {s["step"]: s["status"] for s in summary["steps"]}
@@ -58,7 +67,12 @@ def test_gpu_check_dry_run(tmp_path):
     layout = (out / "layout.log").read_text()
     assert "unpacked 1 missing or older distribution(s): specinfer_gpu_probe" in layout and "import layout ok" in layout
     collected = (out / "collect-gpu-tests.log").read_text()
-    for test in ("test_gpu_score_options", "test_gpu_paged_score_options", "test_gpu_large_batch", "test_stack_with_the_verifier_on_cuda_equals_transformers"):
+    for test in (
+        "test_gpu_score_options",
+        "test_gpu_paged_score_options",
+        "test_gpu_large_batch",
+        "test_stack_with_the_verifier_on_cuda_equals_transformers",
+    ):
         assert test in collected
     assert "| 1 | 16 | 64 | sdpa |" in (out / "bench-tree-attention.log").read_text()
     assert "| kernel-tests | skipped (no CUDA) |" in (out / "summary.md").read_text()

@@ -23,7 +23,9 @@ def expected(model_pair):
     expected = []
     with torch.inference_mode():
         for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            )
             expected.append(out[0, len(ids) :].tolist())
     return prompts, expected, eos
 
@@ -34,7 +36,9 @@ def setup(request, model_pair, expected):
     prompts, tokens, eos = expected
     backend, _, paged = request.param.partition("-")
     models = [
-        load_backend(p, "model", "float32", TEST_DEVICE, backend=backend, kv_cache_bytes=1 << 28, kv_block_size=3 if paged else 0)
+        load_backend(
+            p, "model", "float32", TEST_DEVICE, backend=backend, kv_cache_bytes=1 << 28, kv_block_size=3 if paged else 0
+        )
         for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)
     ]
     return prompts, tokens, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos))
@@ -46,12 +50,22 @@ def _truncate_at_eos(tokens, eos):
 
 @pytest.mark.parametrize(
     "expansion, ssms",
-    [("1,1,1,1", (0,)), ("1,1,3,1,1,1,1,1", (0,)), ("2,2,2", (0,)), ("4,2,1", (0,)), ("1,1,3,1,1,1,1,1", (0, 1)), ("2,2,2", (1,))],
+    [
+        ("1,1,1,1", (0,)),
+        ("1,1,3,1,1,1,1,1", (0,)),
+        ("2,2,2", (0,)),
+        ("4,2,1", (0,)),
+        ("1,1,3,1,1,1,1,1", (0, 1)),
+        ("2,2,2", (1,)),
+    ],
 )
 def test_batched_speculation_equals_hf_greedy(setup, expansion, ssms):
     prompts, expected, engine = setup
     spec = SpeculationConfig(ExpansionConfig.parse(expansion), ssms=ssms)
-    requests = [GenerationRequest(f"{expansion}-{ssms}-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"{expansion}-{ssms}-{i}", tuple(p), NEW_TOKENS, speculation=spec)
+        for i, p in enumerate(prompts)
+    ]
     assert len({len(p) for p in prompts}) > 1, "the batch must mix prompt lengths"
     results = engine.generate(requests)
     eos = engine.config.eos_token_id
@@ -66,8 +80,13 @@ def test_incremental_and_continuous_batching(setup):
     """No speculation for some requests, requests joining mid-way: same tokens."""
     prompts, expected, engine = setup
     spec = SpeculationConfig(ExpansionConfig.parse("2,1,1"))
-    first = [GenerationRequest(f"cb-{i}", tuple(p), NEW_TOKENS, speculation=None if i % 2 else spec) for i, p in enumerate(prompts[:4])]
-    late = [GenerationRequest(f"cb-late-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts[4:8])]
+    first = [
+        GenerationRequest(f"cb-{i}", tuple(p), NEW_TOKENS, speculation=None if i % 2 else spec)
+        for i, p in enumerate(prompts[:4])
+    ]
+    late = [
+        GenerationRequest(f"cb-late-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts[4:8])
+    ]
     for r in first:
         engine.add(r)
     done = {}

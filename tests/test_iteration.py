@@ -11,7 +11,10 @@ from specinfer.core.requests import GenerationRequest, SpeculationConfig, StepSt
 
 def running(rid: str, ssms: tuple[int, ...] | None, max_new_tokens: int = 10, seed: int = 5) -> Running:
     spec = None if ssms is None else SpeculationConfig(ExpansionConfig((2, 2, 1)), ssms=ssms)
-    return Running(GenerationRequest(rid, (4, 5, 6), max_new_tokens, SamplingParams(temperature=1.0), spec, stop_token_ids=(9,)), seed)
+    return Running(
+        GenerationRequest(rid, (4, 5, 6), max_new_tokens, SamplingParams(temperature=1.0), spec, stop_token_ids=(9,)),
+        seed,
+    )
 
 
 def test_draft_jobs_follow_each_requests_ssms_and_streams():
@@ -19,7 +22,14 @@ def test_draft_jobs_follow_each_requests_ssms_and_streams():
     a.commit(a.outcome(DraftTree(TokenTree.root_only(6)), (), 7, None))
     assert [s.request_id for s in draft_specs([a, b, c], 0)] == ["a", "b"]
     (job,) = draft_specs([a, b, c], 1)
-    assert (job.request_id, job.context, job.root_token, job.seed, job.step, job.stream) == ("b", [4, 5], 6, 5, 0, draft_stream(1))
+    assert (job.request_id, job.context, job.root_token, job.seed, job.step, job.stream) == (
+        "b",
+        [4, 5],
+        6,
+        5,
+        0,
+        draft_stream(1),
+    )
     (first,) = draft_specs([a], 0)
     assert (first.context, first.root_token, first.step, first.stream) == ([4, 5, 6], 7, 1, draft_stream(0))
     assert first.rng().random() == step_rng(5, 1, 1).random() == np.random.default_rng([5, 1, 1]).random()

@@ -28,9 +28,13 @@ def test_blocks_round_up():
 
 def test_admits_in_order_while_blocks_last():
     budget = KVBudget(4, 10)  # 40 rows
-    s = schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(4))], max_batch=8)  # 3 + 4 + 2 + 1 blocks
+    s = schedule(
+        [budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(4))], max_batch=8
+    )  # 3 + 4 + 2 + 1 blocks
     assert s.run == s.admitted == ("a", "b", "c", "d") and s.preempted == () and s.blocks_used == (10,)
-    s = schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(5))], max_batch=8)  # d needs 2: 11 > 10
+    s = schedule(
+        [budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8)), ("d", R(5))], max_batch=8
+    )  # d needs 2: 11 > 10
     assert s.run == ("a", "b", "c") and s.blocks_used == (9,)
     assert schedule([budget], [], [("a", R(12)), ("b", R(16)), ("c", R(8))], max_batch=2).run == ("a", "b")
 
@@ -42,11 +46,17 @@ def test_first_come_first_served_a_long_request_is_not_passed_over():
 
 def test_growing_requests_preempt_the_newest():
     budget = KVBudget(4, 10)
-    s = schedule([budget], [("old", R(16)), ("mid", R(12)), ("new", R(8))], [("waiting", R(4))], max_batch=8)  # 4 + 3 + 2 + 1
+    s = schedule(
+        [budget], [("old", R(16)), ("mid", R(12)), ("new", R(8))], [("waiting", R(4))], max_batch=8
+    )  # 4 + 3 + 2 + 1
     assert s.run == ("old", "mid", "new", "waiting") and s.admitted == ("waiting",) and s.blocks_used == (10,)
-    s = schedule([budget], [("old", R(20)), ("mid", R(16)), ("new", R(8))], [("waiting", R(4))], max_batch=8)  # 5 + 4, then new needs 2
+    s = schedule(
+        [budget], [("old", R(20)), ("mid", R(16)), ("new", R(8))], [("waiting", R(4))], max_batch=8
+    )  # 5 + 4, then new needs 2
     assert s.run == ("old", "mid") and s.preempted == ("new",) and s.admitted == () and s.blocks_used == (9,)
-    s = schedule([budget], [("old", R(24)), ("mid", R(24)), ("new", R(1))], [], max_batch=8)  # 6, then mid needs 6: new goes too
+    s = schedule(
+        [budget], [("old", R(24)), ("mid", R(24)), ("new", R(1))], [], max_batch=8
+    )  # 6, then mid needs 6: new goes too
     assert s.run == ("old",) and s.preempted == ("mid", "new")
 
 
@@ -82,7 +92,9 @@ def test_step_rows_by_speculation():
 def test_admission_per_iteration_is_capped_past_the_first():
     queue = [("a", R(300)), ("b", R(300)), ("c", R(300)), ("d", R(5000))]
     assert schedule([], [], queue, max_batch=8, max_admit_rows=700).admitted == ("a", "b")
-    assert schedule([], [("r", R(10))], queue[3:], max_batch=8, max_admit_rows=700).admitted == ("d",)  # the first always fits the cap
+    assert schedule([], [("r", R(10))], queue[3:], max_batch=8, max_admit_rows=700).admitted == (
+        "d",
+    )  # the first always fits the cap
     assert schedule([], [], queue, max_batch=8).admitted == ("a", "b", "c", "d")  # 0: no cap
 
 
@@ -149,7 +161,12 @@ def test_requests_that_grow_all_finish_in_order_of_arrival(block_size, extra_blo
     for _ in range(10_000):
         if not waiting and not running:
             break
-        s = schedule([budget], [(str(r), R(grown[r] + 1)) for r in running], [(str(w), R(grown[w] + 1)) for w in waiting], max_batch=4)
+        s = schedule(
+            [budget],
+            [(str(r), R(grown[r] + 1)) for r in running],
+            [(str(w), R(grown[w] + 1)) for w in waiting],
+            max_batch=4,
+        )
         preempted = [int(r) for r in s.preempted]
         admitted = [int(r) for r in s.admitted]
         running = [int(r) for r in s.run]
@@ -173,10 +190,14 @@ def test_replicas_place_new_requests_on_the_most_free_and_keep_running_ones_home
     s = schedule([], [("a", R(12)), ("b", R(4))], [], 8, replicas=Replicas(two.budgets, {"a": 1, "b": 1}))
     assert s.placement == {"a": 1, "b": 1} and s.replica_blocks_used == (0, 4)
     # one that outgrew its replica moves to one with room instead of being preempted
-    s = schedule([], [("a", R(28)), ("b", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 1, "b": 1}))  # 7 blocks > 6
+    s = schedule(
+        [], [("a", R(28)), ("b", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 1, "b": 1})
+    )  # 7 blocks > 6
     assert s.run == ("a", "b") and s.preempted == () and s.placement == {"a": 0, "b": 1}
     # no replica has room: preempted; a request placed on a replica that is gone (index past the end) is placed anew
-    s = schedule([], [("a", R(36)), ("b", R(24)), ("c", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 0, "b": 1, "c": 5}))
+    s = schedule(
+        [], [("a", R(36)), ("b", R(24)), ("c", R(8))], [], 8, replicas=Replicas(two.budgets, {"a": 0, "b": 1, "c": 5})
+    )
     assert s.run == ("a", "b") and s.preempted == ("c",)
     # replicas that report no budget: the rows placed are balanced
     s = schedule([], [], [("a", R(30)), ("b", R(10)), ("c", R(10)), ("d", R(5))], 8, replicas=Replicas((None, None)))
@@ -188,7 +209,9 @@ def test_replicas_place_new_requests_on_the_most_free_and_keep_running_ones_home
         Replicas(())
 
 
-replica_budgets_st = st.lists(st.one_of(st.none(), st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64))), min_size=1, max_size=3)
+replica_budgets_st = st.lists(
+    st.one_of(st.none(), st.builds(KVBudget, st.integers(1, 16), st.integers(0, 64))), min_size=1, max_size=3
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -221,4 +244,6 @@ def test_schedule_places_every_request_within_its_replica(replica_budgets, runni
     line = [r for r, _ in running[k:]] or [r for r, _ in waiting[len(s.admitted) :]]
     if line and len(s.run) < max_batch:
         nxt = rows[line[0]]
-        assert not any(b is None or s.replica_blocks_used[r] + b.needs(nxt) <= b.blocks for r, b in enumerate(replica_budgets))
+        assert not any(
+            b is None or s.replica_blocks_used[r] + b.needs(nxt) <= b.blocks for r, b in enumerate(replica_budgets)
+        )

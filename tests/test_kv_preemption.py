@@ -23,12 +23,23 @@ TREE_ROWS = 40  # the LLM's tree rows per request (NativeOptions.max_tree_nodes)
 DRAFT_ROWS = 256  # the SSM's: an adaptive draft expands up to 1 + 8 passes x 31 nodes (core.kv_budget.step_rows)
 
 
-def backend(path, max_seq_len: int, block_size: int, requests_at_longest: float, tree_rows: int = TREE_ROWS) -> NativeBackend:
+def backend(
+    path, max_seq_len: int, block_size: int, requests_at_longest: float, tree_rows: int = TREE_ROWS
+) -> NativeBackend:
     """A native backend whose KV pool holds ``requests_at_longest`` requests of ``max_seq_len`` +
     ``tree_rows`` rows (paged with ``block_size``-token KV blocks; 0: contiguous slots)."""
     spec = ModelSpec.from_dir(path)
     rows = int((max_seq_len + tree_rows) * requests_at_longest)
-    options = NativeOptions(torch.float32, "cpu", KVPool.bytes_per_token(spec, torch.float32) * rows, max_seq_len, "torch", tree_rows, "linear", block_size)
+    options = NativeOptions(
+        torch.float32,
+        "cpu",
+        KVPool.bytes_per_token(spec, torch.float32) * rows,
+        max_seq_len,
+        "torch",
+        tree_rows,
+        "linear",
+        block_size,
+    )
     return NativeBackend.load(path, options)
 
 
@@ -53,14 +64,20 @@ def tight_engine(model_pair, longest: int, eos, ssm_room: float = 1.5, llm_room:
 @pytest.mark.parametrize("speculation", ["none", "auto", "1,1,3,1"])
 def test_greedy_output_is_transformers_with_preemption(pair, speculation):
     model_pair, prompts, longest, expected, eos = pair
-    spec = None if speculation == "none" else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
+    spec = (
+        None
+        if speculation == "none"
+        else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
+    )
     requests = [GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
     # an adaptive draft may expand 249 nodes (core.kv_budget.step_rows), so a tight SSM pool would
     # run such requests one at a time: the LLM's pool is what makes them preempt
     # and adaptive requests are admitted with room for the planner's largest tree (up to TREE_ROWS rows
     # each), so fewer run at once: a smaller LLM pool makes the running ones outgrow it
     auto = speculation == "auto"
-    engine = tight_engine(model_pair, longest, eos, ssm_room=NUM_PROMPTS + 1 if auto else 1.5, llm_room=1.2 if auto else 1.5)
+    engine = tight_engine(
+        model_pair, longest, eos, ssm_room=NUM_PROMPTS + 1 if auto else 1.5, llm_room=1.2 if auto else 1.5
+    )
     results = engine.generate(requests)
     for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
         assert res.output_tokens == exp, f"prompt {i} differs"
@@ -73,7 +90,9 @@ def test_adaptive_drafts_never_overflow_a_tight_ssm_pool(pair):
     admission counts those rows, so no draft runs out of KV blocks (it did when it counted the tree)."""
     model_pair, prompts, longest, expected, eos = pair
     engine = tight_engine(model_pair, longest, eos, ssm_room=1.5)
-    results = engine.generate([GenerationRequest(f"t{i}", p, NEW_TOKENS, speculation=SpeculationConfig(None)) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"t{i}", p, NEW_TOKENS, speculation=SpeculationConfig(None)) for i, p in enumerate(prompts)]
+    )
     assert [r.output_tokens for r in results] == expected
     assert engine.ssms[0].kv_blocks_free == engine.ssms[0].kv_budget.blocks
 
@@ -92,11 +111,16 @@ def test_contiguous_slots_are_one_block_each(pair):
 def test_seeded_sampling_draws_the_same_tokens_with_preemption(pair):
     model_pair, prompts, longest, _, eos = pair
     spec = SpeculationConfig(ExpansionConfig.parse("1,1,3,1"))
-    requests = [GenerationRequest(f"s{i}", p, NEW_TOKENS, SamplingParams(temperature=1.0, seed=100 + i), spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"s{i}", p, NEW_TOKENS, SamplingParams(temperature=1.0, seed=100 + i), spec, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     tight = tight_engine(model_pair, longest, eos)
     room = NUM_PROMPTS + 1
     roomy = SpeculativeEngine(
-        backend(model_pair.llm, longest, 3, room), [backend(model_pair.ssm, longest, 5, room, DRAFT_ROWS)], EngineConfig(eos_token_id=eos)
+        backend(model_pair.llm, longest, 3, room),
+        [backend(model_pair.ssm, longest, 5, room, DRAFT_ROWS)],
+        EngineConfig(eos_token_id=eos),
     )
     got, want = tight.generate(requests), roomy.generate(requests)
     assert tight.preemptions > 0 and roomy.preemptions == 0
@@ -107,5 +131,9 @@ def test_a_request_that_cannot_fit_alone_is_refused(pair):
     model_pair, prompts, longest, _, eos = pair
     engine = tight_engine(model_pair, longest, eos)
     with pytest.raises(InvalidArgument, match="KV cache") as err:
-        engine.add(GenerationRequest("big", prompts[0], NEW_TOKENS, speculation=SpeculationConfig(ExpansionConfig.parse("8,8,8"))))
+        engine.add(
+            GenerationRequest(
+                "big", prompts[0], NEW_TOKENS, speculation=SpeculationConfig(ExpansionConfig.parse("8,8,8"))
+            )
+        )
     assert err.value.field == "max_new_tokens"

@@ -15,7 +15,16 @@ import torch
 from devices import on_test_device  # tests/devices.py
 from oracles import hf_greedy
 from rope_configs import GEMMA3_ROPE, LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, gemma3_multimodal, llama3_rope
-from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen3Config,
+)
 
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -26,7 +35,15 @@ from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, Uns
 VOCAB = 128
 NEW_TOKENS = 16
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256, **TOKENS)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    **TOKENS,
+)
 GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]  # Gemma 3 has 5 local : 1 global
 
 
@@ -34,16 +51,42 @@ def _configs():
     return {
         "qwen3": Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
         # Llama 3.2's RoPE scaling (factor 32)
-        "llama3.2-tied": LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=llama3_rope(32.0)),
-        "phi3-longrope": Phi3Config(**COMMON, num_key_value_heads=4, original_max_position_embeddings=LONGROPE_SWITCH, rope_parameters=PHI3_LONGROPE),
-        "phi3-partial-rope": Phi3Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
-        # Gemma 2: local/global layers alternating (window 6, inside the prompts), the real soft-caps, query_pre_attn_scalar
-        "gemma2": Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6),
+        "llama3.2-tied": LlamaConfig(
+            **COMMON, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=llama3_rope(32.0)
+        ),
+        "phi3-longrope": Phi3Config(
+            **COMMON,
+            num_key_value_heads=4,
+            original_max_position_embeddings=LONGROPE_SWITCH,
+            rope_parameters=PHI3_LONGROPE,
+        ),
+        "phi3-partial-rope": Phi3Config(
+            **COMMON, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE
+        ),
+        # Gemma 2: local/global layers alternating (window 6, inside the prompts), the real soft-caps,
+        # query_pre_attn_scalar
+        "gemma2": Gemma2Config(
+            **COMMON, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6
+        ),
         # Gemma 3 1B's shape: 1 KV head, q/k norms, local RoPE base 10k, global 1M
-        "gemma3": Gemma3TextConfig(**COMMON, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=5, layer_types=GEMMA3_LAYERS),
+        "gemma3": Gemma3TextConfig(
+            **COMMON,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            layer_types=GEMMA3_LAYERS,
+        ),
         # Gemma 3 4B+: the multimodal checkpoint, linear RoPE scaling on the global layers
         "gemma3-multimodal": gemma3_multimodal(
-            Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6, layer_types=GEMMA3_LAYERS, rope_parameters=GEMMA3_ROPE)
+            Gemma3TextConfig(
+                **COMMON,
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=6,
+                layer_types=GEMMA3_LAYERS,
+                rope_parameters=GEMMA3_ROPE,
+            )
         ),
         # Mistral past its window (6): the kernel masks, the cache keeps every key
         "mistral-window": MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=6),
@@ -68,12 +111,20 @@ def _save_pair(config, out: Path) -> tuple[Path, Path]:
             decoder.norm.weight.copy_((1.0 + decoder.norm.weight) * 20.0 - 1.0)
         else:
             decoder.norm.weight.mul_(20.0)
-    layers = {module: name for name, module in llm.named_modules()}[decoder.layers] + "."  # "model.layers." or "model.language_model.layers."
+    layers = {module: name for name, module in llm.named_modules()}[
+        decoder.layers
+    ] + "."  # "model.layers." or "model.language_model.layers."
     text = dict(num_hidden_layers=1, layer_types=None)
     small = config.to_dict()
     small.update({"text_config": {**small["text_config"], **text}} if "text_config" in small else text)
     ssm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small)).eval()
-    ssm.load_state_dict({k: v for k, v in llm.state_dict().items() if not k.startswith(layers) or int(k[len(layers) :].split(".")[0]) < 1})
+    ssm.load_state_dict(
+        {
+            k: v
+            for k, v in llm.state_dict().items()
+            if not k.startswith(layers) or int(k[len(layers) :].split(".")[0]) < 1
+        }
+    )
     llm.save_pretrained(out / "llm")
     ssm.save_pretrained(out / "ssm")
     return out / "llm", out / "ssm"
@@ -97,7 +148,10 @@ def family(request, tmp_path_factory):
 def test_greedy_speculation_equals_transformers(family, expansion, ssm):
     prompts, expected, engine = family
     spec = SpeculationConfig(ExpansionConfig.parse(expansion), ssms=(ssm,))
-    requests = [GenerationRequest(f"{expansion}-{ssm}-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"{expansion}-{ssm}-{i}", tuple(p), NEW_TOKENS, speculation=spec)
+        for i, p in enumerate(prompts)
+    ]
     results = engine.generate(requests)
     assert [r.output_tokens for r in results] == expected
     if ssm == 1:
@@ -121,7 +175,9 @@ def test_qwen_mixed_sliding_layers_get_per_layer_windows():
     ``layer_types`` says (transformers 5) or, in older configs without it, as transformers derives them;
     a uniform window (Mistral) no longer limits positions. Logits: the qwen3-mixed-window and
     mistral-window checkpoints of tests/test_native.py."""
-    config = Qwen3Config(**COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    config = Qwen3Config(
+        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=32, max_window_layers=1
+    )
     assert ModelSpec.from_config(config.to_dict()).layer_windows == (None, 32, 32)
     older = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
     assert ModelSpec.from_config(older).layer_windows == (None, 32, 32)
@@ -155,8 +211,19 @@ def test_gemma_configs_of_the_hub_layouts():
     }
     spec = ModelSpec.from_config(gemma2)
     assert spec.layer_windows[:4] == (4096, None, 4096, None) and len(spec.layer_windows) == 26
-    assert (spec.attn_softcap, spec.final_softcap, spec.query_pre_attn_scalar, spec.qk_norm, spec.tie_embeddings) == (50.0, 30.0, 256.0, False, True)
-    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.positions_limit) == ("default", 10000.0, None, 8192)
+    assert (spec.attn_softcap, spec.final_softcap, spec.query_pre_attn_scalar, spec.qk_norm, spec.tie_embeddings) == (
+        50.0,
+        30.0,
+        256.0,
+        False,
+        True,
+    )
+    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.positions_limit) == (
+        "default",
+        10000.0,
+        None,
+        8192,
+    )
     gemma3_1b = {
         "model_type": "gemma3_text",
         "attn_logit_softcapping": None,
@@ -195,8 +262,21 @@ def test_gemma_configs_of_the_hub_layouts():
         "vision_config": {"model_type": "siglip_vision_model"},
     }
     spec = ModelSpec.from_config(gemma3_4b)
-    assert (spec.arch, spec.vocab_size, spec.heads, spec.kv_heads, spec.head_dim, spec.layers) == ("gemma3", 262208, 8, 4, 256, 34)
-    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.layer_windows[5], spec.layer_windows[6]) == ("linear", 1e6, 1e4, None, 1024)
+    assert (spec.arch, spec.vocab_size, spec.heads, spec.kv_heads, spec.head_dim, spec.layers) == (
+        "gemma3",
+        262208,
+        8,
+        4,
+        256,
+        34,
+    )
+    assert (spec.rope_type, spec.rope_theta, spec.local_rope_theta, spec.layer_windows[5], spec.layer_windows[6]) == (
+        "linear",
+        1e6,
+        1e4,
+        None,
+        1024,
+    )
 
 
 def test_gemma_variants_the_native_blocks_do_not_run_are_refused():
@@ -215,7 +295,8 @@ def test_backend_auto_picks_native_for_gemma(name, tmp_path):
 
 
 def test_llama_with_mlp_biases_is_refused():
-    """Native Llama blocks have no MLP biases: a config with them goes to the reference backend instead of losing them."""
+    """Native Llama blocks have no MLP biases: a config with them goes to the reference backend instead of losing
+    them."""
     config = LlamaConfig(**COMMON, mlp_bias=True)
     with pytest.raises(UnsupportedModel, match="mlp_bias"):
         ModelSpec.from_config(config.to_dict())
@@ -242,6 +323,19 @@ def test_phi3_config_of_the_older_layout():
     }
     spec = ModelSpec.from_config(phi3)
     assert (spec.rope_type, spec.rope_switch, spec.positions_limit, spec.rotary_dim) == ("longrope", 4096, 4096, 96)
-    phi4_mini = {**phi3, "rope_scaling": None, "partial_rotary_factor": 0.75, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8}
+    phi4_mini = {
+        **phi3,
+        "rope_scaling": None,
+        "partial_rotary_factor": 0.75,
+        "hidden_size": 3072,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+    }
     spec = ModelSpec.from_config(phi4_mini)
-    assert (spec.rope_type, spec.rope_switch, spec.positions_limit, spec.head_dim, spec.rotary_dim) == ("default", None, 131072, 128, 96)
+    assert (spec.rope_type, spec.rope_switch, spec.positions_limit, spec.head_dim, spec.rotary_dim) == (
+        "default",
+        None,
+        131072,
+        128,
+        96,
+    )

@@ -34,50 +34,97 @@ LLAMA3_ROPE = llama3_rope(8.0)
 
 
 def _tiny_configs():
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     gemma = dict(common, pad_token_id=0, bos_token_id=2, eos_token_id=1)  # Gemma's token ids
-    gemma3_layers = dict(gemma, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    gemma3_layers = dict(
+        gemma, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+    )
     return {
         "llama-gqa": LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False),
         "llama3-rope": LlamaConfig(**common, num_key_value_heads=1, rope_parameters=LLAMA3_ROPE),
         # Llama 3.2 (1B/3B): tied embeddings, head_dim 64 of 2048 / 32 heads, 4:1 GQA, llama3 RoPE
-        "llama3.2-tied": LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+        "llama3.2-tied": LlamaConfig(
+            **common, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE
+        ),
         "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=512),
         # a window of 6 bites inside the prompts and trees (the kernel masks, the cache keeps every key)
         "mistral-window": MistralConfig(**common, num_key_value_heads=2, sliding_window=6),
         # Qwen3 with use_sliding_window: a window on the layers from max_window_layers on, full attention below
-        "qwen3-mixed-window": Qwen3Config(**common, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+        "qwen3-mixed-window": Qwen3Config(
+            **common, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
+        ),
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
         # Qwen3 (0.6B): head_dim set apart from hidden / heads (128 of 1024 / 16), q/k RMSNorm, no qkv
         # bias, tied embeddings
         "qwen3": Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
         # Qwen3 with attention_bias (q/k/v/o biases), untied
-        "qwen3-bias": Qwen3Config(**common, num_key_value_heads=1, head_dim=8, attention_bias=True, tie_word_embeddings=False),
+        "qwen3-bias": Qwen3Config(
+            **common, num_key_value_heads=1, head_dim=8, attention_bias=True, tie_word_embeddings=False
+        ),
         # Phi-3-mini-128k: fused qkv_proj and gate_up_proj, LongRoPE (exact up to its switch, 64 here)
-        "phi3-longrope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=4, original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE),
+        "phi3-longrope": Phi3Config(
+            **common,
+            **PHI3_TOKENS,
+            num_key_value_heads=4,
+            original_max_position_embeddings=64,
+            rope_parameters=PHI3_LONGROPE,
+        ),
         # Phi-4-mini (model_type phi3): GQA, RoPE on the leading 3/4 of each head, tied embeddings
-        "phi3-partial-rope": Phi3Config(**common, **PHI3_TOKENS, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE),
-        # Gemma 2 (2B: 8 heads, 4 KV heads, head_dim 256 apart from hidden / heads, query_pre_attn_scalar 256): local and
-        # global layers alternating, the real soft-caps (50 on attention scores, 30 on logits), tied embeddings
+        "phi3-partial-rope": Phi3Config(
+            **common, **PHI3_TOKENS, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=PARTIAL_ROPE
+        ),
+        # Gemma 2 (2B: 8 heads, 4 KV heads, head_dim 256 apart from hidden / heads, query_pre_attn_scalar 256): local
+        # and global layers alternating, the real soft-caps (50 on attention scores, 30 on logits), tied embeddings
         "gemma2": Gemma2Config(**gemma, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6),
         # caps small enough to bite on a tiny random model's scores and logits
         "gemma2-capped": Gemma2Config(
-            **gemma, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=1.0, final_logit_softcapping=0.5
+            **gemma,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=0.5,
         ),
         # Gemma 3 1B: 4 heads, 1 KV head, head_dim 256, q/k norms, local RoPE base 10k / global 1M, 5 local : 1 global
         # (here local, global, local), tied embeddings
-        "gemma3": Gemma3TextConfig(**gemma3_layers, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=5),
+        "gemma3": Gemma3TextConfig(
+            **gemma3_layers, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=5
+        ),
         # Gemma 3 4B+: linear RoPE scaling (factor 8) on the global layers only
-        "gemma3-linear-rope": Gemma3TextConfig(**gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=7, rope_parameters=GEMMA3_ROPE),
+        "gemma3-linear-rope": Gemma3TextConfig(
+            **gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=7, rope_parameters=GEMMA3_ROPE
+        ),
         # the multimodal checkpoint (model_type gemma3): its text model, the vision tower left aside
         "gemma3-multimodal": gemma3_multimodal(
-            Gemma3TextConfig(**gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=6, rope_parameters=GEMMA3_ROPE)
+            Gemma3TextConfig(
+                **gemma3_layers, num_key_value_heads=2, head_dim=16, sliding_window=6, rope_parameters=GEMMA3_ROPE
+            )
         ),
         "opt": OPTConfig(
-            vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64
+            vocab_size=97,
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
         ),
         "opt-project": OPTConfig(
-            vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32
+            vocab_size=97,
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
         ),
         # LayerNorm after each sublayer and no final norm, like opt-350m
         "opt-post-norm": OPTConfig(
@@ -124,16 +171,25 @@ def _hf_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
         return torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-@pytest.mark.parametrize(("gemm", "kv_block_size"), [("linear", 0), ("transposed", 0), ("linear", 3)], ids=["linear", "transposed", "paged"])
+@pytest.mark.parametrize(
+    ("gemm", "kv_block_size"), [("linear", 0), ("transposed", 0), ("linear", 3)], ids=["linear", "transposed", "paged"]
+)
 def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm, kv_block_size):
     """Both forms of every matrix product (see specinfer.models.native.gemm), and KV blocks of 3 tokens
     (a sliding window then starts mid-block), give transformers' logits."""
     path, hf = checkpoint
-    native = NativeBackend.load(path, on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size)))
+    native = NativeBackend.load(
+        path,
+        on_test_device(
+            NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size)
+        ),
+    )
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
     # prefill: the whole prompt as a chain (context empty) -> logits after every token
-    chains = native.forward_tree([TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
+    chains = native.forward_tree(
+        [TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)]
+    )
     for p, logits in zip(prompts, chains, strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
@@ -196,7 +252,9 @@ def test_packed_step_runs_without_the_backend(checkpoint):
     path, hf = checkpoint
     native = NativeBackend.load(path, on_test_device(NativeOptions(kv_cache_bytes=1 << 24, attention="torch")))
     context, tokens, parents = list(range(3, 20)), [20, 21, 22, 23], [-1, 0, 0, 2]
-    step = PackedStep.from_trees([StepRequest(kv_start=native.pool.slot_len, cached=0, chain=context, tokens=tokens, parents=parents)])
+    step = PackedStep.from_trees(
+        [StepRequest(kv_start=native.pool.slot_len, cached=0, chain=context, tokens=tokens, parents=parents)]
+    )
     logits = native.runner.run(step)
     assert _rel(logits, _hf_last_logits(hf, _node_sequences(TreeForward("x", context, tokens, parents)))) < TOL
 
@@ -217,7 +275,9 @@ def test_kv_budget_is_enforced(checkpoint):
 def test_shared_pair_logits_match_transformers(model_pair):
     """The LLM of the test pair (the trained one when present): prefill and a tree-verify step."""
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
-    native = NativeBackend.load(model_pair.llm, on_test_device(NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=512, attention="torch")))
+    native = NativeBackend.load(
+        model_pair.llm, on_test_device(NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=512, attention="torch"))
+    )
     prompts = [p[:200] for p in model_pair.prompts[:3]]
     out = native.forward_tree([TreeForward(f"s{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
     for p, logits in zip(prompts, out, strict=True):
@@ -225,6 +285,9 @@ def test_shared_pair_logits_match_transformers(model_pair):
             assert _rel(logits, hf(torch.tensor([p])).logits[0]) < TOL
     parents = [-1, 0, 0, 1, 2, 2]
     vocab = native.vocab_size
-    items = [TreeForward(f"s{i}", p[:-1], [p[-1]] + [t % vocab for t in (17, 99, 5, 300, 42)], parents) for i, p in enumerate(prompts)]
+    items = [
+        TreeForward(f"s{i}", p[:-1], [p[-1]] + [t % vocab for t in (17, 99, 5, 300, 42)], parents)
+        for i, p in enumerate(prompts)
+    ]
     for item, logits in zip(items, native.forward_tree(items), strict=True):
         assert _rel(logits, _hf_last_logits(hf, _node_sequences(item))) < TOL

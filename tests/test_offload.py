@@ -42,7 +42,15 @@ TREE_TOKENS, TREE_PARENTS = [0, 5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2, 4]
 def opt_checkpoint(tmp_path_factory):
     """A tiny OPT: biases and LayerNorm weights in every layer, so staging covers the optional fields."""
     torch.manual_seed(0)
-    cfg = OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64)
+    cfg = OPTConfig(
+        vocab_size=97,
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        word_embed_proj_dim=64,
+    )
     path = tmp_path_factory.mktemp("opt")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
@@ -52,9 +60,16 @@ def _steps(backend: NativeBackend, vocab: int) -> list[torch.Tensor]:
     """A batch of prefills, then two tree-verify steps on top of them (each accepting a path): every step's logits."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 9, 40)]
-    out = backend.forward_tree([TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)])
+    out = backend.forward_tree(
+        [TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)]
+    )
     for step in range(2):
-        items = [TreeForward(f"r{i}", p[:-1], [p[-1]] + [(t * (i + 3) + step) % vocab for t in TREE_TOKENS[1:]], TREE_PARENTS) for i, p in enumerate(prompts)]
+        items = [
+            TreeForward(
+                f"r{i}", p[:-1], [p[-1]] + [(t * (i + 3) + step) % vocab for t in TREE_TOKENS[1:]], TREE_PARENTS
+            )
+            for i, p in enumerate(prompts)
+        ]
         out += backend.forward_tree(items)
         prompts = [list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[3], 11] for it in items]
     return out
@@ -79,9 +94,13 @@ def test_offloaded_logits_equal_resident_and_come_from_the_staging_buffers(which
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)  # fp32, the same kernels on copies of the same weights: bit-identical
     assert read and not set(read) & host
-    assert {p for p in read if p in staging} == staging & {t.data_ptr() for s in layers.staging for t in (s.qkv_w, s.o_w, s.up_w, s.down_w)}
+    assert {p for p in read if p in staging} == staging & {
+        t.data_ptr() for s in layers.staging for t in (s.qkv_w, s.o_w, s.up_w, s.down_w)
+    }
     passes = 3  # one prefill, two verify steps
-    assert layers.copies == 1 + passes * len(layers)  # the first pass copies layer 0 itself, then each layer prefetches the next
+    assert layers.copies == 1 + passes * len(
+        layers
+    )  # the first pass copies layer 0 itself, then each layer prefetches the next
 
 
 def test_greedy_speculative_output_with_offload_equals_transformers(model_pair):
@@ -89,9 +108,13 @@ def test_greedy_speculative_output_with_offload_equals_transformers(model_pair):
     expected = hf_greedy(model_pair.llm, prompts, 12)
     llm = NativeBackend.load(model_pair.llm, OFFLOADED)
     ssm = NativeBackend.load(model_pair.ssm, OPTIONS)
-    engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(model_pair.llm), planner=OFFLOAD_PLANNER))
+    engine = SpeculativeEngine(
+        llm, [ssm], EngineConfig(eos_token_id=eos_token_id(model_pair.llm), planner=OFFLOAD_PLANNER)
+    )
     spec = SpeculationConfig(ExpansionConfig.parse("2,2,1"), ssms=(0,))
-    results = engine.generate([GenerationRequest(f"o{i}", tuple(p), 12, speculation=spec) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"o{i}", tuple(p), 12, speculation=spec) for i, p in enumerate(prompts)]
+    )
     assert [r.output_tokens for r in results] == expected
     assert llm.runner.model.layers.copies > 0
 
@@ -114,19 +137,31 @@ def test_accounting_is_two_largest_layers_plus_resident_weights():
 
 
 def test_model_budget_and_refusal_at_load(model_pair):
-    spec_weights = build_weights(NativeBackend.load(model_pair.llm, OFFLOADED).spec, read_state_dict(model_pair.llm), torch.float32, torch.device("cpu"))
+    spec_weights = build_weights(
+        NativeBackend.load(model_pair.llm, OFFLOADED).spec,
+        read_state_dict(model_pair.llm),
+        torch.float32,
+        torch.device("cpu"),
+    )
     budget = model_budget(spec_weights)
     # pycode-a: 6 identical layers, tied embeddings (one [vocab, hidden] table) and the final norm resident
     assert budget.staging == 2 * layer_bytes(spec_weights.layers[0])
     assert budget.resident == spec_weights.embed.numel() * 4 + spec_weights.final_norm_w.numel() * 4
     NativeBackend.load(model_pair.llm, dataclasses.replace(OFFLOADED, offload_reserve_bytes=budget.device_bytes))
     with pytest.raises(InvalidArgument, match="offload-reserve-bytes") as err:
-        NativeBackend.load(model_pair.llm, dataclasses.replace(OFFLOADED, offload_reserve_bytes=budget.device_bytes - 1))
+        NativeBackend.load(
+            model_pair.llm, dataclasses.replace(OFFLOADED, offload_reserve_bytes=budget.device_bytes - 1)
+        )
     assert err.value.field == "offload-reserve-bytes"
 
 
 def test_layers_of_different_shapes_are_refused(opt_checkpoint):
-    weights = build_weights(NativeBackend.load(opt_checkpoint, OPTIONS).spec, read_state_dict(opt_checkpoint), torch.float32, torch.device("cpu"))
+    weights = build_weights(
+        NativeBackend.load(opt_checkpoint, OPTIONS).spec,
+        read_state_dict(opt_checkpoint),
+        torch.float32,
+        torch.device("cpu"),
+    )
     odd = dataclasses.replace(weights.layers[1], up_w=torch.zeros(8, 64))
     with pytest.raises(ValueError, match="one shape"):
         OffloadedLayers([weights.layers[0], odd], torch.device("cpu"))
@@ -145,7 +180,9 @@ def test_verifier_flags_reach_the_native_options(monkeypatch):
     class Launch:
         local_rank: int = 0
 
-    options = native_options(build_parser().parse_args(["--llm", "x", "--dtype", "float32", "--offload-reserve-bytes", "5"]), Launch())
+    options = native_options(
+        build_parser().parse_args(["--llm", "x", "--dtype", "float32", "--offload-reserve-bytes", "5"]), Launch()
+    )
     assert options.offload and options.offload_reserve_bytes == 5
 
 
@@ -162,7 +199,18 @@ def test_load_backend_refusals(model_pair):
 
 def test_verifier_with_too_small_a_reserve_exits_2(model_pair, tmp_path, capsys, restore_logging):
     port_file = tmp_path / "port"
-    argv = ["--llm", str(model_pair.llm), "--offload", "1", "--offload-reserve-bytes", "1000", "--calibrate-tokens", "0", "--port-file", str(port_file)]
+    argv = [
+        "--llm",
+        str(model_pair.llm),
+        "--offload",
+        "1",
+        "--offload-reserve-bytes",
+        "1000",
+        "--calibrate-tokens",
+        "0",
+        "--port-file",
+        str(port_file),
+    ]
     assert llm_verifier_main(argv) == 2
     assert "offload-reserve-bytes" in capsys.readouterr().err
     assert not port_file.exists()
@@ -203,11 +251,18 @@ def test_peak_device_memory_stays_within_the_reserve_and_kv_cache(model_pair):
     del resident
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    host = build_weights(NativeBackend.load(model_pair.llm, OFFLOADED).spec, read_state_dict(model_pair.llm), torch.float32, torch.device("cpu"))
+    host = build_weights(
+        NativeBackend.load(model_pair.llm, OFFLOADED).spec,
+        read_state_dict(model_pair.llm),
+        torch.float32,
+        torch.device("cpu"),
+    )
     reserve = model_budget(host).device_bytes
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    offloaded = NativeBackend.load(model_pair.llm, dataclasses.replace(OFFLOADED, device="cuda", offload_reserve_bytes=reserve))
+    offloaded = NativeBackend.load(
+        model_pair.llm, dataclasses.replace(OFFLOADED, device="cuda", offload_reserve_bytes=reserve)
+    )
     got = _steps(offloaded, offloaded.vocab_size)
     torch.cuda.synchronize()
     activations = 64 << 20  # a few prefill tokens' activations and logits on a 256-wide model: far less

@@ -40,7 +40,9 @@ PARAMS = [
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=0.9, top_k=9, top_p=0.6),
     SamplingParams(temperature=2.0, top_k=40),  # top-k above the vocabulary: no filter
-    SamplingParams(temperature=1.0, verification="coupled"),  # coupled verification (the draw fixed by seed and position)
+    SamplingParams(
+        temperature=1.0, verification="coupled"
+    ),  # coupled verification (the draw fixed by seed and position)
     SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=5),  # a seed alone: coupled too
 ]
 
@@ -103,7 +105,14 @@ def test_greedy_accept_matches_verify_greedy():
             segments += [g] * len(t)
             at += len(t)
         depth = max(int(max(t.depths)) for t in trees)
-        ends = greedy_accept(torch.from_numpy(np.concatenate(argmaxes)), torch.tensor(tokens), torch.tensor(parents), torch.tensor(segments), len(trees), depth)
+        ends = greedy_accept(
+            torch.from_numpy(np.concatenate(argmaxes)),
+            torch.tensor(tokens),
+            torch.tensor(parents),
+            torch.tensor(segments),
+            len(trees),
+            depth,
+        )
         starts = np.cumsum([0] + [len(t) for t in trees])
         for g, (t, am) in enumerate(zip(trees, argmaxes, strict=True)):
             want = verify_greedy(t, am)
@@ -178,7 +187,14 @@ def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
         for i in range(int(rng.integers(1, 5))):
             sampled = bool(rng.integers(0, 3))
             params = PARAMS[int(rng.integers(len(PARAMS)))] if sampled else SamplingParams()
-            draft = random_draft(rng, vocab, int(rng.integers(0, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(2, 10)))
+            draft = random_draft(
+                rng,
+                vocab,
+                int(rng.integers(0, 4)),
+                int(rng.integers(1, 4)),
+                int(rng.integers(1, 3)),
+                int(rng.integers(2, 10)),
+            )
             rid = f"r{round_}-{i}"
             # logits that agree with the drafts now and then: greedy walks get somewhere
             rows = rng.normal(size=(len(draft.tree), vocab)) * 2
@@ -195,14 +211,20 @@ def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
                 checked["greedy"] += 1
             elif job.sampling.coupled:
                 target = lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p)  # noqa: E731
-                want = verify_coupled(job.draft.tree, target, partial(position_noise, job.seed, vocab_size=vocab), len(job.context))
+                want = verify_coupled(
+                    job.draft.tree, target, partial(position_noise, job.seed, vocab_size=vocab), len(job.context)
+                )
                 checked["coupled"] += 1
             else:
-                want = verify_stochastic(job.draft, lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p), job.rng())
+                want = verify_stochastic(
+                    job.draft, lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p), job.rng()
+                )
                 checked["sampled"] += 1
             checked["accepted"] += verdict.num_accepted
             assert verdict == want, f"{job.request_id}: {verdict} != {want}"
-    assert checked["greedy"] > 10 and checked["sampled"] > 20 and checked["coupled"] > 5 and checked["accepted"] > 50, checked
+    assert checked["greedy"] > 10 and checked["sampled"] > 20 and checked["coupled"] > 5 and checked["accepted"] > 50, (
+        checked
+    )
 
 
 def test_verify_trees_refuses_a_sampled_tree_without_draft_distributions():
@@ -221,7 +243,9 @@ def test_pass_tables_propose_what_the_reference_drafts():
     jobs, widths = [], []
     for r in range(len(logits)):
         params = SamplingParams() if r % 3 == 0 else PARAMS[r % len(PARAMS)]
-        static = ExpansionConfig((2,)) if r % 2 else None  # the others grow dynamic trees, whose slots the softmax scores
+        static = (
+            ExpansionConfig((2,)) if r % 2 else None
+        )  # the others grow dynamic trees, whose slots the softmax scores
         budget = None if r % 2 else TreeBudget(6, 2)
         jobs.append(DraftSpec(f"d{r}", [1], 2, static, params, int(rng.integers(1, 8)), r, 0, draft_stream(0), budget))
         widths.append(int(rng.integers(1, 5)))
@@ -266,9 +290,14 @@ def test_a_sampled_root_alone_draws_its_token_like_the_reference():
     rng = np.random.default_rng(5)
     logits = {f"r{i}": torch.from_numpy(rng.normal(size=(1, 9)).astype(np.float32)) for i in range(20)}
     params = SamplingParams(temperature=0.8, top_p=0.9)
-    jobs = [VerifySpec(rid, [1], DraftTree(TokenTree((3,), (-1,))), params, seed=i, step=0) for i, rid in enumerate(logits)]
+    jobs = [
+        VerifySpec(rid, [1], DraftTree(TokenTree((3,), (-1,))), params, seed=i, step=0) for i, rid in enumerate(logits)
+    ]
     got = verify_trees(FixedLM(logits, True), jobs)
-    want = [verify_stochastic(j.draft, lambda u, j=j: process_logits(logits[j.request_id].numpy()[u], params), j.rng()) for j in jobs]
+    want = [
+        verify_stochastic(j.draft, lambda u, j=j: process_logits(logits[j.request_id].numpy()[u], params), j.rng())
+        for j in jobs
+    ]
     assert got == want and len({v.bonus_token for v in got}) > 1
 
 
@@ -281,5 +310,10 @@ def test_coupled_targets_match_the_host_reference():
     seeds = rng.integers(0, 2**62, size=40)
     indices = rng.integers(0, 5000, size=40)
     got = coupled_targets(logits, params, torch.from_numpy(seeds), torch.from_numpy(indices)).tolist()
-    want = [coupled_token(process_logits(logits[r].numpy(), params[r]), position_noise(int(seeds[r]), int(indices[r]), vocab)) for r in range(40)]
+    want = [
+        coupled_token(
+            process_logits(logits[r].numpy(), params[r]), position_noise(int(seeds[r]), int(indices[r]), vocab)
+        )
+        for r in range(40)
+    ]
     assert got == want

@@ -89,15 +89,21 @@ def test_random_operations_keep_blocks_and_rows_consistent(block_size, data):
     def new() -> tuple[RequestCache, RequestCache]:
         return RequestCache(BlockStorage(paged)), RequestCache(SlotStorage(slots, slots.allocate()))
 
-    def forward(pair: tuple[RequestCache, RequestCache], context: list[int], tokens: list[int], parents: list[int]) -> None:
+    def forward(
+        pair: tuple[RequestCache, RequestCache], context: list[int], tokens: list[int], parents: list[int]
+    ) -> None:
         """What the backend does, with random values as the K/V the model would write."""
         chains = [c.sync(context, new_round=bool(parents) and parents[0] < 0) for c in pair]
         assert chains[0] == chains[1]
-        values = torch.randn(2, SPEC.layers, len(chains[0]) + len(tokens), SPEC.kv_heads, SPEC.head_dim, generator=gen)  # K, V
+        values = torch.randn(
+            2, SPEC.layers, len(chains[0]) + len(tokens), SPEC.kv_heads, SPEC.head_dim, generator=gen
+        )  # K, V
         for cache, pool, chain in zip(pair, (paged, slots), chains, strict=True):
             lc, lp = cache.context_len, cache.pending_len
             cache.storage.reserve(lc + len(chain), lc + len(chain) + lp + len(tokens))
-            request = StepRequest(cache.storage.start, lc, chain, tokens, cache.node_parents(parents), tuple(cache.storage.block_table))
+            request = StepRequest(
+                cache.storage.start, lc, chain, tokens, cache.node_parents(parents), tuple(cache.storage.block_table)
+            )
             step = PackedStep.from_trees([request], block_size if pool is paged else 0)
             pool.k.flatten(1, -3)[:, list(step.cache_rows)] = values[0]
             pool.v.flatten(1, -3)[:, list(step.cache_rows)] = values[1]
@@ -147,7 +153,9 @@ def test_paged_step_layout():
     """Physical rows through the block table (block size 2): request a has a chain and a tree, b a tree."""
     step = PackedStep.from_trees(
         [
-            StepRequest(kv_start=0, cached=3, chain=[7, 8], tokens=[5, 6], parents=[-1, 0, 1, 0], block_table=(9, 4, 7, 1, 0)),
+            StepRequest(
+                kv_start=0, cached=3, chain=[7, 8], tokens=[5, 6], parents=[-1, 0, 1, 0], block_table=(9, 4, 7, 1, 0)
+            ),
             StepRequest(kv_start=0, cached=1, chain=[], tokens=[1], parents=[-1], block_table=(3,)),
         ],
         block_size=2,
@@ -175,25 +183,35 @@ def _steps(native: NativeBackend, vocab: int) -> list[torch.Tensor]:
         if step == 3:
             prompts["r2"] = prompts["r2"][:30]  # diverges from the cache: truncation
         items = [
-            TreeForward(rid, p[:-1], [p[-1]] + [(11 * k + 7 * i + 3 * step) % vocab for k in range(1, len(parents))], parents)
+            TreeForward(
+                rid, p[:-1], [p[-1]] + [(11 * k + 7 * i + 3 * step) % vocab for k in range(1, len(parents))], parents
+            )
             for i, (rid, p) in enumerate(prompts.items())
         ]
         out += native.forward_tree(items)
         # accept root -> 1 -> 4 -> 6 (across block boundaries for small blocks), plus a bonus token
-        prompts = {it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1] for it in items}
+        prompts = {
+            it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
+            for it in items
+        }
     return out
 
 
 @pytest.fixture(scope="module")
 def contiguous_logits(model_pair) -> list[torch.Tensor]:
-    native = NativeBackend.load(model_pair.llm, NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=256, attention="torch", gemm="linear"))
+    native = NativeBackend.load(
+        model_pair.llm, NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=256, attention="torch", gemm="linear")
+    )
     return _steps(native, native.vocab_size)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_paged_logits_equal_contiguous(model_pair, contiguous_logits, block_size):
     native = NativeBackend.load(
-        model_pair.llm, NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=256, attention="torch", gemm="linear", kv_block_size=block_size)
+        model_pair.llm,
+        NativeOptions(
+            kv_cache_bytes=1 << 26, max_seq_len=256, attention="torch", gemm="linear", kv_block_size=block_size
+        ),
     )
     got = _steps(native, native.vocab_size)
     assert len(got) == len(contiguous_logits)
@@ -209,7 +227,9 @@ def test_paged_logits_equal_contiguous(model_pair, contiguous_logits, block_size
 def test_paged_capacity(model_pair):
     """``max_requests`` keeps the slots' guarantee (each request at its longest); the paged pool
     has ``kv_cache_bytes / (bytes per token * block size)`` blocks."""
-    options = NativeOptions(kv_cache_bytes=1 << 24, max_seq_len=200, max_tree_nodes=56, attention="torch", gemm="linear")
+    options = NativeOptions(
+        kv_cache_bytes=1 << 24, max_seq_len=200, max_tree_nodes=56, attention="torch", gemm="linear"
+    )
     slots = NativeBackend.load(model_pair.llm, options)
     paged = NativeBackend.load(model_pair.llm, dataclasses.replace(options, kv_block_size=16))
     per_token = KVPool.bytes_per_token(paged.spec, torch.float32)

@@ -45,7 +45,9 @@ def forward(cache: RequestCache, context: list[int], tokens: list[int], parents:
     storage = cache.storage
     storage.reserve(lc + len(chain), lc + len(chain) + lp + len(tokens))
     nodes = cache.node_parents(parents)
-    step = PackedStep.from_trees([StepRequest(0, lc, chain, tokens, nodes, tuple(storage.block_table))], storage.pool.block_size)
+    step = PackedStep.from_trees(
+        [StepRequest(0, lc, chain, tokens, nodes, tuple(storage.block_table))], storage.pool.block_size
+    )
     prefixes = [context[: lc + i + 1] for i in range(len(chain))]
     all_tokens = cache.pending_tokens + list(tokens)
     for j in range(lp, lp + len(tokens)):
@@ -126,7 +128,9 @@ def test_a_request_takes_the_cached_blocks_of_its_prefix_and_never_writes_them()
     # the first request's context is cut inside a shared block: it drops that block, the second keeps it
     forward(first, prefix[:6] + [90, 91, 92], [], [])
     assert first.storage.block_table[0] == shared[0] and first.storage.block_table[1] != shared[1]
-    assert first.reused == 0 and held_context_values(first) == [value((prefix[:6] + [90, 91, 92])[: i + 1]) for i in range(9)]
+    assert first.reused == 0 and held_context_values(first) == [
+        value((prefix[:6] + [90, 91, 92])[: i + 1]) for i in range(9)
+    ]
     assert held_context_values(second)[:8] == [value(prefix[: i + 1]) for i in range(8)]
     check_pool(p, [first, second])
     first.storage.release()
@@ -162,12 +166,27 @@ def test_random_requests_with_shared_prefixes_keep_the_pool_consistent(block_siz
                     cache.storage.release()
                 cache = caches[i] = RequestCache(BlockStorage(p, prefix_caching=True))
                 base = data.draw(st.sampled_from(prefixes))
-                forward(cache, base[: data.draw(st.integers(1, len(base)))] + data.draw(st.lists(st.integers(0, 9), max_size=5)), [], [])
+                forward(
+                    cache,
+                    base[: data.draw(st.integers(1, len(base)))] + data.draw(st.lists(st.integers(0, 9), max_size=5)),
+                    [],
+                    [],
+                )
             elif op == "tree":
                 n = data.draw(st.integers(1, 4))
-                forward(cache, list(cache.context_tokens), data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)), [-1, *range(n - 1)])
+                forward(
+                    cache,
+                    list(cache.context_tokens),
+                    data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)),
+                    [-1, *range(n - 1)],
+                )
             elif op == "accept" and cache.pending_len:
-                forward(cache, list(cache.context_tokens) + cache.pending_tokens[: data.draw(st.integers(1, cache.pending_len))], [], [])
+                forward(
+                    cache,
+                    list(cache.context_tokens) + cache.pending_tokens[: data.draw(st.integers(1, cache.pending_len))],
+                    [],
+                    [],
+                )
             elif op == "cut" and cache.context_len > 1:
                 context = list(cache.context_tokens)[: data.draw(st.integers(1, cache.context_len - 1))]
                 forward(cache, context + data.draw(st.lists(st.integers(0, 9), max_size=3)), [], [])
@@ -185,7 +204,14 @@ def test_random_requests_with_shared_prefixes_keep_the_pool_consistent(block_siz
 
 
 def options(block_size: int, prefix_caching: bool) -> NativeOptions:
-    return NativeOptions(kv_cache_bytes=1 << 26, max_seq_len=256, attention="torch", gemm="linear", kv_block_size=block_size, prefix_caching=prefix_caching)
+    return NativeOptions(
+        kv_cache_bytes=1 << 26,
+        max_seq_len=256,
+        attention="torch",
+        gemm="linear",
+        kv_block_size=block_size,
+        prefix_caching=prefix_caching,
+    )
 
 
 def _shared_prefix_steps(native: NativeBackend, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -196,7 +222,9 @@ def _shared_prefix_steps(native: NativeBackend, prompts: list[list[int]]) -> lis
     items = [TreeForward(f"r{i}", p[:-1], [p[-1], 3, 5, 7], parents) for i, p in enumerate(prompts)]
     out += native.forward_tree(items[:1])
     out += native.forward_tree(items[1:])
-    out += native.forward_tree([TreeForward(it.request_id, [*it.context, it.tokens[0], 3], [11, 12], [-1, 0]) for it in items])
+    out += native.forward_tree(
+        [TreeForward(it.request_id, [*it.context, it.tokens[0], 3], [11, 12], [-1, 0]) for it in items]
+    )
     return out
 
 
@@ -210,9 +238,14 @@ def test_logits_with_a_cached_prefix_equal_logits_without(model_pair, block_size
     assert cold.prefix_cache_stats is None
     stats = warm.prefix_cache_stats
     first = prompts[0][:-1]
-    common = [next((j for j, (x, y) in enumerate(zip(first, p[:-1], strict=False)) if x != y), len(p) - 1) for p in prompts[1:]]
+    common = [
+        next((j for j, (x, y) in enumerate(zip(first, p[:-1], strict=False)) if x != y), len(p) - 1)
+        for p in prompts[1:]
+    ]
     assert min(common) >= 40
-    assert stats.hit_tokens == sum(c // block_size * block_size for c in common)  # the later prompts took the first one's full blocks
+    assert stats.hit_tokens == sum(
+        c // block_size * block_size for c in common
+    )  # the later prompts took the first one's full blocks
     assert stats.queried_tokens == sum(len(p) - 1 for p in prompts)
     assert [warm.prefix_hits(f"r{i}") for i in range(5)] == [0] * 5  # the last forward computed no context
     for a, b in zip(got, want, strict=True):
@@ -241,12 +274,18 @@ def test_greedy_output_is_transformers_with_prefix_caching_and_preemption(model_
     preempted and resumed, later ones and resumed ones take cached blocks, and the output is
     transformers' greedy output."""
     prompts, longest, expected = shared
-    spec = None if speculation == "none" else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
+    spec = (
+        None
+        if speculation == "none"
+        else SpeculationConfig(None if speculation == "auto" else ExpansionConfig.parse(speculation))
+    )
     llm = backend(model_pair.llm, longest, 4, 2.5)
     ssm = backend(model_pair.ssm, longest, 4, NUM_PROMPTS + 1, 256)
     assert llm.prefix_caching and ssm.prefix_caching  # on by default
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(model_pair.llm)))
-    results = engine.generate([GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)])
+    results = engine.generate(
+        [GenerationRequest(f"r{i}", p, NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
+    )
     for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
         assert res.output_tokens == exp, f"prompt {i} differs"
     assert engine.preemptions > 0, "the pool was meant to be too small for the batch"

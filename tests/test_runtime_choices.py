@@ -42,7 +42,9 @@ def test_plan_applies_per_shape_and_bucket(monkeypatch):
     w, other = torch.randn(8, 4), torch.randn(6, 4)
     plan = GemmPlan(frozenset({(8, 4, 4)}))
     calls = []
-    monkeypatch.setattr(gemm, "transposed_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or F.linear(x, w, b))
+    monkeypatch.setattr(
+        gemm, "transposed_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or F.linear(x, w, b)
+    )
     plan.linear(torch.randn(3, 4), w)  # bucket 4: transposed
     plan.linear(torch.randn(5, 4), w)  # bucket 8: linear
     plan.linear(torch.randn(3, 4), other)  # other shape: linear
@@ -58,7 +60,9 @@ def test_measure_times_each_shape_once_per_bucket():
     assert ROW_BUCKETS[0] == 1
 
 
-CPUINFO_ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n"
+CPUINFO_ZEN4 = (
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n"
+)
 CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
 
 

@@ -19,7 +19,9 @@ def test_temperature_top_k_top_p():
     assert np.allclose(process_logits(logits, SamplingParams(temperature=1.0, top_k=2)), [2 / 3, 1 / 3, 0, 0])
     # top_p keeps the smallest prefix reaching the mass: 0.5 + 0.25 >= 0.7
     assert np.allclose(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7)), [2 / 3, 1 / 3, 0, 0])
-    assert np.allclose(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.76)), np.array([0.5, 0.25, 0.15, 0]) / 0.9)
+    assert np.allclose(
+        process_logits(logits, SamplingParams(temperature=1.0, top_p=0.76)), np.array([0.5, 0.25, 0.15, 0]) / 0.9
+    )
     hot = process_logits(logits, SamplingParams(temperature=2.0))
     assert np.allclose(hot, np.sqrt([0.5, 0.25, 0.15, 0.1]) / np.sqrt([0.5, 0.25, 0.15, 0.1]).sum())
 
@@ -49,7 +51,12 @@ def test_top_k_tokens_orders_best_first():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
     from specinfer.core import InvalidArgument

@@ -25,9 +25,16 @@ def pair(model_pair):
     prompts = [tuple(p) for p in model_pair.prompts[: len(SEEDS)]]
     expected = hf_seeded_sampling(model_pair.llm, prompts, SEEDS, PARAMS, NEW_TOKENS)
     eos = eos_token_id(model_pair.llm)
-    models = [load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 28) for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)]
+    models = [
+        load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 28)
+        for p in (model_pair.llm, model_pair.ssm, model_pair.ssm2)
+    ]
     # speculation priced as free (frozen): adaptive requests always draft trees, which the test needs
-    return prompts, expected, SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos), free_speculation())
+    return (
+        prompts,
+        expected,
+        SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos), free_speculation()),
+    )
 
 
 SPECULATIONS = {
@@ -46,13 +53,16 @@ def test_seeded_output_is_plain_decodings_whatever_the_speculation(pair, name):
     prompts, expected, engine = pair
     spec = SPECULATIONS[name]
     seeded = [
-        GenerationRequest(f"{name}-{i}", p, NEW_TOKENS, dataclasses.replace(PARAMS, seed=s), spec) for i, (p, s) in enumerate(zip(prompts, SEEDS, strict=True))
+        GenerationRequest(f"{name}-{i}", p, NEW_TOKENS, dataclasses.replace(PARAMS, seed=s), spec)
+        for i, (p, s) in enumerate(zip(prompts, SEEDS, strict=True))
     ]
     # mixed with requests of other kinds in the same batches: greedy, unseeded sampling, MSS
     others = [
         GenerationRequest(f"{name}-greedy", prompts[0], NEW_TOKENS, SamplingParams(), spec),
         GenerationRequest(f"{name}-unseeded", prompts[1], NEW_TOKENS, PARAMS, spec),
-        GenerationRequest(f"{name}-mss", prompts[2], NEW_TOKENS, dataclasses.replace(PARAMS, seed=1, verification="mss"), spec),
+        GenerationRequest(
+            f"{name}-mss", prompts[2], NEW_TOKENS, dataclasses.replace(PARAMS, seed=1, verification="mss"), spec
+        ),
     ]
     results = engine.generate(others[:2] + seeded + others[2:])
     by_id = {r.request_id: r for r in results}
@@ -72,7 +82,17 @@ def test_coupled_is_the_default_for_seeded_requests_only():
 def test_cli_seeded_generation_equals_no_speculation(model_pair, capsys):
     from specinfer.cli import main
 
-    common = ["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--dtype", "float32", "--max-new-tokens", "24"]
+    common = [
+        "generate",
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(model_pair.ssm),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "24",
+    ]
     sampling = ["--temperature", "1", "--top-p", "0.95", "--seed", "21"]
     outputs = []
     for extra in ([], ["--no-speculation"], ["--expansion", "2,2,1"]):

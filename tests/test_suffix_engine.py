@@ -30,7 +30,10 @@ def setup(model_pair):
     # text that repeats: each prompt twice over, so its ending has occurred before
     prompts = [tuple(p[:24]) * 2 for p in model_pair.prompts[:4]]
     expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS, ignore_eos=True)
-    llm, ssm = (load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 27) for p in (model_pair.llm, model_pair.ssm))
+    llm, ssm = (
+        load_backend(p, "model", "float32", backend="native", kv_cache_bytes=1 << 27)
+        for p in (model_pair.llm, model_pair.ssm)
+    )
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(model_pair.llm)), free_speculation())
     return model_pair, prompts, expected, engine
 
@@ -38,11 +41,16 @@ def setup(model_pair):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_output_is_transformers_with_suffix_trees(setup, name):
     _, prompts, expected, engine = setup
-    requests = [GenerationRequest(f"{name}-{i}", p, NEW_TOKENS, speculation=SPECS[name], ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"{name}-{i}", p, NEW_TOKENS, speculation=SPECS[name], ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     results = engine.generate(requests)
     assert [list(r.output_tokens) for r in results] == expected
     steps = sum(r.llm_steps for r in results)
-    assert steps < len(prompts) * NEW_TOKENS * 0.8, f"{name}: {steps} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+    assert steps < len(prompts) * NEW_TOKENS * 0.8, (
+        f"{name}: {steps} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+    )
 
 
 def test_suffix_trees_are_drafted_and_accepted_only_where_allowed(setup):
@@ -50,8 +58,12 @@ def test_suffix_trees_are_drafted_and_accepted_only_where_allowed(setup):
     edges = engine.adaptive.edges[SUFFIX_DRAFTER]
     before = edges.drafted.sum(), edges.accepted.sum()
     engine.generate([GenerationRequest("off", prompts[0], NEW_TOKENS, speculation=SPECS["ssm-alone"], ignore_eos=True)])
-    assert (edges.drafted.sum(), edges.accepted.sum()) == pytest.approx(before, rel=0.01)  # decays a little, gains nothing
-    engine.generate([GenerationRequest("on", prompts[0], NEW_TOKENS, speculation=SPECS["suffix-alone"], ignore_eos=True)])
+    assert (edges.drafted.sum(), edges.accepted.sum()) == pytest.approx(
+        before, rel=0.01
+    )  # decays a little, gains nothing
+    engine.generate(
+        [GenerationRequest("on", prompts[0], NEW_TOKENS, speculation=SPECS["suffix-alone"], ignore_eos=True)]
+    )
     assert edges.accepted.sum() > before[1] + 5, "the suffix drafter's nodes were verified and accepted"
     totals = engine.adaptive.totals
     assert 0 < totals.drafter_accepted[SUFFIX_DRAFTER] <= totals.drafter_proposed[SUFFIX_DRAFTER]
@@ -64,7 +76,9 @@ def test_seeded_sampling_with_suffix_trees_is_plain_decodings(setup):
     seeds = (3, 4)
     expected = hf_seeded_sampling(model_pair.llm, prompts[:2], seeds, params, NEW_TOKENS, ignore_eos=True)
     requests = [
-        GenerationRequest(f"seeded-{i}", p, NEW_TOKENS, dataclasses.replace(params, seed=s), SPECS["suffix-and-ssm"], ignore_eos=True)
+        GenerationRequest(
+            f"seeded-{i}", p, NEW_TOKENS, dataclasses.replace(params, seed=s), SPECS["suffix-and-ssm"], ignore_eos=True
+        )
         for i, (p, s) in enumerate(zip(prompts[:2], seeds, strict=True))
     ]
     assert [list(r.output_tokens) for r in engine.generate(requests)] == expected

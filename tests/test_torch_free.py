@@ -47,7 +47,19 @@ def test_core_tests_pass_without_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     blocked = subprocess.run([sys.executable, "-c", "import no_torch, torch"], env=env, capture_output=True, text=True)
     assert blocked.returncode != 0 and "ModuleNotFoundError" in blocked.stderr, blocked.stderr
-    cmd = [sys.executable, "-m", "pytest", "-p", "no_torch", "-p", "no:cacheprovider", "-q", "-m", "not slow", *CORE_TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no_torch",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-m",
+        "not slow",
+        *CORE_TESTS,
+    ]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout and "error" not in run.stdout, run.stdout[-4000:]

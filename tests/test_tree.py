@@ -7,7 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specinfer.core import ExpansionConfig, TokenTree, TreeBuilder, ancestor_matrix, merge_drafts, merge_trees, node_depths, validate_parents
+from specinfer.core import (
+    ExpansionConfig,
+    TokenTree,
+    TreeBuilder,
+    ancestor_matrix,
+    merge_drafts,
+    merge_trees,
+    node_depths,
+    validate_parents,
+)
 
 
 @st.composite
@@ -50,7 +59,13 @@ def test_parent_array_functions_take_forests():
     relation per tree; only ``validate_parents`` insists on a single root."""
     parents = [-1, 0, -1, 2, 1]
     assert node_depths(parents).tolist() == [0, 1, 0, 1, 2]
-    assert ancestor_matrix(parents).astype(int).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [1, 1, 0, 0, 1]]
+    assert ancestor_matrix(parents).astype(int).tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
     with pytest.raises(ValueError, match="parents\\[2\\]"):
         validate_parents(parents)
     validate_parents([-1, 0, 0, 2])

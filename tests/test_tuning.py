@@ -19,7 +19,17 @@ from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig,
 from specinfer.models.loading import load_backend
 from specinfer.tuning import PAPER_EXPANSION, TUNING_FILE, resolve_expansion
 from specinfer.tuning.measure import greedy_continuations, ssm_ranks
-from specinfer.tuning.model import CostModel, configs, frontier_sizes, hit_table, mean_tokens_per_step, num_nodes, search, tokens_per_step, walk
+from specinfer.tuning.model import (
+    CostModel,
+    configs,
+    frontier_sizes,
+    hit_table,
+    mean_tokens_per_step,
+    num_nodes,
+    search,
+    tokens_per_step,
+    walk,
+)
 
 ranks_st = st.lists(st.integers(0, 5), min_size=1, max_size=60).map(lambda xs: np.array(xs, dtype=np.int64))
 widths_st = st.lists(st.integers(1, 4), min_size=1, max_size=6)
@@ -70,7 +80,11 @@ def test_config_enumeration_respects_the_budget():
     assert all(num_nodes(w) <= 12 and 1 <= len(w) <= 4 and max(w) <= 3 for w in found)
     brute = [w for d in range(1, 5) for w in np.ndindex(*(3,) * d)]
     assert len(found) == sum(num_nodes([x + 1 for x in w]) <= 12 for w in brute)
-    assert num_nodes(ExpansionConfig.parse(PAPER_EXPANSION).widths) == ExpansionConfig.parse(PAPER_EXPANSION).max_nodes == 21
+    assert (
+        num_nodes(ExpansionConfig.parse(PAPER_EXPANSION).widths)
+        == ExpansionConfig.parse(PAPER_EXPANSION).max_nodes
+        == 21
+    )
     assert frontier_sizes((1, 1, 3, 1)) == [1, 1, 1, 3]
 
 
@@ -122,7 +136,10 @@ def test_predicted_tokens_per_step_equal_the_engine(model_pair):
         widths = ExpansionConfig.parse(text).widths
         engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=4))
         spec = SpeculationConfig(ExpansionConfig(widths))
-        reqs = [GenerationRequest(f"{text}-{i}", p, new_tokens, SamplingParams(), spec, ignore_eos=True) for i, p in enumerate(prompts)]
+        reqs = [
+            GenerationRequest(f"{text}-{i}", p, new_tokens, SamplingParams(), spec, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
         results = engine.generate(reqs)
         assert [r.output_tokens for r in results] == continuations
         steps = sum(len(r.steps) for r in results)
@@ -146,8 +163,36 @@ def test_tune_cli_writes_a_pick_and_installs_it(model_pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": "def f(x):\n    return x"[: 8 + i]}) + "\n" for i in range(4)))
     out = tmp_path / "tuning.json"
-    cmd = [sys.executable, "-m", "specinfer.cli", "tune", "--llm", str(model_pair.llm), "--ssm", str(ssm), "--prompts", str(prompts)]
-    cmd += ["--count", "3", "--offset", "0", "--new-tokens", "12", "--max-depth", "4", "--max-width", "2", "--max-nodes", "12", "--reps", "1", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specinfer.cli",
+        "tune",
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(ssm),
+        "--prompts",
+        str(prompts),
+    ]
+    cmd += [
+        "--count",
+        "3",
+        "--offset",
+        "0",
+        "--new-tokens",
+        "12",
+        "--max-depth",
+        "4",
+        "--max-width",
+        "2",
+        "--max-nodes",
+        "12",
+        "--reps",
+        "1",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.run([*cmd, "--out", str(out), "--install"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())

@@ -14,7 +14,11 @@ from specinfer.models.tiny import tiny_llama
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpeculativeEngine(ReferenceBackend(tiny_llama(50, 32, 1, 2, 2, 0)), [ReferenceBackend(tiny_llama(50, 32, 1, 2, 2, 1))], EngineConfig())
+    return SpeculativeEngine(
+        ReferenceBackend(tiny_llama(50, 32, 1, 2, 2, 0)),
+        [ReferenceBackend(tiny_llama(50, 32, 1, 2, 2, 1))],
+        EngineConfig(),
+    )
 
 
 def _field(fn) -> str:
@@ -32,7 +36,14 @@ def test_request_fields(engine):
     assert _field(lambda: engine.add(GenerationRequest("a", (1, -1), 5))) == "prompt_tokens"
     assert _field(lambda: engine.add(GenerationRequest("a", (1,), 5, stop_token_ids=(99,)))) == "stop_token_ids"
     assert _field(lambda: engine.add(GenerationRequest("a", (1,), 5000))) == "max_new_tokens"
-    assert _field(lambda: engine.add(GenerationRequest("a", (1,), 5, speculation=SpeculationConfig(spec.expansion, ssms=(3,))))) == "speculation.ssms"
+    assert (
+        _field(
+            lambda: engine.add(
+                GenerationRequest("a", (1,), 5, speculation=SpeculationConfig(spec.expansion, ssms=(3,)))
+            )
+        )
+        == "speculation.ssms"
+    )
     assert _field(lambda: SpeculationConfig(spec.expansion, ssms=())) == "speculation.ssms"
 
 
@@ -46,7 +57,13 @@ def test_expansion_depth_zero():
 
 
 @pytest.mark.parametrize(
-    "kwargs, field", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"top_k": -2}, "top_k")]
+    "kwargs, field",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+    ],
 )
 def test_sampling(kwargs, field):
     assert _field(lambda: SamplingParams(**kwargs)) == field
@@ -61,7 +78,9 @@ def test_ssm_with_another_vocabulary():
 def test_cli_reports_bad_input_without_a_traceback(model_pair, capsys):
     assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--top-p", "2", "x"]) == 2
     assert "top_p" in capsys.readouterr().err
-    assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--expansion", "1,0", "x"]) == 2
+    assert (
+        main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--expansion", "1,0", "x"]) == 2
+    )
     assert "expansion" in capsys.readouterr().err
     assert main(["generate", "--llm", str(model_pair.llm), "--ssm", "/nonexistent", "x"]) == 2
     assert "ssm[0]" in capsys.readouterr().err
@@ -70,7 +89,21 @@ def test_cli_reports_bad_input_without_a_traceback(model_pair, capsys):
 
 
 def test_cli_generates(model_pair, capsys):
-    assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--max-new-tokens", "12", "def f(x):\n"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--llm",
+                str(model_pair.llm),
+                "--ssm",
+                str(model_pair.ssm),
+                "--max-new-tokens",
+                "12",
+                "def f(x):\n",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tokens per LLM step" in out and "12 tokens" in out
 
@@ -93,7 +126,8 @@ def _limits(default_adaptive: bool = False, default_expansion: tuple[int, ...] =
 
 
 def test_admission_of_adaptive_speculation():
-    """``adaptive`` (or nothing, on an adaptive server) -> SpeculationConfig(None, ...); expansion -> static; both: refused."""
+    """``adaptive`` (or nothing, on an adaptive server) -> SpeculationConfig(None, ...); expansion -> static; both:
+    refused."""
     from specinfer.request_manager.admission import speculation
     from specinfer.v1 import api_pb2
 
@@ -101,14 +135,25 @@ def test_admission_of_adaptive_speculation():
     adaptive = SpeculationConfig(None, (0, 1), 8)
     assert speculation(api_pb2.SpeculationParams(adaptive=True), static) == adaptive
     assert speculation(api_pb2.SpeculationParams(), auto) == adaptive
-    assert speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["b"]), _limits()) == SpeculationConfig(None, (1,), 8)
-    assert speculation(api_pb2.SpeculationParams(expansion=[2, 1]), auto) == SpeculationConfig(ExpansionConfig((2, 1)), (0, 1), 8)
+    assert speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["b"]), _limits()) == SpeculationConfig(
+        None, (1,), 8
+    )
+    assert speculation(api_pb2.SpeculationParams(expansion=[2, 1]), auto) == SpeculationConfig(
+        ExpansionConfig((2, 1)), (0, 1), 8
+    )
     assert speculation(api_pb2.SpeculationParams(), static) == SpeculationConfig(ExpansionConfig((1, 2)), (0, 1), 8)
     assert speculation(api_pb2.SpeculationParams(), _limits()) is None
     assert speculation(api_pb2.SpeculationParams(disabled=True, adaptive=True), auto) is None
-    assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, expansion=[1]), auto)) == "speculation.adaptive"
+    assert (
+        _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, expansion=[1]), auto))
+        == "speculation.adaptive"
+    )
     assert _field(lambda: speculation(api_pb2.SpeculationParams(adaptive=True, ssms=["c"]), auto)) == "speculation.ssms"
-    assert (auto.default_speculation, static.default_speculation, _limits().default_speculation) == ("auto", "1,2", "none")
+    assert (auto.default_speculation, static.default_speculation, _limits().default_speculation) == (
+        "auto",
+        "1,2",
+        "none",
+    )
     assert speculation(api_pb2.SpeculationParams(adaptive=True), auto).suffix  # unset: drafts from the text too
     assert not speculation(api_pb2.SpeculationParams(adaptive=True, suffix=False), auto).suffix
 
@@ -123,8 +168,12 @@ def test_adaptive_requests_survive_the_redis_record():
         live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8, suffix)), 5)
         params = live_params(live, limits.ssm_names)
         assert params["speculation"] == {"expansion": None, "ssms": ["b"], "suffix": suffix}
-        snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0)
-        assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(None, (1,), 8, suffix)
+        snapshot = RequestSnapshot(
+            "r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0
+        )
+        assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(
+            None, (1,), 8, suffix
+        )
     del params["speculation"]["suffix"]  # a record from before suffix drafts: on, the default
     assert live_from_snapshot(snapshot, limits, None).request.speculation.suffix
 
@@ -144,13 +193,27 @@ def test_request_manager_expansion_keywords():
 
 def test_cli_generates_adaptively(model_pair, capsys):
     """``--expansion auto`` (the default) speculates adaptively, with the output of the LLM alone."""
-    argv = ["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--max-new-tokens", "12", "--dtype", "float32", "def f(x):\n"]
+    argv = [
+        "generate",
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(model_pair.ssm),
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        "def f(x):\n",
+    ]
     assert main(argv) == 0
     adaptive = capsys.readouterr().out
     assert "adaptive trees over 1 SSM(s)" in adaptive
     assert main([*argv, "--expansion", "none"]) == 0
     incremental = capsys.readouterr().out
-    assert adaptive.split("--- generated")[1].split("--- LLM steps")[0] == incremental.split("--- generated")[1].split("--- LLM steps")[0]
+    assert (
+        adaptive.split("--- generated")[1].split("--- LLM steps")[0]
+        == incremental.split("--- generated")[1].split("--- LLM steps")[0]
+    )
 
 
 def test_admission_refuses_a_request_no_kv_budget_holds_alone():
@@ -162,19 +225,30 @@ def test_admission_refuses_a_request_no_kv_budget_holds_alone():
     from specinfer.request_manager.admission import build_live
     from specinfer.v1 import api_pb2
 
-    limits = dataclasses.replace(_limits(default_adaptive=True), kv_budgets=(KVBudget(100, 4), KVBudget(4, 10)))  # 40 rows in the second
+    limits = dataclasses.replace(
+        _limits(default_adaptive=True), kv_budgets=(KVBudget(100, 4), KVBudget(4, 10))
+    )  # 40 rows in the second
 
     def request(max_new_tokens: int, adaptive: bool) -> api_pb2.GenerateRequest:
         spec = api_pb2.SpeculationParams(adaptive=True) if adaptive else api_pb2.SpeculationParams(disabled=True)
-        return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[1, 2, 3, 4]), max_new_tokens=max_new_tokens, speculation=spec)
+        return api_pb2.GenerateRequest(
+            token_ids=api_pb2.TokenIds(ids=[1, 2, 3, 4]), max_new_tokens=max_new_tokens, speculation=spec
+        )
 
-    assert build_live(request(20, adaptive=False), limits, None, None).request.max_new_tokens == 20  # 4 + 20 + the root: 25 rows
+    assert (
+        build_live(request(20, adaptive=False), limits, None, None).request.max_new_tokens == 20
+    )  # 4 + 20 + the root: 25 rows
     with pytest.raises(InvalidArgument) as err:
         build_live(request(20, adaptive=True), limits, None, None)  # 4 + 20 + 32 tree nodes: 56 rows
     assert err.value.field == "max_new_tokens" and "14 KV blocks" in err.value.message  # 56 rows in blocks of 4
     assert _field(lambda: build_live(request(36, adaptive=False), limits, None, None)) == "max_new_tokens"  # 41 rows
-    assert build_live(request(35, adaptive=False), limits, None, None).request.max_new_tokens == 35  # 40 rows: exactly the budget
-    # an SSM worker's cache holds every node it expands: 4 + 20 + 1 + 8 passes x 31 nodes = 273 rows for an adaptive tree
-    drafting = dataclasses.replace(_limits(default_adaptive=True), kv_budgets=(KVBudget(4, 68, drafts=True),))  # 272 rows
+    assert (
+        build_live(request(35, adaptive=False), limits, None, None).request.max_new_tokens == 35
+    )  # 40 rows: exactly the budget
+    # an SSM worker's cache holds every node it expands: 4 + 20 + 1 + 8 passes x 31 nodes = 273 rows for an
+    # adaptive tree
+    drafting = dataclasses.replace(
+        _limits(default_adaptive=True), kv_budgets=(KVBudget(4, 68, drafts=True),)
+    )  # 272 rows
     assert _field(lambda: build_live(request(20, adaptive=True), drafting, None, None)) == "max_new_tokens"
     assert build_live(request(20, adaptive=False), drafting, None, None).request.max_new_tokens == 20

@@ -49,7 +49,9 @@ def test_greedy_walks_the_matching_branch():
     assert verify_greedy(TokenTree.root_only(7), np.array([3])).new_tokens == (3,)
 
 
-def _draft(context: tuple[int, ...], widths: tuple[int, ...], salt: str, params: SamplingParams, rng, support: int) -> DraftTree:
+def _draft(
+    context: tuple[int, ...], widths: tuple[int, ...], salt: str, params: SamplingParams, rng, support: int
+) -> DraftTree:
     builder = TreeBuilder(context[-1], ExpansionConfig(widths))
     seqs = {0: context}
     while not builder.done:
@@ -73,7 +75,9 @@ def _generate(verify, params, n_tokens, n_samples, salts, widths, seed, support=
             seqs = {0: context}
             for i in range(1, len(draft.tree)):
                 seqs[i] = seqs[draft.tree.parents[i]] + (draft.tree.tokens[i],)
-            res = verify(draft, lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params), rng)
+            res = verify(
+                draft, lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params), rng
+            )
             context = context + res.new_tokens
         counts[context[1 : n_tokens + 1]] += 1
     return counts

@@ -122,13 +122,19 @@ def summarise(samples: dict[tuple[str, str], list[dict]], bench: dict | None = N
 
 def add_ratios(rows: list[dict]) -> None:
     """tokens/s relative to llama.cpp's best speculative row and to llama.cpp incremental."""
-    spec = [r for r in rows if r["system"] == "llama.cpp" and r["setting"].startswith("speculative") and r["tokens_per_second"]]
+    spec = [
+        r
+        for r in rows
+        if r["system"] == "llama.cpp" and r["setting"].startswith("speculative") and r["tokens_per_second"]
+    ]
     best = max(spec, key=lambda r: r["tokens_per_second"], default=None)
     inc = next((r for r in rows if (r["system"], r["setting"]) == INCREMENTAL), None)
     for r in rows:
         tps = r["tokens_per_second"]
         r["vs_llama_cpp_best_speculative"] = round(tps / best["tokens_per_second"], 3) if best and tps else None
-        r["vs_llama_cpp_incremental"] = round(tps / inc["tokens_per_second"], 3) if inc and inc["tokens_per_second"] and tps else None
+        r["vs_llama_cpp_incremental"] = (
+            round(tps / inc["tokens_per_second"], 3) if inc and inc["tokens_per_second"] and tps else None
+        )
         r["best_llama_cpp_speculative"] = r is best
 
 

@@ -68,9 +68,16 @@ def pre_tokenizer(model_dir: Path) -> str:
     """The name llama.cpp gives the tokenizer's pre-tokenizer: GPT-2's byte-level regex is "gpt-2"."""
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     pre = tok.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") and not tok.get("normalizer"):
+    if (
+        pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and not tok.get("normalizer")
+    ):
         return "gpt-2"
-    raise SystemExit(f"{model_dir}: pre-tokenizer {pre} is not GPT-2's byte-level regex; teach pre_tokenizer() its llama.cpp name")
+    raise SystemExit(
+        f"{model_dir}: pre-tokenizer {pre} is not GPT-2's byte-level regex; teach pre_tokenizer() its llama.cpp name"
+    )
 
 
 def special_tokens_added(model_dir: Path) -> tuple[bool, bool]:
@@ -138,7 +145,9 @@ class Toolchain:
         gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
         flags += ["-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
-        self.log(f"llama.cpp: building {', '.join(TARGETS)} with -j{self.jobs} (minutes; log in {self.cache}/build.log)")
+        self.log(
+            f"llama.cpp: building {', '.join(TARGETS)} with -j{self.jobs} (minutes; log in {self.cache}/build.log)"
+        )
         started = time.perf_counter()
         _run([cmake, "-S", self.source, "-B", build, *gen, *flags], self.cache / "configure.log")
         _run([cmake, "--build", build, f"-j{self.jobs}", "--target", *TARGETS], self.cache / "build.log")
@@ -235,7 +244,9 @@ class Toolchain:
         (runs, seconds), text = self._run_parsed(cmd, lambda p: (parse_completion(p.stderr), completion_text(p.stdout)))
         return {"decode_tokens": runs, "decode_seconds": seconds, "tokens": runs + 1, "steps": runs + 1, "text": text}
 
-    def speculative(self, ggufs: tuple[Path, Path], prompt: str, n: int, threads: int, ctx: int, draft: int, p_min: float):
+    def speculative(
+        self, ggufs: tuple[Path, Path], prompt: str, n: int, threads: int, ctx: int, draft: int, p_min: float
+    ):
         """llama.cpp speculative decoding with the SSM as draft model (draft-simple), greedy."""
         cmd = [self.bin / "llama-speculative-simple", "-m", ggufs[0], "-md", ggufs[1], "-p", prompt, "--no-escape"]
         cmd += ["-n", n, "-c", ctx, "-t", threads, "-tb", threads, "-td", threads, "--temp", "0", "--seed", "0"]
@@ -254,7 +265,9 @@ class Toolchain:
 
     def bench(self, gguf: Path, n: int, threads: int) -> dict:
         """``llama-bench -p 0 -n N``: token generation from an empty context (a reference row, no text)."""
-        proc = _run([self.bin / "llama-bench", "-m", gguf, "-p", 0, "-n", n, "-t", threads, "-r", 3, "-o", "json"], timeout=3600)
+        proc = _run(
+            [self.bin / "llama-bench", "-m", gguf, "-p", 0, "-n", n, "-t", threads, "-r", 3, "-o", "json"], timeout=3600
+        )
         tps = parse_bench(proc.stdout)
         return {
             "system": "llama.cpp",

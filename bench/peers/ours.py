@@ -64,7 +64,9 @@ class InProcess:
         started = time.perf_counter()
         costs = calibrate_costs(self.llm, [self.ssm], max_verify_tokens=64)
         log(f"ours: cost model calibrated in {time.perf_counter() - started:.1f} s (before any clock starts)")
-        config = EngineConfig(max_batch=1, eos_token_id=eos_token_id(llm), slot_priors=(slot_prior(ssm) or DEFAULT_SLOT_PRIOR,))
+        config = EngineConfig(
+            max_batch=1, eos_token_id=eos_token_id(llm), slot_priors=(slot_prior(ssm) or DEFAULT_SLOT_PRIOR,)
+        )
         self.engine = SpeculativeEngine(self.llm, [self.ssm], config, costs)
         self.count = 0
 

@@ -19,13 +19,29 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specinfer.core import InvalidArgument
-from specinfer.llm_verifier.ranks import Launch, exit_with_parent, plan_launch, rank_device, spawn_ranks, stop_ranks, watch_ranks
+from specinfer.llm_verifier.ranks import (
+    Launch,
+    exit_with_parent,
+    plan_launch,
+    rank_device,
+    spawn_ranks,
+    stop_ranks,
+    watch_ranks,
+)
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.loading import check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, exit_rank, load_driver, run_rank
-from specinfer.serving.config import SettingsParser, add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
+from specinfer.serving.config import (
+    SettingsParser,
+    add_model_settings,
+    add_server_settings,
+    add_setting,
+    internal_token,
+    parse_named_paths,
+    server_security,
+)
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_verifier, load_model, model_identity, verifier_cost_entry
 from specinfer.serving.security import ServerSecurity
@@ -37,16 +53,59 @@ STOP_RANKS_SECONDS = 10.0  # after a clean shutdown, how long the other ranks ge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SettingsParser(prog="specinfer-llm-verifier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_setting(parser, "--llm", default=None, help="the LLM checkpoint, PATH or NAME=PATH (default name: the folder's) (required)")
+    parser = SettingsParser(
+        prog="specinfer-llm-verifier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_setting(
+        parser,
+        "--llm",
+        default=None,
+        help="the LLM checkpoint, PATH or NAME=PATH (default name: the folder's) (required)",
+    )
     add_server_settings(parser)
     add_model_settings(parser)
-    add_setting(parser, "--tensor-parallel", int, 1, help="ranks each layer is split across (native backend; divides the heads, KV heads and MLP width)")
-    add_setting(parser, "--pipeline-parallel", int, 1, help="pipeline stages, each a contiguous range of layers (native backend)")
-    add_setting(parser, "--offload", bool, False, help="LLM decoder layers in host memory, streamed to the device layer by layer (native backend)")
-    add_setting(parser, "--offload-reserve-bytes", int, 0, help="most device memory offloading may use: staging buffers and resident weights (0: no bound)")
-    add_setting(parser, "--calibrate-tokens", int, 64, help="time verify calls up to this many tree tokens at start-up, for the planner (0: off)")
-    add_setting(parser, "--rank-timeout-seconds", float, 60.0, help="with several ranks: how long a collective waits for a peer before the service fails")
+    add_setting(
+        parser,
+        "--tensor-parallel",
+        int,
+        1,
+        help="ranks each layer is split across (native backend; divides the heads, KV heads and MLP width)",
+    )
+    add_setting(
+        parser,
+        "--pipeline-parallel",
+        int,
+        1,
+        help="pipeline stages, each a contiguous range of layers (native backend)",
+    )
+    add_setting(
+        parser,
+        "--offload",
+        bool,
+        False,
+        help="LLM decoder layers in host memory, streamed to the device layer by layer (native backend)",
+    )
+    add_setting(
+        parser,
+        "--offload-reserve-bytes",
+        int,
+        0,
+        help="most device memory offloading may use: staging buffers and resident weights (0: no bound)",
+    )
+    add_setting(
+        parser,
+        "--calibrate-tokens",
+        int,
+        64,
+        help="time verify calls up to this many tree tokens at start-up, for the planner (0: off)",
+    )
+    add_setting(
+        parser,
+        "--rank-timeout-seconds",
+        float,
+        60.0,
+        help="with several ranks: how long a collective waits for a peer before the service fails",
+    )
     return parser
 
 
@@ -84,7 +143,9 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
     try:
         spec = ModelSpec.from_dir(check_checkpoint(path, "llm"))
     except UnsupportedModel as exc:
-        raise InvalidArgument("backend", f"tensor and pipeline parallelism need the native backend, which cannot run {path}: {exc}") from exc
+        raise InvalidArgument(
+            "backend", f"tensor and pipeline parallelism need the native backend, which cannot run {path}: {exc}"
+        ) from exc
     check_layout(spec, tp, pp)
     return plan_launch(tp, pp, args.rank_timeout_seconds, environ)
 
@@ -119,7 +180,9 @@ def run_other_rank(args: argparse.Namespace, launch: Launch) -> int:
     exit_rank(0)
 
 
-def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics, security: ServerSecurity) -> int:
+def serve_parallel(
+    args: argparse.Namespace, launch: Launch, argv: Sequence[str], metrics: ServiceMetrics, security: ServerSecurity
+) -> int:
     """Rank 0: start the other ranks (spawned launch), load its shard, serve, watch the ranks."""
     children = spawn_ranks(launch, argv) if launch.spawn else []
     name, path = llm_path(args)
@@ -131,9 +194,21 @@ def serve_parallel(args: argparse.Namespace, launch: Launch, argv: Sequence[str]
         logging.shutdown()
         os._exit(1)
     layout = launch.layout
-    entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes), (layout.tp, layout.pp))
-    servicer = LlmVerifierServicer(name, backend, ModelMetrics(metrics.registry, "llm"), calibrate_verifier(backend, args.calibrate_tokens, entry))
-    log.info("model loaded", extra={"llm": name, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp, "max_requests": backend.max_requests})
+    entry = verifier_cost_entry(
+        args, model_identity(path, args, args.offload, args.offload_reserve_bytes), (layout.tp, layout.pp)
+    )
+    servicer = LlmVerifierServicer(
+        name, backend, ModelMetrics(metrics.registry, "llm"), calibrate_verifier(backend, args.calibrate_tokens, entry)
+    )
+    log.info(
+        "model loaded",
+        extra={
+            "llm": name,
+            "tensor_parallel": layout.tp,
+            "pipeline_parallel": layout.pp,
+            "max_requests": backend.max_requests,
+        },
+    )
 
     async def on_stop() -> None:
         await servicer.runner.call(lambda _model: driver.shutdown())
@@ -175,10 +250,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launch is None:
             servicer = load_servicer(args, ModelMetrics(metrics.registry, "llm"))
             llm = servicer.llm
-            extra = {"llm": servicer.name, "vocab_size": llm.vocab_size, "max_positions": llm.max_positions, "max_requests": llm.max_requests}
+            extra = {
+                "llm": servicer.name,
+                "vocab_size": llm.vocab_size,
+                "max_positions": llm.max_positions,
+                "max_requests": llm.max_requests,
+            }
             log.info("model loaded", extra=extra)
             # the model loads before the server starts, so health turns SERVING only once it can verify
-            asyncio.run(serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
+            asyncio.run(
+                serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security)
+            )
             return 0
     except InvalidArgument as exc:
         return parser.bad_setting(exc)

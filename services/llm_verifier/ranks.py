@@ -53,12 +53,19 @@ def plan_launch(tp: int, pp: int, timeout_seconds: float, environ: Mapping[str, 
     if "RANK" in environ and "WORLD_SIZE" in environ:
         world, rank = int(environ["WORLD_SIZE"]), int(environ["RANK"])
         if world != tp * pp:
-            raise InvalidArgument("tensor-parallel", f"WORLD_SIZE is {world}, but --tensor-parallel {tp} x --pipeline-parallel {pp} = {tp * pp}")
+            raise InvalidArgument(
+                "tensor-parallel",
+                f"WORLD_SIZE is {world}, but --tensor-parallel {tp} x --pipeline-parallel {pp} = {tp * pp}",
+            )
         if "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
-            raise InvalidArgument("tensor-parallel", "a joined launch (RANK and WORLD_SIZE set) needs MASTER_ADDR and MASTER_PORT too")
+            raise InvalidArgument(
+                "tensor-parallel", "a joined launch (RANK and WORLD_SIZE set) needs MASTER_ADDR and MASTER_PORT too"
+            )
         rendezvous = Rendezvous(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), timeout_seconds)
         return Launch(ParallelLayout(tp, pp, rank), rendezvous, int(environ.get("LOCAL_RANK", rank)), spawn=False)
-    return Launch(ParallelLayout(tp, pp, 0), Rendezvous("127.0.0.1", free_port("127.0.0.1"), timeout_seconds), 0, spawn=True)
+    return Launch(
+        ParallelLayout(tp, pp, 0), Rendezvous("127.0.0.1", free_port("127.0.0.1"), timeout_seconds), 0, spawn=True
+    )
 
 
 def rank_device(device: str, local_rank: int) -> str:

@@ -28,14 +28,17 @@ log = logging.getLogger("specinfer.llm_verifier")
 def verify_counting_hits(llm: CausalLM, jobs: list[VerifySpec]) -> list[tuple[VerifyResult, int]]:
     """:func:`verify_trees`, each verdict with the context tokens the LLM took from its prefix cache
     for that job (read in the model's thread, before another call changes them)."""
-    return [(verdict, llm.prefix_hits(job.request_id)) for verdict, job in zip(verify_trees(llm, jobs), jobs, strict=True)]
+    return [
+        (verdict, llm.prefix_hits(job.request_id)) for verdict, job in zip(verify_trees(llm, jobs), jobs, strict=True)
+    ]
 
 
 class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     """The LLM and the contexts of the requests it verifies."""
 
     def __init__(self, name: str, llm: CausalLM, metrics: ModelMetrics, costs: StepCosts | None = None) -> None:
-        """``costs``: the LLM's calibrated verify cost model (:func:`~specinfer.serving.runner.calibrate_verifier`), reported by GetInfo."""
+        """``costs``: the LLM's calibrated verify cost model (:func:`~specinfer.serving.runner.calibrate_verifier`),
+        reported by GetInfo."""
         self.name = name
         self.costs = costs
         self.metrics = metrics
@@ -51,7 +54,9 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         internal_pb2_grpc.add_LlmVerifierServicer_to_server(self, server)
 
     @rpc_errors
-    async def Verify(self, request: internal_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> internal_pb2.VerifyResponse:
+    async def Verify(
+        self, request: internal_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.VerifyResponse:
         started = time.monotonic()
         call = self._contexts.admit(request.items, self.vocab_size, self.llm.max_positions, wire.verify_job_from_proto)
         verdicts = await self.runner.call(verify_counting_hits, call.jobs) if call.jobs else []
@@ -59,14 +64,23 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         if self.llm.kv_budget is not None:
             response.kv_blocks_free = self.llm.kv_blocks_free or 0
         seconds = time.monotonic() - started
-        self.metrics.observe(self.name, len(call.jobs), sum(len(job.draft.tree) for job in call.jobs), call.misses, seconds, len(self._contexts))
+        self.metrics.observe(
+            self.name,
+            len(call.jobs),
+            sum(len(job.draft.tree) for job in call.jobs),
+            call.misses,
+            seconds,
+            len(self._contexts),
+        )
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         self.metrics.observe_prefix_cache(self.name, self.llm.prefix_cache_stats)
         log.debug("verify", extra={"items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 
     @rpc_errors
-    async def Release(self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ReleaseResponse:
+    async def Release(
+        self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
         await self.runner.release(request.request_ids)
@@ -74,7 +88,9 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         return internal_pb2.ReleaseResponse()
 
     @rpc_errors
-    async def GetInfo(self, request: internal_pb2.LlmInfoRequest, context: grpc.aio.ServicerContext) -> internal_pb2.LlmInfo:
+    async def GetInfo(
+        self, request: internal_pb2.LlmInfoRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.LlmInfo:
         llm = self.llm
         # proto3 has no "unset" for uint32: 0 stands for "bounded only by memory"
         block_size, blocks = wire.kv_budget_to_proto(llm.kv_budget)

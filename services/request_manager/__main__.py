@@ -68,7 +68,13 @@ def worker_kv_budgets(workers: SsmWorkers | None) -> tuple[KVBudget, ...]:
     verifier replicas' budgets hold only the requests placed on each: :class:`~specinfer.core.kv_budget.Replicas`.)"""
     if workers is None:
         return ()
-    return tuple(dict.fromkeys(sorted((b for budgets in workers.kv_budgets.values() for b in budgets), key=lambda b: (b.block_size, b.blocks))))
+    return tuple(
+        dict.fromkeys(
+            sorted(
+                (b for budgets in workers.kv_budgets.values() for b in budgets), key=lambda b: (b.block_size, b.blocks)
+            )
+        )
+    )
 
 
 def kv_budgets(info: internal_pb2.LlmInfo, workers: SsmWorkers | None) -> tuple[KVBudget, ...]:
@@ -105,13 +111,18 @@ def api_limits(
         eos_token_id=eos,
         default_adaptive=cfg.adaptive and bool(ssm_names),
         kv_budgets=budgets,
-        draft_vocabulary=tuple((n, (profiles[n].vocabulary if n in profiles else "") or SHARED_VOCABULARY) for n in ssm_names),
+        draft_vocabulary=tuple(
+            (n, (profiles[n].vocabulary if n in profiles else "") or SHARED_VOCABULARY) for n in ssm_names
+        ),
     )
     if limits.default_expansion:
         nodes = merged_tree_nodes(ExpansionConfig(limits.default_expansion), len(limits.default_ssms))
         if nodes > cfg.max_tree_nodes:
             ssms = len(limits.default_ssms)
-            raise ValueError(f"the default tree (--expansion with {ssms} SSMs) has up to {nodes} nodes, over --max-tree-nodes {cfg.max_tree_nodes}")
+            raise ValueError(
+                f"the default tree (--expansion with {ssms} SSMs) has up to {nodes} nodes, "
+                f"over --max-tree-nodes {cfg.max_tree_nodes}"
+            )
     return limits
 
 
@@ -145,7 +156,14 @@ class SsmSet:
             names += new
             try:
                 # the KV budgets stay those known at start-up: workers that join later are not counted
-                limits = api_limits(self.cfg, self.info, self.workers, names, self.requests.limits.eos_token_id, self.requests.limits.kv_budgets)
+                limits = api_limits(
+                    self.cfg,
+                    self.info,
+                    self.workers,
+                    names,
+                    self.requests.limits.eos_token_id,
+                    self.requests.limits.kv_budgets,
+                )
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
@@ -167,10 +185,17 @@ async def serve(cfg: RequestManagerConfig) -> int:
         if cfg.redis_url:
             redis_url = cfg.redis_url
         else:
-            embedded = EmbeddedRedis(cfg.state_dir, appendonly=True, password=cfg.redis_password or None, die_with_parent=True)
+            embedded = EmbeddedRedis(
+                cfg.state_dir, appendonly=True, password=cfg.redis_password or None, die_with_parent=True
+            )
             resources.enter_context(embedded.owned())
             redis_url = embedded.url
-        client = connect(redis_url, password=cfg.redis_password or None, username=cfg.redis_username or None, cluster=cfg.redis_cluster)
+        client = connect(
+            redis_url,
+            password=cfg.redis_password or None,
+            username=cfg.redis_username or None,
+            cluster=cfg.redis_cluster,
+        )
         resources.push_async_callback(client.aclose)
         store = RequestStore(
             client,
@@ -198,7 +223,12 @@ async def serve(cfg: RequestManagerConfig) -> int:
         http: HttpServer | None = None
         if cfg.http_port:
             chat = ChatTemplate.load(cfg.model_dir) if cfg.model_dir else None
-            http = HttpServer(HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry), chat).app, cfg.host, cfg.http_port, cfg.security)
+            http = HttpServer(
+                HttpApi(servicer, cfg.security, HttpMetrics(metrics.registry), chat).app,
+                cfg.host,
+                cfg.http_port,
+                cfg.security,
+            )
             resources.push_async_callback(http.stop)
             http.start()  # answers at once: /health says 503 and calls 503 until start-up is done
             log.info("HTTP API listening", extra={"url": f"{http.scheme}://{cfg.host}:{http.port}/v1"})
@@ -223,7 +253,13 @@ async def serve(cfg: RequestManagerConfig) -> int:
             verifiers_changed()
             workers = None
             if cfg.ssm_workers:
-                workers = SsmWorkers(cfg.ssm_workers, cfg.rpc_timeout_seconds, cfg.internal, cfg.ssm_failure_seconds, vocab_size=info.vocab_size)
+                workers = SsmWorkers(
+                    cfg.ssm_workers,
+                    cfg.rpc_timeout_seconds,
+                    cfg.internal,
+                    cfg.ssm_failure_seconds,
+                    vocab_size=info.vocab_size,
+                )
                 resources.push_async_callback(workers.close)
                 try:
                     await workers.discover()
@@ -232,16 +268,23 @@ async def serve(cfg: RequestManagerConfig) -> int:
             ssm_names = tuple(sorted(workers.models)) if workers is not None else ()
             unknown = [n for n in cfg.default_ssms if n not in ssm_names]
             if unknown and (workers is None or not workers.pending):
-                raise StartUpError(f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})")
+                raise StartUpError(
+                    f"--default-ssms names unknown SSM {unknown[0]!r} (workers serve: {', '.join(ssm_names) or 'none'})"
+                )
             eos = eos_token_id(cfg.model_dir) if cfg.model_dir else None
             budgets = kv_budgets(info, workers)
             # with KV budgets the scheduler admits by KV blocks; without, a running request holds a KV
             # slot in the verifier until it finishes: never run more than it has
             max_batch = min(cfg.max_batch, info.max_requests) if info.max_requests and not budgets else cfg.max_batch
             if max_batch < cfg.max_batch:
-                log.warning("batch limited by the verifier's KV cache", extra={"max_batch": max_batch, "configured": cfg.max_batch})
+                log.warning(
+                    "batch limited by the verifier's KV cache",
+                    extra={"max_batch": max_batch, "configured": cfg.max_batch},
+                )
             if budgets:
-                log.info("admitting by KV blocks", extra={"kv_budgets": [f"{b.blocks} x {b.block_size}" for b in budgets]})
+                log.info(
+                    "admitting by KV blocks", extra={"kv_budgets": [f"{b.blocks} x {b.block_size}" for b in budgets]}
+                )
             try:
                 limits = api_limits(cfg, info, workers, ssm_names, eos, budgets)
             except ValueError as exc:
@@ -258,7 +301,9 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 max_prefill_tokens=cfg.max_prefill_tokens,
             )
             scheduler = Scheduler(scheduler_config, store, workers, verifier, scheduler_metrics, adaptive)
-            requests = Requests(scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, lease)
+            requests = Requests(
+                scheduler, store, limits, load_tokenizer(cfg.model_dir) if cfg.model_dir else None, lease
+            )
             await lease.acquire(force=not cfg.redis_url)  # nobody else reaches the embedded Redis
             await requests.recover()
             running.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
@@ -269,7 +314,10 @@ async def serve(cfg: RequestManagerConfig) -> int:
                 return scheduler.verifier_reachable and lease.held
 
             def verifier_changed(reachable: bool) -> None:
-                log.warning("the verifier answers again" if reachable else "the verifier is unreachable", extra={"health": health_name(serving())})
+                log.warning(
+                    "the verifier answers again" if reachable else "the verifier is unreachable",
+                    extra={"health": health_name(serving())},
+                )
                 report(service.set_serving(serving()))
 
             def lease_changed(held: bool) -> None:  # ownership logs the change
@@ -339,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = RequestManagerConfig.parser()
     try:  # a bad setting, found here or when a port binds: one line on stderr, exit status 2
         cfg = RequestManagerConfig.from_namespace(parser.parse_args(argv))
-        check_ports_free(cfg.host, {"port": cfg.port, "http-port": cfg.http_port, "metrics-port": cfg.server.metrics_port or -1})
+        check_ports_free(
+            cfg.host, {"port": cfg.port, "http-port": cfg.http_port, "metrics-port": cfg.server.metrics_port or -1}
+        )
         setup_logging(cfg.log_level)
         return asyncio.run(serve(cfg))
     except InvalidArgument as exc:

@@ -37,13 +37,18 @@ from specinfer.v1 import internal_pb2
 
 log = logging.getLogger("specinfer.request_manager")
 
-CALIBRATION_SIZES = tuple(b for b in BUCKETS if b <= 32)  # tree nodes of the synthetic verify calls (and requests of the draft calls)
+CALIBRATION_SIZES = tuple(
+    b for b in BUCKETS if b <= 32
+)  # tree nodes of the synthetic verify calls (and requests of the draft calls)
 CALIBRATION_CONTEXT = 32  # context tokens of each synthetic request
 CALIBRATION_REPEATS = 3  # timed calls per size, after a warm-up call; the median is kept
 
 
-def costs_from_reports(info: internal_pb2.LlmInfo, profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]) -> StepCosts | None:
-    """The cost model the services measured at their start-up (SSM i: ``ssm_names[i]``); None when the verifier reported no table."""
+def costs_from_reports(
+    info: internal_pb2.LlmInfo, profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]
+) -> StepCosts | None:
+    """The cost model the services measured at their start-up (SSM i: ``ssm_names[i]``); None when the verifier
+    reported no table."""
     verify = wire.cost_table_from_proto(info.verify_costs)
     if verify is None:
         return None
@@ -55,7 +60,9 @@ def costs_from_reports(info: internal_pb2.LlmInfo, profiles: Mapping[str, intern
     return StepCosts(verify, info.verify_seconds_per_context_token, drafts)
 
 
-def priors_from_reports(profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]) -> dict[int, tuple[float, ...]]:
+def priors_from_reports(
+    profiles: Mapping[str, internal_pb2.SsmProfile], ssm_names: Sequence[str]
+) -> dict[int, tuple[float, ...]]:
     """Each SSM's prior slot acceptance: what its worker reported, else the default."""
     priors = {}
     for i, name in enumerate(ssm_names):
@@ -66,10 +73,16 @@ def priors_from_reports(profiles: Mapping[str, internal_pb2.SsmProfile], ssm_nam
 
 def _synthetic(tag: str, n: int, vocab: int, rng: np.random.Generator) -> tuple[str, list[int], list[int]]:
     """A calibration request: its ID, context and ``n`` tree tokens (root first)."""
-    return f"__calibrate-{tag}-{n}", rng.integers(0, vocab, size=CALIBRATION_CONTEXT).tolist(), rng.integers(0, vocab, size=n).tolist()
+    return (
+        f"__calibrate-{tag}-{n}",
+        rng.integers(0, vocab, size=CALIBRATION_CONTEXT).tolist(),
+        rng.integers(0, vocab, size=n).tolist(),
+    )
 
 
-async def calibrate_through_calls(verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], vocab: int, costs: StepCosts | None) -> StepCosts:
+async def calibrate_through_calls(
+    verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], vocab: int, costs: StepCosts | None
+) -> StepCosts:
     """``costs`` with what is missing timed through real calls: the verify table (binary trees of
     :data:`CALIBRATION_SIZES` nodes) and the draft table of every SSM without one (one pass over n
     roots, as the worker reports it). The synthetic requests are released afterwards."""
@@ -87,7 +100,9 @@ async def calibrate_through_calls(verifier: Verifiers, workers: SsmWorkers | Non
                 times.append(time.perf_counter() - started)
             seconds[n] = statistics.median(times[1:])
             await verifier.release([rid])
-            log.info("calibrating", extra={"step": f"verify: {n} tokens {seconds[n] * 1e3:.1f} ms (through Verify calls)"})
+            log.info(
+                "calibrating", extra={"step": f"verify: {n} tokens {seconds[n] * 1e3:.1f} ms (through Verify calls)"}
+            )
         costs = StepCosts(CostTable(seconds), 0.0, {})
     for i, name in enumerate(ssm_names):
         if i in costs.drafts or workers is None:
@@ -97,7 +112,9 @@ async def calibrate_through_calls(verifier: Verifiers, workers: SsmWorkers | Non
             specs = []
             for k in range(n):
                 rid, context, tokens = _synthetic(f"{name}-{k}", n, vocab, rng)
-                specs.append(DraftSpec(rid, context, tokens[0], ExpansionConfig((1,)), greedy, 1, 0, 0, draft_stream(i)))
+                specs.append(
+                    DraftSpec(rid, context, tokens[0], ExpansionConfig((1,)), greedy, 1, 0, 0, draft_stream(i))
+                )
             for _ in range(CALIBRATION_REPEATS + 1):
                 drafts = await workers.speculate(name, specs)
                 for tokens, secs in drafts.passes:
@@ -105,12 +122,15 @@ async def calibrate_through_calls(verifier: Verifiers, workers: SsmWorkers | Non
             await workers.release([s.request_id for s in specs])
         if passes:
             costs.drafts[i] = CostTable({tokens: statistics.median(secs) for tokens, secs in passes.items()})
-            log.info("calibrating", extra={"step": f"ssm {name}: {costs.drafts[i].as_dict()} (through Speculate calls)"})
+            log.info(
+                "calibrating", extra={"step": f"ssm {name}: {costs.drafts[i].as_dict()} (through Speculate calls)"}
+            )
     return costs
 
 
 def planner_config(max_tree_nodes: int) -> PlannerConfig:
-    """The planner's settings when the API allows trees of at most ``max_tree_nodes`` nodes: its trees stay within them."""
+    """The planner's settings when the API allows trees of at most ``max_tree_nodes`` nodes: its trees stay within
+    them."""
     return PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
 
 
@@ -172,7 +192,11 @@ class PlannerMetrics:
 
 
 async def start_planner(
-    info: internal_pb2.LlmInfo, verifier: Verifiers, workers: SsmWorkers | None, ssm_names: Sequence[str], max_tree_nodes: int
+    info: internal_pb2.LlmInfo,
+    verifier: Verifiers,
+    workers: SsmWorkers | None,
+    ssm_names: Sequence[str],
+    max_tree_nodes: int,
 ) -> AdaptiveSpeculation | None:
     """Adaptive speculation's state from the services' reports, calibrated through calls where they
     report nothing, its trees within the API's ``max_tree_nodes``; None without SSMs."""
@@ -181,7 +205,13 @@ async def start_planner(
     profiles = workers.profiles
     costs = costs_from_reports(info, profiles, ssm_names)
     if costs is None or len(costs.drafts) < len(ssm_names):
-        costs = await asyncio.wait_for(calibrate_through_calls(verifier, workers, ssm_names, info.vocab_size, costs), timeout=max(60.0, verifier.timeout))
+        costs = await asyncio.wait_for(
+            calibrate_through_calls(verifier, workers, ssm_names, info.vocab_size, costs),
+            timeout=max(60.0, verifier.timeout),
+        )
     priors = priors_from_reports(profiles, ssm_names)
-    log.info("adaptive speculation ready", extra={"costs": costs.describe(), "slot_priors": {ssm_names[i]: p for i, p in priors.items()}})
+    log.info(
+        "adaptive speculation ready",
+        extra={"costs": costs.describe(), "slot_priors": {ssm_names[i]: p for i, p in priors.items()}},
+    )
     return AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors)

@@ -49,8 +49,12 @@ class ApiLimits:
     max_prompt_tokens: int = 8192
     max_tree_nodes: int = 64  # of the merged tree, root included
     default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
-    kv_budgets: tuple[KVBudget, ...] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
-    draft_vocabulary: tuple[tuple[str, str], ...] = ()  # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
+    kv_budgets: tuple[
+        KVBudget, ...
+    ] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
+    draft_vocabulary: tuple[
+        tuple[str, str], ...
+    ] = ()  # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
 
     @property
     def default_speculation(self) -> str:
@@ -123,7 +127,9 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
     names = tuple(msg.ssms) or limits.default_ssms
     unknown = [n for n in names if n not in limits.ssm_names]
     if unknown:
-        raise InvalidArgument("speculation.ssms", f"unknown SSM {unknown[0]!r} (have: {', '.join(limits.ssm_names) or 'none'})")
+        raise InvalidArgument(
+            "speculation.ssms", f"unknown SSM {unknown[0]!r} (have: {', '.join(limits.ssm_names) or 'none'})"
+        )
     if len(set(names)) != len(names):
         raise InvalidArgument("speculation.ssms", "lists an SSM twice")
     if not names:
@@ -131,7 +137,10 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
     if expansion is not None:
         nodes = merged_tree_nodes(expansion, len(names))
         if nodes > limits.max_tree_nodes:
-            raise InvalidArgument("speculation.expansion", f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {limits.max_tree_nodes}")
+            raise InvalidArgument(
+                "speculation.expansion",
+                f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {limits.max_tree_nodes}",
+            )
     suffix = msg.suffix if msg.HasField("suffix") else True
     return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix)
 
@@ -142,7 +151,9 @@ def _static_expansion(widths: tuple[int, ...], limits: ApiLimits) -> ExpansionCo
         return None
     most = limits.max_tree_nodes
     if len(widths) >= most:  # checked first: the node count of a deep tree is a huge number
-        raise InvalidArgument("speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer")
+        raise InvalidArgument(
+            "speculation.expansion", f"{len(widths)} depths; a tree of at most {most} nodes has fewer"
+        )
     return wire.expansion_from_proto(widths)
 
 
@@ -150,7 +161,9 @@ def _check_stops(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tok
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument("stop_token_ids", f"{len(msg.stop_token_ids)} IDs; at most {MAX_STOP_TOKEN_IDS}")
     if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in msg.stop):
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters")
+        raise InvalidArgument(
+            "stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters"
+        )
     if any(not s for s in msg.stop):
         raise InvalidArgument("stop", "an empty stop string would stop at once")
     check_token_ids("stop_token_ids", msg.stop_token_ids, limits.vocab_size)
@@ -164,17 +177,24 @@ def _check_length(prompt: tuple[int, ...], max_new_tokens: int, limits: ApiLimit
     if max_new_tokens > limits.max_new_tokens:
         raise InvalidArgument("max_new_tokens", f"must be at most {limits.max_new_tokens}, got {max_new_tokens}")
     if len(prompt) + max_new_tokens > limits.max_positions:
-        raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens exceeds the model's {limits.max_positions} positions")
+        raise InvalidArgument(
+            "max_new_tokens",
+            f"prompt ({len(prompt)} tokens) + max_new_tokens exceeds the model's {limits.max_positions} positions",
+        )
 
 
 def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
-    """Refuses a request the scheduler's KV budgets could never run (:func:`~specinfer.core.kv_budget.check_fits_alone`)."""
+    """Refuses a request the scheduler's KV budgets could never run
+    (:func:`~specinfer.core.kv_budget.check_fits_alone`)."""
     check_fits_alone(request, limits.kv_budgets, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
 
 
-def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None) -> Live:
+def build_live(
+    msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None
+) -> Live:
     """A validated :class:`Live` request from the wire message (``deadline``: ``time.monotonic()`` after which it is
-    abandoned; None: never). A request without an ID gets a random one, a sampling request without a seed a random seed."""
+    abandoned; None: never). A request without an ID gets a random one, a sampling request without a seed a random
+    seed."""
     request_id = check_request_id(msg.request_id or uuid.uuid4().hex)
     _check_stops(msg, limits, tokenizer)  # bounded before the prompt is tokenized
     prompt = prompt_tokens(msg, limits, tokenizer)
@@ -191,5 +211,9 @@ def build_live(msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Token
     )
     check_kv_fit(request, limits)
     seed = request_seed(sampling)
-    text = TextStream(tokenizer, tuple(msg.stop), wire.skip_special_tokens_from_proto(msg)) if tokenizer is not None else None
+    text = (
+        TextStream(tokenizer, tuple(msg.stop), wire.skip_special_tokens_from_proto(msg))
+        if tokenizer is not None
+        else None
+    )
     return Live(request, seed, tuple(msg.stop), text, deadline)

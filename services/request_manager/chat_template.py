@@ -33,7 +33,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -74,7 +76,9 @@ class ChatTemplate:
         jinja_file = folder / "chat_template.jinja"
         source = jinja_file.read_text() if jinja_file.is_file() else config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
-            source = next((t.get("template") for t in source if isinstance(t, Mapping) and t.get("name") == "default"), None)
+            source = next(
+                (t.get("template") for t in source if isinstance(t, Mapping) and t.get("name") == "default"), None
+            )
         if not isinstance(source, str) or not source:
             return None
         return ChatTemplate(source, _special_tokens(config))
@@ -83,7 +87,13 @@ class ChatTemplate:
         """The prompt text of ``messages``; InvalidArgument("messages") when the template refuses them
         (its ``raise_exception``) or fails on them."""
         try:
-            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special_tokens)
+            return self.template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidArgument("messages", f"the chat template refused them: {exc}") from None
 
@@ -99,7 +109,9 @@ def check_messages(value: Any) -> list[dict[str, Any]]:
             raise InvalidArgument("messages", f"messages[{i}] needs a role, one of {', '.join(ROLES)}")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(
+                isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise InvalidArgument("messages", f"messages[{i}].content: only text parts are supported")
             content = "\n".join(p["text"] for p in content)
         if content is None and message.get("role") == "assistant":

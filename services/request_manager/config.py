@@ -43,7 +43,9 @@ class RequestManagerConfig:
     ssm_workers: tuple[str, ...]
     verifiers: tuple[str, ...]  # LLM verifier replicas: host:port addresses and dns:///host:port names
     model_dir: str  # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
-    expansion: tuple[int, ...]  # default static expansion config; empty: adaptive (see adaptive) or no speculation by default
+    expansion: tuple[
+        int, ...
+    ]  # default static expansion config; empty: adaptive (see adaptive) or no speculation by default
     adaptive: bool  # requests that set nothing speculate adaptively (--expansion auto)
     default_ssms: tuple[str, ...]
     draft_support: int
@@ -68,7 +70,9 @@ class RequestManagerConfig:
 
     @staticmethod
     def parser() -> SettingsParser:
-        p = SettingsParser(prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API")
+        p = SettingsParser(
+            prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API"
+        )
         add_server_settings(p, default_port=50051)
         add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
         add_setting(p, "--redis-password", str, "", "Redis password", secret=True)
@@ -79,18 +83,38 @@ class RequestManagerConfig:
             "--redis-min-replica-acks",
             int,
             0,
-            "replicas that must acknowledge each write before tokens are streamed (WAIT), so an acknowledged token survives a failover (0: off)",
+            "replicas that must acknowledge each write before tokens are streamed (WAIT), "
+            "so an acknowledged token survives a failover (0: off)",
         )
-        add_setting(p, "--redis-key-prefix", str, "specinfer", "prefix of every Redis key (deployments that share a Redis use different ones)")
-        add_setting(p, "--redis-replica-timeout-seconds", float, 1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)")
+        add_setting(
+            p,
+            "--redis-key-prefix",
+            str,
+            "specinfer",
+            "prefix of every Redis key (deployments that share a Redis use different ones)",
+        )
+        add_setting(
+            p,
+            "--redis-replica-timeout-seconds",
+            float,
+            1.0,
+            "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)",
+        )
         add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
-        add_setting(p, "--ssm-workers", str, "", "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host")
+        add_setting(
+            p,
+            "--ssm-workers",
+            str,
+            "",
+            "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host",
+        )
         add_setting(
             p,
             "--verifier",
             str,
             "127.0.0.1:50053",
-            "comma-separated LLM verifier replica addresses host:port; dns:///host:port means all addresses of host (each request runs on one)",
+            "comma-separated LLM verifier replica addresses host:port; dns:///host:port means all addresses of host "
+            "(each request runs on one)",
         )
         add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
         add_setting(
@@ -98,31 +122,57 @@ class RequestManagerConfig:
             "--expansion",
             str,
             "auto",
-            "default speculation: 'auto' (adaptive: the planner sizes each step's tree), 'tuned' (the paper's tree), widths per depth, "
-            "@FILE (a `specinfer tune` result), 'none'",
+            "default speculation: 'auto' (adaptive: the planner sizes each step's tree), 'tuned' (the paper's tree), "
+            "widths per depth, @FILE (a `specinfer tune` result), 'none'",
         )
         add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
         add_setting(p, "--draft-support", int, DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
         add_setting(p, "--max-batch", int, 32, "most requests per iteration")
-        add_setting(p, "--max-prefill-tokens", int, 2048, "most tokens of the requests admitted in one iteration, past the first (0: no cap)")
+        add_setting(
+            p,
+            "--max-prefill-tokens",
+            int,
+            2048,
+            "most tokens of the requests admitted in one iteration, past the first (0: no cap)",
+        )
         add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
         add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")
-        add_setting(p, "--owner", str, socket.gethostname(), "ID of this replica (requests in Redis are partitioned by owner; unique per replica)")
+        add_setting(
+            p,
+            "--owner",
+            str,
+            socket.gethostname(),
+            "ID of this replica (requests in Redis are partitioned by owner; unique per replica)",
+        )
         add_setting(
             p,
             "--lease-seconds",
             float,
             10.0,
-            "TTL of this replica's ownership lease in Redis, renewed every third of it; a dead replica's requests resume on another within 1.5 times it",
+            "TTL of this replica's ownership lease in Redis, renewed every third of it; "
+            "a dead replica's requests resume on another within 1.5 times it",
         )
         add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
         add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
         add_setting(p, "--max-prompt-tokens", int, 8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
         add_setting(p, "--max-tree-nodes", int, 64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
-        add_setting(p, "--ssm-failure-seconds", float, 10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy")
+        add_setting(
+            p,
+            "--ssm-failure-seconds",
+            float,
+            10.0,
+            "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy",
+        )
         add_setting(p, "--http-port", int, 8000, "port of the OpenAI-compatible HTTP API on --host (0: no HTTP API)")
         add_setting(p, "--http-port-file", str, "", "write the HTTP API's port here once it listens")
-        add_setting(p, "--auth-token", str, "", "bearer token clients of the public API (gRPC and HTTP) must send (empty: none)", secret=True)
+        add_setting(
+            p,
+            "--auth-token",
+            str,
+            "",
+            "bearer token clients of the public API (gRPC and HTTP) must send (empty: none)",
+            secret=True,
+        )
         add_setting(p, "--auth-token-file", str, "", "file holding --auth-token")
         add_client_tls_settings(p)
         return p
@@ -149,7 +199,11 @@ class RequestManagerConfig:
             check_model_dir(a.model_dir)
         keyword = a.expansion.strip().lower()
         adaptive = keyword == "auto"
-        expansion = () if adaptive or keyword in ("", "none", "off") else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
+        expansion = (
+            ()
+            if adaptive or keyword in ("", "none", "off")
+            else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
+        )
         return RequestManagerConfig(
             host=a.host,
             port=a.port,
@@ -204,18 +258,29 @@ def check_redis(a: argparse.Namespace) -> None:
     """The Redis settings fit together: a cluster or replicas need an external Redis (--redis-url); the
     embedded one is a single server without replicas."""
     if a.redis_cluster and not a.redis_url:
-        raise InvalidArgument("redis-cluster", "--redis-cluster needs --redis-url naming a node of the cluster (the embedded Redis is no cluster)")
+        raise InvalidArgument(
+            "redis-cluster",
+            "--redis-cluster needs --redis-url naming a node of the cluster (the embedded Redis is no cluster)",
+        )
     if a.redis_cluster and not a.redis_url.startswith(("redis://", "rediss://")):
         raise InvalidArgument(
-            "redis-url", f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://"
+            "redis-url",
+            f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://",
         )
     if a.redis_min_replica_acks < 0:
         raise InvalidArgument("redis-min-replica-acks", f"must be >= 0, got {a.redis_min_replica_acks}")
     if a.redis_min_replica_acks and not a.redis_url:
-        raise InvalidArgument("redis-min-replica-acks", "--redis-min-replica-acks needs --redis-url (the embedded Redis has no replicas)")
+        raise InvalidArgument(
+            "redis-min-replica-acks", "--redis-min-replica-acks needs --redis-url (the embedded Redis has no replicas)"
+        )
     if not a.redis_key_prefix or "{" in a.redis_key_prefix or "}" in a.redis_key_prefix:
-        raise InvalidArgument("redis-key-prefix", f"must be non-empty and free of braces (Redis Cluster hash tags), got {a.redis_key_prefix!r}")
+        raise InvalidArgument(
+            "redis-key-prefix",
+            f"must be non-empty and free of braces (Redis Cluster hash tags), got {a.redis_key_prefix!r}",
+        )
     if not 0 < a.redis_replica_timeout_seconds < SOCKET_TIMEOUT_S:
         raise InvalidArgument(
-            "redis-replica-timeout-seconds", f"must be > 0 and below the Redis socket timeout of {SOCKET_TIMEOUT_S:g} s, got {a.redis_replica_timeout_seconds}"
+            "redis-replica-timeout-seconds",
+            f"must be > 0 and below the Redis socket timeout of {SOCKET_TIMEOUT_S:g} s, "
+            f"got {a.redis_replica_timeout_seconds}",
         )

@@ -40,14 +40,23 @@ class ContextTracker:
         return request_id in self._known
 
 
-async def call_with_context(send: Callable[[list[Any], list[internal_pb2.Context]], Awaitable[Sequence[Any]]], calls: Sequence[Any], tracker: ContextTracker):
+async def call_with_context(
+    send: Callable[[list[Any], list[internal_pb2.Context]], Awaitable[Sequence[Any]]],
+    calls: Sequence[Any],
+    tracker: ContextTracker,
+):
     """Send ``calls`` (each with ``request_id`` and ``context``) through ``send(calls, contexts)``,
     which returns one result per call; items answered with cache_miss are sent once more with
     their whole context. Returns the callee's results by request ID."""
     results = {}
     pending = list(calls)
     for attempt in range(2):
-        contexts = [tracker.message(c.request_id, c.context) if attempt == 0 else wire.context_to_proto(c.request_id, c.context, 0) for c in pending]
+        contexts = [
+            tracker.message(c.request_id, c.context)
+            if attempt == 0
+            else wire.context_to_proto(c.request_id, c.context, 0)
+            for c in pending
+        ]
         response = await send(pending, contexts)
         retry = []
         for call, result in zip(pending, response, strict=True):

@@ -37,7 +37,9 @@ class DnsTarget:
         if rest.startswith("//"):
             authority, _, rest = rest[2:].partition("/")
             if authority:
-                raise ValueError(f"SSM worker target {target!r}: a DNS server (authority) is not supported; write dns:///host:port")
+                raise ValueError(
+                    f"SSM worker target {target!r}: a DNS server (authority) is not supported; write dns:///host:port"
+                )
         host, sep, port = rest.rpartition(":")
         host = host.removeprefix("[").removesuffix("]")  # [IPv6 literal]
         if not sep or not host or not port.isdigit():
@@ -47,7 +49,12 @@ class DnsTarget:
     async def resolve(self) -> list[str]:
         """Every address of ``host`` (A and AAAA records), sorted, as ``ip:port`` or ``[ip]:port``."""
         infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        return sorted({f"[{addr[0]}]:{self.port}" if family == socket.AF_INET6 else f"{addr[0]}:{self.port}" for family, _, _, _, addr in infos})
+        return sorted(
+            {
+                f"[{addr[0]}]:{self.port}" if family == socket.AF_INET6 else f"{addr[0]}:{self.port}"
+                for family, _, _, _, addr in infos
+            }
+        )
 
 
 async def resolve_targets(targets: Sequence[str], parsed: Sequence[DnsTarget | None]) -> dict[str, str]:

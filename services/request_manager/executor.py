@@ -24,7 +24,8 @@ log = logging.getLogger("specinfer.request_manager")
 
 @dataclass(frozen=True)
 class Backoff:
-    """The wait after a failed verification round: ``first_seconds``, doubling per failure in a row, at most ``max_seconds``."""
+    """The wait after a failed verification round: ``first_seconds``, doubling per failure in a row, at most
+    ``max_seconds``."""
 
     first_seconds: float = 0.5
     max_seconds: float = 8.0
@@ -38,7 +39,13 @@ class RemoteExecutor:
     verifies on the verifier replicas the requests are placed on (:class:`~.placement.Placement`)."""
 
     def __init__(
-        self, ssm_names: Sequence[str], workers: SsmWorkers | None, verifier: Verifiers, placement: Placement, metrics: SchedulerMetrics, backoff: Backoff
+        self,
+        ssm_names: Sequence[str],
+        workers: SsmWorkers | None,
+        verifier: Verifiers,
+        placement: Placement,
+        metrics: SchedulerMetrics,
+        backoff: Backoff,
     ) -> None:
         self.ssm_names = tuple(ssm_names)
         self.workers = workers
@@ -54,7 +61,9 @@ class RemoteExecutor:
         if self.workers is None:
             return DraftRound({})
         indices = list(jobs)
-        results = await asyncio.gather(*(self.workers.speculate(self.ssm_names[i], jobs[i]) for i in indices), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.workers.speculate(self.ssm_names[i], jobs[i]) for i in indices), return_exceptions=True
+        )
         trees, passes = {}, []
         for index, result in zip(indices, results, strict=True):
             name = self.ssm_names[index]

@@ -37,7 +37,12 @@ CHANNEL_OPTIONS = (
 )
 # statuses that say the call was wrong, not the worker: they do not take the worker out
 CALLER_FAULTS = frozenset(
-    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
 )
 
 
@@ -47,7 +52,9 @@ class HealthProbes:
     ``on_serving(address)`` runs when a probe finds its worker SERVING, after the worker is back.
     """
 
-    def __init__(self, probe_seconds: float, metadata: Sequence[tuple[str, str]], on_serving: Callable[[str], None]) -> None:
+    def __init__(
+        self, probe_seconds: float, metadata: Sequence[tuple[str, str]], on_serving: Callable[[str], None]
+    ) -> None:
         self.probe_seconds = probe_seconds
         self._metadata = metadata
         self._on_serving = on_serving
@@ -76,7 +83,9 @@ class HealthProbes:
         while True:
             await asyncio.sleep(self.probe_seconds)
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_seconds, metadata=self._metadata)
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.probe_seconds, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError:
                 continue
             if reply.status == health_pb2.HealthCheckResponse.SERVING:

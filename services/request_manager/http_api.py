@@ -2,14 +2,13 @@
 request manager's own event loop: no extra hop, no extra process).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (messages rendered by the checkpoint's
-chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire`), admit each choice with the same
-:func:`.admission.build_live` as the gRPC servicer, call :meth:`.lifecycle.Requests.start` once per
-choice, and wrap the events; they hold no logic of their own. Errors are OpenAI error objects: 400
-naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404 for an
-unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after
-start-up, while it is unreachable (requests already running wait for it) or while this request
-manager does not hold its ownership lease (:mod:`.ownership`). A client that disconnects cancels its
-requests.
+chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire`), admit
+each choice with the same :func:`.admission.build_live` as the gRPC servicer, call
+:meth:`.lifecycle.Requests.start` once per choice, and wrap the events; they hold no logic of their own. Errors are
+OpenAI error objects: 400 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404
+for an unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after start-up,
+while it is unreachable (requests already running wait for it) or while this request manager does not hold its
+ownership lease (:mod:`.ownership`). A client that disconnects cancels its requests.
 """
 
 from __future__ import annotations
@@ -54,7 +53,13 @@ class HttpApi:
     """Routes of the HTTP API over the gRPC servicer's requests (``servicer.requests`` raises
     Unavailable until start-up has reached the verifier)."""
 
-    def __init__(self, servicer: SpecInferServicer, security: ServerSecurity, metrics: HttpMetrics, chat: ChatTemplate | None = None) -> None:
+    def __init__(
+        self,
+        servicer: SpecInferServicer,
+        security: ServerSecurity,
+        metrics: HttpMetrics,
+        chat: ChatTemplate | None = None,
+    ) -> None:
         """``chat``: the LLM checkpoint's chat template (None: chat completions answer 400)."""
         self.servicer = servicer
         self.chat = chat
@@ -77,12 +82,24 @@ class HttpApi:
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip().encode(), k) for k in self._keys):
-            raise HttpError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error", None, "invalid_api_key")
+            raise HttpError(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
 
     def _model(self, wanted: str | None) -> str:
         name = self.servicer.requests.limits.llm_name
         if wanted is not None and wanted != name:
-            raise HttpError(404, f"the model {wanted!r} does not exist; this server serves {name!r}", "invalid_request_error", "model", "model_not_found")
+            raise HttpError(
+                404,
+                f"the model {wanted!r} does not exist; this server serves {name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return name
 
     async def _endpoint(self, name: str, request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
@@ -101,7 +118,14 @@ class HttpApi:
         flight wait for it, but a new caller is better told to retry (OpenAI clients retry 503
         with backoff) than kept waiting for an outage of unknown length."""
         if not self.servicer.requests.scheduler.verifier_reachable:
-            raise HttpError(503, "the LLM verifier is unreachable; retry later", "service_unavailable", None, "verifier_unavailable", retry_after=1)
+            raise HttpError(
+                503,
+                "the LLM verifier is unreachable; retry later",
+                "service_unavailable",
+                None,
+                "verifier_unavailable",
+                retry_after=1,
+            )
 
     async def health(self, request: Request) -> Response:
         try:
@@ -111,7 +135,10 @@ class HttpApi:
         if not self.servicer.requests.scheduler.verifier_reachable:
             return JSONResponse({"status": "unavailable", "detail": "the LLM verifier is unreachable"}, status_code=503)
         if not self.servicer.requests.lease.held:
-            return JSONResponse({"status": "unavailable", "detail": "this request manager does not hold its ownership lease"}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "detail": "this request manager does not hold its ownership lease"},
+                status_code=503,
+            )
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
@@ -137,7 +164,10 @@ class HttpApi:
         messages = check_messages(body.get("messages"))
         tokenizer = self.servicer.requests.tokenizer
         if self.chat is None or tokenizer is None:
-            raise InvalidArgument("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
+            raise InvalidArgument(
+                "messages",
+                "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions",
+            )
         add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise InvalidArgument("add_generation_prompt", "must be true or false")
@@ -188,7 +218,9 @@ class HttpApi:
             raise
         return streams
 
-    async def _collect(self, request: Request, streams: list[_Stream], params: ow.CompletionParams, echo: list[str], started: float) -> list[ow.Choice]:
+    async def _collect(
+        self, request: Request, streams: list[_Stream], params: ow.CompletionParams, echo: list[str], started: float
+    ) -> list[ow.Choice]:
         """Every choice to its end; the requests are cancelled if the client goes away first."""
         choices = [ow.Choice(i, text=echo[i // params.n]) for i in range(len(streams))]
 
@@ -232,7 +264,9 @@ class HttpApi:
             choice.usage = _usage_proto(event)
         return now if event.tokens else last
 
-    async def _chunks(self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool) -> AsyncIterator[str]:
+    async def _chunks(
+        self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool
+    ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per event of any choice as it comes (chat: a first chunk
         with the role, content deltas, then an empty delta with the finish reason), a usage chunk
         when asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects;

@@ -33,22 +33,50 @@ class HttpMetrics:
     """Latency as clients of the HTTP API see it, and its requests by status."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("specinfer_http_requests", "HTTP API requests by endpoint and status code", ["endpoint", "status"], registry=registry)
-        self.ttft = Histogram("specinfer_time_to_first_token_seconds", "From an HTTP request to its first token", buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram(
-            "specinfer_inter_token_latency_seconds", "Time between a choice's token arrivals over HTTP, per token", buckets=LATENCY_BUCKETS, registry=registry
+        self.requests = Counter(
+            "specinfer_http_requests",
+            "HTTP API requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=registry,
         )
-        self.e2e = Histogram("specinfer_e2e_request_latency_seconds", "Time from an HTTP request to its last token", buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            "specinfer_time_to_first_token_seconds",
+            "From an HTTP request to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "specinfer_inter_token_latency_seconds",
+            "Time between a choice's token arrivals over HTTP, per token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "specinfer_e2e_request_latency_seconds",
+            "Time from an HTTP request to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
-        return JSONResponse(ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers)
+        return JSONResponse(
+            ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers
+        )
 
 
 def http_error(exc: Exception) -> HttpError:
@@ -80,7 +108,9 @@ async def json_body(request: Request) -> dict[str, Any]:
             break
     if seen > MAX_BODY_BYTES:
         # read to the end where it is not huge, so that the client, still sending, gets the answer
-        raise HttpError(413, f"the body is over {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
+        raise HttpError(
+            413, f"the body is over {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large"
+        )
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -110,8 +140,8 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving ``app`` (:class:`.http_api.HttpApi`'s) on the running event loop, on a socket bound at once (port 0:
-    any free port, read back from :attr:`port`); TLS (and mTLS) from the same files as the gRPC port."""
+    """uvicorn serving ``app`` (:class:`.http_api.HttpApi`'s) on the running event loop, on a socket bound at once
+    (port 0: any free port, read back from :attr:`port`); TLS (and mTLS) from the same files as the gRPC port."""
 
     def __init__(self, app: Starlette, host: str, port: int, security: ServerSecurity) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -130,7 +160,9 @@ class HttpServer:
             ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.client_ca:
                 ssl.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl)
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl
+        )
         self.server = _Server(config)
         self.scheme = "https" if tls.enabled else "http"
         self._task: asyncio.Task | None = None

@@ -54,7 +54,9 @@ class Requests:
     """Admits, streams, reattaches to, looks up, cancels, recovers and adopts requests; this replica's
     owner ID and the token its writes are fenced with are ``lease``'s."""
 
-    def __init__(self, scheduler: Scheduler, store: RequestStore, limits: ApiLimits, tokenizer: Tokenizer | None, lease: Lease) -> None:
+    def __init__(
+        self, scheduler: Scheduler, store: RequestStore, limits: ApiLimits, tokenizer: Tokenizer | None, lease: Lease
+    ) -> None:
         self.scheduler = scheduler
         self.store = store
         self.limits = limits
@@ -71,7 +73,10 @@ class Requests:
         if self.scheduler.get(rid) is not None:
             raise AlreadyExists("request_id", f"{rid!r} is already running")
         if not self.lease.held:
-            raise Unavailable("this request manager does not hold its ownership lease (Redis unreachable, or another process with its --owner runs); retry")
+            raise Unavailable(
+                "this request manager does not hold its ownership lease "
+                "(Redis unreachable, or another process with its --owner runs); retry"
+            )
         queue: asyncio.Queue = asyncio.Queue()
         live.subscribers.append(queue)
         try:
@@ -119,7 +124,12 @@ class Requests:
                 yield event
 
     async def _stream(
-        self, request_id: str, sent: int, live: Live | None = None, queue: asyncio.Queue | None = None, text: TextStream | None = None
+        self,
+        request_id: str,
+        sent: int,
+        live: Live | None = None,
+        queue: asyncio.Queue | None = None,
+        text: TextStream | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """The events of ``request_id`` after output offset ``sent``, up to the finishing one, trimmed so that
         no token comes twice: from the scheduler while this replica runs the request (``queue``: a
@@ -142,7 +152,12 @@ class Requests:
                         yield StreamEvent(sent, backlog, "")
                         sent += len(backlog)
                     while (event := await queue.get()) is not MOVED:
-                        yield StreamEvent(max(sent, event.offset), event.tokens[max(0, sent - event.offset) :], event.text, event.finished)
+                        yield StreamEvent(
+                            max(sent, event.offset),
+                            event.tokens[max(0, sent - event.offset) :],
+                            event.text,
+                            event.finished,
+                        )
                         if event.finished is not None:
                             return
                         sent = max(sent, event.offset + len(event.tokens))
@@ -163,7 +178,9 @@ class Requests:
             delta = ""
             if text is not None:
                 output += tail.tokens
-                delta = text.update(output)[0] + (text.flush(output) if finish is not None and finish.reason != "stop" else "")
+                delta = text.update(output)[0] + (
+                    text.flush(output) if finish is not None and finish.reason != "stop" else ""
+                )
             if tail.tokens or finish is not None:
                 yield StreamEvent(sent, tail.tokens, delta, finish)
                 sent += len(tail.tokens)
@@ -238,6 +255,8 @@ class Requests:
             live = live_from_snapshot(snapshot, self.limits, self.tokenizer)
         except (KeyError, TypeError, ValueError) as exc:  # a record this version cannot read
             log.error("cannot resume request", extra={"request_id": rid, "error": repr(exc)})
-            await self.store.finish(rid, "error", f"cannot resume: {exc}", owner=self.owner, lease_token=self.lease.token)
+            await self.store.finish(
+                rid, "error", f"cannot resume: {exc}", owner=self.owner, lease_token=self.lease.token
+            )
             return False
         return self.scheduler.resume(live)  # False if a concurrent recovery or adoption resumed it first

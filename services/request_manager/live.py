@@ -29,7 +29,15 @@ class Usage:
     def of(prompt_tokens: int, completion_tokens: int, stats: StepStats) -> Usage:
         """The usage of a request with ``stats``, the totals of its verify steps."""
         n = max(1, stats.llm_steps)
-        return Usage(prompt_tokens, completion_tokens, stats.llm_steps, stats.accepted / n, completion_tokens / n, stats.tree_size / n, stats.cached_prompt)
+        return Usage(
+            prompt_tokens,
+            completion_tokens,
+            stats.llm_steps,
+            stats.accepted / n,
+            completion_tokens / n,
+            stats.tree_size / n,
+            stats.cached_prompt,
+        )
 
 
 @dataclass(frozen=True)

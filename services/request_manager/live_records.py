@@ -37,7 +37,9 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "stop": list(live.stop_strings),
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": live.text.skip_special_tokens if live.text is not None else True,
-        "speculation": None if spec is None else {"expansion": widths, "ssms": [ssm_names[i] for i in spec.ssms], "suffix": spec.suffix},
+        "speculation": None
+        if spec is None
+        else {"expansion": widths, "ssms": [ssm_names[i] for i in spec.ssms], "suffix": spec.suffix},
     }
 
 
@@ -56,8 +58,12 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
         if names:
             widths = params["speculation"]["expansion"]
             expansion = None if widths is None else ExpansionConfig(tuple(widths))
-            suffix = bool(params["speculation"].get("suffix", True))  # records written before suffix drafts: on, the default
-            spec = SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix)
+            suffix = bool(
+                params["speculation"].get("suffix", True)
+            )  # records written before suffix drafts: on, the default
+            spec = SpeculationConfig(
+                expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix
+            )
     request = GenerationRequest(
         request_id=snapshot.request_id,
         prompt_tokens=tuple(snapshot.prompt_tokens),
@@ -84,9 +90,12 @@ def skip_special_tokens(params: dict[str, Any]) -> bool:
 
 
 def snapshot_text(snapshot: RequestSnapshot, tokenizer: Tokenizer) -> str:
-    """A stored request's text as its stream releases it: special tokens left out as it asked, cut before a stop string."""
+    """A stored request's text as its stream releases it: special tokens left out as it asked, cut before a stop
+    string."""
     params = snapshot.params
-    return output_text(tokenizer, snapshot.output_tokens, params.get("stop", ()), skip_special_tokens(params), snapshot.is_finished)
+    return output_text(
+        tokenizer, snapshot.output_tokens, params.get("stop", ()), skip_special_tokens(params), snapshot.is_finished
+    )
 
 
 def snapshot_finish(snapshot: RequestSnapshot) -> Finish | None:

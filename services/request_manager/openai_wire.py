@@ -13,9 +13,9 @@ events back into ``text_completion`` objects. Terms:
 Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
 as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default
 true: EOS and the other special tokens are left out of the text), ``speculation`` (``"auto"``,
-``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool}``) and ``verification`` (``"auto"``,
-``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With ``n > 1`` and a
-``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
+``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool}``) and
+``verification`` (``"auto"``, ``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With
+``n > 1`` and a ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
 """
 
 from __future__ import annotations
@@ -62,7 +62,12 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not lo <= value <= hi:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not lo <= value <= hi
+    ):
         raise InvalidArgument(name, f"must be a number in [{lo}, {hi}]")
     return float(value)
 
@@ -86,7 +91,9 @@ def _flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
 
 
 def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
@@ -124,14 +131,22 @@ def _speculation(body: Mapping[str, Any]) -> api_pb2.SpeculationParams:
         return api_pb2.SpeculationParams(disabled=True)
     if isinstance(spec, Mapping) and set(spec) <= {"expansion", "ssms", "adaptive", "suffix"}:
         expansion, ssms, suffix = spec.get("expansion", []), spec.get("ssms", []), spec.get("suffix")
-        if not (isinstance(expansion, list) and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in expansion)):
+        if not (
+            isinstance(expansion, list)
+            and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in expansion)
+        ):
             raise InvalidArgument("speculation", "expansion must be a list of positive widths per depth")
         if not (isinstance(ssms, list) and all(isinstance(s, str) for s in ssms)):
             raise InvalidArgument("speculation", "ssms must be a list of SSM names")
         if suffix is not None and not isinstance(suffix, bool):
             raise InvalidArgument("speculation", "suffix must be true or false")
-        return api_pb2.SpeculationParams(expansion=expansion, ssms=ssms, adaptive=bool(spec.get("adaptive", False)), suffix=suffix)
-    raise InvalidArgument("speculation", 'must be "auto", "disabled" or {"expansion": [...], "ssms": [...], "adaptive": bool, "suffix": bool}')
+        return api_pb2.SpeculationParams(
+            expansion=expansion, ssms=ssms, adaptive=bool(spec.get("adaptive", False)), suffix=suffix
+        )
+    raise InvalidArgument(
+        "speculation",
+        'must be "auto", "disabled" or {"expansion": [...], "ssms": [...], "adaptive": bool, "suffix": bool}',
+    )
 
 
 @dataclass(frozen=True)
@@ -161,13 +176,26 @@ def completion_params(body: Mapping[str, Any]) -> CompletionParams:
         raise InvalidArgument("model", "must be a string")
     n = _integer(body, "n", 1, 1, MAX_N)
     assert n is not None
-    return CompletionParams(tuple(p if isinstance(p, str) else tuple(p) for p in prompts(body)), n, stream, include_usage, _flag(body, "echo"), model)
+    return CompletionParams(
+        tuple(p if isinstance(p, str) else tuple(p) for p in prompts(body)),
+        n,
+        stream,
+        include_usage,
+        _flag(body, "echo"),
+        model,
+    )
 
 
-def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_prefix: str) -> list[api_pb2.GenerateRequest]:
+def generate_requests(
+    body: Mapping[str, Any], params: CompletionParams, id_prefix: str
+) -> list[api_pb2.GenerateRequest]:
     """One GenerateRequest per choice (see the module doc); types and ranges checked here, the
     rest (vocabulary, lengths, stop limits, SSM names) by admission, as for gRPC."""
-    if body.get("logprobs") not in (None, 0, False) or body.get("best_of") not in (None, 1) or body.get("suffix") is not None:
+    if (
+        body.get("logprobs") not in (None, 0, False)
+        or body.get("best_of") not in (None, 1)
+        or body.get("suffix") is not None
+    ):
         unsupported = next(k for k in ("logprobs", "best_of", "suffix") if body.get(k) not in (None, 0, False, 1))
         raise InvalidArgument(unsupported, "is not supported by this server")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -184,7 +212,9 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
     if not isinstance(verification, str):
         raise InvalidArgument("verification", 'must be "auto", "coupled" or "mss"')
     stop_token_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+    if not (
+        isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)
+    ):
         raise InvalidArgument("stop_token_ids", "must be a list of token IDs")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -197,7 +227,9 @@ def generate_requests(body: Mapping[str, Any], params: CompletionParams, id_pref
             msg = api_pb2.GenerateRequest(
                 request_id=f"{id_prefix}-{p * params.n + i}",
                 max_new_tokens=max_tokens,
-                sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), verification=verification),
+                sampling=api_pb2.SamplingParams(
+                    temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), verification=verification
+                ),
                 stop=stops,
                 stop_token_ids=stop_token_ids,
                 speculation=speculation,
@@ -274,39 +306,60 @@ def _envelope(response_id: str, model: str, created: int) -> dict[str, Any]:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model}
 
 
-def completion_object(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+def completion_object(
+    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+) -> dict[str, Any]:
     return {
         **_envelope(response_id, model, created),
-        "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
-        "usage": usage_object(choices, prompt_tokens),
-        "speculation": speculation_object(choices),
-    }
-
-
-def completion_chunk(response_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {**_envelope(response_id, model, created), "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-
-
-def usage_chunk(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
-    return {**completion_object(response_id, model, created, choices, prompt_tokens), "choices": []}
-
-
-def chat_object(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
         "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason} for c in choices
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices
         ],
         "usage": usage_object(choices, prompt_tokens),
         "speculation": speculation_object(choices),
     }
 
 
-def chat_chunk(response_id: str, model: str, created: int, index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+def completion_chunk(
+    response_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        **_envelope(response_id, model, created),
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(
+    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return {**completion_object(response_id, model, created, choices, prompt_tokens), "choices": []}
+
+
+def chat_object(
+    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_object(choices, prompt_tokens),
+        "speculation": speculation_object(choices),
+    }
+
+
+def chat_chunk(
+    response_id: str, model: str, created: int, index: int, delta: dict[str, str], finish_reason: str | None
+) -> dict[str, Any]:
     """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}``."""
     return {
         "id": response_id,
@@ -317,8 +370,14 @@ def chat_chunk(response_id: str, model: str, created: int, index: int, delta: di
     }
 
 
-def chat_usage_chunk(response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
-    return {**chat_object(response_id, model, created, choices, prompt_tokens), "object": "chat.completion.chunk", "choices": []}
+def chat_usage_chunk(
+    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+) -> dict[str, Any]:
+    return {
+        **chat_object(response_id, model, created, choices, prompt_tokens),
+        "object": "chat.completion.chunk",
+        "choices": [],
+    }
 
 
 def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[str, Any]:

@@ -64,7 +64,9 @@ class Lease:
     the key in Redis, whatever the network or Redis took to answer.
     """
 
-    def __init__(self, store: RequestStore, owner: str, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, store: RequestStore, owner: str, seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         validate_id(owner, "owner")
         if not seconds > 0:
             raise ValueError(f"lease seconds must be positive, got {seconds!r}")
@@ -100,7 +102,10 @@ class Lease:
                 reply = await self.hold()
             except redis.exceptions.RedisError as exc:
                 reply = None
-                log.warning("cannot reach Redis to take the ownership lease; retrying", extra={"owner": self.owner, "error": repr(exc)})
+                log.warning(
+                    "cannot reach Redis to take the ownership lease; retrying",
+                    extra={"owner": self.owner, "error": repr(exc)},
+                )
             if reply is not None and reply.held:
                 if said > float("-inf"):
                     log.info("ownership lease taken after waiting", extra={"owner": self.owner})
@@ -108,7 +113,8 @@ class Lease:
             if reply is not None and self._clock() - said >= WAIT_LOG_SECONDS:
                 said = self._clock()
                 log.warning(
-                    "another process holds the ownership lease of this --owner; waiting until it stops or its lease lapses",
+                    "another process holds the ownership lease of this --owner; "
+                    "waiting until it stops or its lease lapses",
                     extra={"owner": self.owner, "holder": reply.holder, "lease_seconds": self.seconds},
                 )
             await asyncio.sleep(self.seconds / 3)
@@ -160,7 +166,10 @@ class Ownership:
             reply = await self.lease.hold()
         except redis.exceptions.RedisError as exc:
             reply = None
-            log.warning("ownership lease renewal failed", extra={"owner": self.lease.owner, "error": repr(exc), "held": self.lease.held})
+            log.warning(
+                "ownership lease renewal failed",
+                extra={"owner": self.lease.owner, "error": repr(exc), "held": self.lease.held},
+            )
         held = self.lease.held
         self.requests.scheduler.metrics.lease_held.set(1 if held else 0)
         if reply is not None and reply.held and (reply.taken or not self._held):
@@ -171,7 +180,8 @@ class Ownership:
             self._held = held
             if not held:
                 log.error(
-                    "ownership lease lost: new requests are refused, and requests another replica takes over are dropped here",
+                    "ownership lease lost: new requests are refused, "
+                    "and requests another replica takes over are dropped here",
                     extra={"owner": self.lease.owner, "holder": reply.holder if reply is not None else ""},
                 )
             self._changed(held)

@@ -25,7 +25,9 @@ from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, sch
 from specinfer.request_manager.remote import Verifiers
 
 log = logging.getLogger("specinfer.request_manager")
-FREE_BLOCKS_MAX_AGE = 1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
+FREE_BLOCKS_MAX_AGE = (
+    1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
+)
 
 
 class Placement:
@@ -35,7 +37,9 @@ class Placement:
     def __init__(self, verifier: Verifiers, backoff_seconds: float) -> None:
         self.verifier = verifier
         self.backoff_seconds = backoff_seconds
-        self._held: dict[str, int] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
+        self._held: dict[
+            str, int
+        ] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
         self._step_back = False  # a replica refused a step for lack of KV blocks: the next plan steps back
         self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
 
@@ -65,11 +69,16 @@ class Placement:
         if not self._step_back:
             # ValueError: our oldest request fits in none of what the other managers leave: step back
             with contextlib.suppress(ValueError):
-                plan = schedule(kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before))
+                plan = schedule(
+                    kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before)
+                )
         if plan is None:
             plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
             self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * self.backoff_seconds
-            log.warning("every running request waits: other request managers hold the verifiers' KV blocks", extra={"requests": len(running)})
+            log.warning(
+                "every running request waits: other request managers hold the verifiers' KV blocks",
+                extra={"requests": len(running)},
+            )
         self._step_back = False
         held = dict.fromkeys(replicas, 0)
         for rid, r in plan.placement.items():

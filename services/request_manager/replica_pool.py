@@ -35,7 +35,9 @@ from .failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes, StallWatch
 
 log = logging.getLogger("specinfer.request_manager")
 
-JOIN_SECONDS = 1.0  # how long a join waits for a replica's answer (a refused connection fails at once) before it stays pending
+JOIN_SECONDS = (
+    1.0  # how long a join waits for a replica's answer (a refused connection fails at once) before it stays pending
+)
 
 
 class ReplicaPool:
@@ -63,7 +65,9 @@ class ReplicaPool:
         self.auth = auth or ClientAuth()
         self._down = HealthProbes(probe_seconds, self.auth.metadata, self._back)
         self.stalls = StallWatch()  # started by discover(), on the running loop
-        self.on_change: Callable[[], object] | None = None  # called when a replica joins, leaves, is taken out or comes back
+        self.on_change: Callable[[], object] | None = (
+            None  # called when a replica joins, leaves, is taken out or comes back
+        )
         self.refresh_seconds = refresh_seconds
         self.addresses: list[str] = []  # the joined replicas, in the order they joined
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -91,7 +95,10 @@ class ReplicaPool:
         del self._trackers[address]
 
     def _report_taken_out(self, address: str, error: BaseException) -> None:
-        log.warning(f"{self.kind} taken out; its requests move to the others", extra={"address": address, "error": repr(error), "live": self.live_count()})
+        log.warning(
+            f"{self.kind} taken out; its requests move to the others",
+            extra={"address": address, "error": repr(error), "live": self.live_count()},
+        )
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -123,7 +130,10 @@ class ReplicaPool:
             self._tls_names = await resolve_targets(self.targets, self._dns)
         except OSError as exc:
             self._tls_names = {}
-            log.warning(f"{self.kind} lookup failed; trying again in the background", extra={"targets": self.targets, "error": repr(exc)})
+            log.warning(
+                f"{self.kind} lookup failed; trying again in the background",
+                extra={"targets": self.targets, "error": repr(exc)},
+            )
         addresses = list(self._tls_names)
         self._resolved = bool(addresses)
         if self.uses_dns:
@@ -131,7 +141,10 @@ class ReplicaPool:
         joined = await self._try_join([a for a in addresses if a not in self._channels], strict=True)
         self.pending = [a for a in addresses if a not in self._channels]
         if self.pending or not addresses:
-            log.warning(f"{self.kind}s not answering yet; they join when they do", extra={"pending": self.pending or self.targets, "joined": joined})
+            log.warning(
+                f"{self.kind}s not answering yet; they join when they do",
+                extra={"pending": self.pending or self.targets, "joined": joined},
+            )
         self._ensure_background()
 
     def _ensure_background(self) -> None:
@@ -175,7 +188,9 @@ class ReplicaPool:
             incomplete = bool(self.pending) or not self._resolved
             if not incomplete and not (self.uses_dns and self.refresh_seconds > 0):
                 break  # every plain address joined: nothing left to look for
-            await asyncio.sleep(self.probe_seconds if incomplete else max(0.0, self.refresh_seconds - (loop.time() - last)))
+            await asyncio.sleep(
+                self.probe_seconds if incomplete else max(0.0, self.refresh_seconds - (loop.time() - last))
+            )
             last = loop.time()
             try:
                 await self.refresh()
@@ -193,7 +208,9 @@ class ReplicaPool:
             log.warning(f"{self.kind} lookup failed; keeping the current ones", extra={"error": repr(exc)})
             return
         if not names:
-            log.warning(f"{self.kind} lookup found no address; keeping the current ones", extra={"targets": self.targets})
+            log.warning(
+                f"{self.kind} lookup found no address; keeping the current ones", extra={"targets": self.targets}
+            )
             return
         self._tls_names = names
         found = list(names)

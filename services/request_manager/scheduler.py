@@ -65,7 +65,9 @@ class SchedulerConfig:
     verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
     verifier_backoff_max_seconds: float = 8.0
     kv_budgets: tuple[KVBudget, ...] = ()
-    max_prefill_tokens: int = 0  # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    max_prefill_tokens: int = (
+        0  # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    )
 
 
 # the store's answers to a fenced write: the request is not this replica's to drive any more
@@ -106,7 +108,9 @@ class Scheduler:
         """Speculate with ``ssm_names`` from the next iteration (the old ones first, in their order:
         SSM i keeps index i), planned by ``adaptive`` (built for all of them)."""
         if tuple(ssm_names[: len(self.config.ssm_names)]) != self.config.ssm_names:
-            raise ValueError(f"SSMs only join after the others: {tuple(ssm_names)} does not extend {self.config.ssm_names}")
+            raise ValueError(
+                f"SSMs only join after the others: {tuple(ssm_names)} does not extend {self.config.ssm_names}"
+            )
         self.config = replace(self.config, ssm_names=tuple(ssm_names))
         self.executor.ssm_names = self.config.ssm_names
         self.core.add_ssms(len(ssm_names), adaptive)
@@ -236,14 +240,20 @@ class Scheduler:
         waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
         committed = {live.request_id: len(live.committed) for live in (*self._waiting, *self._active.values())}
         cfg = self.config
-        placed = await self.placement.plan(running, waiting, committed, cfg.kv_budgets, cfg.max_batch, cfg.max_prefill_tokens)
+        placed = await self.placement.plan(
+            running, waiting, committed, cfg.kv_budgets, cfg.max_batch, cfg.max_prefill_tokens
+        )
         if placed is None:
-            return  # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
+            # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
+            return
         plan, replicas, before = placed
         back = admit(self._active, self._waiting, plan)
         if back:
             self.metrics.preemptions.inc(len(back))
-            log.info("preempted for lack of KV blocks", extra={"request_ids": list(plan.preempted), "kv_blocks_used": list(plan.blocks_used)})
+            log.info(
+                "preempted for lack of KV blocks",
+                extra={"request_ids": list(plan.preempted), "kv_blocks_used": list(plan.blocks_used)},
+            )
             for live in back:
                 self.core.forget(live.request_id)
             await self._release(plan.preempted)
@@ -255,7 +265,8 @@ class Scheduler:
             await asyncio.gather(*self._releases)
 
     def _step_rows(self, live: Live) -> StepRows:
-        # adaptive trees obey the planner's limits (it may come later, when SSMs join); without one they verify the root alone
+        # adaptive trees obey the planner's limits (it may come later, when SSMs join); without one they verify the
+        # root alone
         adaptive = self.core.adaptive_built
         limits = adaptive.config if adaptive is not None else ROOT_ONLY
         return step_rows(live.request, len(live.committed), len(self.config.ssm_names), limits)
@@ -272,7 +283,12 @@ class Scheduler:
         # durable before anyone sees it; the offset makes a retried append idempotent
         try:
             appended = await self.store.append_tokens(
-                live.request_id, tokens, stats, owner=self.config.owner, offset=offset, lease_token=self.config.lease_token
+                live.request_id,
+                tokens,
+                stats,
+                owner=self.config.owner,
+                offset=offset,
+                lease_token=self.config.lease_token,
             )
         except NOT_OURS as exc:
             self._lose(live, exc)
@@ -305,11 +321,19 @@ class Scheduler:
             live.finished = Finish(reason, live.usage(), error)
             self.metrics.requests.labels(reason).inc()
             self.core.forget(live.request_id)
-            text = (last.text if last else "") + (live.text.flush(live.output) if live.text is not None and reason != "stop" else "")
-            live.final = StreamEvent(last.offset if last else len(live.output), last.tokens if last else (), text, live.finished)
+            text = (last.text if last else "") + (
+                live.text.flush(live.output) if live.text is not None and reason != "stop" else ""
+            )
+            live.final = StreamEvent(
+                last.offset if last else len(live.output), last.tokens if last else (), text, live.finished
+            )
         try:
             await self.store.finish(
-                live.request_id, live.finished.reason, live.finished.error or None, owner=self.config.owner, lease_token=self.config.lease_token
+                live.request_id,
+                live.finished.reason,
+                live.finished.error or None,
+                owner=self.config.owner,
+                lease_token=self.config.lease_token,
             )
         except NOT_OURS as exc:
             self._lose(live, exc)
@@ -339,12 +363,16 @@ class Scheduler:
         live.moved = True
         live.publish(MOVED)
         self.metrics.taken_over.inc()
-        log.warning("request taken over by another replica; dropped here", extra={"request_id": rid, "reason": str(why)})
+        log.warning(
+            "request taken over by another replica; dropped here", extra={"request_id": rid, "reason": str(why)}
+        )
 
     async def _release(self, request_ids: Sequence[str]) -> None:
         await self.verifier.release(request_ids)  # a replica that fails the call keeps a cache: only memory
         if self.workers is not None:
             try:
                 await self.workers.release(request_ids)
-            except grpc.aio.AioRpcError as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
+            except (
+                grpc.aio.AioRpcError
+            ) as exc:  # a cache that lingers is only memory; the owner frees it on its own restart
                 log.info("release failed", extra={"request_ids": list(request_ids), "code": str(exc.code())})

@@ -55,7 +55,10 @@ def event_to_proto(request_id: str, event: StreamEvent) -> api_pb2.GenerateRespo
 def state_to_proto(state: RequestState, tokenizer: Tokenizer | None) -> api_pb2.RequestState:
     snapshot = state.snapshot
     msg = api_pb2.RequestState(
-        request_id=snapshot.request_id, status=STATUSES[state.status], prompt_token_ids=snapshot.prompt_tokens, output_token_ids=snapshot.output_tokens
+        request_id=snapshot.request_id,
+        status=STATUSES[state.status],
+        prompt_token_ids=snapshot.prompt_tokens,
+        output_token_ids=snapshot.output_tokens,
     )
     if tokenizer is not None:
         msg.text = snapshot_text(snapshot, tokenizer)
@@ -83,7 +86,10 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
     @property
     def requests(self) -> Requests:
         if self._requests is None:
-            raise Unavailable("the request manager is starting: the LLM verifier has not answered yet, or it waits for its ownership lease; retry later")
+            raise Unavailable(
+                "the request manager is starting: the LLM verifier has not answered yet, "
+                "or it waits for its ownership lease; retry later"
+            )
         return self._requests
 
     @property
@@ -107,11 +113,15 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
         return api_pb2.CancelResponse(cancelled=await self.requests.cancel(check_request_id(request.request_id)))
 
     @rpc_errors
-    async def GetRequest(self, request: api_pb2.GetRequestRequest, context: grpc.aio.ServicerContext) -> api_pb2.RequestState:
+    async def GetRequest(
+        self, request: api_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.RequestState:
         return state_to_proto(await self.requests.state(check_request_id(request.request_id)), self.tokenizer)
 
     @rpc_errors
-    async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api_pb2.ModelInfo:
+    async def GetModelInfo(
+        self, request: api_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.ModelInfo:
         lim = self.requests.limits  # read per call: it grows when workers with new SSMs join
         info = api_pb2.ModelInfo(
             llm=lim.llm_name,

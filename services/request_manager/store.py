@@ -136,7 +136,9 @@ class RequestStore:
         """
         rid, owner = record.request_id, record.owner
         active_key = self.keys.active(owner)
-        await self._write(active_key, ("SADD", active_key, rid))  # acknowledged too: the superset must survive a failover
+        await self._write(
+            active_key, ("SADD", active_key, rid)
+        )  # acknowledged too: the superset must survive a failover
         args = [params_json(record.params), pack_tokens(record.prompt), owner, repr(self._clock()), record.lease_token]
         code, existing_owner = await self._run(self._create, self.keys.request(rid), args)
         if code == ScriptCode.EXISTS:
@@ -156,8 +158,9 @@ class RequestStore:
     ) -> Appended:
         """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step.
 
-        Its ``llm_steps``, ``accepted``, ``tree_size`` and ``cached_prompt`` are added (a snapshot's ``committed`` is its output's
-        length). Returns the output length after the append and the request's cancel mark. A queued request becomes running.
+        Its ``llm_steps``, ``accepted``, ``tree_size`` and ``cached_prompt`` are added (a snapshot's ``committed`` is
+        its output's length). Returns the output length after the append and the request's cancel mark. A queued
+        request becomes running.
         ``owner``, when given, fences a replica that no longer owns the request (OwnershipError); ``lease_token``
         also fences an earlier incarnation of the same owner (:meth:`claim`).
         ``offset``, when given, is the output length the caller expects before ``tokens``: a mismatch raises
@@ -187,7 +190,13 @@ class RequestStore:
         return Appended(int(length), bool(cancel))
 
     async def finish(
-        self, request_id: str, reason: FinishReason | str, error: str | None = None, *, owner: str | None = None, lease_token: str | None = None
+        self,
+        request_id: str,
+        reason: FinishReason | str,
+        error: str | None = None,
+        *,
+        owner: str | None = None,
+        lease_token: str | None = None,
     ) -> bool:
         """Mark the request finished, drop it from its owner's set, let its keys expire after the TTL.
 
@@ -243,7 +252,9 @@ class RequestStore:
 
     async def take_lease(self, owner: str, token: str, ttl_s: float) -> None:
         """Take ``owner``'s lease whoever holds it (only where nobody else can reach this Redis)."""
-        await self._write(self.keys.lease(owner), ("SET", self.keys.lease(owner), token, "PX", max(1, round(ttl_s * 1000))))
+        await self._write(
+            self.keys.lease(owner), ("SET", self.keys.lease(owner), token, "PX", max(1, round(ttl_s * 1000)))
+        )
         await self._write(self.keys.owners(), ("SADD", self.keys.owners(), owner))
 
     async def release_lease(self, owner: str, token: str) -> bool:
@@ -342,7 +353,9 @@ class RequestStore:
         (:class:`ReplicationError` when fewer did in time); its reply."""
         if not self.min_replica_acks:
             return await self._retrying(lambda: self.client.execute_command(*command))
-        reply, acked = await write_acked(self.client, key, command, self.min_replica_acks, self.replica_timeout_ms, script)
+        reply, acked = await write_acked(
+            self.client, key, command, self.min_replica_acks, self.replica_timeout_ms, script
+        )
         if acked < self.min_replica_acks:
             raise ReplicationError(key, acked, self.min_replica_acks, self.replica_timeout_ms)
         return reply

@@ -91,7 +91,9 @@ class TextStream:
         return min(hits) if hits else None
 
 
-def output_text(tokenizer: Tokenizer, tokens: Sequence[int], stop: Sequence[str], skip_special_tokens: bool, finished: bool) -> str:
+def output_text(
+    tokenizer: Tokenizer, tokens: Sequence[int], stop: Sequence[str], skip_special_tokens: bool, finished: bool
+) -> str:
     """The text a request's stream releases for its output ``tokens`` in all (up to now, while it runs;
     ``finished``: incomplete characters at the end included): what its deltas concatenate to."""
     stream = TextStream(tokenizer, stop, skip_special_tokens)

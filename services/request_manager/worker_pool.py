@@ -49,8 +49,12 @@ class WorkerPool(ReplicaPool):
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = vocab_size
-        self.profiles: dict[str, internal_pb2.SsmProfile] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
-        self.kv_budgets: dict[str, set[KVBudget]] = {}  # SSM name -> the KV budgets its workers reported, each worker's SSM cache
+        self.profiles: dict[
+            str, internal_pb2.SsmProfile
+        ] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
+        self.kv_budgets: dict[
+            str, set[KVBudget]
+        ] = {}  # SSM name -> the KV budgets its workers reported, each worker's SSM cache
 
     async def _introduce(self, channel: grpc.aio.Channel) -> internal_pb2.ListModelsResponse:
         return await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
@@ -59,7 +63,9 @@ class WorkerPool(ReplicaPool):
 
     def _join(self, address: str, channel: grpc.aio.Channel, info: internal_pb2.ListModelsResponse) -> None:
         if self.vocab_size is not None and info.vocab_size != self.vocab_size:
-            raise ValueError(f"SSM worker {address} has vocabulary {info.vocab_size}; the pool (the LLM) has {self.vocab_size}")
+            raise ValueError(
+                f"SSM worker {address} has vocabulary {info.vocab_size}; the pool (the LLM) has {self.vocab_size}"
+            )
         self.vocab_size = info.vocab_size
         super()._join(address, channel, info)
         self._stubs[address] = internal_pb2_grpc.SsmWorkerStub(channel)
@@ -91,7 +97,9 @@ class WorkerPool(ReplicaPool):
         )
         for name, count in left.items():
             if count == 0:
-                log.warning("no SSM worker left for an SSM: its requests fall back to incremental decoding", extra={"ssm": name})
+                log.warning(
+                    "no SSM worker left for an SSM: its requests fall back to incremental decoding", extra={"ssm": name}
+                )
 
     def live_workers(self, ssm: str) -> list[str]:
         """The workers serving ``ssm`` that are not taken out."""

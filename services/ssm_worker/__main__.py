@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
 from specinfer.models.interface import CausalLM
-from specinfer.serving.config import SettingsParser, add_model_settings, add_server_settings, add_setting, internal_token, parse_named_paths, server_security
+from specinfer.serving.config import (
+    SettingsParser,
+    add_model_settings,
+    add_server_settings,
+    add_setting,
+    internal_token,
+    parse_named_paths,
+    server_security,
+)
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.runner import calibrate_drafters, drafter_cost_entry, load_model, model_identity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
@@ -26,16 +34,30 @@ log = logging.getLogger("specinfer.ssm_worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SettingsParser(prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_setting(parser, "--ssm", default=None, help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)")
+    parser = SettingsParser(
+        prog="specinfer-ssm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_setting(
+        parser,
+        "--ssm",
+        default=None,
+        help="comma-separated SSM checkpoints, NAME=PATH or PATH (named after its folder)",
+    )
     add_setting(
         parser,
         "--llm-dir",
         default="",
-        help="the LLM's checkpoint folder (config.json, tokenizer.json; no weights are read): an SSM whose tokenizer differs "
-        "from the LLM's drafts through the token-level intersection of the two (docs/models.md). Empty: every SSM must speak the LLM's token IDs",
+        help="the LLM's checkpoint folder (config.json, tokenizer.json; no weights are read): "
+        "an SSM whose tokenizer differs from the LLM's drafts through the token-level intersection of the two "
+        "(docs/models.md). Empty: every SSM must speak the LLM's token IDs",
     )
-    add_setting(parser, "--calibrate-tokens", int, 32, "time each SSM's draft passes up to this many frontier tokens at start-up, for the planner (0: off)")
+    add_setting(
+        parser,
+        "--calibrate-tokens",
+        int,
+        32,
+        "time each SSM's draft passes up to this many frontier tokens at start-up, for the planner (0: off)",
+    )
     add_server_settings(parser)
     add_model_settings(parser)
     return parser
@@ -51,9 +73,14 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
         ssms[name] = in_llm_ids(model, vmap)
         methods[name] = vocabulary_method(vmap)
         if vmap is not None:
-            log.info("draft vocabulary", extra={"ssm": name, "method": methods[name], "shared_tokens": vmap.shared, "ssm_vocab": vmap.ssm_size})
+            log.info(
+                "draft vocabulary",
+                extra={"ssm": name, "method": methods[name], "shared_tokens": vmap.shared, "ssm_vocab": vmap.ssm_size},
+            )
     priors = {name: prior for name, path in paths.items() if (prior := slot_prior(path)) is not None}
-    entries = {name: drafter_cost_entry(args, model_identity(path, args), methods[name]) for name, path in paths.items()}
+    entries = {
+        name: drafter_cost_entry(args, model_identity(path, args), methods[name]) for name, path in paths.items()
+    }
     return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens, entries), priors, methods)
 
 
@@ -70,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         servicer = load_servicer(args, ModelMetrics(metrics.registry, "ssm"))
         log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
         # models load before the server starts, so health turns SERVING only once they can draft
-        asyncio.run(serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security))
+        asyncio.run(
+            serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security)
+        )
     except InvalidArgument as exc:
         return parser.bad_setting(exc)
     return 0

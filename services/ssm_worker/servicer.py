@@ -72,22 +72,37 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         return runner
 
     @rpc_errors
-    async def Speculate(self, request: internal_pb2.SpeculateRequest, context: grpc.aio.ServicerContext) -> internal_pb2.SpeculateResponse:
+    async def Speculate(
+        self, request: internal_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.SpeculateResponse:
         started = time.monotonic()
         runner = self._runner(request.ssm)
-        call = self._contexts.admit(request.items, self.vocab_size, runner.model.max_positions, wire.draft_job_from_proto)
+        call = self._contexts.admit(
+            request.items, self.vocab_size, runner.model.max_positions, wire.draft_job_from_proto
+        )
         passes: list[tuple[int, float]] = []  # appended in the model thread, read after it finished
-        drafted = await runner.call(draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs))) if call.jobs else []
+        drafted = (
+            await runner.call(draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs)))
+            if call.jobs
+            else []
+        )
         seconds = time.monotonic() - started
-        self.metrics.observe(request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts))
+        self.metrics.observe(
+            request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts)
+        )
         self.metrics.observe_prefix_cache(request.ssm, runner.model.prefix_cache_stats)
         results = call.results(drafted, wire.speculate_result_to_proto)
         response = internal_pb2.SpeculateResponse(results=results, passes=wire.pass_timings_to_proto(passes))
-        log.debug("speculate", extra={"ssm": request.ssm, "items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
+        log.debug(
+            "speculate",
+            extra={"ssm": request.ssm, "items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)},
+        )
         return response
 
     @rpc_errors
-    async def Release(self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ReleaseResponse:
+    async def Release(
+        self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
         for runner in self._runners.values():
@@ -95,9 +110,13 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         return internal_pb2.ReleaseResponse()
 
     @rpc_errors
-    async def ListModels(self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> internal_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: internal_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> internal_pb2.ListModelsResponse:
         return internal_pb2.ListModelsResponse(
             models=self.models,
             vocab_size=self.vocab_size,
-            profiles=wire.ssm_profiles_to_proto(self.models, self.draft_costs, self.slot_priors, self._budgets, self.vocabularies),
+            profiles=wire.ssm_profiles_to_proto(
+                self.models, self.draft_costs, self.slot_priors, self._budgets, self.vocabularies
+            ),
         )

@@ -117,7 +117,9 @@ def _byte_fallback(token: str) -> bytes | None:
 
 def _byte_level_chars() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

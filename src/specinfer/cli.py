@@ -36,7 +36,9 @@ class GenerateConfig:
     prompts: tuple[str, ...]
     offload: bool = False  # the LLM's decoder layers in host memory, streamed layer by layer (docs/offloading.md)
     offload_reserve_bytes: int = 0
-    calibration_cache: str = ""  # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
+    calibration_cache: str = (
+        ""  # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
+    )
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -44,14 +46,24 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         "--expansion",
         default="auto",
         help=(
-            "auto (default): adaptive speculation, the planner sizes each step's tree; tuned: the SSM's installed tuning, else the paper's tree; "
+            "auto (default): adaptive speculation, the planner sizes each step's tree; "
+            "tuned: the SSM's installed tuning, else the paper's tree; "
             f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; none: no speculation"
         ),
     )
     p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
-    p.add_argument("--no-suffix", action="store_true", help="adaptive trees without the model-free drafts from the prompt's and output's own text")
+    p.add_argument(
+        "--no-suffix",
+        action="store_true",
+        help="adaptive trees without the model-free drafts from the prompt's and output's own text",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this probability (1: all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens up to this probability (1: all)",
+    )
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (none: a random draw)")
     p.add_argument(
@@ -66,16 +78,37 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
-        help="auto (default): bfloat16 where the device computes in it natively, else float16 on a GPU, float32 on a CPU",
+        help="auto (default): bfloat16 where the device computes in it natively, "
+        "else float16 on a GPU, float32 on a CPU",
     )
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
-    p.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"], help="native tree attention (auto: Triton on CUDA)")
-    p.add_argument("--offload", action="store_true", help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)")
-    p.add_argument("--offload-reserve-bytes", type=int, default=0, help="most device memory offloading may use (0: no bound; needs --offload)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "reference"],
+        help="model runtime (auto: native where supported)",
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="native tree attention (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)",
+    )
+    p.add_argument(
+        "--offload-reserve-bytes",
+        type=int,
+        default=0,
+        help="most device memory offloading may use (0: no bound; needs --offload)",
+    )
     p.add_argument(
         "--calibration-cache",
         default="",
-        help="folder caching adaptive speculation's step cost model between runs (default: $SPECINFER_CALIBRATION_CACHE, "
+        help="folder caching adaptive speculation's step cost model between runs "
+        "(default: $SPECINFER_CALIBRATION_CACHE, "
         "else $XDG_CACHE_HOME/specinfer/calibration, else ~/.cache/specinfer/calibration; none or off: no cache)",
     )
 
@@ -87,10 +120,18 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
     return GenerateConfig(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
-        expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms)) if speculate and not adaptive else None,
+        expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms))
+        if speculate and not adaptive
+        else None,
         adaptive=adaptive,
         suffix=not args.no_suffix,
-        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, verification=args.verification),
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            verification=args.verification,
+        ),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
         backend=args.backend,
@@ -103,15 +144,21 @@ def _build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], pro
 
 
 def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
-    """Where adaptive speculation's cost model is cached between runs (after loading: the key holds the thread count)."""
+    """Where adaptive speculation's cost model is cached between runs (after loading: the key holds the thread
+    count)."""
     from specinfer.engine.calibration_cache import CalibrationCache, ModelIdentity, ModelRuntime, engine_cost_entry
 
     def identity(path: Path, offload: bool) -> ModelIdentity:
         reserve = cfg.offload_reserve_bytes if offload else 0
-        return ModelIdentity.of(path, ModelRuntime(cfg.dtype, "cpu", cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve))
+        return ModelIdentity.of(
+            path,
+            ModelRuntime(cfg.dtype, "cpu", cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve),
+        )
 
     cache = CalibrationCache.from_setting(cfg.calibration_cache, os.environ)
-    return engine_cost_entry(cache, identity(cfg.llm, cfg.offload), [identity(p, False) for p in cfg.ssms], vocabularies)
+    return engine_cost_entry(
+        cache, identity(cfg.llm, cfg.offload), [identity(p, False) for p in cfg.ssms], vocabularies
+    )
 
 
 def run_generate(cfg: GenerateConfig, out=None) -> None:
@@ -126,7 +173,13 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     llm = load_backend(
-        cfg.llm, "llm", cfg.dtype, backend=cfg.backend, attention=cfg.attention, offload=cfg.offload, offload_reserve_bytes=cfg.offload_reserve_bytes
+        cfg.llm,
+        "llm",
+        cfg.dtype,
+        backend=cfg.backend,
+        attention=cfg.attention,
+        offload=cfg.offload,
+        offload_reserve_bytes=cfg.offload_reserve_bytes,
     )
     ssms, vocabularies = [], []
     for i, path in enumerate(cfg.ssms):
@@ -134,29 +187,45 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
         vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
         ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
         if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
-            print(f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} that the LLM's spells alike", file=out)
+            print(
+                f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "
+                "that the LLM's spells alike",
+                file=out,
+            )
         ssms.append(in_llm_ids(ssm, vmap))
         vocabularies.append(vocabulary_method(vmap))
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
-    priors = tuple(slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms)  # adaptive speculation's prior: the SSMs' tuning files
-    planner = OFFLOAD_PLANNER if cfg.offload else PlannerConfig()  # offloaded steps cost a transfer whatever their tokens: larger trees pay
+    priors = tuple(
+        slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms
+    )  # adaptive speculation's prior: the SSMs' tuning files
+    planner = (
+        OFFLOAD_PLANNER if cfg.offload else PlannerConfig()
+    )  # offloaded steps cost a transfer whatever their tokens: larger trees pay
     config = EngineConfig(eos_token_id=eos_token_id(cfg.llm), planner=planner, slot_priors=priors)
     engine = SpeculativeEngine(llm, ssms, config, cost_entry=_cost_entry(cfg, vocabularies) if cfg.adaptive else None)
-    spec = SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms))), suffix=cfg.suffix) if cfg.expansion is not None or cfg.adaptive else None
+    spec = (
+        SpeculationConfig(cfg.expansion, ssms=tuple(range(len(ssms))), suffix=cfg.suffix)
+        if cfg.expansion is not None or cfg.adaptive
+        else None
+    )
     requests = []
     for i, text in enumerate(cfg.prompts):
         if not text:
             raise InvalidArgument("prompt", "must not be empty")
-        requests.append(GenerationRequest(f"cli-{i}", tuple(tokenizer.encode(text).ids), cfg.max_new_tokens, cfg.sampling, spec))
+        requests.append(
+            GenerationRequest(f"cli-{i}", tuple(tokenizer.encode(text).ids), cfg.max_new_tokens, cfg.sampling, spec)
+        )
     start = time.perf_counter()
     results = engine.generate(requests)
     elapsed = time.perf_counter() - start
     for text, res in zip(cfg.prompts, results, strict=True):
         print_prompt_header(text, out, len(res.prompt_tokens))
         print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
-        print(tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out)  # no "</s>" in the text, as the servers do
+        print(
+            tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out
+        )  # no "</s>" in the text, as the servers do
         sizes = [s.tree_size for s in res.steps]
         print(
             f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
@@ -168,8 +237,16 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     if cfg.adaptive:
         mode = f"adaptive trees over {len(ssms)} SSM(s)"
     else:
-        mode = "incremental" if cfg.expansion is None else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {len(ssms)} SSM(s)"
-    print(f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps ({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s", file=out)
+        mode = (
+            "incremental"
+            if cfg.expansion is None
+            else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {len(ssms)} SSM(s)"
+        )
+    print(
+        f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps "
+        f"({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s",
+        file=out,
+    )
 
 
 BUNDLED_PAIR = Path(__file__).resolve().parents[2] / "models/demo"  # trained by `specinfer train-demo`, committed
@@ -207,7 +284,13 @@ def _add_client_security_flags(p: argparse.ArgumentParser) -> None:
     add_setting(p, "--tls-ca", default="", help="PEM CA of the server: connect with TLS")
     add_setting(p, "--tls-client-cert", default="", help="PEM client certificate (mTLS)")
     add_setting(p, "--tls-client-key", default="", help="PEM key of --tls-client-cert")
-    add_setting(p, "--auth-token", default="", secret=True, help="bearer token of the public API (prefer the variable or the file: argv is visible)")
+    add_setting(
+        p,
+        "--auth-token",
+        default="",
+        secret=True,
+        help="bearer token of the public API (prefer the variable or the file: argv is visible)",
+    )
     add_setting(p, "--auth-token-file", default="", help="file holding --auth-token")
 
 
@@ -216,7 +299,8 @@ def _client_auth(args: argparse.Namespace):
 
     try:
         auth = ClientAuth(
-            ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key), read_token(args.auth_token, args.auth_token_file, "auth-token")
+            ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+            read_token(args.auth_token, args.auth_token_file, "auth-token"),
         )
         auth.tls.credentials()
     except ValueError as exc:
@@ -232,7 +316,16 @@ def _stack_security(args: argparse.Namespace):
     try:
         auth_token = read_token(args.auth_token, args.auth_token_file, "auth-token")
         internal = read_token(args.internal_token, args.internal_token_file, "internal-token")
-        return StackSecurity(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.tls_client_cert, args.tls_client_key, auth_token, internal)
+        return StackSecurity(
+            args.tls_cert,
+            args.tls_key,
+            args.tls_ca,
+            args.tls_client_ca,
+            args.tls_client_cert,
+            args.tls_client_key,
+            auth_token,
+            internal,
+        )
     except ValueError as exc:
         raise InvalidArgument("tls", str(exc)) from None
 
@@ -259,10 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
     # errors are one line with exit status 2; its subcommands' parsers are SettingsParsers too
     parser = SettingsParser(prog="specinfer", description=DESCRIPTION, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
-    gen = sub.add_parser("generate", help="speculative generation: through a running server (--server) or in this process (--llm)")
+    gen = sub.add_parser(
+        "generate", help="speculative generation: through a running server (--server) or in this process (--llm)"
+    )
     gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
     gen.add_argument("--llm", help="Hugging Face checkpoint folder of the LLM (in-process generation)")
-    gen.add_argument("--ssm", action="append", default=[], help="an SSM's checkpoint folder, PATH or NAME=PATH (repeat for several: trees are merged)")
+    gen.add_argument(
+        "--ssm",
+        action="append",
+        default=[],
+        help="an SSM's checkpoint folder, PATH or NAME=PATH (repeat for several: trees are merged)",
+    )
     _add_generation_flags(gen)
     _add_client_security_flags(gen)
     gen.add_argument("prompt", nargs="+", help="prompt text(s); several are generated as one batch")
@@ -272,32 +372,74 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssm",
         action="append",
         default=[],
-        help="an SSM's checkpoint folder, PATH (served under its folder's name) or NAME=PATH; repeat for several, whose trees "
-        "merge (default: the demo models' SSMs when --llm is not given, else none)",
+        help="an SSM's checkpoint folder, PATH (served under its folder's name) or NAME=PATH; "
+        "repeat for several, whose trees merge (default: the demo models' SSMs when --llm is not given, else none)",
     )
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
-    up.add_argument("--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)")
-    up.add_argument("--request-managers", type=int, default=1, help="request-manager processes (more than one share a Redis the launcher starts)")
+    up.add_argument(
+        "--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)"
+    )
+    up.add_argument(
+        "--request-managers",
+        type=int,
+        default=1,
+        help="request-manager processes (more than one share a Redis the launcher starts)",
+    )
     up.add_argument("--port", type=int, default=50051, help="public API port")
-    up.add_argument("--state-dir", default="./specinfer-state", help="the request managers' Redis data and the processes' logs (logs-*/)")
-    up.add_argument("--backend", default="auto", choices=["auto", "native", "reference"], help="model runtime (auto: native where supported)")
-    up.add_argument("--expansion", default="auto", help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none")
-    up.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (0: off)")
-    up.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the LLM verifier (0: torch's default, every core)")
-    up.add_argument("--ssm-threads", type=int, default=1, help="torch threads of each SSM worker (0: torch's default); few, not to crowd the verifier")
+    up.add_argument(
+        "--state-dir",
+        default="./specinfer-state",
+        help="the request managers' Redis data and the processes' logs (logs-*/)",
+    )
+    up.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "reference"],
+        help="model runtime (auto: native where supported)",
+    )
+    up.add_argument(
+        "--expansion",
+        default="auto",
+        help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none",
+    )
+    up.add_argument(
+        "--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (0: off)"
+    )
+    up.add_argument(
+        "--verifier-threads",
+        type=int,
+        default=0,
+        help="torch threads of the LLM verifier (0: torch's default, every core)",
+    )
+    up.add_argument(
+        "--ssm-threads",
+        type=int,
+        default=1,
+        help="torch threads of each SSM worker (0: torch's default); few, not to crowd the verifier",
+    )
     _add_client_security_flags(up)
-    add_setting(up, "--tls-cert", default="", help="PEM certificate (valid for 127.0.0.1) every process serves TLS with")
+    add_setting(
+        up, "--tls-cert", default="", help="PEM certificate (valid for 127.0.0.1) every process serves TLS with"
+    )
     add_setting(up, "--tls-key", default="", help="PEM key of --tls-cert")
-    add_setting(up, "--tls-client-ca", default="", help="PEM CA: every port requires client certificates it signed (mTLS)")
+    add_setting(
+        up, "--tls-client-ca", default="", help="PEM CA: every port requires client certificates it signed (mTLS)"
+    )
     add_setting(up, "--internal-token", default="", secret=True, help="bearer token between the services")
     add_setting(up, "--internal-token-file", default="", help="file holding --internal-token")
     add_tune_parser(sub)
     add_training_parsers(sub)
-    demo = sub.add_parser("demo", help="start the local stack with the demo models and stream a few generations through gRPC")
+    demo = sub.add_parser(
+        "demo", help="start the local stack with the demo models and stream a few generations through gRPC"
+    )
     _add_generation_flags(demo)
     demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
-    demo.add_argument("--in-process", action="store_true", help="run the engine in this process instead of the services")
-    demo.add_argument("--one-ssm", action="store_true", help="draft with the demo's first SSM only, not all of them merged")
+    demo.add_argument(
+        "--in-process", action="store_true", help="run the engine in this process instead of the services"
+    )
+    demo.add_argument(
+        "--one-ssm", action="store_true", help="draft with the demo's first SSM only, not all of them merged"
+    )
     for subparser in sub.choices.values():  # tune's and training's parsers are built elsewhere
         subparser.formatter_class = _HelpFormatter
     return parser
@@ -371,7 +513,10 @@ def _demo_stack(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], promp
 
     print("=== starting the local stack (LLM verifier, SSM worker, request manager + Redis) ...", flush=True)
     expansion = resolve_expansion(args.expansion, ssms)
-    with tempfile.TemporaryDirectory(prefix="specinfer-demo-") as state, Stack(StackConfig(llm, tuple(ssms), 1, 0, Path(state), args.backend, expansion)) as s:
+    with (
+        tempfile.TemporaryDirectory(prefix="specinfer-demo-") as state,
+        Stack(StackConfig(llm, tuple(ssms), 1, 0, Path(state), args.backend, expansion)) as s,
+    ):
         for p in s.processes:
             print(f"    {p.name:16s} {p.address}", flush=True)
         for prompt in prompts:
@@ -413,7 +558,9 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
         seed=args.seed,
         verification="" if args.verification == "auto" else args.verification,
         # auto: the server's default (adaptive speculation unless the server runs otherwise)
-        expansion=() if args.no_speculation or keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
+        expansion=()
+        if args.no_speculation or keyword in ("auto", "none", "off")
+        else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),
         suffix=False if args.no_suffix else None,
     )
@@ -426,7 +573,8 @@ def _stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> i
                 if msg.HasField("finished"):
                     u = msg.finished.usage
                     print(
-                        f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps ({u.tokens_per_step:.2f} tokens per LLM step, "
+                        f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps "
+                        f"({u.tokens_per_step:.2f} tokens per LLM step, "
                         f"mean tree size {u.mean_tree_size:.1f}), finish: {api_reason(msg.finished.reason)}",
                         flush=True,
                     )

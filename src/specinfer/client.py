@@ -93,10 +93,14 @@ class Client:
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
-            sampling=api_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, verification=verification),
+            sampling=api_pb2.SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, verification=verification
+            ),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
-            speculation=api_pb2.SpeculationParams(disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive, suffix=suffix),
+            speculation=api_pb2.SpeculationParams(
+                disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive, suffix=suffix
+            ),
             ignore_eos=ignore_eos,
             skip_special_tokens=skip_special_tokens,
         )
@@ -139,11 +143,15 @@ class Client:
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request (its stream ends with reason CANCELLED); False if it was not running."""
-        return self.stub.Cancel(api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata).cancelled
+        return self.stub.Cancel(
+            api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
+        ).cancelled
 
     def get_request(self, request_id: str) -> api_pb2.RequestState:
         """A request's status and the tokens it has committed so far (NOT_FOUND if unknown)."""
-        return self.stub.GetRequest(api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata)
+        return self.stub.GetRequest(
+            api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
+        )
 
     def model_info(self) -> api_pb2.ModelInfo:
         """What the server serves: the LLM's and the SSMs' names, vocabulary, limits, default speculation."""

@@ -112,7 +112,9 @@ class StackConfig:
     backend: str = "auto"
     expansion: str = "auto"  # the request manager's --expansion: auto (adaptive), tuned, widths, @FILE, none
     threads: int = 0  # torch threads of the verifier (0: torch's default)
-    ssm_threads: int = 1  # torch threads per SSM worker (0: torch's default): small models, and they must not crowd the verifier
+    ssm_threads: int = (
+        1  # torch threads per SSM worker (0: torch's default): small models, and they must not crowd the verifier
+    )
     extra_env: tuple[tuple[str, str], ...] = ()
     rm_args: tuple[str, ...] = ()  # further request-manager flags
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)
@@ -144,7 +146,9 @@ class StartUpFailure(RuntimeError):
     def __init__(self, name: str, failures: int, log: Path, tail_lines: int = 20) -> None:
         lines = log.read_text(errors="replace").splitlines()[-tail_lines:] if log.is_file() else ["(no log)"]
         tail = "\n".join("    " + line for line in lines)
-        super().__init__(f"{name} exited before it served, {failures} times in a row; the last lines of its log {log}:\n{tail}")
+        super().__init__(
+            f"{name} exited before it served, {failures} times in a row; the last lines of its log {log}:\n{tail}"
+        )
         self.name = name
 
 
@@ -187,7 +191,9 @@ class Stack:
     def __post_init__(self) -> None:
         if self.workdir is None:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
-            self.workdir = Path(tempfile.mkdtemp(prefix=time.strftime("logs-%Y%m%d-%H%M%S-"), dir=self.config.state_dir))
+            self.workdir = Path(
+                tempfile.mkdtemp(prefix=time.strftime("logs-%Y%m%d-%H%M%S-"), dir=self.config.state_dir)
+            )
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -205,7 +211,13 @@ class Stack:
         log = open(self.log_path(name), "ab")  # noqa: SIM115 (lives as long as the process; a respawn appends)
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
-        proc = Process(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port_file, address, args=tuple(args))
+        proc = Process(
+            name,
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+            port_file,
+            address,
+            args=tuple(args),
+        )
         log.close()  # the child holds its own copy
         self.processes.append(proc)
         if address:
@@ -226,11 +238,15 @@ class Stack:
         proc.address = f"127.0.0.1:{port_file.read_text().strip()}"
         while True:  # SERVING, unless it exits first
             try:
-                wait_serving(proc.address, min(2.0, max(1.0, deadline - time.monotonic())), self.config.security.client_tls)
+                wait_serving(
+                    proc.address, min(2.0, max(1.0, deadline - time.monotonic())), self.config.security.client_tls
+                )
                 break
             except TimeoutError:
                 if proc.popen.poll() is not None:
-                    raise MemberExited(f"{name} exited with {proc.popen.returncode}; log: {self.log_path(name)}") from None
+                    raise MemberExited(
+                        f"{name} exited with {proc.popen.returncode}; log: {self.log_path(name)}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise
         self.read_metrics_address(proc)
@@ -259,7 +275,9 @@ class Stack:
     def start(self, timeout: float = START_TIMEOUT) -> Stack:
         c = self.config
         model = ["--backend", c.backend, *c.model_args]
-        ssm_arg = ",".join(f"{name}={path}" for name, path in c.named_ssms.items())  # before anything starts: names must be distinct
+        ssm_arg = ",".join(
+            f"{name}={path}" for name, path in c.named_ssms.items()
+        )  # before anything starts: names must be distinct
         for i in range(c.verifiers):
             name = "llm-verifier" if i == 0 else f"llm-verifier-{i}"
             args = ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args]
@@ -268,7 +286,17 @@ class Stack:
             self._start_member(
                 f"ssm-worker-{i}",
                 "specinfer.ssm_worker",
-                ["--port", "0", "--ssm", ssm_arg, "--llm-dir", str(c.llm), "--torch-threads", str(c.ssm_threads), *model],
+                [
+                    "--port",
+                    "0",
+                    "--ssm",
+                    ssm_arg,
+                    "--llm-dir",
+                    str(c.llm),
+                    "--torch-threads",
+                    str(c.ssm_threads),
+                    *model,
+                ],
                 timeout,
             )
             for i in range(c.workers if c.ssms else 0)
@@ -339,7 +367,18 @@ class Stack:
     def spawn_request_manager(self, name: str, args: Sequence[str], timeout: float = 60.0) -> Process:
         """Another request manager on the same verifier and workers (e.g. with other limits)."""
         workers = ",".join(p.address for p in self.processes if p.name.startswith("ssm-worker"))
-        base = ["--port", "0", "--http-port", "0", "--verifier", self.verifier_addresses, "--ssm-workers", workers, "--model-dir", str(self.config.llm)]
+        base = [
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--verifier",
+            self.verifier_addresses,
+            "--ssm-workers",
+            workers,
+            "--model-dir",
+            str(self.config.llm),
+        ]
         base += ["--state-dir", str(self.workdir / name), "--owner", name]  # its own owner, should it share a Redis
         proc = self._spawn(name, "specinfer.request_manager", [*base, *args], timeout)
         # keep the main request manager last (Stack.address)
@@ -443,13 +482,17 @@ class Supervisor:
                 m.serving_since = None
                 delay = policy.delay(m.exits)
                 m.due = now + delay
-                stack.report(f"{m.name} (pid {proc.popen.pid}) exited with {code}; starting it again in {delay:.1f} s on {proc.address}")
+                stack.report(
+                    f"{m.name} (pid {proc.popen.pid}) exited with {code}; "
+                    f"starting it again in {delay:.1f} s on {proc.address}"
+                )
             elif m.serving_since is None:
                 if check(proc.address, timeout=1, tls=stack.config.security.client_tls) == "SERVING":
                     m.serving_since, m.start_failures = now, 0
                     stack.read_metrics_address(proc)
                     stack.report(
-                        f"{m.name} SERVING again on {proc.address} (pid {proc.popen.pid}, restart {m.restarts}, {self.restarts} in all; "
+                        f"{m.name} SERVING again on {proc.address} "
+                        f"(pid {proc.popen.pid}, restart {m.restarts}, {self.restarts} in all; "
                         f"metrics http://{proc.metrics_address}/metrics)"
                     )
                 elif now - m.started > START_TIMEOUT:
@@ -465,7 +508,9 @@ class Supervisor:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         m.due, m.started = None, now
         m.restarts += 1
-        self.stack.report(f"{m.name} started again (pid {proc.popen.pid}, restart {m.restarts}); log {self.stack.log_path(m.name)}")
+        self.stack.report(
+            f"{m.name} started again (pid {proc.popen.pid}, restart {m.restarts}); log {self.stack.log_path(m.name)}"
+        )
 
 
 def run_up(config: StackConfig) -> int:
@@ -483,15 +528,30 @@ def run_up(config: StackConfig) -> int:
     try:
         stack.start()
         for p in stack.processes:
-            print(f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  (pid {p.popen.pid}, log {stack.log_path(p.name)})", flush=True)
-        print(f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True)
+            print(
+                f"{p.name:16s} {p.address}  metrics http://{p.metrics_address}/metrics  "
+                f"(pid {p.popen.pid}, log {stack.log_path(p.name)})",
+                flush=True,
+            )
+        print(
+            f"public API: {stack.address}   try: specinfer generate --server {stack.address} 'def main():'", flush=True
+        )
         if config.request_managers > 1:
-            print(f"every request manager serves every request: {', '.join(stack.request_manager_addresses)}", flush=True)
+            print(
+                f"every request manager serves every request: {', '.join(stack.request_manager_addresses)}", flush=True
+            )
         if config.http_port:
             http = f"{'https' if config.security.cert else 'http'}://127.0.0.1:{config.http_port}/v1"
             example = """'{"prompt": "def main():", "max_tokens": 32}'"""
-            print(f"OpenAI-compatible API: {http}   try: curl {http}/completions -H 'Content-Type: application/json' -d {example}", flush=True)
-        print(f"a process that exits is started again on its port; Ctrl-C stops them all (logs: {stack.workdir})", flush=True)
+            print(
+                f"OpenAI-compatible API: {http}   "
+                f"try: curl {http}/completions -H 'Content-Type: application/json' -d {example}",
+                flush=True,
+            )
+        print(
+            f"a process that exits is started again on its port; Ctrl-C stops them all (logs: {stack.workdir})",
+            flush=True,
+        )
         supervisor = Supervisor(stack)
         while True:
             supervisor.poll()

@@ -11,7 +11,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specinfer.core import DraftGroup, DraftTree, ExpansionConfig, InvalidArgument, SamplingParams, SparseDist, TokenTree, VerifyResult
+from specinfer.core import (
+    DraftGroup,
+    DraftTree,
+    ExpansionConfig,
+    InvalidArgument,
+    SamplingParams,
+    SparseDist,
+    TokenTree,
+    VerifyResult,
+)
 from specinfer.core.costs import CostTable
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
 from specinfer.core.errors import check_token_ids
@@ -33,7 +42,14 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
     top_p = msg.top_p if msg.top_p != 0 else 1.0
     verification = msg.verification or "auto"
     return _prefixed(
-        field, lambda: SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(top_p), seed=seed, verification=verification)
+        field,
+        lambda: SamplingParams(
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(top_p),
+            seed=seed,
+            verification=verification,
+        ),
     )
 
 
@@ -75,7 +91,9 @@ def draft_from_proto(msg: internal_pb2.DraftTree, field: str = "tree") -> DraftT
         raise InvalidArgument(field, str(exc)) from exc
     groups = []
     for i, g in enumerate(msg.groups):
-        if not 0 <= g.parent < len(tree) or any(not g.parent < c < len(tree) or tree.parents[c] != g.parent for c in g.children):
+        if not 0 <= g.parent < len(tree) or any(
+            not g.parent < c < len(tree) or tree.parents[c] != g.parent for c in g.children
+        ):
             raise InvalidArgument(f"{field}.groups[{i}]", "children must be nodes whose parent is the group's parent")
         q = None
         if g.q_tokens:
@@ -93,7 +111,8 @@ def draft_from_proto(msg: internal_pb2.DraftTree, field: str = "tree") -> DraftT
     return DraftTree(tree, tuple(groups), scores)
 
 
-MAX_BUDGET_NODES = 1024  # a dynamic tree's node budget: far above any plan, small enough that no message can make a worker draft without end
+# a dynamic tree's node budget: far above any plan, small enough that no message can make a worker draft without end
+MAX_BUDGET_NODES = 1024
 
 
 def budget_from_proto(item: internal_pb2.SpeculateItem, field: str) -> TreeBudget | None:
@@ -103,7 +122,9 @@ def budget_from_proto(item: internal_pb2.SpeculateItem, field: str) -> TreeBudge
     if item.budget_nodes > MAX_BUDGET_NODES:
         raise InvalidArgument(f"{field}.budget_nodes", f"at most {MAX_BUDGET_NODES}, got {item.budget_nodes}")
     try:
-        budget = TreeBudget(int(item.budget_nodes), int(item.budget_depth), int(item.budget_width), float(item.budget_min_score))
+        budget = TreeBudget(
+            int(item.budget_nodes), int(item.budget_depth), int(item.budget_width), float(item.budget_min_score)
+        )
     except ValueError as exc:
         raise InvalidArgument(f"{field}.budget_nodes", str(exc)) from exc
     if not item.budget_edge_curve:
@@ -129,7 +150,12 @@ def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> interna
         item.expansion.extend(job.expansion.widths)
     if job.budget is not None:
         b = job.budget
-        item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = b.nodes, b.depth, b.max_width, b.min_score
+        item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = (
+            b.nodes,
+            b.depth,
+            b.max_width,
+            b.min_score,
+        )
         item.budget_edge_curve.extend(b.edge_curve)
     return item
 
@@ -146,7 +172,9 @@ def cost_points_to_proto(table: CostTable | None) -> list[internal_pb2.CostPoint
 
 def cost_table_from_proto(points: Sequence[internal_pb2.CostPoint]) -> CostTable | None:
     """The table the points describe; None when there are none or they make no sense (the caller calibrates itself)."""
-    seconds = {int(p.tokens): float(p.seconds) for p in points if p.tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0}
+    seconds = {
+        int(p.tokens): float(p.seconds) for p in points if p.tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0
+    }
     return CostTable(seconds) if seconds else None
 
 
@@ -157,8 +185,8 @@ def ssm_profiles_to_proto(
     budgets: Mapping[str, KVBudget | None],
     vocabularies: Mapping[str, str],
 ) -> list[internal_pb2.SsmProfile]:
-    """ListModels' profile of each SSM: its calibrated draft costs, its slot prior (either may be missing), its KV budget
-    and how its drafts reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`)."""
+    """ListModels' profile of each SSM: its calibrated draft costs, its slot prior (either may be missing), its KV
+    budget and how its drafts reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`)."""
     profiles = []
     for n in names:
         block_size, blocks = kv_budget_to_proto(budgets.get(n))
@@ -201,7 +229,11 @@ def pass_timings_to_proto(passes: Sequence[tuple[int, float]]) -> list[internal_
 
 def pass_timings_from_proto(passes: Sequence[internal_pb2.PassTiming]) -> list[tuple[int, float]]:
     """(frontier tokens, seconds) of each SSM pass a worker reported."""
-    return [(int(p.frontier_tokens), float(p.seconds)) for p in passes if p.frontier_tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0]
+    return [
+        (int(p.frontier_tokens), float(p.seconds))
+        for p in passes
+        if p.frontier_tokens > 0 and np.isfinite(p.seconds) and p.seconds >= 0
+    ]
 
 
 def context_to_proto(request_id: str, context: Sequence[int], offset: int) -> internal_pb2.Context:
@@ -232,17 +264,25 @@ def check_distinct_requests(updates: Sequence[ContextUpdate], field: str = "item
     seen: set[str] = set()
     for i, u in enumerate(updates):
         if u.request_id in seen:
-            raise InvalidArgument(f"{field}[{i}].context.request_id", f"request {u.request_id!r} appears twice in one call")
+            raise InvalidArgument(
+                f"{field}[{i}].context.request_id", f"request {u.request_id!r} appears twice in one call"
+            )
         seen.add(u.request_id)
 
 
 def check_positions(context_len: int, depth: int, max_positions: int, field: str) -> None:
     """The deepest tree node sits at position ``context_len + depth``; the model has ``max_positions``."""
     if context_len + depth >= max_positions:
-        raise InvalidArgument(field, f"context of {context_len} tokens plus a tree of depth {depth} exceeds the model's {max_positions} positions")
+        raise InvalidArgument(
+            field,
+            f"context of {context_len} tokens plus a tree of depth {depth} "
+            f"exceeds the model's {max_positions} positions",
+        )
 
 
-def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> DraftSpec:
+def draft_job_from_proto(
+    item: internal_pb2.SpeculateItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str
+) -> DraftSpec:
     """A :class:`DraftSpec` on ``context`` (the request's full context, resolved by the caller)
     with the random stream the item names; the tree must fit the model's positions."""
     (root,) = check_token_ids(f"{field}.root_token", [item.root_token], vocab_size)
@@ -251,9 +291,22 @@ def draft_job_from_proto(item: internal_pb2.SpeculateItem, context: Sequence[int
         raise InvalidArgument(f"{field}.budget_nodes", "a draft has either an expansion or a budget, not both")
     expansion = expansion_from_proto(item.expansion, f"{field}.expansion") if budget is None else None
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
-    check_positions(len(context), budget.depth if budget is not None else expansion.depth, max_positions, f"{field}.context.tokens")
+    check_positions(
+        len(context), budget.depth if budget is not None else expansion.depth, max_positions, f"{field}.context.tokens"
+    )
     support = int(item.draft_support) or DEFAULT_DRAFT_SUPPORT
-    return DraftSpec(item.context.request_id, list(context), root, expansion, sampling, support, int(item.seed), int(item.step), int(item.stream), budget)
+    return DraftSpec(
+        item.context.request_id,
+        list(context),
+        root,
+        expansion,
+        sampling,
+        support,
+        int(item.seed),
+        int(item.step),
+        int(item.stream),
+        budget,
+    )
 
 
 def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) -> None:
@@ -275,7 +328,9 @@ def _check_draft(draft: DraftTree, greedy: bool, vocab_size: int, field: str) ->
             raise InvalidArgument(f"{field}.groups", f"node {node} has children but no draft group")
 
 
-def verify_job_from_proto(item: internal_pb2.VerifyItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str) -> VerifySpec:
+def verify_job_from_proto(
+    item: internal_pb2.VerifyItem, context: Sequence[int], vocab_size: int, max_positions: int, field: str
+) -> VerifySpec:
     """A :class:`VerifySpec` on ``context`` (resolved by the caller) with the verifier's random
     stream of the step; the tree must fit the model's positions."""
     draft = draft_from_proto(item.tree, f"{field}.tree")
@@ -299,5 +354,8 @@ def verify_result_to_proto(request_id: str, result: tuple[VerifyResult, int] | N
         return internal_pb2.VerifyResult(request_id=request_id, cache_miss=True)
     verdict, prefix_hits = result
     return internal_pb2.VerifyResult(
-        request_id=request_id, accepted_tokens=verdict.accepted_tokens, bonus_token=verdict.bonus_token, prefix_hit_tokens=prefix_hits
+        request_id=request_id,
+        accepted_tokens=verdict.accepted_tokens,
+        bonus_token=verdict.bonus_token,
+        prefix_hit_tokens=prefix_hits,
     )

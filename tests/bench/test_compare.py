@@ -14,13 +14,40 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("def add(a, b):\n", "class Point:\n    def __init__(self", "import os\n")))
+    prompts.write_text(
+        "".join(
+            json.dumps({"text": t}) + "\n"
+            for t in ("def add(a, b):\n", "class Point:\n    def __init__(self", "import os\n")
+        )
+    )
     ssm2 = tmp_path / "ssm2"
     shutil.copytree(model_pair.ssm2, ssm2)
     shutil.copy(model_pair.llm / "tokenizer.json", ssm2 / "tokenizer.json")
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench/compare.py"), "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--ssm", str(ssm2)]
-    cmd += ["--prompts", str(prompts), "--count", "3", "--new-tokens", "6", "--trees", "1,1,3;2,1", "--batch", "1,2", "--temperatures", "0,1"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/compare.py"),
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(model_pair.ssm),
+        "--ssm",
+        str(ssm2),
+    ]
+    cmd += [
+        "--prompts",
+        str(prompts),
+        "--count",
+        "3",
+        "--new-tokens",
+        "6",
+        "--trees",
+        "1,1,3;2,1",
+        "--batch",
+        "1,2",
+        "--temperatures",
+        "0,1",
+    ]
     cmd += ["--dtype", "float32"]
     proc = subprocess.run([*cmd, "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,7 +57,14 @@ def test_compare_runs_every_method_and_greedy_outputs_agree(model_pair, tmp_path
         assert ("hf-incremental", 1, temp) in labels and ("hf-assisted", 1, temp) in labels
         assert ("hf-incremental", 2, temp) in labels  # transformers' batched generate beside ours at batch 2
         for batch in (1, 2):
-            for label in ("incremental", "sequence <1,1,1>", "tree <1,1,3>", "tree <2,1>", "merged <1,1,3> x2 SSMs", "auto"):
+            for label in (
+                "incremental",
+                "sequence <1,1,1>",
+                "tree <1,1,3>",
+                "tree <2,1>",
+                "merged <1,1,3> x2 SSMs",
+                "auto",
+            ):
                 assert (label, batch, temp) in labels, (label, batch, temp)
     for r in rows:
         assert r["tokens"] == 3 * 6

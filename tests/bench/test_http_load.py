@@ -13,9 +13,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_http_load_runs_both_paths_without_errors(model_pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("def add(a, b):\n", "class Point:\n    def __init__(self", "import os\n")))
+    prompts.write_text(
+        "".join(
+            json.dumps({"text": t}) + "\n"
+            for t in ("def add(a, b):\n", "class Point:\n    def __init__(self", "import os\n")
+        )
+    )
     out = tmp_path / "load.json"
-    cmd = [sys.executable, str(REPO / "bench/http_load.py"), "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--prompts", str(prompts)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/http_load.py"),
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(model_pair.ssm),
+        "--prompts",
+        str(prompts),
+    ]
     cmd += ["--streams", "3", "--seconds", "4", "--warmup-seconds", "1", "--new-tokens", "8", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,10 +14,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_later_requests_reuse_the_shared_prefix(model_pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    return a + b * {i}\n" * 8}) + "\n" for i in range(4)))
+    prompts.write_text(
+        "".join(json.dumps({"text": f"def add_{i}(a, b):\n    return a + b * {i}\n" * 8}) + "\n" for i in range(4))
+    )
     out = tmp_path / "prefix.json"
     cmd = [sys.executable, str(REPO / "bench/prefix_cache.py"), "--llm", str(model_pair.llm), "--prompts", str(prompts)]
-    cmd += ["--requests", "4", "--prefix", "64", "--suffix", "8", "--new-tokens", "3", "--kv-block-size", "16", "--kv-cache-bytes", "60000000"]
+    cmd += [
+        "--requests",
+        "4",
+        "--prefix",
+        "64",
+        "--suffix",
+        "8",
+        "--new-tokens",
+        "3",
+        "--kv-block-size",
+        "16",
+        "--kv-cache-bytes",
+        "60000000",
+    ]
     cmd += ["--dtype", "float32", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

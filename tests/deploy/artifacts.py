@@ -25,7 +25,10 @@ from .kustomize import render
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_PREFIX = "specinfer"
-DOCKERFILES = {"request-manager": REPO / "docker/request-manager.Dockerfile", "model-service": REPO / "docker/model-service.Dockerfile"}
+DOCKERFILES = {
+    "request-manager": REPO / "docker/request-manager.Dockerfile",
+    "model-service": REPO / "docker/model-service.Dockerfile",
+}
 K8S = REPO / "deploy/k8s"
 KUSTOMIZATIONS = {
     "base": K8S / "base",
@@ -52,7 +55,14 @@ def public_ports(service: str) -> list[int]:
 # settings a deployment must give each service: the defaults are for one machine (127.0.0.1,
 # an embedded Redis, no SSM) or there is none
 REQUIRED = {
-    "request-manager": {"SPECINFER_HOST", "SPECINFER_PORT", "SPECINFER_VERIFIER", "SPECINFER_SSM_WORKERS", "SPECINFER_MODEL_DIR", "SPECINFER_REDIS_URL"},
+    "request-manager": {
+        "SPECINFER_HOST",
+        "SPECINFER_PORT",
+        "SPECINFER_VERIFIER",
+        "SPECINFER_SSM_WORKERS",
+        "SPECINFER_MODEL_DIR",
+        "SPECINFER_REDIS_URL",
+    },
     "ssm-worker": {"SPECINFER_HOST", "SPECINFER_PORT", "SPECINFER_SSM"},
     "llm-verifier": {"SPECINFER_HOST", "SPECINFER_PORT", "SPECINFER_LLM"},
 }
@@ -139,7 +149,12 @@ def dockerfile_stages(path: Path) -> dict[str, Stage]:
             parent = stages.get(words[0])
             stage = Stage(name, words[0], named, env=dict(parent.env) if parent else {})
             if parent:
-                stage.entrypoint, stage.expose, stage.healthcheck, stage.user = parent.entrypoint, parent.expose, parent.healthcheck, parent.user
+                stage.entrypoint, stage.expose, stage.healthcheck, stage.user = (
+                    parent.entrypoint,
+                    parent.expose,
+                    parent.healthcheck,
+                    parent.user,
+                )
             stages[name] = stage
             continue
         if stage is None:  # global ARGs
@@ -233,7 +248,9 @@ def merge_compose(base: Any, override: Any, path: tuple[str, ...] = ()) -> Any:
             for target, item in _service_secrets(override).items():
                 merged[target] = {**merged.get(target, {}), **item}
             return list(merged.values())
-        raise NotImplementedError(f"merging {'.'.join(path)}: only the merge rules this repository's compose files use are implemented")
+        raise NotImplementedError(
+            f"merging {'.'.join(path)}: only the merge rules this repository's compose files use are implemented"
+        )
     return override
 
 
@@ -267,7 +284,9 @@ MAKE_CERTS = REPO / "deploy/tls/make-certs.sh"
 
 def make_certs(folder: Path, *names: str) -> Path:
     """Run deploy/tls/make-certs.sh into ``folder`` (extra names of the request manager: ``names``)."""
-    subprocess.run(["bash", str(MAKE_CERTS), "-o", str(folder), *names], check=True, capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "-o", str(folder), *names], check=True, capture_output=True, text=True, timeout=60
+    )
     return folder
 
 

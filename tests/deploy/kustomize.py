@@ -22,7 +22,13 @@ Obj = dict[str, Any]
 FIELDS = {"apiVersion", "kind", "namespace", "resources", "components", "patches", "images"}
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 # strategic-merge keys of the lists deploy/k8s patches (k8s.io/api patchMergeKey tags); other lists are replaced
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+}
 
 
 def load_documents(path: Path) -> list[Obj]:
@@ -36,7 +42,9 @@ def render(folder: Path, parent: list[Obj] | None = None) -> list[Obj]:
     spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
     unknown = set(spec) - FIELDS
     if unknown:
-        raise NotImplementedError(f"{folder}: kustomization fields {sorted(unknown)} are not supported by this renderer")
+        raise NotImplementedError(
+            f"{folder}: kustomization fields {sorted(unknown)} are not supported by this renderer"
+        )
     if (spec.get("kind") == "Component") != (parent is not None):
         raise ValueError(f"{folder}: a kind: Component kustomization goes under components:, and only there")
     objects: list[Obj] = list(parent or [])
@@ -62,7 +70,9 @@ def key(obj: Obj) -> tuple[str, str]:
 
 
 def apply_patch(objects: list[Obj], patch: Obj) -> list[Obj]:
-    matches = [i for i, obj in enumerate(objects) if key(obj) == key(patch) and obj["apiVersion"] == patch["apiVersion"]]
+    matches = [
+        i for i, obj in enumerate(objects) if key(obj) == key(patch) and obj["apiVersion"] == patch["apiVersion"]
+    ]
     if len(matches) != 1:
         raise ValueError(f"patch {key(patch)} matches {len(matches)} resources")
     (i,) = matches

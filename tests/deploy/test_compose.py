@@ -69,11 +69,18 @@ def test_compose_file_validates_against_the_compose_spec(stack):
     for name in STACKS[stack]:  # each file alone (an override file is a compose file too)
         validate(yaml.safe_load((REPO / name).read_text()))
     validate(compose_raw(stack))
-    validate(compose({"SPECINFER_MODELS": "/srv/models", "SPECINFER_IMAGE_TAG": "0.2.0", "SPECINFER_TLS_DIR": "/srv/tls"}, stack))
+    validate(
+        compose(
+            {"SPECINFER_MODELS": "/srv/models", "SPECINFER_IMAGE_TAG": "0.2.0", "SPECINFER_TLS_DIR": "/srv/tls"}, stack
+        )
+    )
 
 
 def test_the_schema_check_catches_mistakes():
-    for service, key, value in (("ssm-worker", "imag", "x"), ("llm-verifier", "deploy", {"resources": {"reservations": {"gpus": 1}}})):
+    for service, key, value in (
+        ("ssm-worker", "imag", "x"),
+        ("llm-verifier", "deploy", {"resources": {"reservations": {"gpus": 1}}}),
+    ):
         document = copy.deepcopy(compose_raw())
         document["services"][service][key] = value
         with pytest.raises(jsonschema.ValidationError):
@@ -113,7 +120,9 @@ def test_every_verifier_replica_answers_as_llm_verifier(stack):
     for name in VERIFIERS:
         names = {name, *services[name].get("networks", {}).get("default", {}).get("aliases", [])}
         assert "llm-verifier" in names, name
-        assert set(services[name].get("networks", {"default": None})) == {"default"}, name  # the request manager's network
+        assert set(services[name].get("networks", {"default": None})) == {"default"}, (
+            name
+        )  # the request manager's network
     assert "networks" not in services["request-manager"]
 
 
@@ -132,8 +141,12 @@ def test_multi_gpu_profile_reserves_a_gpu_per_rank():
 def test_only_the_request_manager_publishes_ports(stack):
     """Its gRPC and HTTP ports, each from a variable of its own."""
     services = compose(stack=stack)["services"]
-    assert {name: s["ports"] for name, s in services.items() if "ports" in s} == {"request-manager": ["50051:50051", "8000:8000"]}
-    published = compose({"SPECINFER_PUBLIC_PORT": "8443", "SPECINFER_PUBLIC_HTTP_PORT": "8080"}, stack)["services"]["request-manager"]["ports"]
+    assert {name: s["ports"] for name, s in services.items() if "ports" in s} == {
+        "request-manager": ["50051:50051", "8000:8000"]
+    }
+    published = compose({"SPECINFER_PUBLIC_PORT": "8443", "SPECINFER_PUBLIC_HTTP_PORT": "8080"}, stack)["services"][
+        "request-manager"
+    ]["ports"]
     assert published == ["8443:50051", "8080:8000"]
     assert [int(p.split(":")[1]) for p in published] == public_ports("request-manager")
 
@@ -149,7 +162,12 @@ def test_images_are_the_dockerfiles_targets(stack):
         assert service["image"].endswith(f"-{built.variant}") if built.variant else ":" in service["image"]
         assert "command" not in service and "entrypoint" not in service, "the image's ENTRYPOINT starts the service"
         assert service["build"]["context"] == "."
-    assert compose({"SPECINFER_IMAGE_PREFIX": "ghcr.io/me", "SPECINFER_IMAGE_TAG": "1.0"})["services"]["ssm-worker"]["image"] == "ghcr.io/me/ssm-worker:1.0-cpu"
+    assert (
+        compose({"SPECINFER_IMAGE_PREFIX": "ghcr.io/me", "SPECINFER_IMAGE_TAG": "1.0"})["services"]["ssm-worker"][
+            "image"
+        ]
+        == "ghcr.io/me/ssm-worker:1.0-cpu"
+    )
 
 
 @pytest.mark.parametrize("stack", STACK_IDS)
@@ -161,10 +179,15 @@ def test_every_variable_is_a_setting_and_every_required_one_is_set(stack):
         ours = {k for k in env if k.startswith("SPECINFER_")}
         assert set(service["environment"]) == {k for k in service["environment"] if k.startswith("SPECINFER_")}
         assert ours <= set(settings(image.service)), (name, sorted(ours - set(settings(image.service))))
-        assert REQUIRED[image.service] <= {k for k, v in env.items() if v}, (name, sorted(REQUIRED[image.service] - set(env)))
+        assert REQUIRED[image.service] <= {k for k, v in env.items() if v}, (
+            name,
+            sorted(REQUIRED[image.service] - set(env)),
+        )
         assert env["SPECINFER_HOST"] == "0.0.0.0"
         assert env["SPECINFER_PORT"] == str(PORTS[image.service]) and image.stage.expose == public_ports(image.service)
-        assert env.get("SPECINFER_HTTP_PORT") == (str(HTTP_PORTS[image.service]) if image.service in HTTP_PORTS else None)
+        assert env.get("SPECINFER_HTTP_PORT") == (
+            str(HTTP_PORTS[image.service]) if image.service in HTTP_PORTS else None
+        )
         if image.variant:
             assert env["SPECINFER_DEVICE"] == image.variant
 
@@ -191,7 +214,11 @@ def test_models_are_mounted_read_only(stack):
     for name in OURS:
         service = compose({"SPECINFER_MODELS": "/srv/models"}, stack)["services"][name]
         assert service["volumes"] == [{"type": "bind", "source": "/srv/models", "target": "/models", "read_only": True}]
-        paths = [v for k, v in service["environment"].items() if k in ("SPECINFER_SSM", "SPECINFER_LLM", "SPECINFER_MODEL_DIR")]
+        paths = [
+            v
+            for k, v in service["environment"].items()
+            if k in ("SPECINFER_SSM", "SPECINFER_LLM", "SPECINFER_MODEL_DIR")
+        ]
         assert paths and all("/models/" in p for p in paths)
     assert compose(stack=stack)["services"]["ssm-worker"]["volumes"][0]["source"] == "./models/demo"
 
@@ -221,7 +248,9 @@ def test_the_request_manager_finds_every_worker_and_verifier_replica(stack):
 TEST_OVERRIDES = {"SPECINFER_TORCH_THREADS": "1", "SPECINFER_KV_CACHE_BYTES": str(256 << 20)}
 
 
-def local_command(name: str, variables: dict[str, str], replace: dict[str, str], stack: str = "default") -> tuple[list[str], dict[str, str]]:
+def local_command(
+    name: str, variables: dict[str, str], replace: dict[str, str], stack: str = "default"
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment compose gives ``name`` (profile cpu), for this machine:
     the image's ENTRYPOINT from this virtual environment, its SPECINFER_* ENV plus the service's
     environment, with the container's names and paths replaced (``replace``: substrings) and each
@@ -252,7 +281,9 @@ def local_healthcheck(name: str, variables: dict[str, str], stack: str, address:
 
 
 @contextlib.contextmanager
-def serving(name: str, command: list[str], env: dict[str, str], variables: dict[str, str], stack: str, logs: Path) -> Iterator[Any]:
+def serving(
+    name: str, command: list[str], env: dict[str, str], variables: dict[str, str], stack: str, logs: Path
+) -> Iterator[Any]:
     """``command`` started by the test harness (which adds --host, --port 0 and --port-file), once
     the service's own compose health check passes against it (over TLS in the tls stack, where the
     harness's plaintext wait would not do); stopped at the end, exit code 0."""
@@ -263,10 +294,18 @@ def serving(name: str, command: list[str], env: dict[str, str], variables: dict[
     try:
         while True:
             if svc.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{name} did not pass its health check (exit code {svc.process.poll()})\n{svc.log_tail()}")
+                raise AssertionError(
+                    f"{name} did not pass its health check (exit code {svc.process.poll()})\n{svc.log_tail()}"
+                )
             with contextlib.suppress(OSError, ValueError):
                 svc.address = svc.address or f"127.0.0.1:{int(svc.port_file.read_text())}"
-            if svc.address and subprocess.run(local_healthcheck(name, variables, stack, svc.address), env=env, capture_output=True, timeout=30).returncode == 0:
+            if (
+                svc.address
+                and subprocess.run(
+                    local_healthcheck(name, variables, stack, svc.address), env=env, capture_output=True, timeout=30
+                ).returncode
+                == 0
+            ):
                 break
             time.sleep(0.2)
     except BaseException:
@@ -323,22 +362,34 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
         serving("ssm-worker", worker_command, worker_env, variables, stack, logs) as worker,
         serving("llm-verifier-cpu", verifier_command, verifier_env, variables, stack, logs) as verifier,
     ):
-        replace = {**paths, "redis:6379": f"127.0.0.1:{redis.port}", "llm-verifier:50053": verifier.address, "ssm-worker:50052": worker.address}
+        replace = {
+            **paths,
+            "redis:6379": f"127.0.0.1:{redis.port}",
+            "llm-verifier:50053": verifier.address,
+            "ssm-worker:50052": worker.address,
+        }
         command, env = local_command("request-manager", variables, replace, stack)
         assert env["SPECINFER_SSM_WORKERS"] == f"dns:///{worker.address}"  # the DNS code path, on a numeric name
         assert env["SPECINFER_VERIFIER"] == f"dns:///{verifier.address}"
         assert env["SPECINFER_HTTP_PORT"] == "8000"
-        env["SPECINFER_HTTP_PORT"] = str(free_tcp_port())  # 8000 is the container's own; on this host another process may hold it
+        env["SPECINFER_HTTP_PORT"] = str(
+            free_tcp_port()
+        )  # 8000 is the container's own; on this host another process may hold it
         with serving("request-manager", command, env, variables, stack, logs) as rm:
             auth, context = ClientAuth(), None
             if tls:
                 secrets = Path(variables["SPECINFER_TLS_DIR"])
-                auth = ClientAuth(ClientTls.from_files(str(secrets / "ca.crt")), (secrets / "auth-token").read_text().strip())
+                auth = ClientAuth(
+                    ClientTls.from_files(str(secrets / "ca.crt")), (secrets / "auth-token").read_text().strip()
+                )
                 context = ssl.create_default_context(cafile=str(secrets / "ca.crt"))
                 for svc in (worker, verifier, rm):
                     assert check(svc.address, timeout=5) == "UNAVAILABLE", svc.name  # plaintext: no handshake
                 for svc in (worker, verifier):  # mTLS: the CA alone is not enough
-                    assert check(svc.address, timeout=5, tls=ClientTls.from_files(str(secrets / "ca.crt"))) == "UNAVAILABLE", svc.name
+                    assert (
+                        check(svc.address, timeout=5, tls=ClientTls.from_files(str(secrets / "ca.crt")))
+                        == "UNAVAILABLE"
+                    ), svc.name
             with auth.channel(rm.address) as ch:
                 stub = api_pb2_grpc.SpecInferStub(ch)
                 if tls:
@@ -347,10 +398,12 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
                     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 info = stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=10, metadata=auth.metadata)
                 assert list(info.ssms) == ["ssm"] and info.has_tokenizer and info.default_speculation == "auto"
-                # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone; a static
-                # tree, since the adaptive default may rightly decline to speculate on this machine)
+                # one short generation: trees drafted by the worker found through DNS (size > 1: not the root alone;
+                # a static tree, since the adaptive default may rightly decline to speculate on this machine)
                 static = api_pb2.SpeculationParams(expansion=[1, 1, 3])
-                request = api_pb2.GenerateRequest(text="def main():\n", max_new_tokens=8, ignore_eos=True, speculation=static)
+                request = api_pb2.GenerateRequest(
+                    text="def main():\n", max_new_tokens=8, ignore_eos=True, speculation=static
+                )
                 *_, last = stub.Generate(request, timeout=30, metadata=auth.metadata)
                 assert last.finished.usage.completion_tokens == 8 and last.finished.usage.mean_tree_size > 1
             # the HTTP API on the port the stack sets: HTTPS with the gRPC port's certificate in the tls stack

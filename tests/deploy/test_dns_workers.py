@@ -62,7 +62,10 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
         ("ssm-worker:50052", None),
         ("10.0.0.7:50052", None),
         ("dns:///ssm-worker:50052", DnsTarget("ssm-worker", 50052)),
-        ("dns:ssm-worker.specinfer.svc.cluster.local:50052", DnsTarget("ssm-worker.specinfer.svc.cluster.local", 50052)),
+        (
+            "dns:ssm-worker.specinfer.svc.cluster.local:50052",
+            DnsTarget("ssm-worker.specinfer.svc.cluster.local", 50052),
+        ),
         ("dns:///[::1]:50052", DnsTarget("::1", 50052)),
     ],
 )
@@ -70,7 +73,9 @@ def test_parse_targets(target, expected):
     assert DnsTarget.parse(target) == expected
 
 
-@pytest.mark.parametrize("target", ["dns:///ssm-worker", "dns:///:50052", "dns:///ssm-worker:http", "dns://8.8.8.8/ssm-worker:50052"])
+@pytest.mark.parametrize(
+    "target", ["dns:///ssm-worker", "dns:///:50052", "dns:///ssm-worker:http", "dns://8.8.8.8/ssm-worker:50052"]
+)
 def test_bad_dns_targets_fail_at_start_up(target):
     with pytest.raises(ValueError, match="SSM worker target"):
         SsmWorkers([target], timeout=1.0)
@@ -305,7 +310,9 @@ def worker_certificate(folder: Path) -> tuple[Path, Path, Path]:
     paths = folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return paths
 
 
@@ -325,7 +332,9 @@ def joined_over_tls(tmp_path: Path, target: str) -> list[str]:
 
     async def test() -> None:
         server, port = await start_tls_fake(FakeWorker(), cert, key)
-        workers = SsmWorkers([target.format(port=port)], timeout=5.0, auth=ClientAuth(ClientTls.from_files(str(ca))), refresh_seconds=0)
+        workers = SsmWorkers(
+            [target.format(port=port)], timeout=5.0, auth=ClientAuth(ClientTls.from_files(str(ca))), refresh_seconds=0
+        )
         try:
             await workers.discover()
             found.extend(workers.addresses)

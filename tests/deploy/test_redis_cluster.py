@@ -36,7 +36,12 @@ PASSWORD = "cluster-test-password"
 
 def component() -> dict[str, Obj]:
     """The component's objects in overlays/redis-cluster, by kind."""
-    names = {("StatefulSet", "redis-cluster"), ("Service", "redis-cluster"), ("Job", "redis-cluster-create"), ("ConfigMap", "redis-cluster-scripts")}
+    names = {
+        ("StatefulSet", "redis-cluster"),
+        ("Service", "redis-cluster"),
+        ("Job", "redis-cluster-create"),
+        ("ConfigMap", "redis-cluster-scripts"),
+    }
     return {o["kind"]: o for o in rendered("redis-cluster") if (o["kind"], o["metadata"]["name"]) in names}
 
 
@@ -57,15 +62,21 @@ def test_six_nodes_that_the_job_forms_into_three_masters_with_a_replica_each():
     flags = node_flags(node["args"])
     assert sts["spec"]["replicas"] == 6
     assert flags["--cluster-enabled"] == "yes" and flags["--appendonly"] == "yes"
-    assert flags["--requirepass"] == flags["--masterauth"] == "$(REDIS_PASSWORD)"  # replicas authenticate to their masters
+    assert (
+        flags["--requirepass"] == flags["--masterauth"] == "$(REDIS_PASSWORD)"
+    )  # replicas authenticate to their masters
     env = env_of(node)
     assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "specinfer-redis", "key": "password"}}
     assert env["REDIS_NODES_CONF"] == f"{flags['--dir']}/{flags['--cluster-config-file']}"  # what start.sh rewrites
     # each node announces its pod's stable DNS name under the governing headless Service
-    assert flags["--cluster-announce-hostname"] == f"$(POD_NAME).{sts['spec']['serviceName']}" and flags["--cluster-preferred-endpoint-type"] == "hostname"
+    assert (
+        flags["--cluster-announce-hostname"] == f"$(POD_NAME).{sts['spec']['serviceName']}"
+        and flags["--cluster-preferred-endpoint-type"] == "hostname"
+    )
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert node["command"] == ["sh", "/scripts/start.sh"]
-    # clients on 6379, the cluster bus on 16379: both on the pods and the Service, which lists nodes before they are ready
+    # clients on 6379, the cluster bus on 16379: both on the pods and the Service, which lists nodes before they are
+    # ready
     ports = {p["name"]: p["containerPort"] for p in node["ports"]}
     assert ports == {"redis": 6379, "bus": 16379}
     assert service["metadata"]["name"] == sts["spec"]["serviceName"] and service["spec"]["clusterIP"] == "None"
@@ -75,7 +86,9 @@ def test_six_nodes_that_the_job_forms_into_three_masters_with_a_replica_each():
     create = job["spec"]["template"]["spec"]["containers"][0]
     job_env = env_of(create)
     assert create["command"] == ["sh", "/scripts/create-cluster.sh"]
-    assert job_env["NODES"].split() == [f"redis-cluster-{i}.{service['metadata']['name']}:6379" for i in range(sts["spec"]["replicas"])]
+    assert job_env["NODES"].split() == [
+        f"redis-cluster-{i}.{service['metadata']['name']}:6379" for i in range(sts["spec"]["replicas"])
+    ]
     assert sts["spec"]["replicas"] // (int(job_env["CLUSTER_REPLICAS"]) + 1) == 3
     assert job_env["REDISCLI_AUTH"] == {"secretKeyRef": {"name": "specinfer-redis", "key": "password"}}
     for pod in (sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
@@ -127,7 +140,12 @@ def free_cluster_ports(count: int) -> list[int]:
 
 
 def script_env(redis_bin: Path, **variables: str) -> dict[str, str]:
-    return {**os.environ, "PATH": f"{redis_bin}{os.pathsep}{os.environ['PATH']}", "REDISCLI_AUTH": PASSWORD, **variables}
+    return {
+        **os.environ,
+        "PATH": f"{redis_bin}{os.pathsep}{os.environ['PATH']}",
+        "REDISCLI_AUTH": PASSWORD,
+        **variables,
+    }
 
 
 def start_node(scripts: Path, redis_bin: Path, folder: Path, port: int) -> subprocess.Popen:
@@ -139,7 +157,12 @@ def start_node(scripts: Path, redis_bin: Path, folder: Path, port: int) -> subpr
     folder.mkdir(exist_ok=True)
     env = script_env(redis_bin, REDIS_NODES_CONF=str(folder / flags["--cluster-config-file"]))
     log = (folder / "log").open("a")
-    process = subprocess.Popen(["sh", str(scripts / "start.sh"), "redis-server", *(w for kv in flags.items() for w in kv)], env=env, stdout=log, stderr=log)
+    process = subprocess.Popen(
+        ["sh", str(scripts / "start.sh"), "redis-server", *(w for kv in flags.items() for w in kv)],
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
     client = redis.Redis(port=port, password=PASSWORD, socket_timeout=2)
     deadline = time.monotonic() + 30
     while True:
@@ -170,8 +193,15 @@ def nodes(scripts: Path, redis_bin: Path, folder: Path, ports: list[int]) -> Ite
 def create_cluster(scripts: Path, redis_bin: Path, ports: list[int]) -> subprocess.CompletedProcess:
     """The Job's script with the Job's settings, naming this machine's nodes."""
     job = {v["name"]: v.get("value") for v in component()["Job"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    env = script_env(redis_bin, NODES=" ".join(f"127.0.0.1:{p}" for p in ports), CLUSTER_REPLICAS=job["CLUSTER_REPLICAS"], WAIT_SECONDS="60")
-    return subprocess.run(["sh", str(scripts / "create-cluster.sh")], env=env, capture_output=True, text=True, timeout=120)
+    env = script_env(
+        redis_bin,
+        NODES=" ".join(f"127.0.0.1:{p}" for p in ports),
+        CLUSTER_REPLICAS=job["CLUSTER_REPLICAS"],
+        WAIT_SECONDS="60",
+    )
+    return subprocess.run(
+        ["sh", str(scripts / "create-cluster.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def settled_topology(port: int, timeout: float = 20) -> dict[str, tuple[str, str, int]]:
@@ -180,7 +210,9 @@ def settled_topology(port: int, timeout: float = 20) -> dict[str, tuple[str, str
     deadline = time.monotonic() + timeout
     while True:
         seen = topology(port)
-        if (len(seen) == 6 and sum(role == "replica" for role, _, _ in seen.values()) == 3) or time.monotonic() > deadline:
+        if (
+            len(seen) == 6 and sum(role == "replica" for role, _, _ in seen.values()) == 3
+        ) or time.monotonic() > deadline:
             return seen
         time.sleep(0.2)
 
@@ -232,7 +264,9 @@ def test_the_job_forms_the_cluster_once_and_the_nodes_restart_into_it(tmp_path, 
 def test_the_job_gives_up_on_nodes_that_never_answer(scripts, redis_bin):
     (port,) = free_cluster_ports(1)
     env = script_env(redis_bin, NODES=f"127.0.0.1:{port}", CLUSTER_REPLICAS="1", WAIT_SECONDS="3")
-    out = subprocess.run(["sh", str(scripts / "create-cluster.sh")], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["sh", str(scripts / "create-cluster.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and f"gave up: 127.0.0.1:{port} does not answer" in out.stderr
 
 
@@ -246,7 +280,8 @@ def test_start_points_each_peer_at_the_address_its_host_name_has_now(tmp_path, s
     before = [
         "a1 10.0.0.1:6379@16379,localhost,tls-port=0,shard-id=s1 myself,master - 0 0 1 connected 0-5460",
         "b2 fd00::2:6379@16379,localhost,tls-port=0,shard-id=s2 master - 0 1700000000000 2 connected 5461-10922",
-        "c3 10.0.0.3:6379@16379,no-such-node.invalid,tls-port=0,shard-id=s3 master - 0 1700000000000 3 connected 10923-16383",
+        "c3 10.0.0.3:6379@16379,no-such-node.invalid,tls-port=0,shard-id=s3 master - 0 1700000000000 3 "
+        "connected 10923-16383",
         "d4 10.0.0.4:6379@16379,,tls-port=0,shard-id=s1 slave a1 0 1700000000000 1 connected",
         "e5 10.0.0.5:6379@16379,bad$(name),shard-id=s2 slave b2 0 1700000000000 2 connected",
         "f6 10.0.0.6:6379@16379 slave c3 0 1700000000000 3 connected",
@@ -265,8 +300,12 @@ def test_start_points_each_peer_at_the_address_its_host_name_has_now(tmp_path, s
     after = conf.read_text().splitlines()
     assert after[0] == before[0].replace("10.0.0.1:", f"{now}:", 1)
     assert after[1] == before[1].replace("fd00::2:", f"{now}:", 1)  # an IPv6 address: the port is after the last colon
-    assert after[2:] == before[2:]  # a name that does not resolve, no name, a name that is not a host name, Redis 6's format, vars
+    assert (
+        after[2:] == before[2:]
+    )  # a name that does not resolve, no name, a name that is not a host name, Redis 6's format, vars
     assert not list(tmp_path.glob("nodes.conf.*"))
     empty = tmp_path / "missing.conf"  # a node's first start: no nodes.conf yet
-    out = subprocess.run(["sh", str(scripts / "start.sh"), "true"], env={**os.environ, "REDIS_NODES_CONF": str(empty)}, timeout=30)
+    out = subprocess.run(
+        ["sh", str(scripts / "start.sh"), "true"], env={**os.environ, "REDIS_NODES_CONF": str(empty)}, timeout=30
+    )
     assert out.returncode == 0 and not empty.exists()

@@ -27,7 +27,18 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from specinfer.serving import healthcheck
 from specinfer.serving.config import env_name
 
-from .artifacts import K8S, KUSTOMIZATIONS, MAKE_CERTS, REPO, SERVICES, compose, image_for, make_certs, secret_files, settings
+from .artifacts import (
+    K8S,
+    KUSTOMIZATIONS,
+    MAKE_CERTS,
+    REPO,
+    SERVICES,
+    compose,
+    image_for,
+    make_certs,
+    secret_files,
+    settings,
+)
 from .kustomize import render
 from .test_kubernetes import KUBERNETES_VERSIONS, WORKLOADS, by_kind, service_of
 
@@ -50,7 +61,11 @@ EXPECTED = {
     "llm-verifier": {**SERVER, "SPECINFER_TLS_CLIENT_CA": "ca.crt", "SPECINFER_INTERNAL_TOKEN_FILE": "internal-token"},
 }
 # the health check's flags for a port that asks for a client certificate: the files the server itself uses
-PROBE_FLAGS = {"--tls-ca": "SPECINFER_TLS_CLIENT_CA", "--tls-client-cert": "SPECINFER_TLS_CERT", "--tls-client-key": "SPECINFER_TLS_KEY"}
+PROBE_FLAGS = {
+    "--tls-ca": "SPECINFER_TLS_CLIENT_CA",
+    "--tls-client-cert": "SPECINFER_TLS_CERT",
+    "--tls-client-key": "SPECINFER_TLS_KEY",
+}
 TLS_VARIABLES = {v for files in EXPECTED.values() for v in files}
 # Kubernetes: the key of the service's own Secret (specinfer-tls-<service>) holding each file; the
 # tokens are keys of specinfer-tokens named as the files
@@ -114,15 +129,23 @@ def test_compose_tls_gives_every_service_its_files():
         env = {k: v for k, v in service["environment"].items() if k in TLS_VARIABLES}
         assert set(env) == set(EXPECTED[image.service]), name
         for variable, path in env.items():
-            assert mounted[path] == f"/srv/tls/{expected_file(image.service, EXPECTED[image.service][variable])}", (name, variable)
+            assert mounted[path] == f"/srv/tls/{expected_file(image.service, EXPECTED[image.service][variable])}", (
+                name,
+                variable,
+            )
         test = service["healthcheck"]["test"][1:]
         assert test[:3] == HEALTHCHECK
         probe = flags(test)
-        if image.service == "request-manager":  # its port asks for no client certificate; the probe reads SPECINFER_TLS_CA
+        if (
+            image.service == "request-manager"
+        ):  # its port asks for no client certificate; the probe reads SPECINFER_TLS_CA
             assert probe == {}
         else:
             assert probe == {flag: env[variable] for flag, variable in PROBE_FLAGS.items()}, name
-        assert set(mounted) == set(env.values()) | set(probe.values()), (name, "mounted but unused, or used but not mounted")
+        assert set(mounted) == set(env.values()) | set(probe.values()), (
+            name,
+            "mounted but unused, or used but not mounted",
+        )
         used |= {item["source"] for item in service["secrets"]}
     assert used == set(document["secrets"]), "every secret is mounted somewhere"
     assert all(set(secret) == {"file"} for secret in document["secrets"].values()), "file secrets only: no value inline"
@@ -188,8 +211,14 @@ def pod_files(pod: Obj, container: Obj) -> dict[str, tuple[str, str, int]]:
         if secret is None:
             continue
         assert mount.get("readOnly") is True, mount
-        assert "items" in secret or secret["secretName"].startswith("specinfer-tls-"), "name the keys of a Secret shared by pods"
-        keys = {i["key"]: i["path"] for i in secret["items"]} if "items" in secret else {k: k for k in ("tls.crt", "tls.key", "ca.crt")}
+        assert "items" in secret or secret["secretName"].startswith("specinfer-tls-"), (
+            "name the keys of a Secret shared by pods"
+        )
+        keys = (
+            {i["key"]: i["path"] for i in secret["items"]}
+            if "items" in secret
+            else {k: k for k in ("tls.crt", "tls.key", "ca.crt")}
+        )
         for key, path in keys.items():
             out[f"{mount['mountPath']}/{path}"] = (secret["secretName"], key, secret["defaultMode"])
     return out
@@ -211,22 +240,36 @@ def tls_checks(objects: list[Obj]) -> None:
             for variable, path in env.items():
                 secret, key, mode = files[path]
                 template = EXPECTED[service][variable]
-                wanted = (f"specinfer-tls-{service}", SECRET_KEYS[template]) if template in SECRET_KEYS else ("specinfer-tokens", template)
+                wanted = (
+                    (f"specinfer-tls-{service}", SECRET_KEYS[template])
+                    if template in SECRET_KEYS
+                    else ("specinfer-tokens", template)
+                )
                 assert (secret, key) == wanted, (service, variable)
-                assert mode in (0o400, 0o440), f"{service}: mode {mode:o}: owner root and the pods' group (fsGroup) only"
+                assert mode in (0o400, 0o440), (
+                    f"{service}: mode {mode:o}: owner root and the pods' group (fsGroup) only"
+                )
             tokens = {key for secret, key, _ in files.values() if secret == "specinfer-tokens"}
-            assert tokens == {v for k, v in EXPECTED[service].items() if k.endswith("TOKEN_FILE")}, f"{service}: only the tokens it needs"
+            assert tokens == {v for k, v in EXPECTED[service].items() if k.endswith("TOKEN_FILE")}, (
+                f"{service}: only the tokens it needs"
+            )
             assert pod["securityContext"]["fsGroup"] == 10001
             probes = {name: container[name] for name in ("startupProbe", "readinessProbe", "livenessProbe")}
-            assert not [name for name, probe in probes.items() if "grpc" in probe], f"{service}: grpc probes cannot speak TLS"
+            assert not [name for name, probe in probes.items() if "grpc" in probe], (
+                f"{service}: grpc probes cannot speak TLS"
+            )
             if service == "request-manager":
                 assert probes["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
                 assert "tcpSocket" in probes["startupProbe"] and "tcpSocket" in probes["livenessProbe"]
             else:
                 for name, probe in probes.items():
                     command = probe["exec"]["command"]
-                    assert command[:3] == HEALTHCHECK and flags(command) == {f: env[v] for f, v in PROBE_FLAGS.items()}, (service, name)
-                    assert probe["timeoutSeconds"] >= 5, f"{service} {name}: a Python start within the default 1 s is not sure"
+                    assert command[:3] == HEALTHCHECK and flags(command) == {
+                        f: env[v] for f, v in PROBE_FLAGS.items()
+                    }, (service, name)
+                    assert probe["timeoutSeconds"] >= 5, (
+                        f"{service} {name}: a Python start within the default 1 s is not sure"
+                    )
     assert seen == set(SERVICES)
 
 
@@ -253,7 +296,9 @@ def test_the_tls_component_applies_to_every_overlay(overlay, tmp_path):
 def test_the_checks_catch_a_missing_mount():
     objects = copy.deepcopy(render(KUSTOMIZATIONS["tls"]))
     worker = by_kind(objects, "Deployment")["ssm-worker"]["spec"]["template"]["spec"]
-    worker["containers"][0]["volumeMounts"] = [m for m in worker["containers"][0]["volumeMounts"] if m["name"] != "tokens"]
+    worker["containers"][0]["volumeMounts"] = [
+        m for m in worker["containers"][0]["volumeMounts"] if m["name"] != "tokens"
+    ]
     with pytest.raises(KeyError):
         tls_checks(objects)
 
@@ -284,5 +329,7 @@ def test_the_documented_secrets_are_those_the_tls_overlay_mounts(certs):
         for key, path in keys.items():
             file = Path(path)
             assert file.parent == default.relative_to(REPO) and (certs / file.name).is_file(), path
-            files = {k: expected_file(name.removeprefix("specinfer-tls-"), template) for template, k in SECRET_KEYS.items()}
+            files = {
+                k: expected_file(name.removeprefix("specinfer-tls-"), template) for template, k in SECRET_KEYS.items()
+            }
             assert file.name == files.get(key, key), (name, key, path)

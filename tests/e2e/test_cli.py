@@ -34,7 +34,21 @@ def up_with_ssms(tmp_path_factory):
     """``specinfer up --ssm fast=models/demo/ssm-1 --ssm models/demo/ssm-2``: no --llm."""
     state = tmp_path_factory.mktemp("up-ssms")
     env = {k: v for k, v in os.environ.items() if k != "SPECINFER_DEMO_MODELS"}
-    up = SpecinferUp(["--ssm", f"fast={DEMO / 'ssm-1'}", "--ssm", str(DEMO / "ssm-2"), "--port", "0", "--http-port", "0", "--state-dir", str(state)], env)
+    up = SpecinferUp(
+        [
+            "--ssm",
+            f"fast={DEMO / 'ssm-1'}",
+            "--ssm",
+            str(DEMO / "ssm-2"),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(state),
+        ],
+        env,
+    )
     try:
         yield up.wait_serving(), up
     finally:
@@ -56,7 +70,18 @@ def test_generate_prints_the_same_headers_through_a_server_as_in_process(up_with
     address, _ = up_with_ssms
     remote = specinfer("generate", "--server", address, "--max-new-tokens", "12", *PROMPTS)
     assert remote.returncode == 0, remote.stderr
-    local = specinfer("generate", "--llm", str(DEMO / "llm"), "--ssm", str(DEMO / "ssm-1"), "--dtype", "float32", "--max-new-tokens", "12", *PROMPTS)
+    local = specinfer(
+        "generate",
+        "--llm",
+        str(DEMO / "llm"),
+        "--ssm",
+        str(DEMO / "ssm-1"),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        *PROMPTS,
+    )
     assert local.returncode == 0, local.stderr
     for out in (remote.stdout, local.stdout):
         headers = re.findall(r"^--- (prompt|generated)\b.*$\n", out, re.M)
@@ -67,10 +92,16 @@ def test_generate_prints_the_same_headers_through_a_server_as_in_process(up_with
 
 def test_two_ssm_folders_of_one_name_are_an_error_saying_how_to_name_them(tmp_path):
     a, b = tmp_path / "a/ssm", tmp_path / "b/ssm"
-    for args in (["up", "--ssm", str(a), "--ssm", str(b)], ["generate", "--llm", str(DEMO / "llm"), "--ssm", str(a), "--ssm", str(b), "x"]):
+    for args in (
+        ["up", "--ssm", str(a), "--ssm", str(b)],
+        ["generate", "--llm", str(DEMO / "llm"), "--ssm", str(a), "--ssm", str(b), "x"],
+    ):
         out = specinfer(*args, timeout=120)
         assert out.returncode == 2, out
-        assert f"specinfer: error: --ssm: name 'ssm' is given twice ({a} and {b}): name them apart with NAME=PATH" in out.stderr, out.stderr
+        assert (
+            f"specinfer: error: --ssm: name 'ssm' is given twice ({a} and {b}): name them apart with NAME=PATH"
+            in out.stderr
+        ), out.stderr
     assert not list(tmp_path.glob("**/logs-*"))  # refused before anything started
 
 
@@ -79,7 +110,9 @@ def test_demo_drafts_with_all_three_ssms():
     assert out.returncode == 0, out.stderr
     assert "drafting with ssm, ssm-1, ssm-2" in out.stdout and "adaptive trees over 3 SSM(s)" in out.stdout, out.stdout
     one = specinfer("demo", "--in-process", "--max-new-tokens", "8", "--dtype", "float32", "--one-ssm")
-    assert re.search(r"drafting with ssm$", one.stdout, re.M) and "adaptive trees over 1 SSM(s)" in one.stdout, one.stdout
+    assert re.search(r"drafting with ssm$", one.stdout, re.M) and "adaptive trees over 1 SSM(s)" in one.stdout, (
+        one.stdout
+    )
 
 
 def test_every_subcommand_documents_its_flags_and_defaults():
@@ -87,7 +120,9 @@ def test_every_subcommand_documents_its_flags_and_defaults():
     parser = build_parser()
     (subcommands,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
     for name, sub in subcommands.choices.items():
-        assert re.search(rf"^\s+{re.escape(name)}\s+\S", top, re.M) or re.search(rf"^\s+{re.escape(name)}\n\s+\S", top, re.M), f"{name} has no help line"
+        assert re.search(rf"^\s+{re.escape(name)}\s+\S", top, re.M) or re.search(
+            rf"^\s+{re.escape(name)}\n\s+\S", top, re.M
+        ), f"{name} has no help line"
         formatter = _HelpFormatter(f"specinfer {name}")
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
@@ -96,7 +131,12 @@ def test_every_subcommand_documents_its_flags_and_defaults():
                     f"specinfer {name} {action.option_strings[0]} does not show its default"
                 )
     up = " ".join(specinfer("up", "--help", timeout=120).stdout.split())
-    for flag, default in (("--workers", "1"), ("--port", "50051"), ("--http-port", "8000"), ("--state-dir", "./specinfer-state")):
+    for flag, default in (
+        ("--workers", "1"),
+        ("--port", "50051"),
+        ("--http-port", "8000"),
+        ("--state-dir", "./specinfer-state"),
+    ):
         assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", up), (flag, up)
     gen = " ".join(specinfer("generate", "--help", timeout=120).stdout.split())
     assert "(default: 128)" in gen

@@ -19,7 +19,15 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def cross_stack(model_pair, tmp_path_factory):
     ssm = relabelled_ssm(model_pair.llm, model_pair.ssm, tmp_path_factory.mktemp("cross") / "draft")
-    cfg = StackConfig(llm=model_pair.llm, ssms=(ssm,), workers=1, port=0, state_dir=tmp_path_factory.mktemp("state"), expansion="auto", threads=1)
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(ssm,),
+        workers=1,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        expansion="auto",
+        threads=1,
+    )
     with serving(cfg) as s:
         yield s
 
@@ -27,7 +35,10 @@ def cross_stack(model_pair, tmp_path_factory):
 def test_greedy_streams_with_a_cross_tokenizer_draft_equal_transformers(cross_stack, model_pair):
     prompts = model_pair.prompts[:8]
     expected = hf_greedy(model_pair.llm, prompts, NEW_TOKENS)
-    requests = [Client.request(ids, NEW_TOKENS, **({"expansion": (1, 1, 3, 1, 1)} if i % 2 else {})) for i, ids in enumerate(prompts)]  # auto, static
+    requests = [
+        Client.request(ids, NEW_TOKENS, **({"expansion": (1, 1, 3, 1, 1)} if i % 2 else {}))
+        for i, ids in enumerate(prompts)
+    ]  # auto, static
     with Client(cross_stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(client.generate, requests))
         info = client.model_info()
@@ -39,5 +50,9 @@ def test_greedy_streams_with_a_cross_tokenizer_draft_equal_transformers(cross_st
 
 def test_sampling_with_a_cross_tokenizer_draft_completes(cross_stack, model_pair):
     with Client(cross_stack.address, timeout=300) as client:
-        done = client.generate(Client.request(model_pair.prompts[0], 24, temperature=0.8, top_p=0.95, seed=3, expansion=(2, 2, 1), ignore_eos=True))
+        done = client.generate(
+            Client.request(
+                model_pair.prompts[0], 24, temperature=0.8, top_p=0.95, seed=3, expansion=(2, 2, 1), ignore_eos=True
+            )
+        )
     assert len(done.token_ids) == 24 and done.finished.usage.mean_tree_size > 1

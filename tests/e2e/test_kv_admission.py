@@ -43,7 +43,14 @@ def prompts(model_pair):
 
 @pytest.fixture(scope="module")
 def stack(model_pair, tmp_path_factory):
-    model = ("--kv-block-size", str(BLOCK), "--max-seq-len", str(MAX_SEQ_LEN), "--kv-cache-bytes", str(kv_cache_bytes(model_pair.llm)))
+    model = (
+        "--kv-block-size",
+        str(BLOCK),
+        "--max-seq-len",
+        str(MAX_SEQ_LEN),
+        "--kv-cache-bytes",
+        str(kv_cache_bytes(model_pair.llm)),
+    )
     cfg = StackConfig(
         llm=model_pair.llm,
         ssms=(model_pair.ssm,),
@@ -75,14 +82,19 @@ def test_services_report_their_kv_budgets(stack):
     with grpc.insecure_channel(worker.address) as channel:
         models = internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=30)
     (profile,) = models.profiles
-    assert profile.kv_block_size == BLOCK and profile.kv_blocks >= request_blocks  # the SSM has fewer layers: more blocks in the same bytes
+    assert (
+        profile.kv_block_size == BLOCK and profile.kv_blocks >= request_blocks
+    )  # the SSM has fewer layers: more blocks in the same bytes
 
 
 def test_concurrent_requests_preempt_and_match_transformers(stack, prompts, expected):
     rm = stack.process("request-manager").metrics_address
     before = scrape(rm)
     # odd requests adaptive, even ones a static tree
-    requests = [Client.request(ids, NEW_TOKENS, adaptive=bool(i % 2), expansion=() if i % 2 else (1, 1, 3)) for i, ids in enumerate(prompts)]
+    requests = [
+        Client.request(ids, NEW_TOKENS, adaptive=bool(i % 2), expansion=() if i % 2 else (1, 1, 3))
+        for i, ids in enumerate(prompts)
+    ]
     with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         streams = list(pool.map(lambda r: list(client.stream(r)), requests))
     for i, messages in enumerate(streams):
@@ -94,7 +106,9 @@ def test_concurrent_requests_preempt_and_match_transformers(stack, prompts, expe
     assert total(after, "specinfer_preemptions_total") - total(before, "specinfer_preemptions_total") > 0
     verifier = scrape(stack.process("llm-verifier").metrics_address)
     assert total(verifier, "specinfer_kv_blocks", role="llm") > 0
-    assert total(verifier, "specinfer_kv_blocks_free", role="llm") == total(verifier, "specinfer_kv_blocks", role="llm")  # all released
+    assert total(verifier, "specinfer_kv_blocks_free", role="llm") == total(
+        verifier, "specinfer_kv_blocks", role="llm"
+    )  # all released
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +120,15 @@ def shared_prompts(model_pair, prompts):
 
 def test_shared_prefixes_are_cached_and_output_matches_transformers(stack, model_pair, shared_prompts):
     expected = hf_greedy(model_pair.llm, shared_prompts, NEW_TOKENS)
-    verifier_address, rm = stack.process("llm-verifier").metrics_address, stack.process("request-manager").metrics_address
+    verifier_address, rm = (
+        stack.process("llm-verifier").metrics_address,
+        stack.process("request-manager").metrics_address,
+    )
     before, preemptions = scrape(verifier_address), total(scrape(rm), "specinfer_preemptions_total")
-    requests = [Client.request(ids, NEW_TOKENS, adaptive=bool(i % 2), expansion=() if i % 2 else (1, 1, 3)) for i, ids in enumerate(shared_prompts)]
+    requests = [
+        Client.request(ids, NEW_TOKENS, adaptive=bool(i % 2), expansion=() if i % 2 else (1, 1, 3))
+        for i, ids in enumerate(shared_prompts)
+    ]
     with Client(stack.address, timeout=600) as client:
         first = list(client.stream(requests[0]))  # alone: its blocks are cached once it ran
         with concurrent.futures.ThreadPoolExecutor(len(requests) - 1) as pool:
@@ -117,14 +137,24 @@ def test_shared_prefixes_are_cached_and_output_matches_transformers(stack, model
         assert messages[-1].HasField("finished"), f"request {i} did not finish"
         assert [t for m in messages for t in m.token_ids] == expected[i], f"request {i} differs from transformers"
     cached = [messages[-1].finished.usage.cached_prompt_tokens for messages in streams]
-    assert all(c % BLOCK == 0 and c < len(shared_prompts[0]) for c in cached)  # whole blocks; the root is always computed
+    assert all(
+        c % BLOCK == 0 and c < len(shared_prompts[0]) for c in cached
+    )  # whole blocks; the root is always computed
     assert all(c >= 48 for c in cached[1:]), f"later requests should reuse the 48-token prefix: {cached}"
-    assert total(scrape(rm), "specinfer_preemptions_total") > preemptions, "the pools were meant to be too small for the batch"
+    assert total(scrape(rm), "specinfer_preemptions_total") > preemptions, (
+        "the pools were meant to be too small for the batch"
+    )
     after = scrape(verifier_address)
-    hits = total(after, "specinfer_prefix_cache_hits_total", role="llm") - total(before, "specinfer_prefix_cache_hits_total", role="llm")
-    queries = total(after, "specinfer_prefix_cache_queries_total", role="llm") - total(before, "specinfer_prefix_cache_queries_total", role="llm")
+    hits = total(after, "specinfer_prefix_cache_hits_total", role="llm") - total(
+        before, "specinfer_prefix_cache_hits_total", role="llm"
+    )
+    queries = total(after, "specinfer_prefix_cache_queries_total", role="llm") - total(
+        before, "specinfer_prefix_cache_queries_total", role="llm"
+    )
     assert sum(cached) <= hits <= queries  # resumed requests may hit more than their prompts
-    assert total(after, "specinfer_kv_blocks_free", role="llm") == total(after, "specinfer_kv_blocks", role="llm")  # idle cached blocks count as free
+    assert total(after, "specinfer_kv_blocks_free", role="llm") == total(
+        after, "specinfer_kv_blocks", role="llm"
+    )  # idle cached blocks count as free
 
 
 def test_two_request_managers_share_the_verifiers_kv_blocks(stack, model_pair, prompts, expected):
@@ -132,7 +162,9 @@ def test_two_request_managers_share_the_verifiers_kv_blocks(stack, model_pair, p
     the other's requests hold (``VerifyResponse.kv_blocks_free``) and admits into what is left, so
     8 requests split over both still all finish, exactly, and every block is released afterwards."""
     second = stack.spawn_request_manager("request-manager-b", ["--max-batch", "8", "--max-new-tokens", "256"])
-    requests = [(stack.address if i % 2 else second.address, Client.request(ids, NEW_TOKENS)) for i, ids in enumerate(prompts)]
+    requests = [
+        (stack.address if i % 2 else second.address, Client.request(ids, NEW_TOKENS)) for i, ids in enumerate(prompts)
+    ]
 
     def run(address, request):
         with Client(address, timeout=600) as client:
@@ -146,6 +178,8 @@ def test_two_request_managers_share_the_verifiers_kv_blocks(stack, model_pair, p
 
     def all_free() -> bool:  # releases follow the last step
         verifier = scrape(stack.process("llm-verifier").metrics_address)
-        return total(verifier, "specinfer_kv_blocks_free", role="llm") == total(verifier, "specinfer_kv_blocks", role="llm")
+        return total(verifier, "specinfer_kv_blocks_free", role="llm") == total(
+            verifier, "specinfer_kv_blocks", role="llm"
+        )
 
     wait_until(all_free, 30, "every KV block released")

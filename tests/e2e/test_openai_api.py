@@ -31,7 +31,8 @@ NEW_TOKENS = 12
 
 # ChatML, refusing tool messages (a template's raise_exception must reach the client as a 400)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "{{ raise_exception('tool messages are not supported') }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -73,7 +74,14 @@ def greedy_text(model_pair):
 
     def run(prompt: list[int], n: int) -> tuple[list[int], str]:
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         ids = out[0, len(prompt) :].tolist()
         return ids, tok.decode(ids, skip_special_tokens=True)  # the servers' default: no special tokens in the text
 
@@ -81,7 +89,9 @@ def greedy_text(model_pair):
 
 
 @pytest.fixture(scope="module")
-def eos_first(stack, model_pair, llm_with_template, greedy_text, tmp_path_factory) -> tuple[str, str, list[int], int, str]:
+def eos_first(
+    stack, model_pair, llm_with_template, greedy_text, tmp_path_factory
+) -> tuple[str, str, list[int], int, str]:
     """A request manager on the stack whose checkpoint folder makes EOS the token the LLM emits first after
     ``prompt``, a special token of its tokenizer (the reported bug: a greedy completion that is EOS at once
     came back as the text "</s>"), whatever the model: (gRPC address, HTTP base URL, prompt, that token,
@@ -128,13 +138,24 @@ def test_eos_is_not_in_the_text_unless_asked(eos_first):
     model = oa.models.list().data[0].id
     for extra, text in (({}, ""), ({"skip_special_tokens": False}, eos_text)):
         done = oa.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
-        assert done.choices[0].text == text and done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == 1
-        chunks = list(oa.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, stream=True, extra_body=extra))
+        assert (
+            done.choices[0].text == text
+            and done.choices[0].finish_reason == "stop"
+            and done.usage.completion_tokens == 1
+        )
+        chunks = list(
+            oa.completions.create(
+                model=model, prompt=prompt, max_tokens=4, temperature=0, stream=True, extra_body=extra
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     # chat completions take the field too (they become the same generate requests), and check its type
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert oa.chat.completions.create(**chat, extra_body={"skip_special_tokens": False}).choices
-    for create, body in ((oa.chat.completions.create, chat), (oa.completions.create, {"model": model, "prompt": prompt})):
+    for create, body in (
+        (oa.chat.completions.create, chat),
+        (oa.completions.create, {"model": model, "prompt": prompt}),
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             create(**body, extra_body={"skip_special_tokens": "no"})
         assert err.value.body["param"] == "skip_special_tokens"
@@ -146,7 +167,9 @@ def url(stack: Stack, path: str) -> str:
 
 def call(stack: Stack, path: str, body: dict | bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url(stack, path), data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url(stack, path), data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -156,7 +179,9 @@ def call(stack: Stack, path: str, body: dict | bytes | None = None, headers: dic
 
 def events(stack: Stack, body: dict, path: str = "/v1/completions") -> list[dict | str]:
     """The server-sent events of a streaming call: each ``data:`` payload, parsed (``[DONE]`` as is)."""
-    req = urllib.request.Request(url(stack, path), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url(stack, path), data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     out: list[dict | str] = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -178,14 +203,24 @@ def test_health_and_models(stack, model_pair):
 
 def test_completion_equals_transformers_greedy(stack, model_pair, greedy_text):
     prompt = list(model_pair.prompts[0])
-    body = {"model": model_pair.llm.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model_pair.llm.name,
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, out = call(stack, "/v1/completions", body)
     assert status == 200, out
     _, text = greedy_text(prompt, NEW_TOKENS)
     assert out["object"] == "text_completion" and out["model"] == model_pair.llm.name
     assert out["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
     usage = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
-    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": NEW_TOKENS, "total_tokens": len(prompt) + NEW_TOKENS}
+    assert usage == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": NEW_TOKENS,
+        "total_tokens": len(prompt) + NEW_TOKENS,
+    }
     assert 0 <= out["usage"]["prompt_tokens_details"]["cached_tokens"] < len(prompt)
     spec = out["speculation"]
     assert spec["num_drafts"] >= 1 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
@@ -204,11 +239,21 @@ def test_several_prompts_and_samples(stack, model_pair, greedy_text):
     tok = load_tokenizer(model_pair.llm)
     for i, c in enumerate(out["choices"]):
         prompt = prompts[i // 2]
-        assert c["text"] == tok.decode(prompt, skip_special_tokens=False) + greedy_text(prompt, 6)[1]  # echo: prompt first
+        assert (
+            c["text"] == tok.decode(prompt, skip_special_tokens=False) + greedy_text(prompt, 6)[1]
+        )  # echo: prompt first
     assert out["usage"]["prompt_tokens"] == sum(len(p) for p in prompts) and out["usage"]["completion_tokens"] == 24
     # seeded sampling on a static tree: the same seed gives the same samples, sample i uses seed + i
     # (adaptive trees depend on measured timings, so under "auto" a seed fixes the distribution, not the draw)
-    sampled = {"prompt": prompts[0], "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True, "speculation": {"expansion": [1, 1, 3, 1]}}
+    sampled = {
+        "prompt": prompts[0],
+        "n": 2,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "speculation": {"expansion": [1, 1, 3, 1]},
+    }
     first, second = call(stack, "/v1/completions", sampled)[1], call(stack, "/v1/completions", sampled)[1]
     assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
     one = call(stack, "/v1/completions", {**sampled, "n": 1, "seed": 8})[1]
@@ -217,7 +262,14 @@ def test_several_prompts_and_samples(stack, model_pair, greedy_text):
 
 def test_streaming_with_usage(stack, model_pair, greedy_text):
     prompt = list(model_pair.prompts[3])
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     got = events(stack, body)
     assert got[-1] == "[DONE]"
     chunks, usage = got[:-2], got[-2]
@@ -266,7 +318,10 @@ def test_malformed_body_and_the_service_stays_up(stack):
     assert call(stack, "/v1/completions", b"\xff\xfe")[0] == 400
     status, out = call(stack, "/v1/completions", json.dumps({"prompt": "x" * (5 << 20)}).encode())
     assert status == 413 and out["error"]["code"] == "request_too_large"
-    assert call(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"})[0] == 400
+    assert (
+        call(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"})[0]
+        == 400
+    )
     assert call(stack, "/v1/completions", {"prompt": "def f():", "max_tokens": 2})[0] == 200
 
 
@@ -306,7 +361,9 @@ def test_api_key(stack, model_pair, tmp_path):
 
     def get(headers: dict) -> int:
         try:
-            with urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=headers), timeout=30) as resp:
+            with urllib.request.urlopen(
+                urllib.request.Request(base + "/v1/models", headers=headers), timeout=30
+            ) as resp:
                 return resp.status
         except urllib.error.HTTPError as exc:
             body = json.loads(exc.read())
@@ -330,7 +387,13 @@ def chat_prompt(llm_with_template: Path, messages: list[dict]) -> list[int]:
 
 
 def test_chat_completion_equals_transformers(stack, llm_with_template, greedy_text):
-    body = {"model": llm_with_template.name, "messages": MESSAGES, "max_completion_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": llm_with_template.name,
+        "messages": MESSAGES,
+        "max_completion_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, out = call(stack, "/v1/chat/completions", body)
     assert status == 200, out
     prompt = chat_prompt(llm_with_template, MESSAGES)
@@ -342,7 +405,14 @@ def test_chat_completion_equals_transformers(stack, llm_with_template, greedy_te
 
 
 def test_chat_streaming(stack, llm_with_template, greedy_text):
-    body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "n": 2, "stream": True}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+        "stream": True,
+    }
     body["stream_options"] = {"include_usage": True}
     got = events(stack, body, "/v1/chat/completions")
     assert got[-1] == "[DONE]" and got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 2 * NEW_TOKENS
@@ -359,7 +429,11 @@ def test_chat_streaming(stack, llm_with_template, greedy_text):
 
 def test_chat_errors(stack, model_pair):
     status, out = call(stack, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
-    assert status == 400 and out["error"]["param"] == "messages" and "tool messages are not supported" in out["error"]["message"]
+    assert (
+        status == 400
+        and out["error"]["param"] == "messages"
+        and "tool messages are not supported" in out["error"]["message"]
+    )
     status, out = call(stack, "/v1/chat/completions", {"messages": "hi"})
     assert status == 400 and out["error"]["param"] == "messages"
     status, out = call(stack, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
@@ -368,12 +442,18 @@ def test_chat_errors(stack, model_pair):
     port = free_tcp_port()
     stack.spawn_request_manager("rm-no-template", ["--http-port", str(port), "--model-dir", str(model_pair.llm)])
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps({"messages": MESSAGES}).encode(), headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({"messages": MESSAGES}).encode(),
+        headers={"Content-Type": "application/json"},
     )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
     body = json.loads(err.value.read())
-    assert err.value.code == 400 and body["error"]["param"] == "messages" and "no chat template" in body["error"]["message"]
+    assert (
+        err.value.code == 400
+        and body["error"]["param"] == "messages"
+        and "no chat template" in body["error"]["message"]
+    )
 
 
 def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
@@ -389,9 +469,19 @@ def test_openai_client_completions(stack, model_pair, greedy_text):
     done = oa.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body=extra)
     expected = greedy_text(prompt, NEW_TOKENS)[1]
     assert done.choices[0].text == expected and done.choices[0].finish_reason == "length"
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (len(prompt), NEW_TOKENS, len(prompt) + NEW_TOKENS)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+        len(prompt),
+        NEW_TOKENS,
+        len(prompt) + NEW_TOKENS,
+    )
     stream = oa.completions.create(
-        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra
+        model=model,
+        prompt=prompt,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected  # streamed == not streamed
@@ -399,7 +489,9 @@ def test_openai_client_completions(stack, model_pair, greedy_text):
     # a stop string: the text ends before it, finish_reason "stop"
     cut = expected[len(expected) // 2 :][:3]
     assert cut and cut in expected
-    stopped = oa.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[cut], extra_body=extra)
+    stopped = oa.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[cut], extra_body=extra
+    )
     assert stopped.choices[0].text == expected[: expected.index(cut)] and stopped.choices[0].finish_reason == "stop"
     # n and seeds: reproducible samples on a static tree
     sampled = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.9, "n": 3, "seed": 123}
@@ -422,7 +514,9 @@ def test_a_seed_fixes_the_text_whatever_the_speculation(stack, model_pair):
         texts.append([c.text for c in done.choices])
     assert texts[0] == texts[1] == texts[2]
     tok = load_tokenizer(model_pair.llm)
-    oracle = hf_seeded_sampling(model_pair.llm, [prompt, prompt], [40, 41], SamplingParams(temperature=1.0, top_p=0.95), 24)
+    oracle = hf_seeded_sampling(
+        model_pair.llm, [prompt, prompt], [40, 41], SamplingParams(temperature=1.0, top_p=0.95), 24
+    )
     assert texts[0] == [tok.decode(ids, skip_special_tokens=True) for ids in oracle]
     assert oa.completions.create(**sampled, seed=40, extra_body={"verification": "mss"}).choices[0].text
 
@@ -430,10 +524,21 @@ def test_a_seed_fixes_the_text_whatever_the_speculation(stack, model_pair):
 def test_openai_client_chat(stack, llm_with_template, greedy_text):
     oa = client(stack)
     expected = greedy_text(chat_prompt(llm_with_template, MESSAGES), NEW_TOKENS)[1]
-    done = oa.chat.completions.create(model=llm_with_template.name, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    done = oa.chat.completions.create(
+        model=llm_with_template.name,
+        messages=MESSAGES,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == expected
     stream = oa.chat.completions.create(
-        model=llm_with_template.name, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=llm_with_template.name,
+        messages=MESSAGES,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
@@ -447,7 +552,9 @@ def test_openai_client_errors(stack):
     assert err.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         oa.completions.create(model="gpt-4", prompt="x")
-    assert oa.completions.create(model=stack.config.llm.name, prompt="x", max_tokens=2).choices  # a good request still completes
+    assert oa.completions.create(
+        model=stack.config.llm.name, prompt="x", max_tokens=2
+    ).choices  # a good request still completes
 
 
 def test_the_readme_openai_example_runs(stack):

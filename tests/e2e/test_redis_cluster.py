@@ -73,7 +73,9 @@ def test_streams_finish_exactly_through_the_failover_of_a_master(stack, cluster,
 
     with Client(stack.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [
-            pool.submit(lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r)
+            pool.submit(
+                lambda p, r: list(client.stream(Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True))), p, r
+            )
             for p, r in zip(prompts, ids, strict=True)
         ]
         wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
@@ -84,7 +86,9 @@ def test_streams_finish_exactly_through_the_failover_of_a_master(stack, cluster,
         cluster.wait_replica_of(victim, replica)
         results = [f.result(timeout=600) for f in futures]
 
-    assert all(b < NEW_TOKENS for b in before), "a stream on the failed master finished before it died: make NEW_TOKENS larger"
+    assert all(b < NEW_TOKENS for b in before), (
+        "a stream on the failed master finished before it died: make NEW_TOKENS larger"
+    )
     for i, messages in enumerate(results):
         tokens: list[int] = []
         for m in messages:

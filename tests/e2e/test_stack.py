@@ -82,7 +82,9 @@ def test_concurrent_streams_mixed_parameters(stack, model_pair, expected):
         assert final.HasField("finished"), f"stream {i} did not finish"
         tokens = [t for m in msgs for t in m.token_ids]
         offsets = [m.offset for m in msgs]
-        assert offsets == sorted(offsets) and all(m.offset == sum(len(x.token_ids) for x in msgs[:k]) for k, m in enumerate(msgs))
+        assert offsets == sorted(offsets) and all(
+            m.offset == sum(len(x.token_ids) for x in msgs[:k]) for k, m in enumerate(msgs)
+        )
         usage = final.finished.usage
         assert usage.completion_tokens == len(tokens)
         assert usage.prompt_tokens == len(prompts[i])
@@ -106,7 +108,8 @@ def test_seeded_sampling_equals_plain_decoding_whatever_the_speculation(stack, m
     oracle = hf_seeded_sampling(model_pair.llm, prompts, seeds, params, NEW_TOKENS)
     kinds = [{}, {"adaptive": True}, {"expansion": (2, 2, 1)}, {"speculation": False}]
     requests = [
-        Client.request(ids, NEW_TOKENS, temperature=1.0, top_p=0.95, seed=s, **kinds[i % 4]) for i, (ids, s) in enumerate(zip(prompts, seeds, strict=True))
+        Client.request(ids, NEW_TOKENS, temperature=1.0, top_p=0.95, seed=s, **kinds[i % 4])
+        for i, (ids, s) in enumerate(zip(prompts, seeds, strict=True))
     ]
     requests += [Client.request(ids, NEW_TOKENS) for ids in model_pair.prompts[:4]]  # greedy, in the same batches
     with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
@@ -121,13 +124,18 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     rm = stack.process("request-manager").metrics_address
     before = scrape(rm)
     prompts = model_pair.prompts[:8]
-    requests = [Client.request(ids, NEW_TOKENS, adaptive=True, ssms=("ssm", "ssm2")[: 1 + i % 2]) for i, ids in enumerate(prompts)]
+    requests = [
+        Client.request(ids, NEW_TOKENS, adaptive=True, ssms=("ssm", "ssm2")[: 1 + i % 2])
+        for i, ids in enumerate(prompts)
+    ]
     requests.append(Client.request(prompts[0], NEW_TOKENS, expansion=(2, 1)))
     requests.append(Client.request(prompts[1], NEW_TOKENS, adaptive=True, temperature=1.0, seed=5))
     with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         info = client.model_info()
         results = list(pool.map(lambda r: _run(client, r), requests))
-    assert info.default_speculation == PAPER_EXPANSION and list(info.default_expansion) == [int(w) for w in PAPER_EXPANSION.split(",")]
+    assert info.default_speculation == PAPER_EXPANSION and list(info.default_expansion) == [
+        int(w) for w in PAPER_EXPANSION.split(",")
+    ]
     for i, msgs in enumerate(results[: len(prompts)]):
         assert [t for m in msgs for t in m.token_ids] == expected[i], f"adaptive stream {i} differs from transformers"
     assert [t for m in results[-2] for t in m.token_ids] == expected[0]
@@ -137,8 +145,12 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     adaptive_steps = sum(msgs[-1].finished.usage.llm_steps for msgs in (*results[: len(prompts)], results[-1]))
     planned = total(after, "specinfer_planned_tree_nodes_count") - total(before, "specinfer_planned_tree_nodes_count")
     assert planned == adaptive_steps  # one plan per adaptive request and step
-    predicted = total(after, "specinfer_predicted_accepted_tokens_total") - total(before, "specinfer_predicted_accepted_tokens_total")
-    realised = total(after, "specinfer_realised_accepted_tokens_total") - total(before, "specinfer_realised_accepted_tokens_total")
+    predicted = total(after, "specinfer_predicted_accepted_tokens_total") - total(
+        before, "specinfer_predicted_accepted_tokens_total"
+    )
+    realised = total(after, "specinfer_realised_accepted_tokens_total") - total(
+        before, "specinfer_realised_accepted_tokens_total"
+    )
     assert predicted >= 0 and realised >= 0
     assert total(after, "specinfer_cut_draft_nodes_total") >= 0
     assert KEPT_SHARE_FLOOR <= total(after, "specinfer_draft_kept_share", ssm="ssm") <= 1.0
@@ -160,7 +172,9 @@ def test_suffix_drafts_through_the_services_equal_transformers_greedy(stack, mod
     for i, msgs in enumerate(results):
         assert [t for m in msgs for t in m.token_ids] == want[i % len(prompts)], f"stream {i} differs from transformers"
     with_suffix = sum(msgs[-1].finished.usage.llm_steps for msgs in results[: len(prompts)])
-    assert with_suffix < len(prompts) * NEW_TOKENS * 0.8, f"{with_suffix} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+    assert with_suffix < len(prompts) * NEW_TOKENS * 0.8, (
+        f"{with_suffix} steps for {len(prompts) * NEW_TOKENS} tokens: trees accepted too little"
+    )
     after = scrape(stack.process("request-manager").metrics_address)
     assert total(after, "specinfer_drafter_accepted_tokens_total", drafter="suffix") > 0
     assert total(after, "specinfer_drafter_steps_total", drafter="suffix") > 0
@@ -173,10 +187,16 @@ def test_health_and_reflection(stack):
         with grpc.insecure_channel(proc.address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING, proc.name
-            reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            reply = next(
+                reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+            )
             names = {s.name for s in reply.list_services_response.service}
             assert "grpc.health.v1.Health" in names
-            want = {"request-manager": "specinfer.v1.SpecInfer", "llm-verifier": "specinfer.v1.LlmVerifier"}.get(proc.name, "specinfer.v1.SsmWorker")
+            want = {"request-manager": "specinfer.v1.SpecInfer", "llm-verifier": "specinfer.v1.LlmVerifier"}.get(
+                proc.name, "specinfer.v1.SsmWorker"
+            )
             assert want in names, (proc.name, names)
 
 
@@ -185,7 +205,11 @@ def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         assert reply.headers.get_content_type() == "text/plain"
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def total(samples: dict, name: str, **labels: str) -> float:
@@ -208,7 +232,10 @@ def test_metrics_move_as_requests_complete(stack, model_pair):
     # the client can see the error a moment before the server counts the call: wait for the count
     invalid = ("specinfer_grpc_server_handling_seconds_count", {"method": "Generate", "code": "INVALID_ARGUMENT"})
     deadline = time.monotonic() + 10
-    while total(scrape(rm), invalid[0], **invalid[1]) == total(before[0], invalid[0], **invalid[1]) and time.monotonic() < deadline:
+    while (
+        total(scrape(rm), invalid[0], **invalid[1]) == total(before[0], invalid[0], **invalid[1])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     after = scrape(rm), scrape(verifier), [scrape(w) for w in workers]
 
@@ -220,17 +247,27 @@ def test_metrics_move_as_requests_complete(stack, model_pair):
     assert delta(0, "specinfer_generated_tokens_total") == 8 * len(prompts)
     assert delta(0, "specinfer_llm_steps_total") == steps
     assert delta(0, "specinfer_accepted_tokens_per_step_count") == steps
-    assert delta(0, "specinfer_accepted_tokens_per_step_sum") == sum(round(f.finished.usage.mean_accepted_tokens * f.finished.usage.llm_steps) for f in finals)
-    assert delta(0, "specinfer_tree_size_count") == steps and delta(0, "specinfer_tree_size_sum") > steps  # trees beyond the root
+    assert delta(0, "specinfer_accepted_tokens_per_step_sum") == sum(
+        round(f.finished.usage.mean_accepted_tokens * f.finished.usage.llm_steps) for f in finals
+    )
+    assert (
+        delta(0, "specinfer_tree_size_count") == steps and delta(0, "specinfer_tree_size_sum") > steps
+    )  # trees beyond the root
     assert delta(0, "specinfer_iterations_total") >= steps / len(prompts)
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="OK") == len(prompts)
     assert delta(0, "specinfer_grpc_server_handling_seconds_count", method="Generate", code="INVALID_ARGUMENT") == 1
     assert total(after[0], "specinfer_queue_depth") == 0
-    assert total(after[0], "specinfer_ssm_workers_live", ssm="ssm") == total(after[0], "specinfer_ssm_workers_live", ssm="ssm2") == len(workers)
+    assert (
+        total(after[0], "specinfer_ssm_workers_live", ssm="ssm")
+        == total(after[0], "specinfer_ssm_workers_live", ssm="ssm2")
+        == len(workers)
+    )
     assert delta(1, "specinfer_model_calls_total", role="llm") >= steps / len(prompts)
     assert delta(1, "specinfer_grpc_server_handling_seconds_count", method="Verify", code="OK") >= steps / len(prompts)
     nodes = "specinfer_model_tree_nodes_total"
-    drafted = sum(total(a, nodes, role="ssm") - total(b, nodes, role="ssm") for a, b in zip(after[2], before[2], strict=True))
+    drafted = sum(
+        total(a, nodes, role="ssm") - total(b, nodes, role="ssm") for a, b in zip(after[2], before[2], strict=True)
+    )
     assert drafted >= steps  # every step drafted at least the root's children
 
 
@@ -249,13 +286,16 @@ def test_client_from_proto_files_alone(stack, model_pair, expected, tmp_path):
         import specinfer
         assert specinfer.__file__ is None or specinfer.__file__.startswith(out), specinfer.__file__
         stub = api_pb2_grpc.SpecInferStub(grpc.insecure_channel({stack.address!r}))
-        req = api_pb2.GenerateRequest(max_new_tokens={NEW_TOKENS}, token_ids=api_pb2.TokenIds(ids={model_pair.prompts[0]!r}))
+        req = api_pb2.GenerateRequest(max_new_tokens={NEW_TOKENS}, \
+token_ids=api_pb2.TokenIds(ids={model_pair.prompts[0]!r}))
         tokens = [t for m in stub.Generate(req, timeout=300) for t in m.token_ids]
         print(json.dumps(tokens))
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected[0]
 
@@ -297,7 +337,12 @@ def _status(client: Client, request_id: str) -> int | None:
 
 def test_bad_requests_do_not_disturb_good_ones(stack, model_pair, expected):
     """Good streams running while a stream of bad requests is refused still match transformers."""
-    bad = [Client.request([], 8), Client.request([10**6], 8), Client.request([5], 0), Client.request([5], 8, expansion=(0,))]
+    bad = [
+        Client.request([], 8),
+        Client.request([10**6], 8),
+        Client.request([5], 0),
+        Client.request([5], 8, expansion=(0,)),
+    ]
     with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
         good = [pool.submit(client.generate, Client.request(model_pair.prompts[i], NEW_TOKENS)) for i in range(4)]
         for _ in range(5):
@@ -343,7 +388,9 @@ def test_deadline_is_honoured(stack, model_pair):
     prompt = model_pair.prompts[2]
     with Client(stack.address, timeout=30) as client:
         info = client.model_info()
-        long_tokens = min(info.max_new_tokens_limit, info.max_positions - len(prompt))  # takes far longer than the deadline
+        long_tokens = min(
+            info.max_new_tokens_limit, info.max_positions - len(prompt)
+        )  # takes far longer than the deadline
     with Client(stack.address, timeout=0.3) as client:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(Client.request(prompt, long_tokens, ignore_eos=True, request_id="deadline-a"))
@@ -364,12 +411,19 @@ def test_request_manager_restart_resumes_from_redis(stack, model_pair, tmp_path)
     prompt, new_tokens = model_pair.prompts[5], 200  # long enough to be mid-way at the kill
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     want = out[0, len(prompt) :].tolist()
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
         # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
         args = ["--redis-url", redis.url, "--owner", "rm-restart", "--max-batch", "4", "--lease-seconds", "2"]
-        args += ["--redis-cluster", "off", "--redis-min-replica-acks", "0"]  # this Redis, whatever the environment says (conftest)
+        args += [
+            "--redis-cluster",
+            "off",
+            "--redis-min-replica-acks",
+            "0",
+        ]  # this Redis, whatever the environment says (conftest)
         first = stack.spawn_request_manager("rm-restart-1", args)
         with Client(first.address, timeout=120) as client:
             stream = client.stream(Client.request(prompt, new_tokens, request_id="survivor", ignore_eos=True))
@@ -390,4 +444,6 @@ def test_request_manager_restart_resumes_from_redis(stack, model_pair, tmp_path)
             assert len(tokens) == new_tokens and tokens[: len(want)] == want
             assert list(client.get_request("survivor").output_token_ids) == tokens
         log = (stack.workdir / "rm-restart-2.log").read_text()
-        assert '"resumed requests from Redis", "count": 1' in log, "the second request manager did not resume the request"
+        assert '"resumed requests from Redis", "count": 1' in log, (
+            "the second request manager did not resume the request"
+        )

@@ -31,7 +31,11 @@ def test_stack_with_the_verifier_on_cuda_equals_transformers(model_pair, tmp_pat
     )
     requests = [Client.request(ids, NEW_TOKENS, adaptive=i % 2 == 1) for i, ids in enumerate(prompts)]
     requests.append(Client.request(prompts[0], NEW_TOKENS, temperature=1.0, top_p=0.9, seed=3))
-    with serving(cfg) as stack, Client(stack.address, timeout=120) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+    with (
+        serving(cfg) as stack,
+        Client(stack.address, timeout=120) as client,
+        concurrent.futures.ThreadPoolExecutor(len(requests)) as pool,
+    ):
         results = list(pool.map(lambda r: list(client.stream(r)), requests))
     for i, msgs in enumerate(results[: len(prompts)]):
         assert [t for m in msgs for t in m.token_ids] == expected[i], f"stream {i} differs from transformers"

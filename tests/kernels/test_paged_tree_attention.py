@@ -37,7 +37,7 @@ from test_tree_attention import (
 from specinfer.kernels import build_paged_tree_metadata, build_tree_metadata, tree_attention, tree_attention_ref
 from specinfer.kernels.launch import Forced
 
-# ----------------------------------------------------------------------------------------------- batch builder
+# -------------------------------------------------------------------------------- batch builder
 
 
 @dataclass
@@ -89,10 +89,13 @@ def make_paged_batch(
 
 def describe(pb: PagedBatch) -> str:
     m = pb.paged.meta
-    return f"block_size={m.block_size} parents={m.parents} prefix={m.prefix_lens} num_queries={m.num_queries} tables={m.block_tables}"
+    return (
+        f"block_size={m.block_size} parents={m.parents} prefix={m.prefix_lens} num_queries={m.num_queries} "
+        f"tables={m.block_tables}"
+    )
 
 
-# ----------------------------------------------------------------------------------------------- metadata
+# -------------------------------------------------------------------------------- metadata
 
 
 def test_paged_metadata_layout_and_host_fields() -> None:
@@ -105,10 +108,20 @@ def test_paged_metadata_layout_and_host_fields() -> None:
     assert meta.block_table.data_ptr() % 16 == 0, "views into the shared buffer must stay 16-byte aligned"
     assert meta.kv_start.tolist() == [0, 0, 0] and meta.kv_starts == (0, 0, 0)
     assert meta.cache_len == 8  # block 7 is the largest id read (blocks 5 and 3 of request 1 are only reserved)
-    assert (meta.q_starts, meta.prefix_lens, meta.tree_lens, meta.is_chain) == ((0, 3, 5, 6), (5, 0, 2), (3, 4, 1), (True, False, True))
+    assert (meta.q_starts, meta.prefix_lens, meta.tree_lens, meta.is_chain) == (
+        (0, 3, 5, 6),
+        (5, 0, 2),
+        (3, 4, 1),
+        (True, False, True),
+    )
     assert [meta.kv_len(b) for b in range(3)] == [8, 4, 3]
     contiguous = build_tree_metadata(trees, [5, 0, 2], [10, 0, 30], "cpu")
-    assert not contiguous.paged and contiguous.block_table is None and contiguous.block_size == 0 and contiguous.cache_len == 33
+    assert (
+        not contiguous.paged
+        and contiguous.block_table is None
+        and contiguous.block_size == 0
+        and contiguous.cache_len == 33
+    )
 
 
 def test_paged_metadata_accepts_padded_array_rows() -> None:
@@ -159,7 +172,7 @@ def test_paged_dispatcher_rejects_mismatched_layouts() -> None:
             tree_attention(torch.zeros(2, 3, 64), torch.zeros(3, 4, 2, 64), torch.zeros(3, 4, 2, 64), paged, impl=impl)  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------------------------------------- PyTorch paths
+# -------------------------------------------------------------------------------- PyTorch paths
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -170,7 +183,9 @@ def test_paged_reference_equals_contiguous_reference(seed: int, block_size: int)
     prefix = [0] + [int(rng.integers(0, 120)) for _ in trees[1:]]
     pb = make_paged_batch(rng, trees, prefix, 2, 2, 32, torch.float32, torch.device("cpu"), block_size)
     p, c = pb.paged, pb.contiguous
-    assert torch.equal(tree_attention_ref(p.q, p.k_cache, p.v_cache, p.meta), tree_attention_ref(c.q, c.k_cache, c.v_cache, c.meta)), f"seed={seed}"
+    assert torch.equal(
+        tree_attention_ref(p.q, p.k_cache, p.v_cache, p.meta), tree_attention_ref(c.q, c.k_cache, c.v_cache, c.meta)
+    ), f"seed={seed}"
 
 
 @pytest.mark.parametrize(("block_size", "group"), [(1, 1), (4, 4), (16, 2), (5, 1)])
@@ -179,10 +194,14 @@ def test_paged_sdpa_path_matches_reference(seed: int, block_size: int, group: in
     trees = [mixed_tree(rng) for _ in range(5)] + [chain(7)]
     prefix = [int(rng.integers(0, 200)) for _ in trees[:-1]] + [0]  # the last one takes the is_causal branch
     nq = [int(rng.integers(1, len(t) + 1)) for t in trees[:-1]] + [7]
-    pb = make_paged_batch(rng, trees, prefix, 2, group, 64, torch.float32, torch.device("cpu"), block_size, num_queries=nq)
+    pb = make_paged_batch(
+        rng, trees, prefix, 2, group, 64, torch.float32, torch.device("cpu"), block_size, num_queries=nq
+    )
     out = tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, impl="torch")
     check_against_ref(pb.paged, out, FP32_TOL, f"seed={seed} sdpa paged {describe(pb)}")
-    contiguous = tree_attention(pb.contiguous.q, pb.contiguous.k_cache, pb.contiguous.v_cache, pb.contiguous.meta, impl="torch")
+    contiguous = tree_attention(
+        pb.contiguous.q, pb.contiguous.k_cache, pb.contiguous.v_cache, pb.contiguous.meta, impl="torch"
+    )
     assert rel_err(out, contiguous) < FP32_TOL, f"seed={seed} paged vs contiguous"
 
 
@@ -193,19 +212,26 @@ def test_paged_sdpa_path_options_match_reference(seed: int, softcap: float | Non
     prefix = [int(rng.integers(0, 100)) for _ in trees[:-1]] + [0]
     nq = [int(rng.integers(1, len(t) + 1)) for t in trees]
     pb = make_paged_batch(rng, trees, prefix, 2, 2, 32, torch.float32, torch.device("cpu"), 5, num_queries=nq)
-    out = tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, impl="torch", softcap=softcap, window=window)
+    out = tree_attention(
+        pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, impl="torch", softcap=softcap, window=window
+    )
     check_against_ref(pb.paged, out, FP32_TOL, f"seed={seed} sdpa paged {describe(pb)}", softcap, window)
     c = pb.contiguous
-    assert rel_err(out, tree_attention(c.q, c.k_cache, c.v_cache, c.meta, impl="torch", softcap=softcap, window=window)) < FP32_TOL
+    assert (
+        rel_err(out, tree_attention(c.q, c.k_cache, c.v_cache, c.meta, impl="torch", softcap=softcap, window=window))
+        < FP32_TOL
+    )
 
 
-# ----------------------------------------------------------------------------------------------- Triton kernel
+# -------------------------------------------------------------------------------- Triton kernel
 
 
 @needs_triton
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (4, 32)])
-def test_triton_paged_fp32_matches_reference(seed: int, device: torch.device, block_size: int, group: int, head_dim: int) -> None:
+def test_triton_paged_fp32_matches_reference(
+    seed: int, device: torch.device, block_size: int, group: int, head_dim: int
+) -> None:
     """Ragged batch: random trees, a chain, a single node; prefixes 0, not multiples of the block size, and random."""
     rng = np.random.default_rng(seed)
     trees = [random_tree(rng, int(rng.integers(2, 40))), chain(int(rng.integers(1, 30))), [-1], branches(rng, 12)]
@@ -222,7 +248,9 @@ def test_triton_paged_fp32_matches_reference(seed: int, device: torch.device, bl
     [(16, 64, 1), (64, 16, 1), (32, 32, 3), (5, 16, 2), (24, 64, 1), (128, 32, 1)],
     ids=["kv-block-divides-tile", "tile-divides-kv-block", "equal-split", "odd-block-split", "neither", "one-block"],
 )
-def test_triton_paged_tile_vs_block_sizes(seed: int, device: torch.device, block_size: int, block_n: int, num_splits: int) -> None:
+def test_triton_paged_tile_vs_block_sizes(
+    seed: int, device: torch.device, block_size: int, block_n: int, num_splits: int
+) -> None:
     """KV blocks smaller, larger, equal and incommensurate to the key tile; split-KV chunks crossing KV blocks."""
     rng = np.random.default_rng(seed)
     trees = [random_tree(rng, int(rng.integers(33, 70))), chain(20), star(9), [-1]]
@@ -256,9 +284,17 @@ def test_triton_paged_fp16_matches_reference(seed: int, device: torch.device, gr
 
 @needs_triton
 @pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
-@pytest.mark.parametrize(("block_size", "block_n", "num_splits"), [(4, 16, 1), (5, 16, 3)], ids=["kv-block4", "odd-block-split"])
+@pytest.mark.parametrize(
+    ("block_size", "block_n", "num_splits"), [(4, 16, 1), (5, 16, 3)], ids=["kv-block4", "odd-block-split"]
+)
 def test_triton_paged_options_match_reference(
-    seed: int, device: torch.device, softcap: float | None, window: int | None, block_size: int, block_n: int, num_splits: int
+    seed: int,
+    device: torch.device,
+    softcap: float | None,
+    window: int | None,
+    block_size: int,
+    block_n: int,
+    num_splits: int,
 ) -> None:
     """Soft-capping and windows through block tables: windows starting mid KV block, trees, chains, partial queries."""
     rng = np.random.default_rng(seed)
@@ -268,8 +304,12 @@ def test_triton_paged_options_match_reference(
     pb = make_paged_batch(rng, trees, prefix, 2, 2, 32, torch.float32, device, block_size, num_queries=nq)
     forced = Forced(block_m=16, block_n=block_n, num_splits=num_splits)
     out = run_triton(pb.paged, forced, softcap=softcap, window=window)
-    check_against_ref(pb.paged, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} {describe(pb)}", softcap, window)
-    assert rel_err(out, run_triton(pb.contiguous, forced, softcap=softcap, window=window)) < FP32_TOL, f"seed={seed} paged vs contiguous kernel"
+    check_against_ref(
+        pb.paged, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} {describe(pb)}", softcap, window
+    )
+    assert rel_err(out, run_triton(pb.contiguous, forced, softcap=softcap, window=window)) < FP32_TOL, (
+        f"seed={seed} paged vs contiguous kernel"
+    )
 
 
 @needs_triton
@@ -282,14 +322,18 @@ def test_dispatcher_triton_impl_paged(seed: int, device: torch.device) -> None:
         tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.contiguous.meta, impl="triton")
 
 
-# ----------------------------------------------------------------------------------------------- GPU only
+# -------------------------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)]
+)
 @pytest.mark.parametrize(("block_size", "group", "head_dim"), [(16, 4, 128), (1, 1, 128), (32, 8, 64)])
-def test_gpu_paged_large_batch(seed: int, dtype: torch.dtype, tol: float, block_size: int, group: int, head_dim: int) -> None:
+def test_gpu_paged_large_batch(
+    seed: int, dtype: torch.dtype, tol: float, block_size: int, group: int, head_dim: int
+) -> None:
     """Verify-step sized batches with the automatic config (split-KV included) on a real GPU, paged vs reference and
     vs the contiguous layout."""
     rng = np.random.default_rng(seed)
@@ -304,9 +348,13 @@ def test_gpu_paged_large_batch(seed: int, dtype: torch.dtype, tol: float, block_
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)]
+)
 @pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
-def test_gpu_paged_score_options(seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None) -> None:
+def test_gpu_paged_score_options(
+    seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None
+) -> None:
     """Soft-capping and sliding windows through block tables on a real GPU in every dtype: KV blocks of 16, GQA 4,
     a ragged batch with partial queries, windows starting mid block; paged vs reference and vs contiguous."""
     rng = np.random.default_rng(seed)
@@ -316,7 +364,14 @@ def test_gpu_paged_score_options(seed: int, dtype: torch.dtype, tol: float, soft
     pb = make_paged_batch(rng, trees, prefix, 8, 4, 128, dtype, torch.device("cuda"), 16, num_queries=nq)
     out = tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta, softcap=softcap, window=window)
     check_against_ref(pb.paged, out, tol, f"seed={seed} {dtype} softcap={softcap} window={window}", softcap, window)
-    contiguous = tree_attention(pb.contiguous.q, pb.contiguous.k_cache, pb.contiguous.v_cache, pb.contiguous.meta, softcap=softcap, window=window)
+    contiguous = tree_attention(
+        pb.contiguous.q,
+        pb.contiguous.k_cache,
+        pb.contiguous.v_cache,
+        pb.contiguous.meta,
+        softcap=softcap,
+        window=window,
+    )
     assert rel_err(out, contiguous) < tol, f"seed={seed} paged vs contiguous"
 
 
@@ -325,4 +380,9 @@ def test_gpu_paged_score_options(seed: int, dtype: torch.dtype, tol: float, soft
 def test_gpu_paged_single_request_long_prefix_uses_splits(seed: int) -> None:
     rng = np.random.default_rng(seed)
     pb = make_paged_batch(rng, [random_tree(rng, 32)], [8000], 8, 4, 128, torch.bfloat16, torch.device("cuda"), 16)
-    check_against_ref(pb.paged, tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta), BF16_TOL, f"seed={seed}")
+    check_against_ref(
+        pb.paged,
+        tree_attention(pb.paged.q, pb.paged.k_cache, pb.paged.v_cache, pb.paged.meta),
+        BF16_TOL,
+        f"seed={seed}",
+    )

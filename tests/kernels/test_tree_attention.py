@@ -38,7 +38,7 @@ FP16_TOL = 5e-3
 BF16_TOL = 3e-2
 
 
-# ----------------------------------------------------------------------------------------------- tree generators
+# -------------------------------------------------------------------------------- tree generators
 
 
 def random_tree(rng: np.random.Generator, n: int) -> list[int]:
@@ -82,7 +82,7 @@ def mixed_tree(rng: np.random.Generator) -> list[int]:
     return TREE_KINDS[kind](rng)
 
 
-# ----------------------------------------------------------------------------------------------- batch builder
+# -------------------------------------------------------------------------------- batch builder
 
 
 @dataclass
@@ -134,18 +134,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_triton(
-    batch: Batch, forced: Forced | None = None, sm_scale: float | None = None, softcap: float | None = None, window: int | None = None
+    batch: Batch,
+    forced: Forced | None = None,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     from specinfer.kernels.tree_attention_triton import tree_attention_triton
 
-    return tree_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, forced, softcap=softcap, window=window)
+    return tree_attention_triton(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, forced, softcap=softcap, window=window
+    )
 
 
-def check_against_ref(batch: Batch, out: torch.Tensor, tol: float, what: str, softcap: float | None = None, window: int | None = None) -> None:
+def check_against_ref(
+    batch: Batch, out: torch.Tensor, tol: float, what: str, softcap: float | None = None, window: int | None = None
+) -> None:
     ref = tree_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)
     assert out.shape == ref.shape and out.dtype == batch.q.dtype
     err = rel_err(out, ref)
-    assert err < tol, f"{what}: relative error {err:.3g} >= {tol:g}; parents={batch.meta.parents} prefix={batch.meta.prefix_lens}"
+    assert err < tol, (
+        f"{what}: relative error {err:.3g} >= {tol:g}; parents={batch.meta.parents} prefix={batch.meta.prefix_lens}"
+    )
 
 
 def causal_attention(q_full: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -155,7 +165,7 @@ def causal_attention(q_full: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=group > 1)[0].transpose(0, 1)
 
 
-# ----------------------------------------------------------------------------------------------- metadata
+# -------------------------------------------------------------------------------- metadata
 
 
 def ancestors_by_walking(parents: list[int]) -> np.ndarray:
@@ -191,7 +201,9 @@ def test_metadata_bits_match_ancestor_relation(seed: int) -> None:
             assert row0 == -1
             continue
         got = np.stack([unpack_row(bits[row0 + i], n) for i in range(n)])
-        np.testing.assert_array_equal(got, ancestors_by_walking(parents), err_msg=f"seed={seed} b={b} parents={parents}")
+        np.testing.assert_array_equal(
+            got, ancestors_by_walking(parents), err_msg=f"seed={seed} b={b} parents={parents}"
+        )
         # no stray bits beyond the tree
         for i in range(n):
             beyond = [(int(bits[row0 + i, j // 32]) >> (j % 32)) & 1 for j in range(n, 32 * meta.num_words)]
@@ -209,7 +221,13 @@ def test_metadata_layout_and_host_fields() -> None:
     assert meta.anc_row_start.tolist() == [-1, 0, -1, 4]  # bit rows only for the two non-chain trees
     assert tuple(meta.anc_bits.shape) == (7, 1)
     assert meta.anc_bits[:4, 0].tolist() == [0b1, 0b11, 0b101, 0b1011]
-    assert (meta.max_tree_len, meta.max_prefix_len, meta.num_words, meta.total_nodes, meta.batch_size) == (4, 7, 1, 11, 4)
+    assert (meta.max_tree_len, meta.max_prefix_len, meta.num_words, meta.total_nodes, meta.batch_size) == (
+        4,
+        7,
+        1,
+        11,
+        4,
+    )
     tensors = (meta.q_start, meta.kv_start, meta.prefix_len, meta.tree_len, meta.anc_row_start, meta.anc_bits)
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in tensors)
     assert all(t.data_ptr() % 16 == 0 for t in tensors), "views into the shared buffer must stay 16-byte aligned"
@@ -272,7 +290,7 @@ def test_dense_tree_mask() -> None:
     assert torch.equal(mask, expected)
 
 
-# ----------------------------------------------------------------------------------------------- PyTorch paths
+# -------------------------------------------------------------------------------- PyTorch paths
 
 
 def test_reference_chain_is_causal_attention(seed: int) -> None:
@@ -340,7 +358,7 @@ def test_dispatcher_rejects_bad_input() -> None:
         tree_attention(torch.zeros(2, 2, 64), k[:4], k[:4], meta)
 
 
-# ----------------------------------------------------------------------------------------------- soft-capping, sliding windows
+# -------------------------------------------------------------------------------- soft-capping, sliding windows
 
 # (softcap, window): a cap of 1.5 bends scores of about N(0, 1) hard; windows of 1 (only itself), 3 (cuts into trees and
 # chains) and 40 (cuts into most prefixes); (None, None) is every other test of this file
@@ -401,7 +419,9 @@ def test_dense_tree_mask_window() -> None:
         dtype=torch.bool,
     )
     assert torch.equal(dense_tree_mask([-1, 0, 0, 1], prefix_len=2, window=2), expected)
-    assert torch.equal(dense_tree_mask([-1, 0, 0, 1], prefix_len=2, window=5), dense_tree_mask([-1, 0, 0, 1], prefix_len=2))
+    assert torch.equal(
+        dense_tree_mask([-1, 0, 0, 1], prefix_len=2, window=5), dense_tree_mask([-1, 0, 0, 1], prefix_len=2)
+    )
 
 
 @pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
@@ -411,9 +431,13 @@ def test_sdpa_path_options_match_reference(seed: int, softcap: float | None, win
     prefix = [int(rng.integers(0, 100)) for _ in trees[:-1]] + [0]  # a chain without prefix: no is_causal shortcut
     nq = [int(rng.integers(1, len(t) + 1)) for t in trees[:-1]] + [7]
     batch = make_batch(rng, trees, prefix, 2, 2, 64, torch.float32, torch.device("cpu"), num_queries=nq)
-    out = tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, impl="torch", softcap=softcap, window=window)
+    out = tree_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, impl="torch", softcap=softcap, window=window
+    )
     check_against_ref(batch, out, FP32_TOL, f"seed={seed} sdpa path", softcap, window)
-    again = tree_attention_sdpa(batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window)  # cached masks
+    again = tree_attention_sdpa(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, softcap=softcap, window=window
+    )  # cached masks
     assert torch.equal(out, again)
 
 
@@ -436,7 +460,7 @@ def test_metadata_node_depths() -> None:
     assert build_tree_metadata([chain(4)], [1], [0], "cpu").node_depth.tolist() == [0]
 
 
-# ----------------------------------------------------------------------------------------------- Triton kernel
+# -------------------------------------------------------------------------------- Triton kernel
 
 
 @needs_triton
@@ -466,7 +490,9 @@ def test_triton_fp16_matches_reference(seed: int, device: torch.device, group: i
     ("block_m", "block_n", "num_splits"),
     [(16, 32, 1), (32, 64, 1), (64, 32, 1), (128, 64, 1), (16, 16, 1), (16, 64, 2), (32, 32, 5)],
 )
-def test_triton_tile_sizes_and_splits(seed: int, device: torch.device, block_m: int, block_n: int, num_splits: int) -> None:
+def test_triton_tile_sizes_and_splits(
+    seed: int, device: torch.device, block_m: int, block_n: int, num_splits: int
+) -> None:
     """Forced configurations: tiles straddling nodes and heads, 3-4 bitmask words (one partly used), split-KV with
     empty splits (prefix 0 / short)."""
     rng = np.random.default_rng(seed)
@@ -490,7 +516,9 @@ def test_triton_chain_is_causal_attention(seed: int, device: torch.device, num_s
     meta = build_tree_metadata([chain(n)], [prefix], [0], device)
     from specinfer.kernels.tree_attention_triton import tree_attention_triton
 
-    out = tree_attention_triton(q_full[prefix:].to(device), k.to(device), v.to(device), meta, forced=Forced(num_splits=num_splits))
+    out = tree_attention_triton(
+        q_full[prefix:].to(device), k.to(device), v.to(device), meta, forced=Forced(num_splits=num_splits)
+    )
     err = rel_err(out.cpu(), causal_attention(q_full, k, v)[prefix:])
     assert err < FP32_TOL, f"seed={seed} prefix={prefix} n={n} num_splits={num_splits}: {err:.3g}"
 
@@ -543,16 +571,26 @@ def test_dispatcher_triton_impl(seed: int, device: torch.device) -> None:
 @needs_triton
 @pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
 @pytest.mark.parametrize("forced", [None, Forced(block_m=16, block_n=16, num_splits=3)], ids=["auto", "splits"])
-def test_triton_options_match_reference(seed: int, device: torch.device, softcap: float | None, window: int | None, forced: Forced | None) -> None:
+def test_triton_options_match_reference(
+    seed: int, device: torch.device, softcap: float | None, window: int | None, forced: Forced | None
+) -> None:
     """Soft-capping and windows on trees (depths differ from node indices), chains, a single node and partial queries;
     with small tiles and split-KV, windows start inside a split, inside a block and past whole splits."""
     rng = np.random.default_rng(seed)
-    trees = [random_tree(rng, int(rng.integers(20, 40))), chain(int(rng.integers(20, 40))), star(9), [-1], branches(rng, 15)]
+    trees = [
+        random_tree(rng, int(rng.integers(20, 40))),
+        chain(int(rng.integers(20, 40))),
+        star(9),
+        [-1],
+        branches(rng, 15),
+    ]
     prefix = [int(rng.integers(0, 120)), 0, int(rng.integers(0, 120)), 70, int(rng.integers(0, 120))]
     nq = [len(trees[0]), len(trees[1]), 9, 1, int(rng.integers(1, 16))]
     batch = make_batch(rng, trees, prefix, 2, 2, 32, torch.float32, device, num_queries=nq)
     out = run_triton(batch, forced, softcap=softcap, window=window)
-    check_against_ref(batch, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} forced={forced}", softcap, window)
+    check_against_ref(
+        batch, out, FP32_TOL, f"seed={seed} softcap={softcap} window={window} forced={forced}", softcap, window
+    )
 
 
 @needs_triton
@@ -567,12 +605,14 @@ def test_triton_options_fp16_and_custom_scale(seed: int, device: torch.device) -
     assert rel_err(out, ref) < FP16_TOL, f"seed={seed}"
 
 
-# ----------------------------------------------------------------------------------------------- GPU only
+# -------------------------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)]
+)
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 128), (4, 128), (8, 64)])
 def test_gpu_large_batch(seed: int, dtype: torch.dtype, tol: float, group: int, head_dim: int) -> None:
     """Verify-step sized batches with the automatic config (split-KV included) on a real GPU."""
@@ -580,14 +620,20 @@ def test_gpu_large_batch(seed: int, dtype: torch.dtype, tol: float, group: int, 
     trees = [mixed_tree(rng) for _ in range(12)] + [random_tree(rng, 256), star(128), chain(200)]
     prefix = [int(rng.integers(0, 4096)) for _ in trees]
     batch = make_batch(rng, trees, prefix, 8, group, head_dim, dtype, torch.device("cuda"))
-    check_against_ref(batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), tol, f"seed={seed} {dtype}")
+    check_against_ref(
+        batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), tol, f"seed={seed} {dtype}"
+    )
 
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL), (torch.float32, FP32_TOL)]
+)
 @pytest.mark.parametrize(("softcap", "window"), SCORE_OPTIONS, ids=SCORE_IDS)
-def test_gpu_score_options(seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None) -> None:
+def test_gpu_score_options(
+    seed: int, dtype: torch.dtype, tol: float, softcap: float | None, window: int | None
+) -> None:
     """Soft-capping and sliding windows on a real GPU in every dtype: GQA 4, a ragged batch (trees, a chain, a
     lone root) with partial queries, prefixes up to 2k (split-KV where the automatic config picks it)."""
     rng = np.random.default_rng(seed)
@@ -607,24 +653,37 @@ def test_gpu_single_request_long_prefix_uses_splits(seed: int, dtype: torch.dtyp
     batch = make_batch(rng, [random_tree(rng, 32)], [8000], 8, 4, 128, dtype, torch.device("cuda"))
     assert choose_config(batch.q, batch.k_cache, batch.meta).num_splits > 1
     tol = BF16_TOL if dtype == torch.bfloat16 else FP16_TOL
-    check_against_ref(batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), tol, f"seed={seed} {dtype}")
+    check_against_ref(
+        batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), tol, f"seed={seed} {dtype}"
+    )
 
 
 @pytest.mark.gpu
 @needs_triton
 def test_gpu_prefill_chain_2k(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    batch = make_batch(rng, [chain(2048), chain(1), random_tree(rng, 64)], [0, 3000, 500], 8, 4, 128, torch.bfloat16, torch.device("cuda"))
-    check_against_ref(batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), BF16_TOL, f"seed={seed} prefill")
+    batch = make_batch(
+        rng,
+        [chain(2048), chain(1), random_tree(rng, 64)],
+        [0, 3000, 500],
+        8,
+        4,
+        128,
+        torch.bfloat16,
+        torch.device("cuda"),
+    )
+    check_against_ref(
+        batch, tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta), BF16_TOL, f"seed={seed} prefill"
+    )
 
 
 def test_relative_error_definition() -> None:
     assert math.isclose(rel_err(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])), 0.25)
 
 
-# ----------------------------------------------------------------------------------------------- GPU build without a GPU
+# -------------------------------------------------------------------------------- GPU build without a GPU
 
-_COMPILE_SCRIPT = r"""
+_COMPILE_SCRIPT = """
 import sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -636,7 +695,8 @@ from specinfer.kernels.launch import Forced, choose_config
 kernel = m._tree_attn_fwd_kernel
 assert not triton.knobs.runtime.interpret
 # Mimic a real launch: pointers and multiple-of-16 strides get Triton's divisibility-16 specialisation.
-# Arguments: 6 tensor pointers, 8 int32 pointers, qk_scale, cap_log2e, window, 14 ints (the first 10 of them q/k/v/out strides).
+# Arguments: 6 tensor pointers, 8 int32 pointers, qk_scale, cap_log2e, window, 14 ints (the first 10 of them \
+q/k/v/out strides).
 div16 = {(i,): [["tt.divisibility", 16]] for i in list(range(14)) + list(range(17, 27))}
 SHAPES = ((1, 1), (8, 4), (64, 4), (2048, 1))  # (tree_len, group): block_m 16, 32 (+ splits), 64, 128
 # (arch, dtype, name, head_dim, shape, KV block size of the paged layout or 0 for contiguous, soft-capping and window)
@@ -645,7 +705,8 @@ CASES += [(90, torch.float16, "fp16", 128, SHAPES[0], 0, False), (90, torch.floa
 CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 0, False)]
 CASES += [(80, torch.bfloat16, "bf16", 128, s, 0, False) for s in SHAPES[1:3]]
 CASES += [(90, torch.bfloat16, "bf16", 128, s, 16, False) for s in SHAPES[2:]]
-CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 16, False), (80, torch.bfloat16, "bf16", 128, SHAPES[1], 16, False)]
+CASES += [(90, torch.float32, "fp32", 64, SHAPES[2], 16, False), \
+(80, torch.bfloat16, "bf16", 128, SHAPES[1], 16, False)]
 # Gemma: head_dim 256 (Gemma 2 / 3 up to 12B) and 128 (Gemma 3 27B), capped and windowed
 CASES += [(90, torch.bfloat16, "bf16", d, s, kv, True) for d in (128, 256) for s in SHAPES[1:3] for kv in (0, 16)]
 CASES += [(80, torch.bfloat16, "bf16", 256, SHAPES[2], 16, True), (90, torch.float32, "fp32", 256, SHAPES[0], 0, True)]
@@ -659,7 +720,8 @@ for cap, dtype, tname, head_dim, (tree_len, group), kv_block, gemma in CASES:
                       PAGED=kv_block > 0, KV_BLOCK_SIZE=max(kv_block, 1), SOFTCAP=gemma, WINDOW=gemma)
     sig = dict(zip(kernel.arg_names, [f"*{tname}"] * 4 + ["*fp32"] * 2 + ["*i32"] * 8 + ["fp32"] * 2 + ["i32"] * 15))
     src = ASTSource(kernel, sig, constexprs, div16)
-    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), \
+options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     assert "cubin" in compiled.asm
     limit = 232448 if cap == 90 else 166912
     assert compiled.metadata.shared <= limit, (cap, tname, head_dim, cfg, kv_block, gemma, compiled.metadata.shared)

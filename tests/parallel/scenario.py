@@ -2,7 +2,8 @@
 
 ``python scenario.py CHECKPOINT TP PP RANK PORT OUT [KV_BLOCK_SIZE]``: every rank joins the group
 on 127.0.0.1:PORT (gloo); rank 0 drives :func:`steps` and saves the logits of every step to OUT
-(``torch.save``), the others replay. ``KV_BLOCK_SIZE`` > 0: a paged KV pool (default 0: slots). The test runs :func:`steps` on a single-process backend too.
+(``torch.save``), the others replay. ``KV_BLOCK_SIZE`` > 0: a paged KV pool (default 0: slots). The test runs
+:func:`steps` on a single-process backend too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
     request's first 12 tokens (on a paged pool, it takes their cached KV blocks)."""
     gen = torch.Generator().manual_seed(3)
     prompts = {f"r{i}": torch.randint(0, vocab, (n,), generator=gen).tolist() for i, n in enumerate((5, 17, 11))}
-    out = [llm.forward_tree([TreeForward(rid, [], p, list(range(-1, len(p) - 1))) for rid, p in list(prompts.items())[:2]])]
+    out = [
+        llm.forward_tree([TreeForward(rid, [], p, list(range(-1, len(p) - 1))) for rid, p in list(prompts.items())[:2]])
+    ]
     out.append(llm.forward_tree([TreeForward("r2", prompts["r2"], [], [])]))  # prefill without logits
     for step in range(3):
         if step == 2:
@@ -41,13 +44,18 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
             items.append(TreeForward(rid, p[:-1], tree, TREE_PARENTS))
         out.append(llm.forward_tree(items))
         # accept root -> node 1 -> node 4 -> node 6, plus a bonus token
-        prompts = {it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1] for it in items}
+        prompts = {
+            it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
+            for it in items
+        }
     return out
 
 
 def main(argv: list[str]) -> None:
     checkpoint, tp, pp, rank, port, out, *extra = argv  # extra: [KV block size [, offload (0 or 1)]]
-    options = dataclasses.replace(OPTIONS, kv_block_size=int(extra[0]) if extra else 0, offload=len(extra) > 1 and extra[1] == "1")
+    options = dataclasses.replace(
+        OPTIONS, kv_block_size=int(extra[0]) if extra else 0, offload=len(extra) > 1 and extra[1] == "1"
+    )
     torch.set_num_threads(1)
     layout = ParallelLayout(int(tp), int(pp), int(rank))
     rendezvous = Rendezvous("127.0.0.1", int(port), 60.0)

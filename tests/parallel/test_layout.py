@@ -39,7 +39,9 @@ def random_weights(spec: ModelSpec) -> ModelWeights:
         )
         for _ in range(spec.layers)
     ]
-    return ModelWeights(r(spec.vocab_size, spec.hidden_size), layers, r(spec.hidden_size), None, r(spec.vocab_size, spec.hidden_size))
+    return ModelWeights(
+        r(spec.vocab_size, spec.hidden_size), layers, r(spec.hidden_size), None, r(spec.vocab_size, spec.hidden_size)
+    )
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 3), (2, 2), (1, 5)])

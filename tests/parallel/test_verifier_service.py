@@ -102,7 +102,9 @@ def greedy_streams(stack: Stack, prompts: list[list[int]], expected: list[list[i
         for i, (messages, want) in enumerate(zip(streams, expected, strict=True)):
             assert messages[-1].HasField("finished")
             assert [t for m in messages for t in m.token_ids] == want, f"prompt {i} differs from transformers"
-            assert messages[-1].finished.usage.mean_tree_size > 1  # speculation really ran through the parallel verifier
+            assert (
+                messages[-1].finished.usage.mean_tree_size > 1
+            )  # speculation really ran through the parallel verifier
 
 
 def _verify_forever(address: str, context: list[int], outcome: list[grpc.StatusCode]) -> None:
@@ -140,10 +142,14 @@ def test_killed_rank_ends_the_service(model_pair, tmp_path, victim):
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             outcome: list[grpc.StatusCode] = []
-            hammer = threading.Thread(target=_verify_forever, args=(address, model_pair.prompts[0][:100], outcome), daemon=True)
+            hammer = threading.Thread(
+                target=_verify_forever, args=(address, model_pair.prompts[0][:100], outcome), daemon=True
+            )
             hammer.start()
             time.sleep(1.0)  # calls are running
-            assert hammer.is_alive() and not outcome, f"calls failed before any rank was killed: {outcome}\n{svc.log_tail()}"
+            assert hammer.is_alive() and not outcome, (
+                f"calls failed before any rank was killed: {outcome}\n{svc.log_tail()}"
+            )
             killed = time.monotonic()
             if victim == "rank1":
                 os.kill(rank1, signal.SIGKILL)
@@ -182,7 +188,9 @@ def test_joined_launch_verifies_and_stops_cleanly(model_pair, tmp_path):
     command = llm_verifier_command(model_pair, *TP2)
     rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     log = open(tmp_path / "rank1.log", "wb")  # noqa: SIM115 (closed below)
-    rank1 = subprocess.Popen(command, env={**os.environ, **rendezvous, "RANK": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    rank1 = subprocess.Popen(
+        command, env={**os.environ, **rendezvous, "RANK": "1"}, stdout=log, stderr=subprocess.STDOUT
+    )
     svc = start_service(command, env={**os.environ, **rendezvous, "RANK": "0"}, workdir=tmp_path)
     try:
         address = svc.wait_ready(120)
@@ -230,14 +238,32 @@ def _llm_with(tmp_path: Path, model_pair, **changes) -> Path:
 @pytest.mark.parametrize(
     ("argv", "changes", "message"),
     [
-        (["--tensor-parallel", "3"], {"num_attention_heads": 4, "num_key_value_heads": 2}, "tensor-parallel: 3 does not divide the model's 4 attention heads"),
-        (["--tensor-parallel", "4"], {"num_attention_heads": 4, "num_key_value_heads": 2}, "tensor-parallel: 4 does not divide the model's 2 key/value heads"),
-        (["--pipeline-parallel", "7"], {"num_hidden_layers": 6}, "pipeline-parallel: 7 stages but the model has only 6 layers"),
+        (
+            ["--tensor-parallel", "3"],
+            {"num_attention_heads": 4, "num_key_value_heads": 2},
+            "tensor-parallel: 3 does not divide the model's 4 attention heads",
+        ),
+        (
+            ["--tensor-parallel", "4"],
+            {"num_attention_heads": 4, "num_key_value_heads": 2},
+            "tensor-parallel: 4 does not divide the model's 2 key/value heads",
+        ),
+        (
+            ["--pipeline-parallel", "7"],
+            {"num_hidden_layers": 6},
+            "pipeline-parallel: 7 stages but the model has only 6 layers",
+        ),
         (["--pipeline-parallel", "0"], {}, "pipeline-parallel: must be >= 1"),
-        (["--tensor-parallel", "2", "--backend", "reference"], {}, "backend: tensor and pipeline parallelism need the native backend"),
+        (
+            ["--tensor-parallel", "2", "--backend", "reference"],
+            {},
+            "backend: tensor and pipeline parallelism need the native backend",
+        ),
     ],
 )
-def test_bad_parallel_settings_exit_2(argv, changes, message, model_pair, tmp_path, capsys, restore_logging, monkeypatch):
+def test_bad_parallel_settings_exit_2(
+    argv, changes, message, model_pair, tmp_path, capsys, restore_logging, monkeypatch
+):
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     port_file = tmp_path / "port"
@@ -251,5 +277,10 @@ def test_joined_launch_checks_world_size(model_pair, tmp_path, capsys, restore_l
     """Under torchrun, WORLD_SIZE must be tensor x pipeline ranks."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert llm_verifier_main(["--llm", str(model_pair.llm), "--tensor-parallel", "2", "--port-file", str(tmp_path / "port")]) == 2
+    assert (
+        llm_verifier_main(
+            ["--llm", str(model_pair.llm), "--tensor-parallel", "2", "--port-file", str(tmp_path / "port")]
+        )
+        == 2
+    )
     assert "WORLD_SIZE is 3, but --tensor-parallel 2 x --pipeline-parallel 1 = 2" in capsys.readouterr().err

@@ -29,7 +29,9 @@ def _name(common: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
     return path
 
@@ -54,7 +56,9 @@ def _ca(folder: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePriv
     return cert, key, path
 
 
-def _leaf(folder: Path, name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, server: bool) -> tuple[Path, Path]:
+def _leaf(
+    folder: Path, name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, server: bool
+) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
@@ -66,11 +70,15 @@ def _leaf(folder: Path, name: str, ca: x509.Certificate, ca_key: ec.EllipticCurv
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
     )
     if server:
         builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
         )
     cert = builder.sign(ca_key, hashes.SHA256())
     cert_path = folder / f"{name}.pem"

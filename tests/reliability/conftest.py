@@ -27,7 +27,14 @@ def greedy(model_pair):
         key = (tuple(prompt), n)
         if key not in cache:
             with torch.inference_mode():
-                out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+                out = hf.generate(
+                    torch.tensor([list(prompt)]),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
             cache[key] = out[0, len(prompt) :].tolist()
         return cache[key]
 
@@ -64,19 +71,25 @@ def verified_by_replica(metrics_addresses: list[str]) -> dict[str, float]:
     return out
 
 
-def run_streams(address: str, prompts, prefix: str, new_tokens: int, fault=None) -> list[list[api_pb2.GenerateResponse]]:
+def run_streams(
+    address: str, prompts, prefix: str, new_tokens: int, fault=None
+) -> list[list[api_pb2.GenerateResponse]]:
     """One stream of ``new_tokens`` (EOS ignored) per prompt through ``address``, all at once; with
     ``fault``, ``fault(client)`` runs once every stream has committed tokens and none has finished.
     Returns each stream's messages."""
     ids = [f"{prefix}-{i}" for i in range(len(prompts))]
     with Client(address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
-            pool.submit(lambda p, r: list(client.stream(Client.request(p, new_tokens, request_id=r, ignore_eos=True))), p, r)
+            pool.submit(
+                lambda p, r: list(client.stream(Client.request(p, new_tokens, request_id=r, ignore_eos=True))), p, r
+            )
             for p, r in zip(prompts, ids, strict=True)
         ]
         if fault is not None:
             wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
-            assert all(progress(client, r) < new_tokens for r in ids), "a stream finished before the fault: ask for more tokens"
+            assert all(progress(client, r) < new_tokens for r in ids), (
+                "a stream finished before the fault: ask for more tokens"
+            )
             fault(client)
         return [f.result(timeout=600) for f in futures]
 

@@ -20,8 +20,26 @@ pytestmark = pytest.mark.reliability
 def test_twenty_rounds_of_random_faults_lose_nothing(model_pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": list(p)}) + "\n" for p in model_pair.prompts[:8]))
-    cmd = [sys.executable, str(REPO / "bench/fault_campaign.py"), "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm)]
-    cmd += ["--prompts", str(prompts), "--rounds", "20", "--streams", "8", "--seed", "1", "--out", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/fault_campaign.py"),
+        "--llm",
+        str(model_pair.llm),
+        "--ssm",
+        str(model_pair.ssm),
+    ]
+    cmd += [
+        "--prompts",
+        str(prompts),
+        "--rounds",
+        "20",
+        "--streams",
+        "8",
+        "--seed",
+        "1",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

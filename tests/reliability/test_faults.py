@@ -51,7 +51,11 @@ def stack(model_pair, tmp_path_factory):
 
 def _speculation_health(stack: Stack) -> int:
     with grpc.insecure_channel(stack.address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SPECULATION_HEALTH), timeout=10).status
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service=SPECULATION_HEALTH), timeout=10)
+            .status
+        )
 
 
 def _log(stack: Stack, name: str) -> str:
@@ -105,7 +109,9 @@ def test_slow_ssm_worker_is_taken_out_and_comes_back(stack, model_pair, greedy):
     wait_until(lambda: back() >= 2, 60, "both workers of the first test back")
     back_before, taken_out_before = back(), _log(stack, "request-manager").count("SSM worker taken out")
     try:
-        results = run_streams(stack.address, prompts, "ssm-stop", NEW_TOKENS, lambda client: os.kill(worker.popen.pid, signal.SIGSTOP))
+        results = run_streams(
+            stack.address, prompts, "ssm-stop", NEW_TOKENS, lambda client: os.kill(worker.popen.pid, signal.SIGSTOP)
+        )
     finally:
         os.kill(worker.popen.pid, signal.SIGCONT)
     check_streams(results, prompts, greedy, NEW_TOKENS)
@@ -144,12 +150,23 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
     sampled = {STREAMS - 2: 500, STREAMS - 1: 501}  # stream -> seed
     params = SamplingParams(temperature=1.0, top_p=0.95)
     oracle = dict(
-        zip(sampled, hf_seeded_sampling(model_pair.llm, [prompts[i] for i in sampled], list(sampled.values()), params, NEW_TOKENS, True), strict=True)
+        zip(
+            sampled,
+            hf_seeded_sampling(
+                model_pair.llm, [prompts[i] for i in sampled], list(sampled.values()), params, NEW_TOKENS, True
+            ),
+            strict=True,
+        )
     )
     with EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always") as redis:
         # the restart under the same owner waits until the killed process's lease lapses (docs/request-managers.md)
         args = ["--redis-url", redis.url, "--owner", "rm-kill", "--max-batch", "16", "--lease-seconds", "2"]
-        args += ["--redis-cluster", "off", "--redis-min-replica-acks", "0"]  # this Redis, whatever the environment says (conftest)
+        args += [
+            "--redis-cluster",
+            "off",
+            "--redis-min-replica-acks",
+            "0",
+        ]  # this Redis, whatever the environment says (conftest)
         first = stack.spawn_request_manager("rm-kill-1", args)
 
         def consume(client: Client, prompt, rid: str, seed: int | None) -> list[int]:
@@ -164,7 +181,10 @@ def test_request_manager_killed_clients_reattach_from_their_offset(stack, model_
             return seen
 
         with Client(first.address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-            futures = [pool.submit(consume, client, p, r, sampled.get(i)) for i, (p, r) in enumerate(zip(prompts, ids, strict=True))]
+            futures = [
+                pool.submit(consume, client, p, r, sampled.get(i))
+                for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
+            ]
             wait_until(lambda: all(progress(client, r) > 0 for r in ids), 120, "every stream committing")
             first.popen.kill()
             first.popen.wait()

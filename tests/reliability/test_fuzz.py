@@ -23,9 +23,17 @@ from specinfer.v1 import api_pb2
 pytestmark = pytest.mark.reliability
 
 MAX_NEW = 24
-FIELD = re.compile(r"^(request|request_id|prompt|prompt\.text|prompt\.token_ids|max_new_tokens|stop|stop_token_ids|sampling\.[a-z_]+|speculation\.[a-z_]+): \S")
+FIELD = re.compile(
+    r"^(request|request_id|prompt|prompt\.text|prompt\.token_ids|max_new_tokens|stop|stop_token_ids|"
+    r"sampling\.[a-z_]+|speculation\.[a-z_]+): \S"
+)
 # what hostile input may get: each says whose fault it is
-CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS}
+CLEAR = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,18 @@ def stack(model_pair, tmp_path_factory):
         port=0,
         state_dir=tmp_path_factory.mktemp("state"),
         threads=1,
-        rm_args=("--max-new-tokens", str(MAX_NEW), "--max-prompt-tokens", "256", "--max-tree-nodes", "32", "--max-batch", "8", "--max-queue", "16"),
+        rm_args=(
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--max-prompt-tokens",
+            "256",
+            "--max-tree-nodes",
+            "32",
+            "--max-batch",
+            "8",
+            "--max-queue",
+            "16",
+        ),
     )
     s = Stack(cfg).start()
     try:
@@ -111,7 +130,9 @@ def generate_requests(draw) -> api_pb2.GenerateRequest:
         request_id=mostly(st.just(""), st.one_of(st.text(max_size=20), st.integers(100, 5000).map(lambda n: "r" * n))),
         max_new_tokens=mostly(st.integers(1, MAX_NEW), st.integers(0, 2**32 - 1)),
         stop_token_ids=mostly(st.lists(st.integers(0, 300), max_size=3), token_lists),
-        stop=mostly(st.lists(st.text(min_size=1, max_size=5), max_size=2), st.lists(st.text(max_size=300), max_size=20)),
+        stop=mostly(
+            st.lists(st.text(min_size=1, max_size=5), max_size=2), st.lists(st.text(max_size=300), max_size=20)
+        ),
         ignore_eos=draw(st.booleans()),
     )
     prompt = draw(st.sampled_from(["text", "ids", "ids", "none"]))
@@ -127,8 +148,15 @@ def generate_requests(draw) -> api_pb2.GenerateRequest:
             msg.sampling.seed = draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
         msg.speculation.disabled = draw(st.booleans())
-        msg.speculation.expansion.extend(mostly(st.lists(st.integers(1, 3), max_size=4), st.one_of(st.lists(big_ints, max_size=12), huge_list)))
-        msg.speculation.ssms.extend(mostly(st.lists(st.just("ssm"), max_size=1), st.lists(st.sampled_from(["ssm", "nope", "", "ssm" * 50]), max_size=5)))
+        msg.speculation.expansion.extend(
+            mostly(st.lists(st.integers(1, 3), max_size=4), st.one_of(st.lists(big_ints, max_size=12), huge_list))
+        )
+        msg.speculation.ssms.extend(
+            mostly(
+                st.lists(st.just("ssm"), max_size=1),
+                st.lists(st.sampled_from(["ssm", "nope", "", "ssm" * 50]), max_size=5),
+            )
+        )
     if draw(st.integers(0, 9)) == 0:
         msg.resume_from = draw(st.integers(0, 2**32 - 1))
     return msg
@@ -148,7 +176,10 @@ def test_random_requests_get_a_stream_or_a_clear_status(stack, client, bystander
 
 
 @settings(max_examples=60, deadline=None)
-@given(request_id=st.one_of(st.text(max_size=40), st.integers(0, 1_000_000).map(lambda n: "q" * n)), method=st.sampled_from(["get", "cancel"]))
+@given(
+    request_id=st.one_of(st.text(max_size=40), st.integers(0, 1_000_000).map(lambda n: "q" * n)),
+    method=st.sampled_from(["get", "cancel"]),
+)
 def test_random_request_ids_get_an_answer_or_a_clear_status(client, bystander, request_id, method):
     try:
         if method == "get":
@@ -162,7 +193,9 @@ def test_random_request_ids_get_an_answer_or_a_clear_status(client, bystander, r
 def _raw_generate(address: str, payload: bytes, timeout: float = 60):
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
         call = channel.unary_stream(
-            "/specinfer.v1.SpecInfer/Generate", request_serializer=lambda b: b, response_deserializer=api_pb2.GenerateResponse.FromString
+            "/specinfer.v1.SpecInfer/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=api_pb2.GenerateResponse.FromString,
         )
         return list(call(payload, timeout=timeout))
 
@@ -185,7 +218,9 @@ INVALID_UTF8 = [b"\xff", b"\xc3\x28", b"\xe2\x28\xa1", b"\xed\xa0\x80", b"abc\x8
 @pytest.mark.parametrize("field", [1, 2, 7], ids=["request_id", "text", "stop"])
 @pytest.mark.parametrize("bad", INVALID_UTF8, ids=range(len(INVALID_UTF8)))
 def test_invalid_utf8_is_invalid_argument(stack, bystander, field, bad):
-    payload = _field(field, bad) + (_field(3, _field(1, b"\x05")) if field != 2 else b"") + bytes([5 << 3, 4])  # + a prompt, max_new_tokens 4
+    payload = (
+        _field(field, bad) + (_field(3, _field(1, b"\x05")) if field != 2 else b"") + bytes([5 << 3, 4])
+    )  # + a prompt, max_new_tokens 4
     with pytest.raises(grpc.RpcError) as err:
         _raw_generate(stack.address, payload)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
@@ -221,7 +256,9 @@ def test_limits_name_the_field(client):
     ]:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(request)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field + ":"), err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field + ":"), (
+            err.value.details()
+        )
 
 
 def test_services_survived(stack, bystander):

@@ -24,7 +24,20 @@ def test_64_streams_only_deliberate_refusals(model_pair, tmp_path):
         sys.executable,
         str(REPO / "bench/soak.py"),
         *("--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--prompts", str(prompts)),
-        *("--streams", "64", "--seconds", "8", "--new-tokens", "8", "--max-batch", "16", "--max-queue", "8", "--sample-seconds", "1"),
+        *(
+            "--streams",
+            "64",
+            "--seconds",
+            "8",
+            "--new-tokens",
+            "8",
+            "--max-batch",
+            "16",
+            "--max-queue",
+            "8",
+            "--sample-seconds",
+            "1",
+        ),
         *("--json", str(out)),
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)

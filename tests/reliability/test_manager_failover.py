@@ -73,7 +73,11 @@ def _owner(stack: Stack, rid: str) -> str:
 
 def _metric(address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def test_sixteen_streams_over_two_managers_spread_over_both_verifiers(stack, model_pair, greedy):
@@ -98,8 +102,14 @@ def test_sixteen_streams_over_two_managers_spread_over_both_verifiers(stack, mod
 def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_request(stack, model_pair, greedy):
     owner_address, other_address = stack.request_manager_addresses
     prompt, long_prompt = model_pair.prompts[40], model_pair.prompts[41]
-    with Client(owner_address, timeout=300) as owner, Client(other_address, timeout=300) as other, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        direct = pool.submit(lambda: list(owner.stream(Client.request(prompt, NEW_TOKENS, request_id="follow", ignore_eos=True))))
+    with (
+        Client(owner_address, timeout=300) as owner,
+        Client(other_address, timeout=300) as other,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        direct = pool.submit(
+            lambda: list(owner.stream(Client.request(prompt, NEW_TOKENS, request_id="follow", ignore_eos=True)))
+        )
         wait_until(lambda: progress(owner, "follow") > 0, 120, "the request committing")
         assert _owner(stack, "follow") == "rm-0"
         # the other replica follows it in Redis, from offset 0 and from an offset inside its output
@@ -110,10 +120,14 @@ def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_re
         late = list(other.resume("follow", 10))  # finished: one message with the rest and the final state
         assert len(late) == 1 and late[0].offset == 10 and list(late[0].token_ids) == greedy(prompt, NEW_TOKENS)[10:]
         state = other.get_request("follow")
-        assert state.status == api_pb2.REQUEST_STATUS_FINISHED and list(state.output_token_ids) == greedy(prompt, NEW_TOKENS)
+        assert state.status == api_pb2.REQUEST_STATUS_FINISHED and list(state.output_token_ids) == greedy(
+            prompt, NEW_TOKENS
+        )
 
         # cancel through the replica that does not run it: the owner stops it at its next commit
-        stream = pool.submit(lambda: list(owner.stream(Client.request(long_prompt, 400, request_id="cancel-me", ignore_eos=True))))
+        stream = pool.submit(
+            lambda: list(owner.stream(Client.request(long_prompt, 400, request_id="cancel-me", ignore_eos=True)))
+        )
         wait_until(lambda: progress(other, "cancel-me") > 0, 120, "the request committing")
         assert other.get_request("cancel-me").status == api_pb2.REQUEST_STATUS_RUNNING
         assert other.cancel("cancel-me")
@@ -129,7 +143,9 @@ def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_re
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_stalled_request_manager_whose_requests_were_adopted_drops_them_and_its_clients_follow(stack, model_pair, greedy):
+def test_a_stalled_request_manager_whose_requests_were_adopted_drops_them_and_its_clients_follow(
+    stack, model_pair, greedy
+):
     """SIGSTOP rm-1 for longer than its lease: rm-0 adopts its requests. After SIGCONT, rm-1's commits are
     refused (owner and lease token fence them), it drops those requests without publishing anything, and
     its clients, still connected, follow them in Redis to the end: exactly transformers' greedy."""
@@ -137,14 +153,24 @@ def test_a_stalled_request_manager_whose_requests_were_adopted_drops_them_and_it
     stalled = stack.process("request-manager-1")
     prompts = model_pair.prompts[60 : 60 + STREAMS // 2]
     ids = [f"stall-{i}" for i in range(len(prompts))]
-    with Client(stalled_address, timeout=600) as client, Client(main_address, timeout=600) as main, concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
-        requests = [Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True) for p, r in zip(prompts, ids, strict=True)]
+    with (
+        Client(stalled_address, timeout=600) as client,
+        Client(main_address, timeout=600) as main,
+        concurrent.futures.ThreadPoolExecutor(len(ids)) as pool,
+    ):
+        requests = [
+            Client.request(p, NEW_TOKENS, request_id=r, ignore_eos=True) for p, r in zip(prompts, ids, strict=True)
+        ]
         streams = [pool.submit(lambda request: list(client.stream(request)), request) for request in requests]
         wait_until(lambda: all(progress(main, r) > 0 for r in ids), 180, "every stream committing")
         os.kill(stalled.popen.pid, signal.SIGSTOP)
         try:
-            wait_until(lambda: all(_owner(stack, r) == "rm-0" for r in ids), 60, "rm-0 adopting the stalled rm-1's requests")
-            assert all(progress(main, r) < NEW_TOKENS for r in ids), "a stream finished before the adoption: make NEW_TOKENS larger"
+            wait_until(
+                lambda: all(_owner(stack, r) == "rm-0" for r in ids), 60, "rm-0 adopting the stalled rm-1's requests"
+            )
+            assert all(progress(main, r) < NEW_TOKENS for r in ids), (
+                "a stream finished before the adoption: make NEW_TOKENS larger"
+            )
         finally:
             os.kill(stalled.popen.pid, signal.SIGCONT)
         for prompt, rid, future in zip(prompts, ids, streams, strict=True):
@@ -188,19 +214,30 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
             return messages, owner_at_first
 
     with Client(main_address, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(2 * STREAMS) as pool:
-        streams = {rid: pool.submit(consume, doomed_address if rid in on_doomed else main_address, p, rid) for p, rid in zip(prompts, ids, strict=True)}
+        streams = {
+            rid: pool.submit(consume, doomed_address if rid in on_doomed else main_address, p, rid)
+            for p, rid in zip(prompts, ids, strict=True)
+        }
         wait_until(lambda: all(progress(client, r) > 0 for r in ids), 180, "every stream committing")
-        assert {_owner(stack, r) for r in on_doomed} == {"rm-1"} and {_owner(stack, r) for r in set(ids) - on_doomed} == {"rm-0"}
+        assert {_owner(stack, r) for r in on_doomed} == {"rm-1"} and {
+            _owner(stack, r) for r in set(ids) - on_doomed
+        } == {"rm-0"}
         doomed.popen.kill()
         killed = time.monotonic()
         doomed.popen.wait()
         seen = {rid: tokens_of(streams[rid].result(timeout=60)) for rid in on_doomed}
-        assert all(0 < len(s) < KILL_NEW_TOKENS for s in seen.values()), "a stream finished before the kill: make KILL_NEW_TOKENS larger"
+        assert all(0 < len(s) < KILL_NEW_TOKENS for s in seen.values()), (
+            "a stream finished before the kill: make KILL_NEW_TOKENS larger"
+        )
         reattached = {rid: pool.submit(reattach, prompts[ids.index(rid)], rid, len(seen[rid])) for rid in on_doomed}
         at_kill = {rid: progress(client, rid) for rid in on_doomed}
         wait_until(lambda: all(_owner(stack, r) == "rm-0" for r in on_doomed), 60, "rm-0 adopting rm-1's requests")
         adopted_s = time.monotonic() - killed
-        wait_until(lambda: all(progress(client, r) > at_kill[r] for r in on_doomed), 60, "every adopted request committing again")
+        wait_until(
+            lambda: all(progress(client, r) > at_kill[r] for r in on_doomed),
+            60,
+            "every adopted request committing again",
+        )
         resumed_s = time.monotonic() - killed
 
         for rid, prompt in zip(ids, prompts, strict=True):
@@ -218,9 +255,14 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
     # the reattached clients were followed in Redis first (rm-1's lease had not lapsed yet), then switched
     assert any(reattached[rid].result()[1] == "rm-1" for rid in on_doomed), "no reattach happened before the adoption"
     adopted_before = len(ids) // 2  # by the stall test
-    assert _metric(stack.process("request-manager").metrics_address, "specinfer_requests_adopted_total") == adopted_before + len(on_doomed)
+    assert _metric(
+        stack.process("request-manager").metrics_address, "specinfer_requests_adopted_total"
+    ) == adopted_before + len(on_doomed)
     log = (stack.workdir / "request-manager.log").read_text(errors="replace")
     assert "adopted the requests of a request manager whose lease lapsed" in log and '"from_owner": "rm-1"' in log
     with capsys.disabled():
-        print(f"\nadoption {adopted_s:.2f} s, first commit after it {resumed_s:.2f} s after kill -9 (lease {LEASE_SECONDS} s, scan {SCAN_SECONDS} s)")
+        print(
+            f"\nadoption {adopted_s:.2f} s, first commit after it {resumed_s:.2f} s after kill -9 "
+            f"(lease {LEASE_SECONDS} s, scan {SCAN_SECONDS} s)"
+        )
     assert adopted_s <= LEASE_SECONDS + SCAN_SECONDS + 1.0, f"adopted {adopted_s:.2f} s after the kill"

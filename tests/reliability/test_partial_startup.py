@@ -34,7 +34,14 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def stack(model_pair, tmp_path_factory):
     """A verifier and one SSM worker; the tests start their own request managers and workers."""
-    cfg = StackConfig(llm=model_pair.llm, ssms=(model_pair.ssm,), workers=1, port=0, state_dir=tmp_path_factory.mktemp("state"), threads=1)
+    cfg = StackConfig(
+        llm=model_pair.llm,
+        ssms=(model_pair.ssm,),
+        workers=1,
+        port=0,
+        state_dir=tmp_path_factory.mktemp("state"),
+        threads=1,
+    )
     s = Stack(cfg).start()
     try:
         yield s
@@ -54,7 +61,11 @@ def spawn(stack: Stack, name: str, module: str, args: list[str]) -> subprocess.P
 
 def port_of(stack: Stack, name: str, proc: subprocess.Popen, timeout: float = 60) -> str:
     port_file = stack.workdir / f"{name}.port"
-    wait_until(lambda: proc.poll() is not None or (port_file.is_file() and port_file.read_text().strip() != ""), timeout, f"{name} listening")
+    wait_until(
+        lambda: proc.poll() is not None or (port_file.is_file() and port_file.read_text().strip() != ""),
+        timeout,
+        f"{name} listening",
+    )
     assert proc.poll() is None, f"{name} exited with {proc.returncode}: {log_of(stack, name)[-2000:]}"
     return f"127.0.0.1:{port_file.read_text().strip()}"
 
@@ -74,7 +85,16 @@ def log_records(stack: Stack, name: str) -> list[dict]:
 
 
 def worker_args(stack: Stack, port: int) -> list[str]:
-    return ["--port", str(port), "--ssm", str(stack.config.ssms[0]), "--torch-threads", "1", "--backend", stack.config.backend]
+    return [
+        "--port",
+        str(port),
+        "--ssm",
+        str(stack.config.ssms[0]),
+        "--torch-threads",
+        "1",
+        "--backend",
+        stack.config.backend,
+    ]
 
 
 def manager_args(stack: Stack, name: str, verifier: str, workers: list[str]) -> list[str]:
@@ -120,7 +140,12 @@ def test_starts_with_a_worker_down_and_adopts_it(stack, model_pair, greedy):
     up = stack.process("ssm-worker-0").address
     down_port = free_tcp_port()
     name = "rm-one-down"
-    rm = spawn(stack, name, "specinfer.request_manager", manager_args(stack, name, stack.process("llm-verifier").address, [up, f"127.0.0.1:{down_port}"]))
+    rm = spawn(
+        stack,
+        name,
+        "specinfer.request_manager",
+        manager_args(stack, name, stack.process("llm-verifier").address, [up, f"127.0.0.1:{down_port}"]),
+    )
     late: subprocess.Popen | None = None
     try:
         address = port_of(stack, name, rm)
@@ -173,9 +198,20 @@ def test_starts_with_the_verifier_and_every_worker_down(stack, model_pair, greed
         status, body, headers = http_call(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert status == 503 and body["error"]["code"] == "unavailable" and headers.get("Retry-After") == "1"
 
-        verifier_args = ["--port", str(verifier_port), "--llm", str(stack.config.llm), "--torch-threads", "1", "--backend", stack.config.backend]
+        verifier_args = [
+            "--port",
+            str(verifier_port),
+            "--llm",
+            str(stack.config.llm),
+            "--torch-threads",
+            "1",
+            "--backend",
+            stack.config.backend,
+        ]
         started.append(spawn(stack, "llm-verifier-late", "specinfer.llm_verifier", verifier_args))
-        wait_until(lambda: check(address, timeout=2) == "SERVING", 120, "request manager serving once the verifier is up")
+        wait_until(
+            lambda: check(address, timeout=2) == "SERVING", 120, "request manager serving once the verifier is up"
+        )
         prompt = model_pair.prompts[2]
         plain = generate(address, prompt)
         assert list(plain.token_ids) == greedy(prompt, NEW_TOKENS) and plain.finished.usage.mean_tree_size == 1
@@ -213,7 +249,16 @@ def test_verifier_lost_after_start_up(stack, model_pair, greedy):
     Retry-After at once. Once a verifier is back on the address, the waiting request finishes
     exactly and everything serves again."""
     verifier_port, http_port = free_tcp_port(), free_tcp_port()
-    verifier_args = ["--port", str(verifier_port), "--llm", str(stack.config.llm), "--torch-threads", "1", "--backend", stack.config.backend]
+    verifier_args = [
+        "--port",
+        str(verifier_port),
+        "--llm",
+        str(stack.config.llm),
+        "--torch-threads",
+        "1",
+        "--backend",
+        stack.config.backend,
+    ]
     verifier = spawn(stack, "llm-verifier-lost", "specinfer.llm_verifier", verifier_args)
     name = "rm-verifier-lost"
     args = manager_args(stack, name, f"127.0.0.1:{verifier_port}", [stack.process("ssm-worker-0").address])
@@ -232,13 +277,17 @@ def test_verifier_lost_after_start_up(stack, model_pair, greedy):
             status, body, _ = http_call(f"{base}/health")
             assert status == 503 and "verifier" in body["detail"]
             status, body, headers = http_call(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 4})
-            assert status == 503 and body["error"]["code"] == "verifier_unavailable" and headers.get("Retry-After") == "1"
+            assert (
+                status == 503 and body["error"]["code"] == "verifier_unavailable" and headers.get("Retry-After") == "1"
+            )
             assert not waiting.done()  # the running request waits instead
             verifier = spawn(stack, "llm-verifier-lost", "specinfer.llm_verifier", verifier_args)
             result = waiting.result(timeout=180)
         assert list(result.token_ids) == greedy(prompt, NEW_TOKENS)
         wait_until(lambda: check(address, timeout=2) == "SERVING", 30, "health SERVING again")
-        status, body, _ = http_call(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True})
+        status, body, _ = http_call(
+            f"{base}/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+        )
         assert status == 200 and body["choices"][0]["text"]
         assert http_call(f"{base}/health")[0] == 200
     finally:
@@ -250,10 +299,21 @@ def test_verifier_lost_after_start_up(stack, model_pair, greedy):
 def test_failed_start_up_leaves_no_redis(stack, tmp_path):
     """A start-up that fails (a default SSM no worker serves) exits 1 and stops its embedded Redis."""
     state = tmp_path / "state"
-    args = manager_args(stack, "rm-fails", stack.process("llm-verifier").address, [stack.process("ssm-worker-0").address])
+    args = manager_args(
+        stack, "rm-fails", stack.process("llm-verifier").address, [stack.process("ssm-worker-0").address]
+    )
     args[args.index("--state-dir") + 1] = str(state)
     proc = subprocess.run(
-        [sys.executable, "-m", "specinfer.request_manager", "--host", "127.0.0.1", *args, "--default-ssms", "no-such-ssm"],
+        [
+            sys.executable,
+            "-m",
+            "specinfer.request_manager",
+            "--host",
+            "127.0.0.1",
+            *args,
+            "--default-ssms",
+            "no-such-ssm",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -277,7 +337,12 @@ def test_killed_manager_leaves_no_redis_and_a_successor_resumes(stack, model_pai
         prompt = model_pair.prompts[4]
         done = generate(address, prompt)
         assert list(done.token_ids) == greedy(prompt, NEW_TOKENS)
-        twin = subprocess.run([sys.executable, "-m", "specinfer.request_manager", "--host", "127.0.0.1", *args], capture_output=True, text=True, timeout=120)
+        twin = subprocess.run(
+            [sys.executable, "-m", "specinfer.request_manager", "--host", "127.0.0.1", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert twin.returncode == 1 and "in use by another process" in twin.stderr, twin.stderr[-2000:]
         assert len(redis_servers_in(state)) == 1  # the refused twin started nothing
         first.kill()

@@ -44,7 +44,8 @@ def secure_stack(model_pair, certs, tmp_path_factory):
         auth_token=AUTH_TOKEN,
         internal_token=INTERNAL_TOKEN,
     )
-    # a static tree, so every request drafts and a refused SSM worker shows (adaptive speculation may rightly not speculate)
+    # a static tree, so every request drafts and a refused SSM worker shows (adaptive speculation may rightly not
+    # speculate)
     cfg = StackConfig(
         llm=model_pair.llm,
         ssms=(model_pair.ssm,),
@@ -72,25 +73,42 @@ def test_with_tls_client_certificate_and_token_it_works(secure_stack, certs, mod
     with Client(secure_stack.address, timeout=120, auth=ClientAuth(_full_tls(certs), AUTH_TOKEN)) as client:
         messages = list(client.stream(Client.request(prompt, NEW_TOKENS, ignore_eos=True)))
     assert messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH
-    assert tokens_of(messages) == greedy(prompt, NEW_TOKENS)  # the verifier answered the request manager over mTLS with the token
-    assert messages[-1].finished.usage.mean_tree_size > 1  # so did the SSM worker (a refused worker would leave root-only trees)
+    assert tokens_of(messages) == greedy(
+        prompt, NEW_TOKENS
+    )  # the verifier answered the request manager over mTLS with the token
+    assert (
+        messages[-1].finished.usage.mean_tree_size > 1
+    )  # so did the SSM worker (a refused worker would leave root-only trees)
 
 
 @pytest.mark.parametrize(
     "case",
-    ["plaintext", "tls-without-client-cert", "tls-trusting-another-ca", "no-token", "wrong-token", "token-with-another-scheme"],
+    [
+        "plaintext",
+        "tls-without-client-cert",
+        "tls-trusting-another-ca",
+        "no-token",
+        "wrong-token",
+        "token-with-another-scheme",
+    ],
 )
 def test_without_the_credentials_it_is_refused(secure_stack, certs, case):
     full = _full_tls(certs)
     auth = {
         "plaintext": ClientAuth(ClientTls(), AUTH_TOKEN),
         "tls-without-client-cert": ClientAuth(ClientTls.from_files(str(certs.ca)), AUTH_TOKEN),
-        "tls-trusting-another-ca": ClientAuth(ClientTls.from_files(str(certs.other_ca), str(certs.client_cert), str(certs.client_key)), AUTH_TOKEN),
+        "tls-trusting-another-ca": ClientAuth(
+            ClientTls.from_files(str(certs.other_ca), str(certs.client_cert), str(certs.client_key)), AUTH_TOKEN
+        ),
         "no-token": ClientAuth(full),
         "wrong-token": ClientAuth(full, AUTH_TOKEN + "x"),
         "token-with-another-scheme": ClientAuth(full),
     }[case]
-    want = grpc.StatusCode.UNAUTHENTICATED if case in ("no-token", "wrong-token", "token-with-another-scheme") else grpc.StatusCode.UNAVAILABLE
+    want = (
+        grpc.StatusCode.UNAUTHENTICATED
+        if case in ("no-token", "wrong-token", "token-with-another-scheme")
+        else grpc.StatusCode.UNAVAILABLE
+    )
     with Client(secure_stack.address, timeout=10, auth=auth) as client:
         if case == "token-with-another-scheme":
             client.metadata = (("authorization", f"Basic {AUTH_TOKEN}"),)
@@ -116,14 +134,22 @@ def test_internal_services_refuse_calls_without_the_internal_token(secure_stack,
     auth = ClientAuth(_full_tls(certs), token)
     worker, verifier = secure_stack.process("ssm-worker-0"), secure_stack.process("llm-verifier")
     with auth.channel(worker.address) as channel, pytest.raises(grpc.RpcError) as err:
-        internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=10, metadata=auth.metadata)
+        internal_pb2_grpc.SsmWorkerStub(channel).ListModels(
+            internal_pb2.ListModelsRequest(), timeout=10, metadata=auth.metadata
+        )
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with auth.channel(verifier.address) as channel, pytest.raises(grpc.RpcError) as err:
-        internal_pb2_grpc.LlmVerifierStub(channel).GetInfo(internal_pb2.LlmInfoRequest(), timeout=10, metadata=auth.metadata)
+        internal_pb2_grpc.LlmVerifierStub(channel).GetInfo(
+            internal_pb2.LlmInfoRequest(), timeout=10, metadata=auth.metadata
+        )
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     good = ClientAuth(_full_tls(certs), INTERNAL_TOKEN)
     with good.channel(worker.address) as channel:
-        assert internal_pb2_grpc.SsmWorkerStub(channel).ListModels(internal_pb2.ListModelsRequest(), timeout=10, metadata=good.metadata).models
+        assert (
+            internal_pb2_grpc.SsmWorkerStub(channel)
+            .ListModels(internal_pb2.ListModelsRequest(), timeout=10, metadata=good.metadata)
+            .models
+        )
 
 
 def test_help_does_not_print_tokens(monkeypatch):
@@ -166,14 +192,36 @@ def test_health_probe_and_cli_take_the_tls_files_and_token(secure_stack, certs, 
 
     from specinfer.serving.healthcheck import main as probe
 
-    tls = ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.client_cert), "--tls-client-key", str(certs.client_key)]
+    tls = [
+        "--tls-ca",
+        str(certs.ca),
+        "--tls-client-cert",
+        str(certs.client_cert),
+        "--tls-client-key",
+        str(certs.client_key),
+    ]
     assert probe([secure_stack.address, *tls]) == 0
     assert probe([secure_stack.address, "--timeout", "2"]) == 1  # plaintext probe of a TLS port
     token_file = tmp_path / "token"
     token_file.write_text(AUTH_TOKEN + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECINFER_")}
-    base = [sys.executable, "-m", "specinfer.cli", "generate", "--server", secure_stack.address, "--max-new-tokens", "4"]
-    ok = subprocess.run([*base, *tls, "--auth-token-file", str(token_file), "def main():"], capture_output=True, text=True, env=env, timeout=120)
+    base = [
+        sys.executable,
+        "-m",
+        "specinfer.cli",
+        "generate",
+        "--server",
+        secure_stack.address,
+        "--max-new-tokens",
+        "4",
+    ]
+    ok = subprocess.run(
+        [*base, *tls, "--auth-token-file", str(token_file), "def main():"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert ok.returncode == 0 and "4 tokens" in ok.stdout, ok.stderr
     refused = subprocess.run([*base, *tls, "def main():"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
@@ -181,8 +229,15 @@ def test_health_probe_and_cli_take_the_tls_files_and_token(secure_stack, certs, 
 
 def test_no_secret_in_logs(secure_stack, certs):
     """Run last in the module: the logs then hold start-up, calls and refusals."""
-    logs = {p.name: (secure_stack.workdir / f"{p.name}.log").read_text(errors="replace") for p in secure_stack.processes}
+    logs = {
+        p.name: (secure_stack.workdir / f"{p.name}.log").read_text(errors="replace") for p in secure_stack.processes
+    }
     assert all(logs.values())
     for name, text in logs.items():
-        for secret in (AUTH_TOKEN, INTERNAL_TOKEN, certs.server_key.read_text().splitlines()[1], certs.client_key.read_text().splitlines()[1]):
+        for secret in (
+            AUTH_TOKEN,
+            INTERNAL_TOKEN,
+            certs.server_key.read_text().splitlines()[1],
+            certs.client_key.read_text().splitlines()[1],
+        ):
             assert secret not in text, f"a secret is in the log of {name}"

@@ -31,7 +31,12 @@ NEW_TOKENS = 64
 
 def up_env() -> dict[str, str]:
     # short leases: the surviving request manager adopts the killed one's requests within seconds
-    return {**os.environ, "SPECINFER_LEASE_SECONDS": "3", "SPECINFER_RPC_TIMEOUT_SECONDS": "30", "SPECINFER_MAX_BATCH": "16"}
+    return {
+        **os.environ,
+        "SPECINFER_LEASE_SECONDS": "3",
+        "SPECINFER_RPC_TIMEOUT_SECONDS": "30",
+        "SPECINFER_MAX_BATCH": "16",
+    }
 
 
 def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2.GenerateResponse]:
@@ -41,7 +46,11 @@ def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2
     for i, address in enumerate(addresses):
         have = sum(len(m.token_ids) for m in messages)
         with Client(address, timeout=600) as client:
-            stream = client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True)) if i == 0 else client.resume(rid, have)
+            stream = (
+                client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True))
+                if i == 0
+                else client.resume(rid, have)
+            )
             try:
                 messages.extend(stream)
                 return messages
@@ -54,24 +63,50 @@ def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2
 def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stays_exact(model_pair, greedy, tmp_path):
     up = SpecinferUp(
         [
-            *("--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--verifiers", "2", "--request-managers", "2"),
-            *("--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state"), "--expansion", PAPER_EXPANSION, "--verifier-threads", "1"),
+            *(
+                "--llm",
+                str(model_pair.llm),
+                "--ssm",
+                str(model_pair.ssm),
+                "--verifiers",
+                "2",
+                "--request-managers",
+                "2",
+            ),
+            *(
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--expansion",
+                PAPER_EXPANSION,
+                "--verifier-threads",
+                "1",
+            ),
         ],
         up_env(),
     )
     try:
         up.wait_serving()
         members = up.members()
-        assert {"llm-verifier", "llm-verifier-1", "ssm-worker-0", "request-manager", "request-manager-1"} <= set(members), up.output
+        assert {"llm-verifier", "llm-verifier-1", "ssm-worker-0", "request-manager", "request-manager-1"} <= set(
+            members
+        ), up.output
         main, other = members["request-manager"][0], members["request-manager-1"][0]
         prompts = model_pair.prompts[:STREAMS]
         ids = [f"up-{tmp_path.name}-{i}" for i in range(STREAMS)]
         # half the streams on each request manager; each reattaches through the other if its own goes away
         routes = [[main, other] if i % 2 == 0 else [other, main] for i in range(STREAMS)]
         with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool, Client(main, timeout=60) as client:
-            futures = [pool.submit(stream_with_failover, r, p, rid) for r, p, rid in zip(routes, prompts, ids, strict=True)]
+            futures = [
+                pool.submit(stream_with_failover, r, p, rid) for r, p, rid in zip(routes, prompts, ids, strict=True)
+            ]
             wait_until(lambda: all(progress(client, r) > 0 for r in ids), 180, "every stream committing")
-            assert all(progress(client, r) < NEW_TOKENS for r in ids), "a stream finished before the kills: ask for more tokens"
+            assert all(progress(client, r) < NEW_TOKENS for r in ids), (
+                "a stream finished before the kills: ask for more tokens"
+            )
             for name in ("llm-verifier-1", "request-manager-1"):
                 os.kill(members[name][1], signal.SIGKILL)
             results = [f.result(timeout=600) for f in futures]
@@ -80,8 +115,14 @@ def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stay
         # both are back, on the ports they had (the others reach them there)
         for name in ("llm-verifier-1", "request-manager-1"):
             address, old_pid = members[name]
-            up.wait_line(rf"{name} \(pid {old_pid}\) exited with -9; starting it again in 0\.5 s on {re.escape(address)}", 60, f"{name}'s exit reported")
-            back = up.wait_line(rf"{name} SERVING again on {re.escape(address)} \(pid (\d+), restart 1,", 300, f"{name} serving again")
+            up.wait_line(
+                rf"{name} \(pid {old_pid}\) exited with -9; starting it again in 0\.5 s on {re.escape(address)}",
+                60,
+                f"{name}'s exit reported",
+            )
+            back = up.wait_line(
+                rf"{name} SERVING again on {re.escape(address)} \(pid (\d+), restart 1,", 300, f"{name} serving again"
+            )
             assert int(back[1]) != old_pid
             assert check(address, timeout=5) == "SERVING", name
         # the restarted request manager serves
@@ -99,7 +140,21 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     stops with exit code 1 and the verifier's last log lines, and nothing is left running."""
     empty = tmp_path / "no-model"
     empty.mkdir()
-    up = SpecinferUp(["--llm", str(empty), "--ssm", str(model_pair.ssm), "--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state")], up_env())
+    up = SpecinferUp(
+        [
+            "--llm",
+            str(empty),
+            "--ssm",
+            str(model_pair.ssm),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        up_env(),
+    )
     try:
         code = up.popen.wait(300)
     finally:
@@ -107,7 +162,11 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     up.reader.join(10)
     out = up.output
     assert code == 1, out
-    assert out.count("llm-verifier exited with") == 2 and "starting it again in 0.5 s" in out and "starting it again in 1.0 s" in out, out
+    assert (
+        out.count("llm-verifier exited with") == 2
+        and "starting it again in 0.5 s" in out
+        and "starting it again in 1.0 s" in out
+    ), out
     assert "stopping: llm-verifier exited before it served, 3 times in a row; the last lines of its log" in out, out
     tail = out.split("the last lines of its log", 1)[1]
     assert str(empty) in tail and "config.json" in tail, f"the verifier's error is not among the lines shown:\n{out}"

@@ -70,6 +70,15 @@ def test_one_replica_killed_its_requests_finish_on_the_other(stack, model_pair, 
     assert after[survivor] > before.get(survivor, 0)
     # back on the same port, it is health-probed and placed on again
     stack.respawn("llm-verifier-1")
-    wait_until(lambda: "LLM verifier back in service" in (stack.workdir / "request-manager.log").read_text(errors="replace"), 60, "the replica back")
-    check_streams(run_streams(stack.address, model_pair.prompts[24:32], "replica-back", NEW_TOKENS), model_pair.prompts[24:32], greedy, NEW_TOKENS)
+    wait_until(
+        lambda: "LLM verifier back in service" in (stack.workdir / "request-manager.log").read_text(errors="replace"),
+        60,
+        "the replica back",
+    )
+    check_streams(
+        run_streams(stack.address, model_pair.prompts[24:32], "replica-back", NEW_TOKENS),
+        model_pair.prompts[24:32],
+        greedy,
+        NEW_TOKENS,
+    )
     assert by_replica(stack)[killed.address] > after.get(killed.address, 0)

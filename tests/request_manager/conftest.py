@@ -74,7 +74,9 @@ def redis_target(request: pytest.FixtureRequest) -> RedisTarget:
     if request.param == "standalone":
         return request.getfixturevalue("standalone_redis")
     target: RedisTarget = request.getfixturevalue("cluster_redis")
-    return RedisTarget(target.url, target.password, cluster=True, min_replica_acks=1 if request.param == "cluster-acked" else 0)
+    return RedisTarget(
+        target.url, target.password, cluster=True, min_replica_acks=1 if request.param == "cluster-acked" else 0
+    )
 
 
 @pytest.fixture

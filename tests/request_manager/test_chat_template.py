@@ -13,7 +13,8 @@ from specinfer.core import InvalidArgument
 from specinfer.request_manager.chat_template import ChatTemplate, check_messages
 
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # Llama-2 style: bos_token, a system message lifted out of the loop, whitespace control, loop controls
@@ -26,24 +27,32 @@ LLAMA = """{{ bos_token }}
     {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
         {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
     {% endif %}
-    {% if message['role'] == 'user' %}[INST] {{ message['content'] | trim }} [/INST]{% else %} {{ message['content'] | trim }} {{ eos_token }}{% endif %}
+    {% if message['role'] == 'user' %}[INST] {{ message['content'] | trim }} [/INST]\
+{% else %} {{ message['content'] | trim }} {{ eos_token }}{% endif %}
     {% if loop.index > 50 %}{% break %}{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}{{ ' ' }}{% endif %}"""
 # Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template
 LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
-    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 # Mistral-7B-Instruct-v0.1's: no system role, roles must alternate
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-    "{{ message['content'] + eos_token + ' ' }}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token + ' ' }}{% else %}"
+    "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
-JSONY = "{% for m in messages %}{{ m | tojson }}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<answer>{% endif %}"
+JSONY = (
+    "{% for m in messages %}{{ m | tojson }}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<answer>{% endif %}"
+)
 
 MESSAGES = [
     {"role": "system", "content": '  Be terse. <b>html</b> & "quotes" ünïcode '},
@@ -70,7 +79,9 @@ def checkpoint(model_pair, tmp_path):
     return make
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA3, MISTRAL, LLAMA, JSONY], ids=["chatml", "llama3", "mistral", "llama2", "tojson"])
+@pytest.mark.parametrize(
+    "template", [CHATML, LLAMA3, MISTRAL, LLAMA, JSONY], ids=["chatml", "llama3", "mistral", "llama2", "tojson"]
+)
 @pytest.mark.parametrize("as_file", [False, True], ids=["config", "jinja-file"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_like_transformers(checkpoint, template, as_file, add_generation_prompt):
@@ -82,7 +93,9 @@ def test_renders_like_transformers(checkpoint, template, as_file, add_generation
     theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     text = ours.render(messages, add_generation_prompt)
     assert text == theirs
-    ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)
+    ids = hf.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
     assert load_tokenizer(folder).encode(text, add_special_tokens=False).ids == list(ids)
 
 
@@ -99,7 +112,10 @@ def test_no_template_and_named_templates(model_pair, checkpoint, tmp_path):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": CHATML}]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    assert ChatTemplate.load(folder).render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        ChatTemplate.load(folder).render([{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize(

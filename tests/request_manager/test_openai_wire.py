@@ -47,11 +47,25 @@ def test_defaults_follow_openai():
 
 
 def test_choices_are_prompts_times_n_and_samples_get_seed_plus_i():
-    msgs = requests({"prompt": [[5, 6], "y"], "n": 3, "seed": 10, "max_tokens": 4, "stop": "\n", "stop_token_ids": [2], "top_k": 40, "ignore_eos": True})
+    msgs = requests(
+        {
+            "prompt": [[5, 6], "y"],
+            "n": 3,
+            "seed": 10,
+            "max_tokens": 4,
+            "stop": "\n",
+            "stop_token_ids": [2],
+            "top_k": 40,
+            "ignore_eos": True,
+        }
+    )
     assert [m.request_id for m in msgs] == [f"cmpl-x-{i}" for i in range(6)]
     assert [list(m.token_ids.ids) for m in msgs[:3]] == [[5, 6]] * 3 and [m.text for m in msgs[3:]] == ["y"] * 3
     assert [m.sampling.seed for m in msgs] == [10, 11, 12, 10, 11, 12]
-    assert all(list(m.stop) == ["\n"] and list(m.stop_token_ids) == [2] and m.sampling.top_k == 40 and m.ignore_eos for m in msgs)
+    assert all(
+        list(m.stop) == ["\n"] and list(m.stop_token_ids) == [2] and m.sampling.top_k == 40 and m.ignore_eos
+        for m in msgs
+    )
 
 
 def test_skip_special_tokens_defaults_to_true():
@@ -59,7 +73,12 @@ def test_skip_special_tokens_defaults_to_true():
 
     assert wire.skip_special_tokens_from_proto(api_pb2.GenerateRequest())  # unset (an older client): skip
     assert not wire.skip_special_tokens_from_proto(api_pb2.GenerateRequest(skip_special_tokens=False))
-    for body, skip in (({}, True), ({"skip_special_tokens": None}, True), ({"skip_special_tokens": True}, True), ({"skip_special_tokens": False}, False)):
+    for body, skip in (
+        ({}, True),
+        ({"skip_special_tokens": None}, True),
+        ({"skip_special_tokens": True}, True),
+        ({"skip_special_tokens": False}, False),
+    ):
         (msg,) = requests({"prompt": "x", **body})
         assert wire.skip_special_tokens_from_proto(msg) is skip
 
@@ -128,7 +147,18 @@ def test_admission_fields_map_to_openai_params(field, param):
 def test_usage_counts_each_prompt_once_and_speculation_sums_the_choices():
     usage = api_pb2.Usage(llm_steps=4, mean_accepted_tokens=1.5, mean_tree_size=3.0, cached_prompt_tokens=4)
     choices = [ow.Choice(0, token_ids=10, usage=usage), ow.Choice(1, token_ids=10, usage=usage)]
-    want = {"prompt_tokens": 7, "completion_tokens": 20, "total_tokens": 27, "prompt_tokens_details": {"cached_tokens": 4}}
+    want = {
+        "prompt_tokens": 7,
+        "completion_tokens": 20,
+        "total_tokens": 27,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert ow.usage_object(choices, [7]) == want  # the prompt's cached tokens once, not per sample
     spec = ow.speculation_object(choices)
-    assert spec == {"num_drafts": 8, "num_draft_tokens": 16, "num_accepted_tokens": 12, "mean_accepted_length": 2.5, "mean_tree_size": 3.0}
+    assert spec == {
+        "num_drafts": 8,
+        "num_draft_tokens": 16,
+        "num_accepted_tokens": 12,
+        "mean_accepted_length": 2.5,
+        "mean_tree_size": 3.0,
+    }

@@ -148,7 +148,9 @@ def test_two_adopters_racing_each_request_goes_to_exactly_one(open_store):
             assert (live, stale) == (ids, [])
             rng = random.Random(7)
             order_a, order_b = rng.sample(ids, len(ids)), rng.sample(ids, len(ids))
-            won_a, won_b = await asyncio.gather(adopt_all(a, "rm-a", "ta", order_a), adopt_all(b, "rm-b", "tb", order_b))
+            won_a, won_b = await asyncio.gather(
+                adopt_all(a, "rm-a", "ta", order_a), adopt_all(b, "rm-b", "tb", order_b)
+            )
             assert won_a.isdisjoint(won_b) and won_a | won_b == set(ids)
             assert won_a and won_b, "the race was not a race: one adopter took everything"
             for rid in ids:
@@ -174,7 +176,11 @@ def test_two_adopters_racing_each_request_goes_to_exactly_one(open_store):
 def test_orphaned_owners_have_requests_and_no_lease(open_store):
     async def body() -> None:
         async with open_store() as store:
-            alive, dead, empty = Lease(store, "rm-alive", 5.0), Lease(store, "rm-dead", 5.0), Lease(store, "rm-empty", 5.0)
+            alive, dead, empty = (
+                Lease(store, "rm-alive", 5.0),
+                Lease(store, "rm-dead", 5.0),
+                Lease(store, "rm-empty", 5.0),
+            )
             for lease in (alive, dead, empty):
                 await lease.acquire()
             await store.create(record("a1", "rm-alive", alive.token))
@@ -199,7 +205,9 @@ def test_stale_index_entries_are_pruned_only_while_nobody_holds_the_lease(open_s
             await store.create(record("live", "rm-dead"))
             await store.create(record("done", "rm-dead"))
             await store.finish("done", "eos")
-            await store.client.sadd(store.keys.active("rm-dead"), "done", "gone")  # as a crash between two steps leaves them
+            await store.client.sadd(
+                store.keys.active("rm-dead"), "done", "gone"
+            )  # as a crash between two steps leaves them
             live, stale = await store.index("rm-dead")
             assert (live, sorted(stale)) == (["live"], ["done", "gone"])
             lease = Lease(store, "rm-dead", 5.0)

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from specinfer.request_manager.redis_server import EmbeddedRedis, RedisBinaryNotFoundError, RedisStartError, StateDirInUse
+from specinfer.request_manager.redis_server import (
+    EmbeddedRedis,
+    RedisBinaryNotFoundError,
+    RedisStartError,
+    StateDirInUse,
+)
 
 
 def test_missing_binary_is_a_clear_error(tmp_path: Path):
@@ -62,7 +67,10 @@ def redis_servers_in(state_dir: Path) -> list[int]:
             cwd = Path(os.readlink(entry / "cwd"))
         except OSError:
             continue
-        if exe.startswith("redis-server") and cwd in (state_dir.resolve(), state_dir.resolve() / "data"):  # redis chdirs to its data dir
+        if exe.startswith("redis-server") and cwd in (
+            state_dir.resolve(),
+            state_dir.resolve() / "data",
+        ):  # redis chdirs to its data dir
             out.append(int(entry.name))
     return out
 
@@ -71,7 +79,10 @@ def test_owned_refuses_a_second_owner_and_stops_on_the_way_out(tmp_path: Path, r
     first = EmbeddedRedis(tmp_path, executable=redis_binary)
     with first.owned():
         assert redis_servers_in(tmp_path) == [first.pid]
-        with pytest.raises(StateDirInUse, match=f"pid {os.getpid()}"), EmbeddedRedis(tmp_path, executable=redis_binary).owned():
+        with (
+            pytest.raises(StateDirInUse, match=f"pid {os.getpid()}"),
+            EmbeddedRedis(tmp_path, executable=redis_binary).owned(),
+        ):
             pass
         assert redis_servers_in(tmp_path) == [first.pid]  # the refused owner touched nothing
     assert redis_servers_in(tmp_path) == []

@@ -58,7 +58,13 @@ async def replica(store: RequestStore, owner: str, lease_seconds: float = 5.0) -
     nothing listens for is never called)."""
     verifier = Verifiers(["127.0.0.1:1"], 1.0)
     lease = Lease(store, owner, lease_seconds)
-    scheduler = Scheduler(SchedulerConfig(4, 8, (), None, owner, lease.token), store, None, verifier, SchedulerMetrics(CollectorRegistry()))
+    scheduler = Scheduler(
+        SchedulerConfig(4, 8, (), None, owner, lease.token),
+        store,
+        None,
+        verifier,
+        SchedulerMetrics(CollectorRegistry()),
+    )
     await lease.acquire()
     try:
         yield Requests(scheduler, store, LIMITS, None, lease)
@@ -137,11 +143,15 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     """Poll ``predicate`` every 10 ms; fail the test, naming it, when it is still false after ``timeout`` s."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"{predicate.__code__.co_filename}:{predicate.__code__.co_firstlineno} not true in {timeout} s"
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"{predicate.__code__.co_filename}:{predicate.__code__.co_firstlineno} not true in {timeout} s"
+        )
         await asyncio.sleep(0.01)
 
 
-def test_a_lease_lost_with_redis_refuses_new_requests_and_is_held_again_when_redis_returns(tmp_path: Path, redis_binary: Path):
+def test_a_lease_lost_with_redis_refuses_new_requests_and_is_held_again_when_redis_returns(
+    tmp_path: Path, redis_binary: Path
+):
     port = free_tcp_port()
     lease_s = 0.6
 
@@ -158,7 +168,9 @@ def test_a_lease_lost_with_redis_refuses_new_requests_and_is_held_again_when_red
                 server.kill()
                 deadline = asyncio.get_running_loop().time() + 10
                 while not changes:  # the next renewals find Redis gone and report the lease lost
-                    assert asyncio.get_running_loop().time() < deadline, "the lease was not reported lost within 10 s of Redis going away"
+                    assert asyncio.get_running_loop().time() < deadline, (
+                        "the lease was not reported lost within 10 s of Redis going away"
+                    )
                     await ownership.renew()
                     await asyncio.sleep(lease_s / 3)
                 assert not requests.lease.held

@@ -24,7 +24,13 @@ from specinfer.request_manager.records import (
 )
 from specinfer.request_manager.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import OffsetConflictError, OwnershipError, RequestExistsError, RequestFinishedError, RequestNotFoundError
+from specinfer.request_manager.store_errors import (
+    OffsetConflictError,
+    OwnershipError,
+    RequestExistsError,
+    RequestFinishedError,
+    RequestNotFoundError,
+)
 
 PARAMS = {
     "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 7},

@@ -34,7 +34,15 @@ def token(i: int, position: int) -> int:
     return 1000 * i + position
 
 
-async def drive(store: RequestStore, rid: str, i: int, acked: list[int], until: asyncio.Event, extra: dict[str, int], errors: list[Exception]) -> None:
+async def drive(
+    store: RequestStore,
+    rid: str,
+    i: int,
+    acked: list[int],
+    until: asyncio.Event,
+    extra: dict[str, int],
+    errors: list[Exception],
+) -> None:
     """Append two tokens per step to request ``rid``, recording in ``acked`` only what the store acknowledged;
     a failed append is retried at the same offset with the same tokens (as the scheduler does). Runs until
     ``until`` is set and ``extra[rid]`` more tokens were acknowledged after that."""
@@ -83,7 +91,10 @@ def test_acknowledged_tokens_survive_the_failover_of_a_master(tmp_path: Path, re
                 acked = {rid: [] for rid in ids}
                 promoted, errors = asyncio.Event(), []
                 extra = dict.fromkeys(ids, 10)
-                drivers = [asyncio.create_task(drive(store, rid, i, acked[rid], promoted, extra, errors)) for i, rid in enumerate(ids)]
+                drivers = [
+                    asyncio.create_task(drive(store, rid, i, acked[rid], promoted, extra, errors))
+                    for i, rid in enumerate(ids)
+                ]
                 while min(len(a) for a in acked.values()) < 10:  # every request mid-way
                     await asyncio.sleep(0.01)
                 replica = await asyncio.to_thread(cluster.kill_master, victim)
@@ -95,7 +106,9 @@ def test_acknowledged_tokens_survive_the_failover_of_a_master(tmp_path: Path, re
                 promoted.set()
                 await asyncio.wait_for(asyncio.gather(*drivers), 60)
 
-                assert {rid for rid in ids if homes[rid] == victim.port} == {rid for rid in ids if cluster.master_of(store.keys.meta(rid)) is replica}
+                assert {rid for rid in ids if homes[rid] == victim.port} == {
+                    rid for rid in ids if cluster.master_of(store.keys.meta(rid)) is replica
+                }
                 for i, rid in enumerate(ids):
                     snap = await store.get(rid)
                     assert snap is not None
@@ -103,7 +116,8 @@ def test_acknowledged_tokens_survive_the_failover_of_a_master(tmp_path: Path, re
                     assert snap.output_tokens == tuple(acked[rid]) == tuple(token(i, p) for p in range(len(acked[rid])))
                     assert snap.stats.llm_steps == len(acked[rid]) // 2
                 assert await store.active("rm-0") == ids  # the owner index too
-                # only errors of the failover: the client's while the master was gone, ReplicationError while its shard had no replica
+                # only errors of the failover: the client's while the master was gone, ReplicationError while its
+                # shard had no replica
                 assert all(isinstance(e, (ReplicationError, redis.exceptions.RedisError)) for e in errors), errors
             finally:
                 await client.aclose()
@@ -138,7 +152,9 @@ def test_a_frozen_replica_fails_acknowledged_writes_until_it_is_back(tmp_path: P
                         else:
                             assert (await store.append_tokens(rid, tokens, offset=0)).length == 2
                 for i, rid in enumerate(ids):  # the retry of every append, the refused ones included
-                    assert (await store.append_tokens(rid, [token(i, 0), token(i, 1)], StepStats(1, 1, 2, 2), offset=0)).length == 2
+                    assert (
+                        await store.append_tokens(rid, [token(i, 0), token(i, 1)], StepStats(1, 1, 2, 2), offset=0)
+                    ).length == 2
                     snap = await store.get(rid)
                     assert snap.output_tokens == (token(i, 0), token(i, 1)) and snap.stats.llm_steps == 1
             finally:
@@ -152,7 +168,12 @@ def test_acknowledged_writes_on_a_standalone_master_and_replica(tmp_path: Path, 
     replica follows, ReplicationError while it is frozen, acknowledged again (once) when it is back."""
     master = EmbeddedRedis(tmp_path / "master", transport="tcp", executable=redis_binary)
     with master:
-        replica = EmbeddedRedis(tmp_path / "replica", transport="tcp", executable=redis_binary, extra_config=[f"replicaof 127.0.0.1 {master.port}"])
+        replica = EmbeddedRedis(
+            tmp_path / "replica",
+            transport="tcp",
+            executable=redis_binary,
+            extra_config=[f"replicaof 127.0.0.1 {master.port}"],
+        )
         with replica:
             with replica.client() as probe:
                 wait_for(lambda: probe.info("replication").get("master_link_status") == "up", 30, "the replica in sync")
@@ -186,8 +207,16 @@ def test_acknowledged_writes_on_a_standalone_master_and_replica(tmp_path: Path, 
         (["--redis-cluster", "1", "--redis-url", "unix:///tmp/redis.sock"], "redis-url", "redis:// or rediss://"),
         (["--redis-min-replica-acks", "1"], "redis-min-replica-acks", "needs --redis-url"),
         (["--redis-url", "redis://h:1", "--redis-min-replica-acks", "-1"], "redis-min-replica-acks", ">= 0"),
-        (["--redis-url", "redis://h:1", "--redis-replica-timeout-seconds", "0"], "redis-replica-timeout-seconds", "> 0"),
-        (["--redis-url", "redis://h:1", "--redis-replica-timeout-seconds", "9"], "redis-replica-timeout-seconds", "socket timeout"),
+        (
+            ["--redis-url", "redis://h:1", "--redis-replica-timeout-seconds", "0"],
+            "redis-replica-timeout-seconds",
+            "> 0",
+        ),
+        (
+            ["--redis-url", "redis://h:1", "--redis-replica-timeout-seconds", "9"],
+            "redis-replica-timeout-seconds",
+            "socket timeout",
+        ),
     ],
 )
 def test_redis_settings_that_do_not_fit_are_refused(argv, field, message):
@@ -197,7 +226,9 @@ def test_redis_settings_that_do_not_fit_are_refused(argv, field, message):
 
 
 def test_redis_cluster_settings(monkeypatch):
-    cfg = RequestManagerConfig.from_args(["--redis-url", "redis://node-0:6379", "--redis-cluster", "on", "--redis-min-replica-acks", "1"])
+    cfg = RequestManagerConfig.from_args(
+        ["--redis-url", "redis://node-0:6379", "--redis-cluster", "on", "--redis-min-replica-acks", "1"]
+    )
     assert (cfg.redis_cluster, cfg.redis_min_replica_acks, cfg.redis_replica_timeout_seconds) == (True, 1, 1.0)
     monkeypatch.setenv("SPECINFER_REDIS_CLUSTER", "1")
     monkeypatch.setenv("SPECINFER_REDIS_URL", "redis://node-0:6379")

@@ -76,7 +76,9 @@ def test_stop_strings_with_special_tokens(tok, step):
     assert not stopped and "".join(deltas) == "café au lait €"
     deltas, stopped = stream_in_steps(TextStream(tok, ("<unk>",), skip_special_tokens=False), tokens, step)
     kept = tok.decode(tokens, skip_special_tokens=False)  # "</s>caf?<s>?<unk> au...": BOS kept splits the "é"
-    assert stopped and "".join(deltas) == kept[: kept.index("<unk>")] == output_text(tok, tokens, ("<unk>",), False, finished=True)
+    assert stopped and "".join(deltas) == kept[: kept.index("<unk>")] == output_text(
+        tok, tokens, ("<unk>",), False, finished=True
+    )
 
 
 def test_fresh_keeps_the_rule_and_the_stop_strings(tok):
@@ -111,11 +113,27 @@ def test_the_rule_survives_the_redis_record(tok, skip):
     live = Live(GenerationRequest("r", (5, 6), 16, SamplingParams()), 1, ("lait",), TextStream(tok, ("lait",), skip))
     params = live_params(live, ())
     tokens = tuple(output_with_specials(tok))
-    snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (5, 6), tokens[:4], None, None, live.stats, 0.0, 0.0)
+    snapshot = RequestSnapshot(
+        "r", "me", RequestStatus.RUNNING, params, (5, 6), tokens[:4], None, None, live.stats, 0.0, 0.0
+    )
     assert live_from_snapshot(snapshot, limits, tok).text.skip_special_tokens is skip
-    finished = RequestSnapshot("r", "me", RequestStatus.FINISHED, params, (5, 6), tokens, None, None, live.stats, 0.0, 0.0)
-    assert snapshot_text(finished, tok) == ("café au " if skip else tok.decode(list(tokens), skip_special_tokens=False).split("lait")[0])
+    finished = RequestSnapshot(
+        "r", "me", RequestStatus.FINISHED, params, (5, 6), tokens, None, None, live.stats, 0.0, 0.0
+    )
+    assert snapshot_text(finished, tok) == (
+        "café au " if skip else tok.decode(list(tokens), skip_special_tokens=False).split("lait")[0]
+    )
     older = RequestSnapshot(
-        "r", "me", RequestStatus.FINISHED, {k: v for k, v in params.items() if k != "skip_special_tokens"}, (5, 6), tokens, None, None, live.stats, 0.0, 0.0
+        "r",
+        "me",
+        RequestStatus.FINISHED,
+        {k: v for k, v in params.items() if k != "skip_special_tokens"},
+        (5, 6),
+        tokens,
+        None,
+        None,
+        live.stats,
+        0.0,
+        0.0,
     )
     assert snapshot_text(older, tok) == "café au "  # a record written before the field: the default, skip

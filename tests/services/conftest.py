@@ -17,7 +17,15 @@ COMMON_FLAGS = ["--torch-threads", "1", "--kv-cache-bytes", str(256 << 20), "--g
 
 
 def ssm_worker_command(model_pair, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "specinfer.ssm_worker", "--ssm", f"ssm={model_pair.ssm},ssm2={model_pair.ssm2}", *COMMON_FLAGS, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "specinfer.ssm_worker",
+        "--ssm",
+        f"ssm={model_pair.ssm},ssm2={model_pair.ssm2}",
+        *COMMON_FLAGS,
+        *flags,
+    ]
 
 
 def llm_verifier_command(model_pair, *flags: str) -> list[str]:
@@ -36,8 +44,13 @@ class Services:
 def services(model_pair, tmp_path_factory) -> Iterator[Services]:
     logs = tmp_path_factory.mktemp("service-logs")
     with (
-        running_services([ssm_worker_command(model_pair), llm_verifier_command(model_pair)], workdir=logs) as (ssm, llm),
+        running_services([ssm_worker_command(model_pair), llm_verifier_command(model_pair)], workdir=logs) as (
+            ssm,
+            llm,
+        ),
         grpc.insecure_channel(ssm.address) as ssm_channel,
         grpc.insecure_channel(llm.address) as llm_channel,
     ):
-        yield Services(ssm, llm, internal_pb2_grpc.SsmWorkerStub(ssm_channel), internal_pb2_grpc.LlmVerifierStub(llm_channel))
+        yield Services(
+            ssm, llm, internal_pb2_grpc.SsmWorkerStub(ssm_channel), internal_pb2_grpc.LlmVerifierStub(llm_channel)
+        )

@@ -57,7 +57,9 @@ class ServiceProcess:
             return "<no log>"
 
     def _fail(self, what: str) -> ServiceError:
-        return ServiceError(f"{self.name}: {what}\ncommand: {' '.join(self.command)}\n--- log tail ---\n{self.log_tail()}")
+        return ServiceError(
+            f"{self.name}: {what}\ncommand: {' '.join(self.command)}\n--- log tail ---\n{self.log_tail()}"
+        )
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         """Wait for the port file, then for health SERVING; returns the address ``host:port``."""
@@ -75,7 +77,10 @@ class ServiceProcess:
             while True:
                 self._check_alive()
                 with contextlib.suppress(grpc.RpcError):
-                    if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return self.address
                 if time.monotonic() > deadline:
                     raise self._fail(f"not SERVING after {timeout:.0f} s")
@@ -114,7 +119,10 @@ def _default_name(command: Sequence[str]) -> str:
 
 
 def start_service(
-    command: Sequence[str], name: str | None = None, env: Mapping[str, str] | None = None, workdir: str | os.PathLike | None = None
+    command: Sequence[str],
+    name: str | None = None,
+    env: Mapping[str, str] | None = None,
+    workdir: str | os.PathLike | None = None,
 ) -> ServiceProcess:
     """Start ``command`` (plus the listening flags) without waiting for it; see :meth:`ServiceProcess.wait_ready`."""
     folder = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="specinfer-svc-"))
@@ -124,7 +132,9 @@ def start_service(
     full = [*command, "--host", HOST, "--port", "0", "--port-file", str(port_file)]
     with open(log_path, "wb") as log:
         # its own session: a Ctrl-C in the test runner does not reach it, the harness stops it
-        process = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=None if env is None else dict(env), start_new_session=True)
+        process = subprocess.Popen(
+            full, stdout=log, stderr=subprocess.STDOUT, env=None if env is None else dict(env), start_new_session=True
+        )
     return ServiceProcess(name, full, process, port_file, log_path)
 
 
@@ -189,16 +199,22 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> Non
 
 SPECINFER = Path(sys.executable).parent / "specinfer"  # the installed entry point, as a user runs it
 # what `specinfer up` prints per process once the stack serves
-UP_MEMBER = re.compile(r"^(?P<name>[a-z0-9-]+)\s+(?P<address>127\.0\.0\.1:\d+)\s+metrics http://\S+/metrics\s+\(pid (?P<pid>\d+), log ")
+UP_MEMBER = re.compile(
+    r"^(?P<name>[a-z0-9-]+)\s+(?P<address>127\.0\.0\.1:\d+)\s+metrics http://\S+/metrics\s+\(pid (?P<pid>\d+), log "
+)
 
 
 class SpecinferUp:
     """``specinfer up ARGS`` as a subprocess; a thread collects its output (stdout and stderr) line by line."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen([str(SPECINFER), "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.popen = subprocess.Popen(
+            [str(SPECINFER), "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.popen.stdout.readline, "")), daemon=True)
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(iter(self.popen.stdout.readline, "")), daemon=True
+        )
         self.reader.start()
 
     @property
@@ -212,7 +228,9 @@ class SpecinferUp:
             for line in list(self.lines):
                 if m := re.search(pattern, line):
                     return m
-            assert self.popen.poll() is None or self.reader.is_alive(), f"specinfer up exited ({self.popen.returncode}) before {what}:\n{self.output}"
+            assert self.popen.poll() is None or self.reader.is_alive(), (
+                f"specinfer up exited ({self.popen.returncode}) before {what}:\n{self.output}"
+            )
             assert time.monotonic() < deadline, f"{what} not seen in {timeout:.0f} s:\n{self.output}"
             time.sleep(0.1)
 

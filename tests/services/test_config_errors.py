@@ -19,13 +19,24 @@ from specinfer.core import InvalidArgument
 
 DEMO = Path(__file__).resolve().parents[2] / "models/demo"
 LLM, SSM = str(DEMO / "llm"), str(DEMO / "ssm")
-VERIFIER, WORKER, MANAGER, CLI = "specinfer.llm_verifier", "specinfer.ssm_worker", "specinfer.request_manager", "specinfer.cli"
+VERIFIER, WORKER, MANAGER, CLI = (
+    "specinfer.llm_verifier",
+    "specinfer.ssm_worker",
+    "specinfer.request_manager",
+    "specinfer.cli",
+)
 
 
 def one_line_error(module: str, *argv: str, env: dict[str, str] | None = None) -> str:
     """The error line of ``python -m module argv`` (asserting exit status 2, a single line, no traceback)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECINFER_") or k == "SPECINFER_DTYPE"}
-    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120, env={**environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environ, **(env or {})},
+    )
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -54,11 +65,36 @@ def taken_port() -> Iterator[int]:
 @pytest.mark.parametrize(
     ("module", "argv", "env", "expected"),
     [
-        (VERIFIER, ["--llm", LLM], {"SPECINFER_PORT": "abc"}, "--port (from SPECINFER_PORT): 'abc' is not an integer, e.g. 0"),
-        (WORKER, ["--ssm", SSM], {"SPECINFER_PREFIX_CACHING": "maybe"}, "--prefix-caching (from SPECINFER_PREFIX_CACHING): 'maybe' is not on or off, e.g. on"),
-        (MANAGER, [], {"SPECINFER_MAX_BATCH": "x"}, "--max-batch (from SPECINFER_MAX_BATCH): 'x' is not an integer, e.g. 32"),
-        (VERIFIER, ["--llm", LLM, "--kv-cache-bytes", "1e9"], {}, "--kv-cache-bytes: '1e9' is not an integer, e.g. 1073741824"),
-        (CLI, ["generate", "--llm", LLM, "--max-new-tokens", "many", "x"], {}, "--max-new-tokens: invalid int value: 'many'; e.g. --max-new-tokens 128"),
+        (
+            VERIFIER,
+            ["--llm", LLM],
+            {"SPECINFER_PORT": "abc"},
+            "--port (from SPECINFER_PORT): 'abc' is not an integer, e.g. 0",
+        ),
+        (
+            WORKER,
+            ["--ssm", SSM],
+            {"SPECINFER_PREFIX_CACHING": "maybe"},
+            "--prefix-caching (from SPECINFER_PREFIX_CACHING): 'maybe' is not on or off, e.g. on",
+        ),
+        (
+            MANAGER,
+            [],
+            {"SPECINFER_MAX_BATCH": "x"},
+            "--max-batch (from SPECINFER_MAX_BATCH): 'x' is not an integer, e.g. 32",
+        ),
+        (
+            VERIFIER,
+            ["--llm", LLM, "--kv-cache-bytes", "1e9"],
+            {},
+            "--kv-cache-bytes: '1e9' is not an integer, e.g. 1073741824",
+        ),
+        (
+            CLI,
+            ["generate", "--llm", LLM, "--max-new-tokens", "many", "x"],
+            {},
+            "--max-new-tokens: invalid int value: 'many'; e.g. --max-new-tokens 128",
+        ),
     ],
 )
 def test_bad_flag_or_environment_value(module, argv, env, expected):
@@ -76,7 +112,9 @@ def test_a_flag_wins_over_a_bad_environment_value(taken_port):
     [(VERIFIER, "--llm", LLM, 3 << 20, "16"), (WORKER, "--ssm", SSM, 300_000, "0")],  # the SSM's KV rows are 8x smaller
 )
 def test_kv_budget_too_small_says_what_fits(module, flag, path, budget, block_size):
-    line = one_line_error(module, flag, path, "--kv-cache-bytes", str(budget), "--kv-block-size", block_size, "--max-seq-len", "2048")
+    line = one_line_error(
+        module, flag, path, "--kv-cache-bytes", str(budget), "--kv-block-size", block_size, "--max-seq-len", "2048"
+    )
     got = re.search(r"--kv-cache-bytes: .* give --kv-cache-bytes (\d+) or more, or --max-seq-len (\d+) or less$", line)
     assert got, line
     assert int(got.group(1)) > budget and 0 < int(got.group(2)) < 2048
@@ -125,10 +163,26 @@ def test_the_smallest_budget_and_the_longest_sequence_fit():
         options = NativeOptions(DTYPES["float32"], kv_cache_bytes=3 << 20, max_seq_len=1000, kv_block_size=block_size)
         with pytest.raises(InvalidArgument) as err:
             check_kv_budget(spec, options)
-        budget, longest = map(int, re.search(r"--kv-cache-bytes (\d+) or more, or --max-seq-len (\d+) or less", err.value.message).groups())
-        check_kv_budget(spec, NativeOptions(DTYPES["float32"], kv_cache_bytes=budget, max_seq_len=1000, kv_block_size=block_size))
-        check_kv_budget(spec, NativeOptions(DTYPES["float32"], kv_cache_bytes=3 << 20, max_seq_len=longest, kv_block_size=block_size))
+        budget, longest = map(
+            int,
+            re.search(r"--kv-cache-bytes (\d+) or more, or --max-seq-len (\d+) or less", err.value.message).groups(),
+        )
+        check_kv_budget(
+            spec, NativeOptions(DTYPES["float32"], kv_cache_bytes=budget, max_seq_len=1000, kv_block_size=block_size)
+        )
+        check_kv_budget(
+            spec,
+            NativeOptions(DTYPES["float32"], kv_cache_bytes=3 << 20, max_seq_len=longest, kv_block_size=block_size),
+        )
         with pytest.raises(InvalidArgument):
-            check_kv_budget(spec, NativeOptions(DTYPES["float32"], kv_cache_bytes=budget - 1, max_seq_len=1000, kv_block_size=block_size))
+            check_kv_budget(
+                spec,
+                NativeOptions(DTYPES["float32"], kv_cache_bytes=budget - 1, max_seq_len=1000, kv_block_size=block_size),
+            )
         with pytest.raises(InvalidArgument):
-            check_kv_budget(spec, NativeOptions(DTYPES["float32"], kv_cache_bytes=3 << 20, max_seq_len=longest + 1, kv_block_size=block_size))
+            check_kv_budget(
+                spec,
+                NativeOptions(
+                    DTYPES["float32"], kv_cache_bytes=3 << 20, max_seq_len=longest + 1, kv_block_size=block_size
+                ),
+            )

@@ -24,7 +24,10 @@ def test_health_serving(services, which):
     with grpc.insecure_channel(getattr(services, which).address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for name in ("", SERVICES[which]):
-            assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
 
 
 @pytest.mark.parametrize("which", list(SERVICES))
@@ -48,7 +51,9 @@ def test_sigterm_drains_and_exits_zero(model_pair, tmp_path):
     grace = 1.0
     command = [*ssm_worker_command(model_pair), "--grace-seconds", str(grace)]
     with running_service(command, workdir=tmp_path) as svc, grpc.insecure_channel(svc.address) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICES["ssm_worker"]), timeout=30)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICES["ssm_worker"]), timeout=30
+        )
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         started = time.monotonic()
         svc.terminate()
@@ -61,9 +66,17 @@ def test_sigterm_drains_and_exits_zero(model_pair, tmp_path):
     ("main", "argv", "message"),
     [
         (ssm_worker_main, [], "ssm: name at least one SSM checkpoint"),
-        (ssm_worker_main, ["--ssm", "a=/no/such/folder"], "--ssm (ssm.a): '/no/such/folder' is not a Hugging Face checkpoint folder"),
+        (
+            ssm_worker_main,
+            ["--ssm", "a=/no/such/folder"],
+            "--ssm (ssm.a): '/no/such/folder' is not a Hugging Face checkpoint folder",
+        ),
         (ssm_worker_main, ["--ssm", "a=x,a=y"], "ssm: name 'a' is given twice"),
-        (llm_verifier_main, ["--llm", "/no/such/folder"], "llm: '/no/such/folder' is not a Hugging Face checkpoint folder"),
+        (
+            llm_verifier_main,
+            ["--llm", "/no/such/folder"],
+            "llm: '/no/such/folder' is not a Hugging Face checkpoint folder",
+        ),
         (llm_verifier_main, ["--llm", "a,b"], "llm: name exactly one checkpoint"),
     ],
 )

@@ -30,7 +30,9 @@ def fresh_id(prefix: str) -> str:
 @pytest.fixture(scope="module")
 def local_models(model_pair):
     """The verifier's LLM and an SSM in process (backend auto, as in the services)."""
-    return load_backend(model_pair.llm, "llm", "float32", kv_cache_bytes=128 << 20), load_backend(model_pair.ssm, "ssm", "float32", kv_cache_bytes=16 << 20)
+    return load_backend(model_pair.llm, "llm", "float32", kv_cache_bytes=128 << 20), load_backend(
+        model_pair.ssm, "ssm", "float32", kv_cache_bytes=16 << 20
+    )
 
 
 @pytest.fixture
@@ -48,7 +50,11 @@ def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count
     prompts = model_pair.prompts[:count]
     ids = [fresh_id(prefix) for _ in prompts]
     drafts = draft_trees(
-        ssm, [DraftSpec(rid, p[:-1], p[-1], ExpansionConfig((2, 2, 1)), sampling, 32, 7, 0, draft_stream(0)) for rid, p in zip(ids, prompts, strict=True)]
+        ssm,
+        [
+            DraftSpec(rid, p[:-1], p[-1], ExpansionConfig((2, 2, 1)), sampling, 32, 7, 0, draft_stream(0))
+            for rid, p in zip(ids, prompts, strict=True)
+        ],
     )
     jobs = []
     for i, (rid, p, d) in enumerate(zip(ids, prompts, drafts, strict=True)):
@@ -110,11 +116,17 @@ def test_verify_cache_miss_protocol(services, local, model_pair):
     assert not hit.cache_miss
     # the next step sends only the newly committed tokens
     committed = [*job.context, job.draft.tree.tokens[0], *hit.accepted_tokens]
-    nxt = VerifySpec(job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.seed, job.step)
-    (hit2,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context))]), timeout=30).results
+    nxt = VerifySpec(
+        job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.seed, job.step
+    )
+    (hit2,) = stub.Verify(
+        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context))]), timeout=30
+    ).results
     assert not hit2.cache_miss
     release(stub, [job.request_id])
-    (miss,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context))]), timeout=30).results
+    (miss,) = stub.Verify(
+        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context))]), timeout=30
+    ).results
     assert miss.cache_miss
 
 
@@ -143,14 +155,26 @@ def _tree(request, tokens, parents):
 
 
 BAD_REQUESTS = {
-    "parent-not-before-child": (lambda r: _tree(r, [5, 6, 7], [-1, 0, 2]), "items[0].tree: parents[2] = 2 must be in [0, 2)"),
+    "parent-not-before-child": (
+        lambda r: _tree(r, [5, 6, 7], [-1, 0, 2]),
+        "items[0].tree: parents[2] = 2 must be in [0, 2)",
+    ),
     "root-has-parent": (lambda r: _tree(r, [5, 6], [0, 0]), "items[0].tree"),
     "empty-tree": (lambda r: _tree(r, [], []), "items[0].tree"),
     "tree-token-out-of-vocab": (lambda r: r.items[1].tree.tokens.__setitem__(1, 1 << 20), "items[1].tree.tokens"),
     "context-token-out-of-vocab": (lambda r: r.items[1].context.tokens.__setitem__(0, -3), "items[1].context.tokens"),
-    "temperature-negative": (lambda r: setattr(r.items[0].sampling, "temperature", -1.0), "items[0].sampling.temperature"),
-    "sampling-without-q": (lambda r: [g.ClearField("q_tokens") or g.ClearField("q_probs") for g in r.items[0].tree.groups], "items[0].tree.groups"),
-    "q-token-out-of-vocab": (lambda r: r.items[0].tree.groups[0].q_tokens.__setitem__(0, 1 << 20), "items[0].tree.groups[0].q_tokens"),
+    "temperature-negative": (
+        lambda r: setattr(r.items[0].sampling, "temperature", -1.0),
+        "items[0].sampling.temperature",
+    ),
+    "sampling-without-q": (
+        lambda r: [g.ClearField("q_tokens") or g.ClearField("q_probs") for g in r.items[0].tree.groups],
+        "items[0].tree.groups",
+    ),
+    "q-token-out-of-vocab": (
+        lambda r: r.items[0].tree.groups[0].q_tokens.__setitem__(0, 1 << 20),
+        "items[0].tree.groups[0].q_tokens",
+    ),
     "bad-group-child": (lambda r: r.items[0].tree.groups[0].children.__setitem__(0, 99), "items[0].tree.groups[0]"),
 }
 

@@ -60,7 +60,9 @@ def test_request_manager_refuses_bad_security_settings(tmp_path):
         RequestManagerConfig.from_args(["--auth-token", "a", "--auth-token-file", str(token_file)])
     assert err.value.field == "auth-token"
     with pytest.raises(InvalidArgument) as err:
-        RequestManagerConfig.from_args(["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.key")])
+        RequestManagerConfig.from_args(
+            ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.key")]
+        )
     assert err.value.field == "tls" and "tls-key" in err.value.message
     with pytest.raises(InvalidArgument) as err:
         RequestManagerConfig.from_args(["--tls-client-cert", str(tmp_path / "c.pem")])

@@ -82,7 +82,10 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
     prompt = model_pair.prompts[0]
 
     def item(rid: str, context: list[int], tokens: list[int]) -> internal_pb2.VerifyItem:
-        return internal_pb2.VerifyItem(context=wire.context_to_proto(rid, context, 0), tree=internal_pb2.DraftTree(tokens=tokens, parents=[-1] * len(tokens)))
+        return internal_pb2.VerifyItem(
+            context=wire.context_to_proto(rid, context, 0),
+            tree=internal_pb2.DraftTree(tokens=tokens, parents=[-1] * len(tokens)),
+        )
 
     async def scenario() -> None:
         service = Service(ServerConfig("127.0.0.1", 0, 1.0), [SERVICE_NAME], servicer.register)
@@ -91,7 +94,9 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
                 stub = internal_pb2_grpc.LlmVerifierStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Verify(internal_pb2.VerifyRequest(items=[item("a", prompt, [5]), item("b", prompt, [5])]))
+                    await stub.Verify(
+                        internal_pb2.VerifyRequest(items=[item("a", prompt, [5]), item("b", prompt, [5])])
+                    )
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 await stub.Release(internal_pb2.ReleaseRequest(request_ids=["a"]))
                 (ok,) = (await stub.Verify(internal_pb2.VerifyRequest(items=[item("b", prompt, [5])]))).results
@@ -123,7 +128,11 @@ def test_wire_adaptive_round_trips():
     from specinfer.core.iteration import DraftSpec
 
     curve = tuple(min(1.0, 2 * k) for k in EDGE_KNOTS)
-    for expansion, budget in ((ExpansionConfig((2, 1)), None), (None, TreeBudget(9, 4, 3, 0.05)), (None, TreeBudget(9, 4, 3, 0.05, curve))):
+    for expansion, budget in (
+        (ExpansionConfig((2, 1)), None),
+        (None, TreeBudget(9, 4, 3, 0.05)),
+        (None, TreeBudget(9, 4, 3, 0.05, curve)),
+    ):
         job = DraftSpec("r", [1, 2, 3], 4, expansion, SamplingParams(temperature=0.5, seed=3), 16, 11, 2, 1, budget)
         item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context, 0))
         back = wire.draft_job_from_proto(item, job.context, 100, 64, "items[0]")
@@ -145,7 +154,9 @@ def test_wire_adaptive_round_trips():
     back = wire.cost_table_from_proto(wire.cost_points_to_proto(table))
     assert back is not None and back.as_dict() == pytest.approx(table.as_dict())
     assert wire.cost_points_to_proto(None) == [] and wire.cost_table_from_proto([]) is None
-    (profile,) = wire.ssm_profiles_to_proto(["ssm"], {"ssm": table}, {"ssm": (0.6, 0.1)}, {}, {"ssm": "token-intersection"})
+    (profile,) = wire.ssm_profiles_to_proto(
+        ["ssm"], {"ssm": table}, {"ssm": (0.6, 0.1)}, {}, {"ssm": "token-intersection"}
+    )
     assert wire.slot_prior_from_proto(profile.slot_prior) == pytest.approx((0.6, 0.1))
     assert wire.slot_prior_from_proto([]) is None and wire.slot_prior_from_proto([1.5]) is None
     passes = [(3, 0.002), (5, 0.004)]
@@ -157,7 +168,12 @@ def test_request_manager_planner_from_reports_and_through_calls(services):
     where one reports none, a few real Verify and Speculate calls measure them."""
     from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
     from specinfer.core.costs import VerifyShape
-    from specinfer.request_manager.adaptive import CALIBRATION_SIZES, calibrate_through_calls, costs_from_reports, priors_from_reports
+    from specinfer.request_manager.adaptive import (
+        CALIBRATION_SIZES,
+        calibrate_through_calls,
+        costs_from_reports,
+        priors_from_reports,
+    )
     from specinfer.request_manager.remote import SsmWorkers, Verifiers
 
     async def scenario():
@@ -171,7 +187,10 @@ def test_request_manager_planner_from_reports_and_through_calls(services):
             assert reported is not None and sorted(reported.drafts) == [0, 1]
             assert priors_from_reports(workers.profiles, ["ssm"]) == {0: DEFAULT_SLOT_PRIOR}  # no tuning file installed
             measured = await calibrate_through_calls(verifier, workers, ["ssm"], info.vocab_size, None)
-            assert tuple(sorted(measured.verify_table.as_dict())) == CALIBRATION_SIZES and measured.verify_seconds(VerifyShape(4, 0)) > 0
+            assert (
+                tuple(sorted(measured.verify_table.as_dict())) == CALIBRATION_SIZES
+                and measured.verify_seconds(VerifyShape(4, 0)) > 0
+            )
             assert 0 in measured.drafts and measured.draft_seconds(0, 4) > 0
         finally:
             await verifier.close()
@@ -195,7 +214,11 @@ def test_calls_are_counted_under_the_grpc_service_they_call():
             await service.stop()
         registry = service.metrics.registry
         samples = [s for m in registry.collect() for s in m.samples]
-        started = {(s.labels["service"], s.labels["method"]): s.value for s in samples if s.name == "specinfer_grpc_server_started_total"}
+        started = {
+            (s.labels["service"], s.labels["method"]): s.value
+            for s in samples
+            if s.name == "specinfer_grpc_server_started_total"
+        }
         assert started == {("grpc.health.v1.Health", "Check"): 1.0}
         health = {"service": "grpc.health.v1.Health", "method": "Check", "code": "OK"}
         assert registry.get_sample_value("specinfer_grpc_server_handling_seconds_count", health) == 1.0

@@ -71,7 +71,10 @@ class Draft:
 
 def speculate(stub, ssm: str, drafts: list[Draft], offsets: list[int] | None = None) -> internal_pb2.SpeculateResponse:
     offsets = offsets or [0] * len(drafts)
-    return stub.Speculate(internal_pb2.SpeculateRequest(ssm=ssm, items=[d.item(o) for d, o in zip(drafts, offsets, strict=True)]), timeout=60)
+    return stub.Speculate(
+        internal_pb2.SpeculateRequest(ssm=ssm, items=[d.item(o) for d, o in zip(drafts, offsets, strict=True)]),
+        timeout=60,
+    )
 
 
 def assert_same_draft(got: DraftTree, want: DraftTree) -> None:
@@ -87,7 +90,10 @@ def assert_same_draft(got: DraftTree, want: DraftTree) -> None:
 @pytest.fixture(scope="module")
 def loaded_ssms(model_pair):
     """The worker's SSMs in process, with the worker's backend choice (auto)."""
-    return {name: load_backend(path, name, "float32", kv_cache_bytes=64 << 20) for name, path in (("ssm", model_pair.ssm), ("ssm2", model_pair.ssm2))}
+    return {
+        name: load_backend(path, name, "float32", kv_cache_bytes=64 << 20)
+        for name, path in (("ssm", model_pair.ssm), ("ssm2", model_pair.ssm2))
+    }
 
 
 @pytest.fixture
@@ -102,7 +108,17 @@ def local_ssms(loaded_ssms):
 def some_drafts(model_pair, sampling: SamplingParams, prefix: str) -> list[Draft]:
     widths = [(2, 2, 1), (3, 1), (1, 1, 1, 1)]
     return [
-        Draft(fresh_id(prefix), list(p[:-1]), p[-1], w, sampling, seed=100 + i, step=i, stream=1 + i % 2, draft_support=16 * i)
+        Draft(
+            fresh_id(prefix),
+            list(p[:-1]),
+            p[-1],
+            w,
+            sampling,
+            seed=100 + i,
+            step=i,
+            stream=1 + i % 2,
+            draft_support=16 * i,
+        )
         for i, (p, w) in enumerate(zip(model_pair.prompts[:3], widths, strict=True))
     ]
 
@@ -129,7 +145,9 @@ def test_list_models(services):
     # start-up calibration (--calibrate-tokens, default 32) of each SSM's draft pass; no tuning file installed: no prior
     assert [p.model for p in info.profiles] == ["ssm", "ssm2"]
     for profile in info.profiles:
-        assert [p.tokens for p in profile.draft_costs] == [b for b in BUCKETS if b <= 32] and all(p.seconds > 0 for p in profile.draft_costs)
+        assert [p.tokens for p in profile.draft_costs] == [b for b in BUCKETS if b <= 32] and all(
+            p.seconds > 0 for p in profile.draft_costs
+        )
         assert wire.cost_table_from_proto(profile.draft_costs) is not None and not profile.slot_prior
 
 
@@ -144,7 +162,9 @@ def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
         DraftSpec(fresh_id("budget"), list(p[:-1]), p[-1], None, sampling, DEFAULT_DRAFT_SUPPORT, 7 + i, i, 1, b)
         for i, (p, b) in enumerate(zip(model_pair.prompts[:3], budgets, strict=True))
     ]
-    request = internal_pb2.SpeculateRequest(ssm="ssm", items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context, 0)) for j in jobs])
+    request = internal_pb2.SpeculateRequest(
+        ssm="ssm", items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context, 0)) for j in jobs]
+    )
     response = services.ssm_stub.Speculate(request, timeout=60)
     passes: list[tuple[int, float]] = []
     want = draft_trees(local_ssms["ssm"], jobs, lambda n, s: passes.append((n, s)))
@@ -152,7 +172,9 @@ def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
         got = wire.draft_from_proto(result.tree)
         assert_same_draft(got, expected)
         assert len(got.tree) <= job.budget.nodes and int(got.tree.depths.max()) <= job.budget.depth
-        np.testing.assert_allclose(got.scores, expected.scores, rtol=1e-4)  # float32 models: batching moves the last bits
+        np.testing.assert_allclose(
+            got.scores, expected.scores, rtol=1e-4
+        )  # float32 models: batching moves the last bits
         assert len(got.scores) == len(got.tree) and got.scores[0] == 1.0
     reported = wire.pass_timings_from_proto(response.passes)
     assert [n for n, _ in reported] == [n for n, _ in passes] and all(s > 0 for _, s in reported)
@@ -214,7 +236,14 @@ def _too_long(request):
     request.items[0].context.tokens[:] = [5] * 2047
 
 
-def _budget(nodes: int, depth: int = 3, width: int = 2, min_score: float = 0.0, keep_expansion: bool = False, edge_curve: tuple[float, ...] = ()):
+def _budget(
+    nodes: int,
+    depth: int = 3,
+    width: int = 2,
+    min_score: float = 0.0,
+    keep_expansion: bool = False,
+    edge_curve: tuple[float, ...] = (),
+):
     def mutate(request):
         item = request.items[0]
         if not keep_expansion:
@@ -233,7 +262,10 @@ BAD_REQUESTS = {
     "root-token": (lambda r: setattr(r.items[0], "root_token", 1 << 20), "items[0].root_token"),
     "expansion-width-0": (lambda r: r.items[1].expansion.__setitem__(1, 0), "items[1].expansion"),
     "expansion-empty": (_clear_expansion, "items[0].expansion"),
-    "temperature-negative": (lambda r: setattr(r.items[0].sampling, "temperature", -0.5), "items[0].sampling.temperature"),
+    "temperature-negative": (
+        lambda r: setattr(r.items[0].sampling, "temperature", -0.5),
+        "items[0].sampling.temperature",
+    ),
     "top-p-above-1": (lambda r: setattr(r.items[1].sampling, "top_p", 1.5), "items[1].sampling.top_p"),
     "empty-request-id": (lambda r: setattr(r.items[0].context, "request_id", ""), "items[0].context.request_id"),
     "duplicate-request-id": (_duplicate_id, "items[1].context.request_id"),
@@ -244,7 +276,10 @@ BAD_REQUESTS = {
     "budget-too-big": (_budget(1 << 20), "items[0].budget_nodes"),
     "budget-min-score": (_budget(8, min_score=2.0), "items[0].budget_nodes"),
     "budget-edge-curve-short": (_budget(8, edge_curve=(0.5, 0.6)), "items[0].budget_edge_curve"),
-    "budget-edge-curve-falling": (_budget(8, edge_curve=tuple(1.0 - k for k in EDGE_KNOTS)), "items[0].budget_edge_curve"),
+    "budget-edge-curve-falling": (
+        _budget(8, edge_curve=tuple(1.0 - k for k in EDGE_KNOTS)),
+        "items[0].budget_edge_curve",
+    ),
 }
 
 
@@ -268,4 +303,6 @@ def test_invalid_argument_names_the_field(services, model_pair, case):
     good = _good(model_pair)
     results = services.ssm_stub.Speculate(good, timeout=30).results
     assert [len(r.tree.tokens) for r in results] == [5, 5]
-    services.ssm_stub.Release(internal_pb2.ReleaseRequest(request_ids=[i.context.request_id for i in good.items]), timeout=10)
+    services.ssm_stub.Release(
+        internal_pb2.ReleaseRequest(request_ids=[i.context.request_id for i in good.items]), timeout=10
+    )

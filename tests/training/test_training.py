@@ -55,7 +55,9 @@ def test_lr_schedule_bounded(steps, warmup):
     assert all(a >= b - 1e-12 for a, b in itertools.pairwise(after))  # non-increasing after warm-up
 
 
-matches_strategy = st.integers(1, 12).flatmap(lambda c: st.lists(st.lists(st.booleans(), min_size=c, max_size=c), min_size=1, max_size=30))
+matches_strategy = st.integers(1, 12).flatmap(
+    lambda c: st.lists(st.lists(st.booleans(), min_size=c, max_size=c), min_size=1, max_size=30)
+)
 
 
 @given(matches_strategy, st.integers(1, 12))
@@ -93,8 +95,29 @@ def test_subset_batches_draw_only_the_given_samples(idx, step):
 def test_train_ssm_cli_writes_a_checkpoint_the_engine_serves(tiny, tmp_path):
     llm, _ = tiny
     out = tmp_path / "ssm"
-    args = ["train-ssm", "--llm", str(llm), "--config", "layers=1,hidden=32,heads=2,intermediate=64", "--corpus", str(CORPUS)]
-    args += ["--out", str(out), "--steps", "40", "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2", "--checkpoint-every", "15"]
+    args = [
+        "train-ssm",
+        "--llm",
+        str(llm),
+        "--config",
+        "layers=1,hidden=32,heads=2,intermediate=64",
+        "--corpus",
+        str(CORPUS),
+    ]
+    args += [
+        "--out",
+        str(out),
+        "--steps",
+        "40",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--checkpoint-every",
+        "15",
+    ]
     assert main(args) == 0
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 40 and report["final_loss"] < report["first_loss"]  # the KL to the LLM went down
@@ -105,8 +128,16 @@ def test_train_ssm_cli_writes_a_checkpoint_the_engine_serves(tiny, tmp_path):
     from specinfer.models.loading import load_backend
 
     load_model(out)
-    engine = SpeculativeEngine(load_backend(llm, "llm", "float32"), [load_backend(out, "ssm", "float32")], EngineConfig(eos_token_id=None))
-    [res] = engine.generate([GenerationRequest("r", (5, 6, 7, 8), max_new_tokens=12, speculation=SpeculationConfig(ExpansionConfig.parse("1,1,1")))])
+    engine = SpeculativeEngine(
+        load_backend(llm, "llm", "float32"), [load_backend(out, "ssm", "float32")], EngineConfig(eos_token_id=None)
+    )
+    [res] = engine.generate(
+        [
+            GenerationRequest(
+                "r", (5, 6, 7, 8), max_new_tokens=12, speculation=SpeculationConfig(ExpansionConfig.parse("1,1,1"))
+            )
+        ]
+    )
     assert len(res.output_tokens) == 12
 
 
@@ -120,7 +151,9 @@ def test_train_ssm_rejects_bad_flags(tiny, tmp_path, capsys):
     assert "config" in capsys.readouterr().err
     assert main([*base, "--init", str(ssm), "--kd-weight", "2"]) == 2
     assert "kd-weight" in capsys.readouterr().err
-    assert main([*base[:-4], "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--init", str(ssm)]) == 2
+    assert (
+        main([*base[:-4], "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--init", str(ssm)]) == 2
+    )
     assert "corpus" in capsys.readouterr().err
 
 
@@ -135,7 +168,9 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny, tmp_path):
     from specinfer.training.sources import corpus_tokens
 
     stream, _ = corpus_tokens(llm, (CORPUS,), 0, 0.05, log=None or __import__("io").StringIO())
-    s = TrainSettings(steps=10, batch_size=4, seq_len=16, lr=5e-3, warmup=2, kd_weight=0.5, checkpoint_every=3, keep_checkpoints=2)
+    s = TrainSettings(
+        steps=10, batch_size=4, seq_len=16, lr=5e-3, warmup=2, kd_weight=0.5, checkpoint_every=3, keep_checkpoints=2
+    )
     teacher = load_model(llm)
     source = window_batches(stream, s.batch_size, s.seq_len, s.seed)
     train(load_model(ssm), teacher, source, s, tmp_path / "a", llm, log=__import__("io").StringIO())
@@ -180,8 +215,31 @@ def test_boost_tune_trains_each_ssm_on_what_the_earlier_ones_missed(tiny, tmp_pa
     llm, _ = tiny
     out = tmp_path / "boost"
     # a new small SSM (the tiny pair's truncated SSM already covers nearly every sample)
-    args = ["boost-tune", "--llm", str(llm), "--config", "layers=1,hidden=32,heads=2,intermediate=64", "--corpus", str(CORPUS), "--out", str(out)]
-    args += ["--ssms", "2", "--samples", "48", "--heldout-samples", "16", "--prompt-tokens", "12", "--continuation-tokens", "6", "--cover-tokens", "1"]
+    args = [
+        "boost-tune",
+        "--llm",
+        str(llm),
+        "--config",
+        "layers=1,hidden=32,heads=2,intermediate=64",
+        "--corpus",
+        str(CORPUS),
+        "--out",
+        str(out),
+    ]
+    args += [
+        "--ssms",
+        "2",
+        "--samples",
+        "48",
+        "--heldout-samples",
+        "16",
+        "--prompt-tokens",
+        "12",
+        "--continuation-tokens",
+        "6",
+        "--cover-tokens",
+        "1",
+    ]
     args += ["--steps", "20", "--batch-size", "8", "--lr", "1e-2"]
     assert main(args) == 0
     saved = torch.load(out / "samples.pt", weights_only=True)
@@ -212,9 +270,37 @@ def test_boost_tune_trains_each_ssm_on_what_the_earlier_ones_missed(tiny, tmp_pa
 
 def test_train_demo_recipe_on_tiny_settings(tmp_path):
     out = tmp_path / "demo"
-    args = ["train-demo", "--out", str(out), "--corpus", str(CORPUS), "--prompt-source", str(CORPUS), "--vocab-size", "300"]
-    args += ["--llm-arch", "layers=2,hidden=32,heads=2,intermediate=64", "--llm-steps", "10", "--llm-batch-size", "4", "--llm-seq-len", "32"]
-    args += ["--ssm-arch", "layers=1,hidden=16,heads=2,intermediate=32", "--ssm-steps", "5", "--ssms", "1", "--boost-steps", "4"]
+    args = [
+        "train-demo",
+        "--out",
+        str(out),
+        "--corpus",
+        str(CORPUS),
+        "--prompt-source",
+        str(CORPUS),
+        "--vocab-size",
+        "300",
+    ]
+    args += [
+        "--llm-arch",
+        "layers=2,hidden=32,heads=2,intermediate=64",
+        "--llm-steps",
+        "10",
+        "--llm-batch-size",
+        "4",
+        "--llm-seq-len",
+        "32",
+    ]
+    args += [
+        "--ssm-arch",
+        "layers=1,hidden=16,heads=2,intermediate=32",
+        "--ssm-steps",
+        "5",
+        "--ssms",
+        "1",
+        "--boost-steps",
+        "4",
+    ]
     args += ["--samples", "32", "--heldout-samples", "8", "--prompts", "3"]
     assert main(args) == 0
     # one boosted SSM: a 10-step LLM is so repetitive that SSM 0 covers nearly every sample
@@ -227,7 +313,10 @@ def test_train_demo_recipe_on_tiny_settings(tmp_path):
     assert set(report["seconds"]) >= {"tokenizer", "llm", "ssm_base", "boost", "total"}
     assert len(report["boost"]["ssms"]) == 1
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 3
-    assert main(["generate", "--llm", str(out / "llm"), "--ssm", str(out / "ssm"), "--max-new-tokens", "8", "def f(x):"]) == 0
+    assert (
+        main(["generate", "--llm", str(out / "llm"), "--ssm", str(out / "ssm"), "--max-new-tokens", "8", "def f(x):"])
+        == 0
+    )
     # a rerun finds every stage done and only reassembles
     before = (out / "llm/model.safetensors").read_bytes()
     assert main(args) == 0

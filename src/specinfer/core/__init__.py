@@ -1,6 +1,14 @@
 """Pure algorithms of tree-based speculative inference: no I/O, no torch."""
 
-from specinfer.core.drafts import BestFirstTreeBuilder, DraftGroup, DraftTree, ExpansionConfig, Proposal, TreeBudget, TreeBuilder
+from specinfer.core.drafts import (
+    BestFirstTreeBuilder,
+    DraftGroup,
+    DraftTree,
+    ExpansionConfig,
+    Proposal,
+    TreeBudget,
+    TreeBuilder,
+)
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.merge import combine_drafts, merge_drafts, merge_trees
 from specinfer.core.sampling import (

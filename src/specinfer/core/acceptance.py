@@ -3,8 +3,8 @@
 Terms.
 - A drafted node is *accepted* when it lies on the accepted path of its verify step.
 - *Slot acceptance* ``c[k]``: the probability that the k-th child (in draw order) of a node the
-  verification reached is the one accepted (the earlier children rejected). Under greedy decoding ``c[0]`` is the SSM's top-1
-  agreement with the LLM, ``c[1]`` the chance the LLM's token is the SSM's second, and so on:
+  verification reached is the one accepted (the earlier children rejected). Under greedy decoding ``c[0]`` is the
+  SSM's top-1 agreement with the LLM, ``c[1]`` the chance the LLM's token is the SSM's second, and so on:
   exactly the ``top_k_agreement`` differences a ``specinfer tune`` run measures, which is
   therefore the prior. The tree of ``n`` nodes with the most expected accepted tokens under this
   model is the best-first tree of path products (Sequoia's positional acceptance model), and
@@ -220,4 +220,6 @@ def node_values(rates: Sequence[float], max_nodes: int, max_depth: int) -> NodeV
         if depth < max_depth:  # the first child
             order += 1
             heapq.heappush(heap, (neg * rates[0], order, me, 0, depth + 1))
-    return NodeValues(np.array(values, dtype=np.float64), np.array(depths, dtype=np.int64), np.array(parents, dtype=np.int64))
+    return NodeValues(
+        np.array(values, dtype=np.float64), np.array(depths, dtype=np.int64), np.array(parents, dtype=np.int64)
+    )

@@ -17,11 +17,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR, MAX_POSITIONS, MAX_SLOTS, EdgeCalibration, NodeValues, SlotAcceptance, node_values, step_outcomes
+from specinfer.core.acceptance import (
+    DEFAULT_SLOT_PRIOR,
+    MAX_POSITIONS,
+    MAX_SLOTS,
+    EdgeCalibration,
+    NodeValues,
+    SlotAcceptance,
+    node_values,
+    step_outcomes,
+)
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
 from specinfer.core.drafts import DraftTree, TreeBudget, tree_values
 from specinfer.core.merge import merge_with_maps
-from specinfer.core.planner import BatchPlan, DraftedNodes, PlanInput, PlannerConfig, RequestPlan, plan_batch, select_nodes
+from specinfer.core.planner import (
+    BatchPlan,
+    DraftedNodes,
+    PlanInput,
+    PlannerConfig,
+    RequestPlan,
+    plan_batch,
+    select_nodes,
+)
 
 
 @dataclass(frozen=True)
@@ -137,7 +154,9 @@ class AdaptiveSpeculation:
                 continue
             self.totals.speculative_steps += 1
             self._predicted[rid] = rp.predicted_accepted
-            choices[rid] = Choice(rp.ssm, self._budget(rp, plan.min_value, remaining[rid], curves[rp.ssm]), rp.predicted_accepted)
+            choices[rid] = Choice(
+                rp.ssm, self._budget(rp, plan.min_value, remaining[rid], curves[rp.ssm]), rp.predicted_accepted
+            )
         drafting = {c.ssm for c in choices.values()}
         for s, share in self.kept_share.items():
             if s not in drafting:
@@ -155,7 +174,11 @@ class AdaptiveSpeculation:
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, edge_curve)
 
     def select(
-        self, drafted: Sequence[Drafted], fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
+        self,
+        drafted: Sequence[Drafted],
+        fixed: VerifyShape = NO_TOKENS,
+        fixed_committed: float = 0.0,
+        spent_seconds: float = 0.0,
     ) -> dict[str, list[tuple[int, DraftTree]]]:
         """Each request's trees cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`,
         whose arguments these are), by request ID, as (drafter, tree) pairs. The cut is made on the trees
@@ -168,10 +191,15 @@ class AdaptiveSpeculation:
         for d in drafted:
             merged, maps = merge_with_maps([t.tree for _, t in d.drafts])
             values = np.zeros(len(merged))
-            own = [np.array(tree_values(t.tree.parents, t.scores, curves.get(s, ())), dtype=np.float64) for s, t in d.drafts]
+            own = [
+                np.array(tree_values(t.tree.parents, t.scores, curves.get(s, ())), dtype=np.float64)
+                for s, t in d.drafts
+            ]
             for m, v in zip(maps, own, strict=True):
                 np.maximum.at(values, m, v)
-            nodes.append(DraftedNodes(d.request_id, d.context, values[1:], np.asarray(merged.parents[1:], dtype=np.int64)))
+            nodes.append(
+                DraftedNodes(d.request_id, d.context, values[1:], np.asarray(merged.parents[1:], dtype=np.int64))
+            )
             sources.append((maps, own))
         keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
         out = {}

@@ -56,11 +56,14 @@ class CostTable:
         covered.append(next((b for b in BUCKETS if b >= xs[-1]), BUCKETS[-1]))
         self.buckets = np.array(covered, dtype=np.float64)
         self.seconds = _interp(xs, ys, self.buckets)
-        self.samples = np.ones(len(self.buckets))  # the fit's weight per bucket: 1 for the seed, + observations folded in
+        self.samples = np.ones(
+            len(self.buckets)
+        )  # the fit's weight per bucket: 1 for the seed, + observations folded in
         self._fit: np.ndarray | None = None
 
     def fitted(self) -> np.ndarray:
-        """The monotone fit of the buckets' seconds, weighted by their samples (recomputed only after an observation).  # [buckets]"""
+        """The monotone fit of the buckets' seconds, weighted by their samples (recomputed only after an
+        observation).  # [buckets]"""
         if self._fit is None:
             self._fit = nondecreasing(self.seconds, self.samples)
         return self._fit
@@ -144,7 +147,14 @@ NO_TOKENS = VerifyShape(0, 0)
 class StepCosts:
     """The verify model and one draft-pass table per SSM (by the SSM's index in the driver's order)."""
 
-    def __init__(self, verify: CostTable, per_context: float, drafts: Mapping[int, CostTable], overhead: float = 0.0, frozen: bool = False) -> None:
+    def __init__(
+        self,
+        verify: CostTable,
+        per_context: float,
+        drafts: Mapping[int, CostTable],
+        overhead: float = 0.0,
+        frozen: bool = False,
+    ) -> None:
         """``frozen``: ignore observations (a fixed model, e.g. to make plans reproducible)."""
         self.verify_table = verify
         self.per_context = max(0.0, per_context)

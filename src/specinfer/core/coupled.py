@@ -116,7 +116,9 @@ def coupled_children(q: SparseDist, seed: int, index: int, k: int) -> list[int]:
     return [int(t) for t in tokens[order]]
 
 
-def verify_coupled(tree: TokenTree, target_probs: Callable[[int], np.ndarray], noise: Callable[[int], np.ndarray], root_index: int) -> VerifyResult:
+def verify_coupled(
+    tree: TokenTree, target_probs: Callable[[int], np.ndarray], noise: Callable[[int], np.ndarray], root_index: int
+) -> VerifyResult:
     """Coupled verification of ``tree``, whose root is the last committed token, at sequence index
     ``root_index``. ``target_probs(i)``: the LLM's processed distribution after node i;  # [V]
     ``noise(t)``: the position noise of sequence index t (:func:`position_noise`).  # [V]"""

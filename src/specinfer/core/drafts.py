@@ -23,7 +23,9 @@ from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import TokenTree
 
-PAPER_EXPANSION = "1,1,3,1,1,1,1,1"  # the paper's static tree (21 nodes): the default expansion where no tuning is installed
+PAPER_EXPANSION = (
+    "1,1,3,1,1,1,1,1"  # the paper's static tree (21 nodes): the default expansion where no tuning is installed
+)
 # A path score below the smallest normal float counts as 0 (the slot is never chosen): in the
 # subnormal range a score has too few significant bits for tree_values to recover a child's slot
 # probability from it (score / parent score), and such a path is never worth a verify row anyway.
@@ -118,7 +120,8 @@ class ExpansionConfig:
 
 
 def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
-    """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the root."""
+    """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the
+    root."""
     return 1 + num_ssms * (expansion.max_nodes - 1)
 
 
@@ -197,7 +200,10 @@ def edge_values(slot_probs: Sequence[float], curve: Sequence[float]) -> list[flo
 def slot_probabilities(parents: Sequence[int], scores: Sequence[float]) -> list[float]:
     """Each node's slot probability, recovered from the path *scores* of a dynamic tree (a node's
     score over its parent's; 1.0 at the root, 0.0 under a parent that scored 0)."""
-    return [1.0 if parent < 0 else (scores[i] / scores[parent] if scores[parent] > 0.0 else 0.0) for i, parent in enumerate(parents)]
+    return [
+        1.0 if parent < 0 else (scores[i] / scores[parent] if scores[parent] > 0.0 else 0.0)
+        for i, parent in enumerate(parents)
+    ]
 
 
 def tree_values(parents: Sequence[int], scores: Sequence[float], curve: Sequence[float]) -> list[float]:
@@ -236,8 +242,14 @@ class TreeBudget:
         if not 0.0 <= self.min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {self.min_score}")
         curve = self.edge_curve
-        if curve and (len(curve) != len(EDGE_KNOTS) or any(not 0.0 <= v <= 1.0 for v in curve) or any(b < a for a, b in itertools.pairwise(curve))):
-            raise ValueError(f"edge_curve must be {len(EDGE_KNOTS)} non-decreasing values in [0, 1] (or none), got {curve}")
+        if curve and (
+            len(curve) != len(EDGE_KNOTS)
+            or any(not 0.0 <= v <= 1.0 for v in curve)
+            or any(b < a for a, b in itertools.pairwise(curve))
+        ):
+            raise ValueError(
+                f"edge_curve must be {len(EDGE_KNOTS)} non-decreasing values in [0, 1] (or none), got {curve}"
+            )
 
     @property
     def width(self) -> int:
@@ -292,8 +304,8 @@ class BestFirstTreeBuilder:
     and the edge curve, fixed for the step, not from the token drawn into it), and other slots
     worth more, which are slots of other nodes or descendants of u's earlier draws, never of the
     i-th draw or its descendants (they are worth at most slot i's value and were drafted after
-    it). Nothing decides on a drawn token's own probability. A builder that kept or dropped a drawn child by q(token) instead would bias
-    the output, which is the negative control of the statistical test.
+    it). Nothing decides on a drawn token's own probability. A builder that kept or dropped a drawn child by q(token)
+    instead would bias the output, which is the negative control of the statistical test.
     """
 
     def __init__(self, root_token: int, budget: TreeBudget) -> None:
@@ -357,7 +369,11 @@ class BestFirstTreeBuilder:
     def _select(self) -> None:
         budget = self.budget
         values = self._values
-        eligible = (i for i in range(1, len(self._tokens)) if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] >= MIN_SCORE)
+        eligible = (
+            i
+            for i in range(1, len(self._tokens))
+            if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] >= MIN_SCORE
+        )
         best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-values[i], i))
         self._chosen = {0, *best}
         full = len(best) == budget.nodes - 1
@@ -381,6 +397,7 @@ class BestFirstTreeBuilder:
             if i:
                 children.setdefault(self._parents[i], []).append(i)
         groups = tuple(
-            DraftGroup(new_index[p], tuple(new_index[c] for c in kids), self._q[p]) for p, kids in sorted(children.items(), key=lambda kv: new_index[kv[0]])
+            DraftGroup(new_index[p], tuple(new_index[c] for c in kids), self._q[p])
+            for p, kids in sorted(children.items(), key=lambda kv: new_index[kv[0]])
         )
         return DraftTree(TokenTree(tokens, parents), groups, tuple(self._scores[i] for i in order))

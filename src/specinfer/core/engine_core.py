@@ -186,7 +186,9 @@ class EngineCore:
                 continue
             if self._adaptive is not None and drafted[r.request_id]:
                 self._adaptive.observe_step(r.request_id, dict(drafted[r.request_id]), verdict.accepted_tokens)
-            outcome = r.outcome(job.draft, verdict.accepted_tokens, verdict.bonus_token, self.eos_token_id, verdict.prefix_hits)
+            outcome = r.outcome(
+                job.draft, verdict.accepted_tokens, verdict.bonus_token, self.eos_token_id, verdict.prefix_hits
+            )
             await commit(r, outcome)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
@@ -213,7 +215,11 @@ class EngineCore:
         return drafted, seconds
 
     def _draft_suffixes(
-        self, batch: Sequence[Running], choices: Mapping[str, Choice], drafted: dict[str, list[tuple[int, DraftTree]]], limits: PlannerConfig
+        self,
+        batch: Sequence[Running],
+        choices: Mapping[str, Choice],
+        drafted: dict[str, list[tuple[int, DraftTree]]],
+        limits: PlannerConfig,
     ) -> None:
         """Add a suffix tree (:mod:`specinfer.core.suffix`) to the drafts of each adaptive greedy or coupled
         request that allows it and whose text repeats: within the planner's limits, less the nodes its
@@ -227,7 +233,9 @@ class EngineCore:
             depth = min(limits.max_depth, r.remaining - 1)
             if nodes <= 0 or depth <= 0:
                 continue
-            tree = self._history(r).suffix_tree(SUFFIX_CONFIG.within(nodes, depth), with_q=not r.request.sampling.greedy)
+            tree = self._history(r).suffix_tree(
+                SUFFIX_CONFIG.within(nodes, depth), with_q=not r.request.sampling.greedy
+            )
             if len(tree.tree) > 1:
                 drafted[r.request_id].append((SUFFIX_DRAFTER, tree))
 

@@ -57,7 +57,8 @@ class DraftSpec:
 
     ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
     draft distribution under sampling. The tree is static (``expansion``) or grown best first
-    within ``budget`` (:class:`~specinfer.core.drafts.BestFirstTreeBuilder`). The job draws from ``step_rng(seed, step, stream)``.
+    within ``budget`` (:class:`~specinfer.core.drafts.BestFirstTreeBuilder`). The job draws from
+    ``step_rng(seed, step, stream)``.
     """
 
     request_id: str
@@ -96,7 +97,9 @@ class VerifySpec:
         return step_rng(self.seed, self.step, VERIFY_STREAM)
 
 
-def commit_tokens(new_tokens: Sequence[int], remaining: int, eos_token_id: int | None, stop_token_ids: frozenset[int]) -> tuple[tuple[int, ...], str | None]:
+def commit_tokens(
+    new_tokens: Sequence[int], remaining: int, eos_token_id: int | None, stop_token_ids: frozenset[int]
+) -> tuple[tuple[int, ...], str | None]:
     """The prefix of a step's tokens (accepted + bonus) to commit, and the finish reason if the
     request ends with them: ``eos`` / ``stop`` include the stopping token, ``length`` cuts at
     ``remaining`` tokens."""
@@ -149,7 +152,14 @@ class Running:
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.output)
 
-    def outcome(self, draft: DraftTree, accepted_tokens: Sequence[int], bonus_token: int, eos_token_id: int | None, prefix_hits: int = 0) -> StepOutcome:
+    def outcome(
+        self,
+        draft: DraftTree,
+        accepted_tokens: Sequence[int],
+        bonus_token: int,
+        eos_token_id: int | None,
+        prefix_hits: int = 0,
+    ) -> StepOutcome:
         """The step that verified ``draft`` (accepting ``accepted_tokens``, then ``bonus_token``);
         ``eos_token_id`` ends the request unless it ignores EOS; ``prefix_hits``: context tokens the
         LLM's forward took from its prefix cache (:meth:`specinfer.models.interface.CausalLM.prefix_hits`).
@@ -157,16 +167,26 @@ class Running:
         rebuilds a cache (after a preemption), whose context holds output too."""
         req = self.request
         eos = None if req.ignore_eos else eos_token_id
-        tokens, reason = commit_tokens((*accepted_tokens, bonus_token), self.remaining, eos, frozenset(req.stop_token_ids))
+        tokens, reason = commit_tokens(
+            (*accepted_tokens, bonus_token), self.remaining, eos, frozenset(req.stop_token_ids)
+        )
         cached = prefix_hits if self.stats.llm_steps == 0 else 0
-        return StepOutcome(tokens, reason, StepStats(accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens), cached_prompt=cached))
+        return StepOutcome(
+            tokens,
+            reason,
+            StepStats(
+                accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens), cached_prompt=cached
+            ),
+        )
 
     def commit(self, outcome: StepOutcome) -> None:
         self.output.extend(outcome.tokens)
         self.stats += outcome.stats
 
 
-def draft_specs(batch: Sequence[Running], ssm_index: int, choices: Mapping[str, Choice] | None = None) -> list[DraftSpec]:
+def draft_specs(
+    batch: Sequence[Running], ssm_index: int, choices: Mapping[str, Choice] | None = None
+) -> list[DraftSpec]:
     """SSM ``ssm_index``'s draft jobs this iteration, in batch order: one per request whose static
     speculation names it and that has tokens left to draft (see ``SpeculationConfig.expansion_for``),
     and one per adaptive request whose planned ``choices`` picked it."""
@@ -224,7 +244,10 @@ def static_shape(batch: Sequence[Running]) -> VerifyShape:
 
 
 def select_drafts(
-    batch: Sequence[Running], drafted: Mapping[str, Sequence[tuple[int, DraftTree]]], adaptive: AdaptiveSpeculation, spent_seconds: float
+    batch: Sequence[Running],
+    drafted: Mapping[str, Sequence[tuple[int, DraftTree]]],
+    adaptive: AdaptiveSpeculation,
+    spent_seconds: float,
 ) -> dict[str, list[tuple[int, DraftTree]]]:
     """``drafted`` (by request ID: (drafter, tree) pairs, in drafter order) with the trees of adaptive
     requests whose verification allows it (greedy and coupled: :attr:`SamplingParams.prunable`) cut to
@@ -239,7 +262,13 @@ def select_drafts(
         pairs = drafted.get(r.request_id, ())
         context = len(r.request.prompt_tokens) + len(r.output)
         speculation = r.request.speculation
-        if speculation is not None and speculation.adaptive and r.request.sampling.prunable and pairs and all(t.scores for _, t in pairs):
+        if (
+            speculation is not None
+            and speculation.adaptive
+            and r.request.sampling.prunable
+            and pairs
+            and all(t.scores for _, t in pairs)
+        ):
             candidates.append(Drafted(r.request_id, context, tuple(pairs)))
             continue
         nodes = len(combine_drafts(r.committed[-1], [tree for _, tree in pairs]).tree) if pairs else 1
@@ -257,7 +286,9 @@ def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
     not describe, and folding it in would make tree tokens look expensive."""
     if any(j.step == 0 for j in jobs):
         return None
-    return VerifyShape(sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context) + 1) for j in jobs))
+    return VerifyShape(
+        sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context) + 1) for j in jobs)
+    )
 
 
 def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftTree]]) -> list[VerifySpec]:

@@ -108,7 +108,9 @@ class Schedule:
     preempted: tuple[str, ...]
     admitted: tuple[str, ...]
     blocks_used: tuple[int, ...]
-    placement: Mapping[str, int] = field(default_factory=dict)  # with replicas: each request of ``run`` -> its replica's index
+    placement: Mapping[str, int] = field(
+        default_factory=dict
+    )  # with replicas: each request of ``run`` -> its replica's index
     replica_blocks_used: tuple[int, ...] = ()  # with replicas: per replica, the blocks its requests of ``run`` need
 
 
@@ -146,7 +148,9 @@ def step_rows(request: GenerationRequest, committed: int, num_ssms: int, planner
     return StepRows(committed + merged_tree_nodes(spec.expansion, len(spec.ssms)), committed + spec.expansion.max_nodes)
 
 
-def check_fits_alone(request: GenerationRequest, budgets: Sequence[KVBudget], num_ssms: int, planner: PlannerConfig) -> None:
+def check_fits_alone(
+    request: GenerationRequest, budgets: Sequence[KVBudget], num_ssms: int, planner: PlannerConfig
+) -> None:
     """Refuse ``request`` (InvalidArgument naming ``max_new_tokens``) unless, alone and at its longest
     (prompt, every new token and its largest tree), it fits every budget: a driver could never run
     it, and :func:`schedule` relies on the oldest running request fitting."""
@@ -156,7 +160,8 @@ def check_fits_alone(request: GenerationRequest, budgets: Sequence[KVBudget], nu
             cache = "an SSM's" if budget.drafts else "the LLM's"
             raise InvalidArgument(
                 "max_new_tokens",
-                f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks; {cache} KV cache holds {budget.blocks} of {budget.block_size} rows",
+                f"prompt + max_new_tokens + tree take {budget.needs(rows)} KV blocks; "
+                f"{cache} KV cache holds {budget.blocks} of {budget.block_size} rows",
             )
 
 
@@ -226,7 +231,9 @@ def schedule(
         kept.append(request_id)
     if running and not kept:
         holds = f"{list(budgets)}, replicas {list(replica_budgets)}"
-        raise ValueError(f"request {running[0][0]!r} needs {running[0][1]} KV rows, more than a KV budget holds ({holds})")
+        raise ValueError(
+            f"request {running[0][0]!r} needs {running[0][1]} KV rows, more than a KV budget holds ({holds})"
+        )
     preempted = tuple(request_id for request_id, _ in running[len(kept) :])
     admitted: list[str] = []
     if not preempted:  # else the queue's head is the first preempted request, which did not fit just now

@@ -14,7 +14,8 @@ from specinfer.core.tree import TokenTree
 
 
 def merge_with_maps(trees: Sequence[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
-    """Trie union of ``trees`` (all rooted at the same token) and, per input tree, the merged node of each of its nodes."""
+    """Trie union of ``trees`` (all rooted at the same token) and, per input tree, the merged node of each of its
+    nodes."""
     if not trees:
         raise ValueError("merge needs at least one tree")
     root = trees[0].tokens[0]
@@ -44,7 +45,11 @@ def merge_trees(trees: Sequence[TokenTree]) -> TokenTree:
 def merge_drafts(drafts: Sequence[DraftTree]) -> DraftTree:
     """Merge draft trees; every input group survives, re-indexed, in input order."""
     tree, maps = merge_with_maps([d.tree for d in drafts])
-    groups = [DraftGroup(m[g.parent], tuple(m[c] for c in g.children), g.q) for d, m in zip(drafts, maps, strict=True) for g in d.groups]
+    groups = [
+        DraftGroup(m[g.parent], tuple(m[c] for c in g.children), g.q)
+        for d, m in zip(drafts, maps, strict=True)
+        for g in d.groups
+    ]
     return DraftTree(tree, tuple(groups))
 
 

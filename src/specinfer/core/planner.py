@@ -165,7 +165,12 @@ def plan_batch(
     batch's requests with static trees (or none)."""
     # never draft past a request's token budget (the bonus token comes on top) nor the depth cap
     inputs = [
-        PlanInput(inp.request_id, inp.context, inp.remaining, {s: _within_depth(v, min(config.max_depth, inp.remaining - 1)) for s, v in inp.options.items()})
+        PlanInput(
+            inp.request_id,
+            inp.context,
+            inp.remaining,
+            {s: _within_depth(v, min(config.max_depth, inp.remaining - 1)) for s, v in inp.options.items()},
+        )
         for inp in inputs
     ]
     base_tokens = fixed.tokens + len(inputs)
@@ -178,7 +183,9 @@ def plan_batch(
         chosen_ssm[inp.request_id] = ssm
         if ssm is not None:
             items.extend((float(v), r, k) for k, v in enumerate(inp.options[ssm].values[:n]))
-    items.sort(key=lambda it: (-it[0], it[1], it[2]))  # a node never precedes its parent: its value is no larger, its index is later
+    items.sort(
+        key=lambda it: (-it[0], it[1], it[2])
+    )  # a node never precedes its parent: its value is no larger, its index is later
 
     # cumulative value, tokens, context work and draft seconds of the first N items, N = 0..len
     total = len(items)
@@ -198,7 +205,11 @@ def plan_batch(
     committed = len(inputs) + value
     rates = committed / np.maximum(seconds, 1e-12)
     best = int(np.argmax(rates))
-    if previous_extra is not None and 0 <= previous_extra <= total and rates[previous_extra] >= (1.0 - config.hysteresis) * rates[best]:
+    if (
+        previous_extra is not None
+        and 0 <= previous_extra <= total
+        and rates[previous_extra] >= (1.0 - config.hysteresis) * rates[best]
+    ):
         best = previous_extra
 
     counts: dict[int, list[int]] = {}
@@ -211,7 +222,9 @@ def plan_batch(
             plans[inp.request_id] = RequestPlan(None, 1, 0, 0.0)
             continue
         values = inp.options[chosen_ssm[inp.request_id]]
-        plans[inp.request_id] = RequestPlan(chosen_ssm[inp.request_id], 1 + len(ks), int(values.depths[ks].max()), float(values.values[ks].sum()))
+        plans[inp.request_id] = RequestPlan(
+            chosen_ssm[inp.request_id], 1 + len(ks), int(values.depths[ks].max()), float(values.values[ks].sum())
+        )
     # a node pays when its expected acceptance covers its marginal verify seconds at the planned
     # rate: those of the plan's last token. Not of the next one, past the plan: that is the node
     # that did not pay, and where the table bends just after the plan (flat to 16 tokens, steep
@@ -236,7 +249,11 @@ class DraftedNodes:
 
 
 def select_nodes(
-    drafted: Sequence[DraftedNodes], costs: StepCosts, fixed: VerifyShape = NO_TOKENS, fixed_committed: float = 0.0, spent_seconds: float = 0.0
+    drafted: Sequence[DraftedNodes],
+    costs: StepCosts,
+    fixed: VerifyShape = NO_TOKENS,
+    fixed_committed: float = 0.0,
+    spent_seconds: float = 0.0,
 ) -> dict[str, list[int]]:
     """The nodes to verify of each request's drafted tree (root included, parents before children):
     every drafted node of the batch best first, cut at the count K with the most expected committed
@@ -255,7 +272,11 @@ def select_nodes(
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
     gained = np.concatenate(([0.0], np.cumsum([v for v, _, _ in items])))
     tokens = fixed.tokens + len(drafted) + np.arange(len(items) + 1)
-    work = fixed.context_work + sum(d.context for d in drafted) + np.concatenate(([0.0], np.cumsum([drafted[r].context for _, r, _ in items])))
+    work = (
+        fixed.context_work
+        + sum(d.context for d in drafted)
+        + np.concatenate(([0.0], np.cumsum([drafted[r].context for _, r, _ in items])))
+    )
     seconds = costs.verify_many(tokens, work) + spent_seconds + costs.overhead
     best = int(np.argmax((fixed_committed + len(drafted) + gained) / np.maximum(seconds, 1e-12)))
     keep: dict[str, list[int]] = {d.request_id: [0] for d in drafted}

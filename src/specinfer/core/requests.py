@@ -31,7 +31,10 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if not self.ssms and not (self.adaptive and self.suffix):
-            raise InvalidArgument("speculation.ssms", "name at least one SSM, or draft from the text alone (adaptive with suffix), or turn speculation off")
+            raise InvalidArgument(
+                "speculation.ssms",
+                "name at least one SSM, or draft from the text alone (adaptive with suffix), or turn speculation off",
+            )
         if len(set(self.ssms)) != len(self.ssms):
             raise InvalidArgument("speculation.ssms", f"lists an SSM twice: {self.ssms}")
         if self.draft_support <= 0:

@@ -49,7 +49,9 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.verification not in VERIFICATIONS:
-            raise InvalidArgument("verification", f"must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}")
+            raise InvalidArgument(
+                "verification", f"must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}"
+            )
 
     @property
     def greedy(self) -> bool:

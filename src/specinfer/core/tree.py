@@ -26,7 +26,8 @@ import numpy as np
 
 
 def validate_parents(parents: Sequence[int]) -> None:
-    """Raise ``ValueError`` unless ``parents`` is a tree: non-empty, ``parents[0] == -1`` and ``0 <= parents[i] < i``."""
+    """Raise ``ValueError`` unless ``parents`` is a tree: non-empty, ``parents[0] == -1`` and
+    ``0 <= parents[i] < i``."""
     if len(parents) == 0:
         raise ValueError("a token tree needs at least the root node")
     if int(parents[0]) != -1:

@@ -117,7 +117,9 @@ def bonus_draws(tries: list[list[MssTry]]) -> list[tuple[int, int]]:
         lo, hi = reach[u]
         for k, t in enumerate(node_tries):
             seen = reach[t.child]
-            reach[t.child] = (lo + k + 1, hi + k + 1) if seen is None else (min(seen[0], lo + k + 1), max(seen[1], hi + k + 1))
+            reach[t.child] = (
+                (lo + k + 1, hi + k + 1) if seen is None else (min(seen[0], lo + k + 1), max(seen[1], hi + k + 1))
+            )
     return [(0, 0) if r is None else (r[0] + len(t), r[1] + len(t)) for r, t in zip(reach, tries, strict=True)]
 
 

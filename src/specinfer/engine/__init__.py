@@ -3,4 +3,11 @@
 from specinfer.core.requests import GenerationRequest, GenerationResult, SpeculationConfig, StepStats
 from specinfer.engine.engine import EngineConfig, SpeculativeEngine
 
-__all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "SpeculationConfig", "SpeculativeEngine", "StepStats"]
+__all__ = [
+    "EngineConfig",
+    "GenerationRequest",
+    "GenerationResult",
+    "SpeculationConfig",
+    "SpeculativeEngine",
+    "StepStats",
+]

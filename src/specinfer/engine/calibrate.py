@@ -72,7 +72,12 @@ class _Requests:
         count = min(len(self.ids), tokens)
         sizes = [tokens // count + (1 if k < tokens % count else 0) for k in range(count)]
         return [
-            TreeForward(self.ids[k], self.contexts[k], self.rng.integers(0, self.model.vocab_size, size=n).tolist(), binary_tree_parents(n))
+            TreeForward(
+                self.ids[k],
+                self.contexts[k],
+                self.rng.integers(0, self.model.vocab_size, size=n).tolist(),
+                binary_tree_parents(n),
+            )
             for k, n in enumerate(sizes)
         ]
 
@@ -81,7 +86,9 @@ class _Requests:
             self.model.release(rid)
 
 
-def _time_rounds(probes: Sequence[tuple[_Requests, int]], repeats: int, progress: Callable[[str], None] | None, tag: str) -> list[float]:
+def _time_rounds(
+    probes: Sequence[tuple[_Requests, int]], repeats: int, progress: Callable[[str], None] | None, tag: str
+) -> list[float]:
     """Median seconds of each probe (a request set and a node count): a warm-up round (which also
     prefills the contexts), then ``repeats`` rounds that each time every probe once."""
     times: list[list[float]] = [[] for _ in probes]
@@ -119,7 +126,9 @@ def time_sizes(
         reqs.release()
 
 
-def per_context_seconds(model: CausalLM, tokens: int, long_context: int, repeats: int = REPEATS, requests: int = CALIBRATION_REQUESTS) -> float:
+def per_context_seconds(
+    model: CausalLM, tokens: int, long_context: int, repeats: int = REPEATS, requests: int = CALIBRATION_REQUESTS
+) -> float:
     """Seconds per (tree node x context token): the same ``tokens``-node call over contexts of
     :data:`SHORT_CONTEXT` and ``long_context`` tokens, timed in alternation (one after the other
     when the model's KV pool cannot hold both sets of requests at once)."""
@@ -129,7 +138,10 @@ def per_context_seconds(model: CausalLM, tokens: int, long_context: int, repeats
     else:
         count = max(1, _request_count(model, tokens, requests) // 2)  # both sets must fit the KV pool together
         rng = np.random.default_rng(1)
-        short, long = _Requests(model, count, SHORT_CONTEXT, rng, "ctx-short"), _Requests(model, count, long_context, rng, "ctx-long")
+        short, long = (
+            _Requests(model, count, SHORT_CONTEXT, rng, "ctx-short"),
+            _Requests(model, count, long_context, rng, "ctx-long"),
+        )
         try:
             t_short, t_long = _time_rounds([(short, tokens), (long, tokens)], repeats, None, "ctx")
         finally:
@@ -138,7 +150,9 @@ def per_context_seconds(model: CausalLM, tokens: int, long_context: int, repeats
     return max(0.0, (t_long - t_short) / (tokens * (long_context - SHORT_CONTEXT)))
 
 
-def calibrate_table(model: CausalLM, max_tokens: int, repeats: int, progress: Callable[[str], None], what: str) -> CostTable:
+def calibrate_table(
+    model: CausalLM, max_tokens: int, repeats: int, progress: Callable[[str], None], what: str
+) -> CostTable:
     """Seconds of ``model``'s calls by tokens, at every bucket up to ``max_tokens``."""
     seconds = time_sizes(model, [b for b in BUCKETS if b <= max(1, max_tokens)], repeats, tag=what, progress=progress)
     progress(f"{what}: " + ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in seconds.items()))
@@ -242,9 +256,15 @@ def probe_costs(llm: CausalLM, ssms: Sequence[CausalLM], config: ProbeConfig = P
     verify_budget = config.seconds * (1.0 - config.draft_share) if ssms else config.seconds
     verify = probe_table(llm, config.verify_sizes, verify_budget, config.rounds, "verify")
     left = max(0.0, config.seconds - (time.perf_counter() - started))
-    drafts = {i: probe_table(ssm, config.draft_sizes, left / len(ssms), config.rounds, f"ssm{i}") for i, ssm in enumerate(ssms)}
+    drafts = {
+        i: probe_table(ssm, config.draft_sizes, left / len(ssms), config.rounds, f"ssm{i}")
+        for i, ssm in enumerate(ssms)
+    }
     log.info(
         "cost probe",
-        extra={"seconds": round(time.perf_counter() - started, 3), "verify": {n: round(s, 5) for n, s in verify.as_dict().items()}},
+        extra={
+            "seconds": round(time.perf_counter() - started, 3),
+            "verify": {n: round(s, 5) for n, s in verify.as_dict().items()},
+        },
     )
     return StepCosts(verify, 0.0, drafts)

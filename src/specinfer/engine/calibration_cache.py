@@ -118,7 +118,11 @@ def host_description(device: str) -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         try:
-            names = [line.partition(":")[2].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+            names = [
+                line.partition(":")[2].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ]
         except OSError:
             names = []
         cpu = f"{cpu} {names[0]}" if names else cpu
@@ -146,7 +150,13 @@ class CalibrationKey:
         """The key of ``models`` on this host now (torch's thread count as it is set at this call:
         build it after loading, which sets the services' ``--torch-threads``)."""
         device = models[0].runtime.device if models else "cpu"
-        return CalibrationKey(kind, tuple(models), tuple(sorted((k, str(v)) for k, v in params.items())), torch.get_num_threads(), host_description(device))
+        return CalibrationKey(
+            kind,
+            tuple(models),
+            tuple(sorted((k, str(v)) for k, v in params.items())),
+            torch.get_num_threads(),
+            host_description(device),
+        )
 
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as a file holds them
@@ -162,7 +172,11 @@ class CalibrationKey:
 def table_to_json(table: CostTable) -> dict:
     """A table's whole state (raw buckets, their seconds and samples), so a read-back table refines
     on exactly as the saved one would have."""
-    return {"buckets": [int(b) for b in table.buckets], "seconds": [float(s) for s in table.seconds], "samples": [float(w) for w in table.samples]}
+    return {
+        "buckets": [int(b) for b in table.buckets],
+        "seconds": [float(s) for s in table.seconds],
+        "samples": [float(w) for w in table.samples],
+    }
 
 
 def table_from_json(data: Mapping) -> CostTable:
@@ -237,7 +251,9 @@ class CalibrationCache:
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"version": FORMAT_VERSION, "key": key.as_json(), "payload": payload}, indent=1, allow_nan=False)
+            text = json.dumps(
+                {"version": FORMAT_VERSION, "key": key.as_json(), "payload": payload}, indent=1, allow_nan=False
+            )
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
             os.fchmod(fd, 0o644)  # readable like any cache file (mkstemp makes it private)
             with os.fdopen(fd, "w") as f:
@@ -301,7 +317,9 @@ class CostEntry:
         self.cache.write(self.key, {"table": table_to_json(table)})
 
 
-def engine_cost_entry(cache: CalibrationCache, llm: ModelIdentity, ssms: Sequence[ModelIdentity], vocabularies: Sequence[str]) -> CostEntry:
+def engine_cost_entry(
+    cache: CalibrationCache, llm: ModelIdentity, ssms: Sequence[ModelIdentity], vocabularies: Sequence[str]
+) -> CostEntry:
     """The entry of an in-process engine's cost model (``specinfer generate``): its LLM and SSMs in
     order, how each SSM drafts in the LLM's vocabulary (``vocabularies``, a mapped SSM's passes do
     more work) and the cold probe that seeds a new entry."""

@@ -11,8 +11,8 @@ Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
 
 The iteration is the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`), which the
 request manager's scheduler runs too; the engine runs it over its models in process
-(:class:`~specinfer.engine.local.LocalExecutor`) and keeps the queue. Requests can be added between steps (continuous batching);
-KV caches live in the backends and follow the committed tokens automatically (see
+(:class:`~specinfer.engine.local.LocalExecutor`) and keeps the queue. Requests can be added between steps
+(continuous batching); KV caches live in the backends and follow the committed tokens automatically (see
 :mod:`specinfer.models.interface`).
 """
 
@@ -47,7 +47,9 @@ class EngineConfig:
     ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default)."""
 
     max_batch: int = 64
-    max_prefill_tokens: int = 2048  # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    max_prefill_tokens: int = (
+        2048  # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    )
     eos_token_id: int | None = None
     planner: PlannerConfig = PlannerConfig()
     slot_priors: tuple[tuple[float, ...], ...] = ()
@@ -66,7 +68,12 @@ class SpeculativeEngine:
     """One LLM and any number of SSMs; see the module docstring."""
 
     def __init__(
-        self, llm: CausalLM, ssms: Sequence[CausalLM], config: EngineConfig, costs: StepCosts | None = None, cost_entry: CostEntry | None = None
+        self,
+        llm: CausalLM,
+        ssms: Sequence[CausalLM],
+        config: EngineConfig,
+        costs: StepCosts | None = None,
+        cost_entry: CostEntry | None = None,
     ) -> None:
         """``costs``: the step cost model for adaptive speculation; None: built when the first
         adaptive request runs. With ``cost_entry`` (``specinfer generate``) it is read from that
@@ -77,7 +84,9 @@ class SpeculativeEngine:
         seconds for a 1B model on a CPU; benchmarks time it before their clock starts)."""
         for i, ssm in enumerate(ssms):
             if ssm.vocab_size != llm.vocab_size:
-                raise InvalidArgument(f"ssms[{i}]", f"vocabulary size {ssm.vocab_size} differs from the LLM's {llm.vocab_size}")
+                raise InvalidArgument(
+                    f"ssms[{i}]", f"vocabulary size {ssm.vocab_size} differs from the LLM's {llm.vocab_size}"
+                )
         self.llm = llm
         self.ssms = list(ssms)
         self.config = config
@@ -94,7 +103,9 @@ class SpeculativeEngine:
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
         self._cost_entry = cost_entry
-        self._core = EngineCore(LocalExecutor(llm, self.ssms), len(self.ssms), config.eos_token_id, self._build_adaptive)
+        self._core = EngineCore(
+            LocalExecutor(llm, self.ssms), len(self.ssms), config.eos_token_id, self._build_adaptive
+        )
 
     @property
     def adaptive(self) -> AdaptiveSpeculation:
@@ -105,7 +116,10 @@ class SpeculativeEngine:
 
     def _build_adaptive(self) -> AdaptiveSpeculation:
         costs = self._costs or self._initial_costs()
-        priors = {i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR) for i in range(len(self.ssms))}
+        priors = {
+            i: (self.config.slot_priors[i] if i < len(self.config.slot_priors) else DEFAULT_SLOT_PRIOR)
+            for i in range(len(self.ssms))
+        }
         return AdaptiveSpeculation(costs, self.config.planner, priors)
 
     def _initial_costs(self) -> StepCosts:
@@ -129,13 +143,17 @@ class SpeculativeEngine:
         limit = self.llm.max_positions
         if len(request.prompt_tokens) + request.max_new_tokens > limit:
             raise InvalidArgument(
-                "max_new_tokens", f"prompt ({len(request.prompt_tokens)}) + max_new_tokens ({request.max_new_tokens}) exceeds the model's {limit} positions"
+                "max_new_tokens",
+                f"prompt ({len(request.prompt_tokens)}) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the model's {limit} positions",
             )
         spec = request.speculation
         if spec is not None:
             unknown = [s for s in spec.ssms if not 0 <= s < len(self.ssms)]
             if unknown:
-                raise InvalidArgument("speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})")
+                raise InvalidArgument(
+                    "speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})"
+                )
         check_fits_alone(request, self._budgets, len(self.ssms), self.config.planner)
 
     def _step_rows(self, request: GenerationRequest, committed: int) -> StepRows:

@@ -28,14 +28,20 @@ class LocalExecutor:
         trees = {}
         for ssm_index, specs in jobs.items():
             on_pass = partial(_record, passes, ssm_index)
-            trees[ssm_index] = {s.request_id: tree for s, tree in zip(specs, draft_trees(self.ssms[ssm_index], specs, on_pass), strict=True)}
+            trees[ssm_index] = {
+                s.request_id: tree
+                for s, tree in zip(specs, draft_trees(self.ssms[ssm_index], specs, on_pass), strict=True)
+            }
         return DraftRound(trees, tuple(passes))
 
     async def verify(self, jobs: Sequence[VerifySpec]) -> VerifyRound:
         started = time.perf_counter()
         results = verify_trees(self.llm, jobs)
         seconds = time.perf_counter() - started
-        verdicts = {j.request_id: Verdict(r.accepted_tokens, r.bonus_token, self.llm.prefix_hits(j.request_id)) for j, r in zip(jobs, results, strict=True)}
+        verdicts = {
+            j.request_id: Verdict(r.accepted_tokens, r.bonus_token, self.llm.prefix_hits(j.request_id))
+            for j, r in zip(jobs, results, strict=True)
+        }
         return VerifyRound(verdicts, timings=(("local", tuple(jobs), seconds),))
 
 

@@ -85,12 +85,17 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     if any(p.greedy for p in params):
         raise ValueError("processed_probs takes sampling rows; greedy rows need only their argmax")
     device = logits.device
-    x = logits.to(torch.float64) / torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)[:, None]  # [R, V]
+    x = (
+        logits.to(torch.float64)
+        / torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)[:, None]
+    )  # [R, V]
     vocab = x.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: no top-k filter on that row
     if any(ks):
         ranked = torch.topk(x, max(ks), dim=-1).values  # [R, max k], best first
-        kth = ranked.gather(-1, torch.tensor([[max(k, 1) - 1] for k in ks], device=device))  # [R, 1] the k-th largest value
+        kth = ranked.gather(
+            -1, torch.tensor([[max(k, 1) - 1] for k in ks], device=device)
+        )  # [R, 1] the k-th largest value
         filtered = torch.tensor([[k > 0] for k in ks], device=device)  # [R, 1]
         x = torch.where(filtered & (x < kth), float("-inf"), x)
     x = x - x.max(dim=-1, keepdim=True).values
@@ -104,11 +109,15 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         nucleus = torch.where(keep, probs, 0.0)
         nucleus = nucleus / nucleus.sum(dim=-1, keepdim=True)
-        probs = torch.where(top_p < 1.0, nucleus, probs)  # rows without top-p are left as they were, not renormalised again
+        probs = torch.where(
+            top_p < 1.0, nucleus, probs
+        )  # rows without top-p are left as they were, not renormalised again
     return probs
 
 
-def coupled_targets(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def coupled_targets(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
     """The LLM's Gumbel-max draw of each row (coupled verification,
     :func:`specinfer.core.coupled.coupled_token` of :func:`~specinfer.core.coupled.position_noise`):
     ``argmax_x(log p(x) + g(x))`` with p the row's processed distribution and g the position noise of
@@ -124,9 +133,17 @@ def coupled_targets(logits: torch.Tensor, params: Sequence[SamplingParams], seed
     return (torch.log(probs) + noise).argmax(dim=-1)  # log 0 = -inf: a token the processing removed is never drawn
 
 
-def greedy_accept(argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, segments: torch.Tensor, num_segments: int, max_depth: int) -> torch.Tensor:
+def greedy_accept(
+    argmax: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    segments: torch.Tensor,
+    num_segments: int,
+    max_depth: int,
+) -> torch.Tensor:
     """The greedy accept walk (:func:`specinfer.core.verify.verify_greedy`) of every tree of a step at
-    once: the row where each tree's walk ends (its deepest accepted node; the root when none is).  # [num_segments] int64
+    once: the row where each tree's walk ends (its deepest accepted node; the root when none
+    is).  # [num_segments] int64
 
     ``argmax[i]``: the LLM's token after row i's sequence; ``tokens[i]``: row i's token; ``parents[i]``:
     the row of its parent (a root row: itself); ``segments[i]``: its tree's index (rows of a tree are
@@ -143,7 +160,9 @@ def greedy_accept(argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     for _ in range(max(1, max_depth).bit_length()):
         good = good & good[up]
         up = up[up]
-    return torch.full((num_segments,), -1, device=tokens.device).scatter_reduce(0, segments, torch.where(good, rows, -1), "amax")
+    return torch.full((num_segments,), -1, device=tokens.device).scatter_reduce(
+        0, segments, torch.where(good, rows, -1), "amax"
+    )
 
 
 def mss_tables(
@@ -172,7 +191,9 @@ def mss_tables(
     seen = []
     for k in range(try_tokens.shape[1]):
         seen.append(p.gather(-1, try_tokens[:, k : k + 1]))  # [Ni, 1]
-        residual = p.scatter_add(-1, q_tokens[:, k], -q_probs[:, k]).clamp_min(0.0)  # max(0, p - q_k): q_k is 0 off its support
+        residual = p.scatter_add(-1, q_tokens[:, k], -q_probs[:, k]).clamp_min(
+            0.0
+        )  # max(0, p - q_k): q_k is 0 off its support
         total = residual.sum(dim=-1, keepdim=True)
         p = torch.where(try_valid[:, k : k + 1] & (total > RESIDUAL_FLOOR), residual / total, p)
     try_probs = torch.cat(seen, dim=-1) if seen else probs.new_zeros((internal.shape[0], 0))

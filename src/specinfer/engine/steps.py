@@ -36,7 +36,16 @@ from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
-from specinfer.engine.on_device import coupled_targets, greedy_accept, mss_tables, pack, processed_probs, ranked_top_k, stack_rows, to_host
+from specinfer.engine.on_device import (
+    coupled_targets,
+    greedy_accept,
+    mss_tables,
+    pack,
+    processed_probs,
+    ranked_top_k,
+    stack_rows,
+    to_host,
+)
 from specinfer.models.interface import CausalLM, TreeForward
 
 
@@ -44,8 +53,8 @@ from specinfer.models.interface import CausalLM, TreeForward
 class RowTable:
     """What drafting needs of one SSM logit row, in host memory. Greedy: ``tokens``, the top tokens
     best first, and ``probs``, their softmax probabilities (temperature 1: the SSM's confidence, which
-    scores dynamic trees; zeros when no job of the pass grows one). Sampling: the top tokens of the processed distribution, their (not
-    renormalised) probabilities, and ``nonzero``, how many tokens it gives mass to."""
+    scores dynamic trees; zeros when no job of the pass grows one). Sampling: the top tokens of the processed
+    distribution, their (not renormalised) probabilities, and ``nonzero``, how many tokens it gives mass to."""
 
     tokens: np.ndarray  # [k] int64
     probs: np.ndarray  # [k] float64
@@ -61,7 +70,9 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     parts: list[torch.Tensor] = []
     g_width = min(vocab, max((widths[r] for r in greedy), default=0))
     s_width = min(vocab, max((jobs[r].draft_support for r in sampled), default=0))
-    scored = any(jobs[r].budget is not None for r in greedy)  # dynamic trees score slots by the softmax; static ones need none
+    scored = any(
+        jobs[r].budget is not None for r in greedy
+    )  # dynamic trees score slots by the softmax; static ones need none
     if greedy:
         x = _select(rows, greedy)  # [Rg, V]
         tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
@@ -85,7 +96,10 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
             out[r] = RowTable(tokens[i], probs[i])
     if sampled:
         n = len(sampled) * s_width
-        tokens, probs = host[at : at + n].reshape(-1, s_width).astype(np.int64), host[at + n : at + 2 * n].reshape(-1, s_width)
+        tokens, probs = (
+            host[at : at + n].reshape(-1, s_width).astype(np.int64),
+            host[at + n : at + 2 * n].reshape(-1, s_width),
+        )
         nonzero = host[at + 2 * n :].astype(np.int64)
         for i, r in enumerate(sampled):
             out[r] = RowTable(tokens[i], probs[i], int(nonzero[i]))
@@ -110,11 +124,17 @@ def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generato
     return Proposal(tuple(tokens), q, tuple(float(p) for p in q.probs[:width]))
 
 
-def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int, float], None] | None = None) -> list[DraftTree]:
+def draft_trees(
+    ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int, float], None] | None = None
+) -> list[DraftTree]:
     """One draft tree per job, in job order: static jobs grow their expansion, budgeted ones a
     best-first dynamic tree. ``on_pass(frontier_tokens, seconds)`` hears of every SSM pass."""
     builders = {
-        i: (TreeBuilder(job.root_token, job.expansion) if job.expansion is not None else BestFirstTreeBuilder(job.root_token, job.budget))
+        i: (
+            TreeBuilder(job.root_token, job.expansion)
+            if job.expansion is not None
+            else BestFirstTreeBuilder(job.root_token, job.budget)
+        )
         for i, job in enumerate(jobs)
     }
     rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
@@ -126,14 +146,23 @@ def draft_trees(ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int
         items = []
         for i in order:
             frontier = builders[i].frontier()
-            items.append(TreeForward(jobs[i].request_id, jobs[i].context, builders[i].tokens_of(frontier), builders[i].parents_of(frontier)))
+            items.append(
+                TreeForward(
+                    jobs[i].request_id,
+                    jobs[i].context,
+                    builders[i].tokens_of(frontier),
+                    builders[i].parents_of(frontier),
+                )
+            )
         logits = ssm.forward_tree(items)
         owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
         tables = pass_tables(stack_rows(logits), [jobs[i] for i in owners], [builders[i].width() for i in owners])
         at = 0
         for i, item in zip(order, items, strict=True):
             b = builders[i]
-            proposals = [propose(table, b.width(), jobs[i], rngs[i], depths[i]) for table in tables[at : at + len(item.tokens)]]
+            proposals = [
+                propose(table, b.width(), jobs[i], rngs[i], depths[i]) for table in tables[at : at + len(item.tokens)]
+            ]
             at += len(item.tokens)
             depths[i] += 1
             if isinstance(b, BestFirstTreeBuilder):
@@ -152,7 +181,9 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult
     """Accepted path and bonus token per job, in job order."""
     if not jobs:
         return []
-    logits = llm.forward_tree([TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs])
+    logits = llm.forward_tree(
+        [TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
+    )
     rows = stack_rows(logits)  # [N, V] every tree's nodes, job after job
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
@@ -190,12 +221,15 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
     for start, job in zip(starts, jobs, strict=True):
         n = len(job.draft.tree)
         if job.sampling.coupled:
-            # a node at depth d (the root: the last committed token, at index len(context)) is followed by index len(context) + d + 1
+            # a node at depth d (the root: the last committed token, at index len(context)) is followed by index
+            # len(context) + d + 1
             where.extend(range(len(index), len(index) + n))
             meta.extend((job.seed, len(job.context) + int(d) + 1) for d in job.draft.tree.depths)
             params.extend([job.sampling] * n)
         index.extend(range(start, start + n))
-    targets = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]  # [Ng] (the argmax of every row, then these: no copy of rows)
+    targets = _select(rows.argmax(dim=-1)[:, None], index)[
+        :, 0
+    ]  # [Ng] (the argmax of every row, then these: no copy of rows)
     if meta:
         seeds, indices = torch.tensor(meta, dtype=torch.int64).T.to(rows.device)  # one host-to-device copy
         drawn = coupled_targets(_select(rows, [index[w] for w in where]), params, seeds, indices)
@@ -216,7 +250,9 @@ def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequenc
         segments.extend([g] * len(tree))
         depth = max(depth, int(tree.depths.max()))
         at += len(tree)
-    meta = torch.tensor([tokens, parents, segments], dtype=torch.long).to(rows.device)  # [3, Ng] one host-to-device copy
+    meta = torch.tensor([tokens, parents, segments], dtype=torch.long).to(
+        rows.device
+    )  # [3, Ng] one host-to-device copy
     ends = greedy_accept(argmax, meta[0], meta[1], meta[2], len(jobs), depth)
     return [ends - meta.new_tensor(firsts), argmax[ends]]
 
@@ -257,7 +293,8 @@ class _MssPlan:
         self.max_tries = max((len(t) for tries in self.tries for t in tries), default=0)  # K
 
     def device_part(self, rows: torch.Tensor, starts: Sequence[int]) -> list[torch.Tensor]:
-        """The device's tables for these jobs (their trees' rows begin at ``starts`` in ``rows``).  # [Ni * K], [Ns * R]"""
+        """The device's tables for these jobs (their trees' rows begin at ``starts`` in ``rows``).
+        # [Ni * K], [Ns * R]"""
         device = rows.device
         index = [s + k for s, j in zip(starts, self.jobs, strict=True) for k in range(len(j.draft.tree))]
         params = [j.sampling for j in self.jobs for _ in range(len(j.draft.tree))]
@@ -281,7 +318,15 @@ class _MssPlan:
         def to(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
 
-        try_probs, bonus = mss_tables(probs, to(np.array(internal, dtype=np.int64)), to(try_tokens), to(try_valid), to(q_tokens), to(q_probs), to(draws))
+        try_probs, bonus = mss_tables(
+            probs,
+            to(np.array(internal, dtype=np.int64)),
+            to(try_tokens),
+            to(try_valid),
+            to(q_tokens),
+            to(q_probs),
+            to(draws),
+        )
         return [try_probs, bonus]
 
     def results(self, host: np.ndarray) -> list[VerifyResult]:
@@ -290,8 +335,14 @@ class _MssPlan:
         try_probs = host[:n_try].reshape(len(self.internal), self.max_tries)
         bonus = host[n_try : n_try + self.num_rows * self.width].astype(np.int64).reshape(self.num_rows, self.width)
         out = []
-        for job, tries, ranges, rows, uniforms in zip(self.jobs, self.tries, self.draws, self.rows, self.uniforms, strict=True):
-            out.append(walk_stochastic(job.draft, tries, self._try_prob(try_probs, rows), self._bonus(bonus, rows, ranges), uniforms))
+        for job, tries, ranges, rows, uniforms in zip(
+            self.jobs, self.tries, self.draws, self.rows, self.uniforms, strict=True
+        ):
+            out.append(
+                walk_stochastic(
+                    job.draft, tries, self._try_prob(try_probs, rows), self._bonus(bonus, rows, ranges), uniforms
+                )
+            )
         return out
 
     def _try_prob(self, try_probs: np.ndarray, rows: list[int]) -> Callable[[int, int], float]:
@@ -302,7 +353,9 @@ class _MssPlan:
         def lookup(u: int, j: int) -> int:
             lo, hi = ranges[u]
             if not lo <= j <= hi:
-                raise RuntimeError(f"the walk drew its bonus at node {u} with uniform {j}, outside the planned {lo}..{hi}")
+                raise RuntimeError(
+                    f"the walk drew its bonus at node {u} with uniform {j}, outside the planned {lo}..{hi}"
+                )
             return int(bonus[rows[u], j - lo])
 
         return lookup

@@ -41,7 +41,11 @@ def draft_vocabulary(llm_dir: str | Path, ssm_dir: str | Path, field: str) -> Vo
     if llm is None or ssm is None:
         if vocab_size(llm_dir) == vocab_size(ssm_dir):
             return None  # no tokenizer to compare: taken on trust, as before
-        raise InvalidArgument(field, "vocabulary size differs from the LLM's, and a draft with another tokenizer needs both checkpoints' tokenizer.json")
+        raise InvalidArgument(
+            field,
+            "vocabulary size differs from the LLM's, "
+            "and a draft with another tokenizer needs both checkpoints' tokenizer.json",
+        )
     vmap = VocabMap(llm, ssm)
     if vmap.shared == 0:
         raise InvalidArgument(field, "its tokenizer shares no token with the LLM's")
@@ -101,7 +105,9 @@ class CrossVocabularyLM:
     def __init__(self, ssm: CausalLM, vmap: VocabMap) -> None:
         self.ssm = ssm
         self.vmap = vmap
-        self._ids = {torch.device("cpu"): (torch.from_numpy(vmap.llm_ids), torch.from_numpy(vmap.ssm_ids))}  # device -> ([shared], [shared])
+        self._ids = {
+            torch.device("cpu"): (torch.from_numpy(vmap.llm_ids), torch.from_numpy(vmap.ssm_ids))
+        }  # device -> ([shared], [shared])
         self._span = max(1, ssm.max_positions - min(TREE_MARGIN, ssm.max_positions // 4))
         self._requests: dict[str, _Spelling] = {}
 

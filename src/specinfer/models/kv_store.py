@@ -147,7 +147,9 @@ class _Buffer:
         need = self.length + n
         if need > self._data.shape[3]:
             cap = max(need, 2 * self._data.shape[3])
-            grown = torch.empty(*self._data.shape[:3], cap, self._data.shape[4], dtype=self._data.dtype, device=self._data.device)
+            grown = torch.empty(
+                *self._data.shape[:3], cap, self._data.shape[4], dtype=self._data.dtype, device=self._data.device
+            )
             grown[:, :, :, : self.length] = self.kv
             self._data = grown
         self._data[:, :, :, self.length : need] = kv

@@ -67,7 +67,9 @@ def load_backend(
             spec = ModelSpec.from_dir(path)
         except UnsupportedModel as exc:
             if backend == "native" or offload:
-                raise InvalidArgument("offload" if offload else "backend", f"native backend cannot run {path}: {exc}") from exc
+                raise InvalidArgument(
+                    "offload" if offload else "backend", f"native backend cannot run {path}: {exc}"
+                ) from exc
         else:
             options = NativeOptions(
                 DTYPES[dtype],

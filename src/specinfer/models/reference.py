@@ -92,7 +92,9 @@ class ReferenceBackend:
         for item in batch:
             cache = self._caches.get(item.request_id)
             if cache is None:
-                cache = RequestCache(BufferStorage(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device))
+                cache = RequestCache(
+                    BufferStorage(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device)
+                )
                 self._caches[item.request_id] = cache
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
             rows.append((item, cache, chain))
@@ -130,7 +132,10 @@ class ReferenceBackend:
             q_len = len(row.chain) + len(item.tokens)
             start = p_max + row.offset
             kv = torch.stack(
-                [torch.stack([layer.keys[b, :, start : start + q_len], layer.values[b, :, start : start + q_len]]) for layer in new_cache.layers]
+                [
+                    torch.stack([layer.keys[b, :, start : start + q_len], layer.values[b, :, start : start + q_len]])
+                    for layer in new_cache.layers
+                ]
             )  # [layers, 2, kv_heads, q_len, head_dim]
             m = len(row.chain)
             storage = row.cache.storage
@@ -190,7 +195,9 @@ class ReferenceBackend:
     def _pack_past(self, layout: list[_Row], p_max: int) -> DynamicCache:
         if p_max == 0:
             return DynamicCache()
-        data = torch.zeros(self._layers, 2, len(layout), self._kv_heads, p_max, self._head_dim, dtype=self._dtype, device=self._device)
+        data = torch.zeros(
+            self._layers, 2, len(layout), self._kv_heads, p_max, self._head_dim, dtype=self._dtype, device=self._device
+        )
         for b, row in enumerate(layout):
             lc, lp = row.cache.context_len, row.cache.pending_len
             data[:, :, b, :, :lc] = row.cache.storage.context.kv
@@ -201,7 +208,11 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> tuple[int, int, int]:
-        out = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._device), past_key_values=DynamicCache(), use_cache=True)
+        out = self.model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._device),
+            past_key_values=DynamicCache(),
+            use_cache=True,
+        )
         layers = out.past_key_values.layers
         _, kv_heads, _, head_dim = layers[0].keys.shape
         return len(layers), int(kv_heads), int(head_dim)

@@ -28,7 +28,9 @@ class TinySpec:
     seed: int = 0
 
 
-def tiny_llama(vocab_size: int, hidden_size: int, layers: int, heads: int, kv_heads: int, seed: int) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int, hidden_size: int, layers: int, heads: int, kv_heads: int, seed: int
+) -> LlamaForCausalLM:
     """A random Llama; weights scaled up so its distributions are far from uniform."""
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -54,7 +56,11 @@ def truncated_copy(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
     """The same model with only its first ``layers`` decoder layers."""
     config = LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": layers})
     small = LlamaForCausalLM(config).eval()
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    state = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     small.load_state_dict(state)
     return small
 

@@ -41,7 +41,11 @@ def _converter(kind, default):
     if kind is str:
         return str
     what = {bool: "on or off", int: "an integer", float: "a number"}.get(kind, kind.__name__)
-    example = f", e.g. {default if kind is not bool else ('on' if default else 'off')} (the default)" if default is not None else ""
+    example = (
+        f", e.g. {default if kind is not bool else ('on' if default else 'off')} (the default)"
+        if default is not None
+        else ""
+    )
 
     def convert(text: str):
         word = text.strip().lower()
@@ -66,7 +70,9 @@ class _BadEnvValue:
     message: str
 
 
-def add_setting(parser: SettingsParser, flag: str, kind=str, default=None, help: str = "", secret: bool = False) -> None:
+def add_setting(
+    parser: SettingsParser, flag: str, kind=str, default=None, help: str = "", secret: bool = False
+) -> None:
     """Add ``--flag`` (type ``kind``) whose default is its environment variable when set.
     ``secret``: ``--help`` says whether it is set, never the value (it may come from the environment)."""
     if not isinstance(parser, SettingsParser):  # only it reports a bad environment value
@@ -125,7 +131,9 @@ class SettingsParser(argparse.ArgumentParser):
         if flag in self._option_string_actions:
             return True
         subcommands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
-        return any(isinstance(p, SettingsParser) and p._has_option(flag) for a in subcommands for p in a.choices.values())
+        return any(
+            isinstance(p, SettingsParser) and p._has_option(flag) for a in subcommands for p in a.choices.values()
+        )
 
 
 def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
@@ -138,9 +146,13 @@ def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         except (socket.gaierror, UnicodeError) as exc:
-            raise InvalidArgument("host", f"{host!r} is not an address of this machine ({exc}); e.g. 127.0.0.1 or 0.0.0.0") from None
+            raise InvalidArgument(
+                "host", f"{host!r} is not an address of this machine ({exc}); e.g. 127.0.0.1 or 0.0.0.0"
+            ) from None
         with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed port in TIME_WAIT is free
+            probe.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as the servers bind: a closed port in TIME_WAIT is free
             try:
                 probe.bind((host, port))
             except OSError as exc:
@@ -161,21 +173,48 @@ def add_server_settings(parser: argparse.ArgumentParser, default_port: int = 0) 
     """Settings every service has: where it listens, logging and shutdown."""
     add_setting(parser, "--host", default="127.0.0.1", help="address to listen on")
     add_setting(parser, "--port", int, default_port, help="port to listen on (0: pick a free one)")
-    add_setting(parser, "--port-file", default=None, help="write the bound port to this file once serving (for launchers and tests)")
+    add_setting(
+        parser,
+        "--port-file",
+        default=None,
+        help="write the bound port to this file once serving (for launchers and tests)",
+    )
     add_setting(parser, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_setting(parser, "--grace-seconds", float, 10.0, help="on SIGTERM, how long in-flight calls may finish")
-    add_setting(parser, "--metrics-port", int, -1, help="HTTP port of the Prometheus /metrics endpoint (-1: none; 0: pick a free one)")
-    add_setting(parser, "--metrics-port-file", default=None, help="write the bound metrics port to this file (for launchers and tests)")
+    add_setting(
+        parser,
+        "--metrics-port",
+        int,
+        -1,
+        help="HTTP port of the Prometheus /metrics endpoint (-1: none; 0: pick a free one)",
+    )
+    add_setting(
+        parser,
+        "--metrics-port-file",
+        default=None,
+        help="write the bound metrics port to this file (for launchers and tests)",
+    )
     add_setting(parser, "--tls-cert", default="", help="PEM certificate chain: serve TLS (with --tls-key)")
     add_setting(parser, "--tls-key", default="", help="PEM private key of --tls-cert")
     add_setting(parser, "--tls-client-ca", default="", help="PEM CA: require client certificates it signed (mTLS)")
-    add_setting(parser, "--internal-token", default="", secret=True, help="bearer token of the calls between services (workers and verifier require it)")
+    add_setting(
+        parser,
+        "--internal-token",
+        default="",
+        secret=True,
+        help="bearer token of the calls between services (workers and verifier require it)",
+    )
     add_setting(parser, "--internal-token-file", default="", help="file holding --internal-token")
 
 
 def add_client_tls_settings(parser: argparse.ArgumentParser) -> None:
     """How a service calls others over TLS (the request manager calls workers and verifier)."""
-    add_setting(parser, "--tls-ca", default="", help="PEM CA of the services called (any of the three --tls-* flags: call with TLS)")
+    add_setting(
+        parser,
+        "--tls-ca",
+        default="",
+        help="PEM CA of the services called (any of the three --tls-* flags: call with TLS)",
+    )
     add_setting(parser, "--tls-client-cert", default="", help="PEM client certificate for mTLS")
     add_setting(parser, "--tls-client-key", default="", help="PEM private key of --tls-client-cert")
 
@@ -201,7 +240,9 @@ def client_auth(args: argparse.Namespace, token: str) -> ClientAuth:
 def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> ServerSecurity:
     """The port's TLS from the ``--tls-*`` server settings; ``tokens``: the bearer tokens it accepts."""
     try:
-        security = ServerSecurity(ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca), tuple(t for t in tokens if t))
+        security = ServerSecurity(
+            ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca), tuple(t for t in tokens if t)
+        )
         security.tls.credentials()  # unreadable files fail now, with the setting's name
         return security
     except ValueError as exc:
@@ -211,19 +252,45 @@ def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> Server
 def add_model_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the services that run models (see :func:`specinfer.models.loading.load_backend`)."""
     add_setting(parser, "--backend", default="auto", help="auto, native or reference")
-    add_setting(parser, "--dtype", default="auto", help="auto (bf16 where the device has bf16 arithmetic, else fp16 on GPU, fp32), float32, float16, bfloat16")
+    add_setting(
+        parser,
+        "--dtype",
+        default="auto",
+        help="auto (bf16 where the device has bf16 arithmetic, else fp16 on GPU, fp32), float32, float16, bfloat16",
+    )
     add_setting(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_setting(parser, "--kv-cache-bytes", int, 1 << 30, help="KV pool memory per model (native backend)")
-    add_setting(parser, "--kv-block-size", int, 16, help="tokens per KV block of a paged KV pool (native backend; 0: one contiguous slot per request)")
-    add_setting(parser, "--prefix-caching", bool, True, help="with --kv-block-size > 0: requests share the KV blocks of common prompt prefixes (on/off)")
-    add_setting(parser, "--max-seq-len", int, 0, help="most positions of a request, prompt and output (native backend; 0: the model's limit)")
-    add_setting(parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch")
+    add_setting(
+        parser,
+        "--kv-block-size",
+        int,
+        16,
+        help="tokens per KV block of a paged KV pool (native backend; 0: one contiguous slot per request)",
+    )
+    add_setting(
+        parser,
+        "--prefix-caching",
+        bool,
+        True,
+        help="with --kv-block-size > 0: requests share the KV blocks of common prompt prefixes (on/off)",
+    )
+    add_setting(
+        parser,
+        "--max-seq-len",
+        int,
+        0,
+        help="most positions of a request, prompt and output (native backend; 0: the model's limit)",
+    )
+    add_setting(
+        parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch"
+    )
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")
     add_setting(
         parser,
         "--calibration-cache",
         default="",
-        help="folder of the start-up calibration's cache: a model calibrated once under the same settings starts without timing its passes again "
+        help="folder of the start-up calibration's cache: "
+        "a model calibrated once under the same settings starts without timing its passes again "
         "(empty: $XDG_CACHE_HOME/specinfer/calibration, else ~/.cache/specinfer/calibration; none or off: no cache)",
     )
 
@@ -250,7 +317,9 @@ def named_paths(specs: Iterable[str | os.PathLike], field: str) -> dict[str, str
         if not name or not path:
             raise InvalidArgument(field, f"expected NAME=PATH or PATH, got {part!r}")
         if name in out:
-            raise InvalidArgument(field, f"name {name!r} is given twice ({out[name]} and {path}): name them apart with NAME=PATH")
+            raise InvalidArgument(
+                field, f"name {name!r} is given twice ({out[name]} and {path}): name them apart with NAME=PATH"
+            )
         out[name] = path
     return out
 

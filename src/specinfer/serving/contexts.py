@@ -38,7 +38,10 @@ class AdmittedCall(Generic[Job]):
         """One result per item: ``to_proto(request_id, output)`` with the hits' ``outputs`` in order,
         ``to_proto(request_id, None)`` (a cache miss) for the others."""
         hit_outputs = iter(outputs)
-        return [to_proto(rid, next(hit_outputs) if hit else None) for rid, hit in zip(self.request_ids, self.hits, strict=True)]
+        return [
+            to_proto(rid, next(hit_outputs) if hit else None)
+            for rid, hit in zip(self.request_ids, self.hits, strict=True)
+        ]
 
 
 class ContextStore:
@@ -80,7 +83,11 @@ class ContextStore:
         return len(self._known)
 
     def admit(
-        self, items: Sequence[Any], vocab_size: int, max_positions: int, job_from_proto: Callable[[Any, list[int], int, int, str], Job]
+        self,
+        items: Sequence[Any],
+        vocab_size: int,
+        max_positions: int,
+        job_from_proto: Callable[[Any, list[int], int, int, str], Job],
     ) -> AdmittedCall[Job]:
         """Resolve the contexts of a call's ``items`` (messages with a ``context`` field) and build each
         one's job with ``job_from_proto(item, context, vocab_size, max_positions, field)``. Every item
@@ -91,4 +98,6 @@ class ContextStore:
         jobs = [job_from_proto(item, ctx or [], vocab_size, max_positions, f"items[{i}]") for i, (item, ctx) in pairs]
         self.store_all(updates, contexts)
         hits = tuple(ctx is not None for ctx in contexts)
-        return AdmittedCall(tuple(u.request_id for u in updates), hits, [job for job, hit in zip(jobs, hits, strict=True) if hit])
+        return AdmittedCall(
+            tuple(u.request_id for u in updates), hits, [job for job, hit in zip(jobs, hits, strict=True) if hit]
+        )

@@ -29,7 +29,9 @@ def check(address: str, service: str = "", timeout: float = 3.0, tls: ClientTls 
     needs no bearer token)."""
     with ClientAuth(tls or ClientTls()).channel(address) as channel:
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as exc:
             return exc.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -37,14 +39,33 @@ def check(address: str, service: str = "", timeout: float = 3.0, tls: ClientTls 
 
 def main(argv: Sequence[str] | None = None) -> int:
     port = os.environ.get(PORT_ENV, "")
-    parser = argparse.ArgumentParser(prog="python -m specinfer.serving.healthcheck", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("address", nargs="?", default=f"127.0.0.1:{port}" if port else None, help="host:port [default: 127.0.0.1:$SPECINFER_PORT]")
+    parser = argparse.ArgumentParser(
+        prog="python -m specinfer.serving.healthcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "address",
+        nargs="?",
+        default=f"127.0.0.1:{port}" if port else None,
+        help="host:port [default: 127.0.0.1:$SPECINFER_PORT]",
+    )
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
     # a TLS port: the same files (and SPECINFER_* variables) as the request manager's calls to it
-    parser.add_argument("--tls-ca", default=env_or("TLS_CA"), help="PEM CA of the server: probe with TLS [env SPECINFER_TLS_CA]")
-    parser.add_argument("--tls-client-cert", default=env_or("TLS_CLIENT_CERT"), help="PEM client certificate (mTLS) [env SPECINFER_TLS_CLIENT_CERT]")
-    parser.add_argument("--tls-client-key", default=env_or("TLS_CLIENT_KEY"), help="PEM key of --tls-client-cert [env SPECINFER_TLS_CLIENT_KEY]")
+    parser.add_argument(
+        "--tls-ca", default=env_or("TLS_CA"), help="PEM CA of the server: probe with TLS [env SPECINFER_TLS_CA]"
+    )
+    parser.add_argument(
+        "--tls-client-cert",
+        default=env_or("TLS_CLIENT_CERT"),
+        help="PEM client certificate (mTLS) [env SPECINFER_TLS_CLIENT_CERT]",
+    )
+    parser.add_argument(
+        "--tls-client-key",
+        default=env_or("TLS_CLIENT_KEY"),
+        help="PEM key of --tls-client-cert [env SPECINFER_TLS_CLIENT_KEY]",
+    )
     args = parser.parse_args(argv)
     if not args.address:
         parser.error("give ADDRESS or set SPECINFER_PORT")

@@ -59,7 +59,11 @@ class BadMessageInterceptor(grpc.aio.ServerInterceptor):
             return handler
         parse, serialize = _tolerant(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_checked_unary(handler.unary_unary), request_deserializer=parse, response_serializer=serialize)
+            return grpc.unary_unary_rpc_method_handler(
+                _checked_unary(handler.unary_unary), request_deserializer=parse, response_serializer=serialize
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_checked_stream(handler.unary_stream), request_deserializer=parse, response_serializer=serialize)
+            return grpc.unary_stream_rpc_method_handler(
+                _checked_stream(handler.unary_stream), request_deserializer=parse, response_serializer=serialize
+            )
         return handler

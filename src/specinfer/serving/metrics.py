@@ -22,7 +22,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 
 # seconds: from sub-millisecond RPCs (Release, health) to multi-second verify steps of a big LLM
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 # tokens accepted per verify step: 0 .. a deep tree's depth
 ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 # tree nodes per verify step, root included
@@ -44,7 +62,12 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.grpc_started = Counter("specinfer_grpc_server_started", "gRPC calls started, by method", ["service", "method"], registry=self.registry)
+        self.grpc_started = Counter(
+            "specinfer_grpc_server_started",
+            "gRPC calls started, by method",
+            ["service", "method"],
+            registry=self.registry,
+        )
         self._http: ThreadingHTTPServer | None = None
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
@@ -97,7 +120,9 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
         finally:
             metrics.observe_call(service, method, _status(context, error), time.perf_counter() - started)
 
-    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self, continuation: Callable, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None:
             return None
@@ -119,7 +144,9 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
                     async for message in inner_stream(request, context):
                         yield message
 
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
         return handler  # other shapes (none of ours) pass through untimed
 
 
@@ -127,43 +154,98 @@ class SchedulerMetrics:
     """The request manager's serving loop: requests, tokens, steps, batches, queue."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("specinfer_requests", "Finished requests by outcome (finish reason)", ["outcome"], registry=registry)
-        self.generated_tokens = Counter("specinfer_generated_tokens", "Tokens committed to request outputs", registry=registry)
-        self.admitted = Counter("specinfer_requests_admitted", "Requests admitted to the queue (refusals: see the gRPC metrics' code)", registry=registry)
+        self.requests = Counter(
+            "specinfer_requests", "Finished requests by outcome (finish reason)", ["outcome"], registry=registry
+        )
+        self.generated_tokens = Counter(
+            "specinfer_generated_tokens", "Tokens committed to request outputs", registry=registry
+        )
+        self.admitted = Counter(
+            "specinfer_requests_admitted",
+            "Requests admitted to the queue (refusals: see the gRPC metrics' code)",
+            registry=registry,
+        )
         self.prompt_tokens = Counter("specinfer_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
-        self.llm_steps = Counter("specinfer_llm_steps", "Per-request LLM verify steps (a batched call of B requests counts B)", registry=registry)
-        self.iterations = Counter("specinfer_iterations", "Batched iterations (one verify call each)", registry=registry)
+        self.llm_steps = Counter(
+            "specinfer_llm_steps",
+            "Per-request LLM verify steps (a batched call of B requests counts B)",
+            registry=registry,
+        )
+        self.iterations = Counter(
+            "specinfer_iterations", "Batched iterations (one verify call each)", registry=registry
+        )
         self.accepted_tokens = Histogram(
-            "specinfer_accepted_tokens_per_step", "Tree tokens accepted per request per step (no bonus)", buckets=ACCEPTED_BUCKETS, registry=registry
+            "specinfer_accepted_tokens_per_step",
+            "Tree tokens accepted per request per step (no bonus)",
+            buckets=ACCEPTED_BUCKETS,
+            registry=registry,
         )
-        self.tree_size = Histogram("specinfer_tree_size", "Token tree nodes per request per step (root included)", buckets=TREE_BUCKETS, registry=registry)
-        self.batch_size = Histogram("specinfer_batch_size", "Running requests per iteration", buckets=BATCH_BUCKETS, registry=registry)
+        self.tree_size = Histogram(
+            "specinfer_tree_size",
+            "Token tree nodes per request per step (root included)",
+            buckets=TREE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "specinfer_batch_size", "Running requests per iteration", buckets=BATCH_BUCKETS, registry=registry
+        )
         self.iteration_seconds = Histogram(
-            "specinfer_iteration_seconds", "Wall time of one iteration (drafting, verification, commit)", buckets=LATENCY_BUCKETS, registry=registry
+            "specinfer_iteration_seconds",
+            "Wall time of one iteration (drafting, verification, commit)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
-        self.speculate_seconds = Histogram("specinfer_speculate_seconds", "Drafting part of an iteration", buckets=LATENCY_BUCKETS, registry=registry)
-        self.verify_seconds = Histogram("specinfer_verify_seconds", "Verification part of an iteration", buckets=LATENCY_BUCKETS, registry=registry)
+        self.speculate_seconds = Histogram(
+            "specinfer_speculate_seconds", "Drafting part of an iteration", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.verify_seconds = Histogram(
+            "specinfer_verify_seconds", "Verification part of an iteration", buckets=LATENCY_BUCKETS, registry=registry
+        )
         self.queue_depth = Gauge("specinfer_queue_depth", "Requests waiting for a batch slot", registry=registry)
         self.running = Gauge("specinfer_running_requests", "Requests in the running batch", registry=registry)
-        self.ssm_failures = Counter("specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry)
+        self.ssm_failures = Counter(
+            "specinfer_ssm_call_failures", "Failed drafting calls, by SSM", ["ssm"], registry=registry
+        )
         self.verifier_failures = Counter(
-            "specinfer_verifier_call_failures", "Verify rounds with a failed call (its requests retry, elsewhere if their replica is out)", registry=registry
+            "specinfer_verifier_call_failures",
+            "Verify rounds with a failed call (its requests retry, elsewhere if their replica is out)",
+            registry=registry,
         )
         self.verifier_requests = Counter(
-            "specinfer_verifier_requests", "Request steps verified, by LLM verifier replica (address)", ["replica"], registry=registry
+            "specinfer_verifier_requests",
+            "Request steps verified, by LLM verifier replica (address)",
+            ["replica"],
+            registry=registry,
         )
-        self.verifier_replicas_live = Gauge("specinfer_verifier_replicas_live", "LLM verifier replicas in service", registry=registry)
+        self.verifier_replicas_live = Gauge(
+            "specinfer_verifier_replicas_live", "LLM verifier replicas in service", registry=registry
+        )
         self.preemptions = Counter(
-            "specinfer_preemptions", "Running requests put back at the head of the queue for lack of KV blocks (they resume later)", registry=registry
+            "specinfer_preemptions",
+            "Running requests put back at the head of the queue for lack of KV blocks (they resume later)",
+            registry=registry,
         )
         # request-manager replicas (services/request_manager/ownership.py)
-        self.adopted = Counter("specinfer_requests_adopted", "Requests adopted from a request manager whose ownership lease lapsed", registry=registry)
-        self.taken_over = Counter(
-            "specinfer_requests_taken_over", "Requests another request manager took over while this one's lease had lapsed: dropped here", registry=registry
+        self.adopted = Counter(
+            "specinfer_requests_adopted",
+            "Requests adopted from a request manager whose ownership lease lapsed",
+            registry=registry,
         )
-        self.lease_held = Gauge("specinfer_ownership_lease_held", "1 while this request manager holds its ownership lease, else 0", registry=registry)
+        self.taken_over = Counter(
+            "specinfer_requests_taken_over",
+            "Requests another request manager took over while this one's lease had lapsed: dropped here",
+            registry=registry,
+        )
+        self.lease_held = Gauge(
+            "specinfer_ownership_lease_held",
+            "1 while this request manager holds its ownership lease, else 0",
+            registry=registry,
+        )
         self.ssm_workers_live = Gauge(
-            "specinfer_ssm_workers_live", "Workers in service per SSM (0: its requests decode incrementally)", ["ssm"], registry=registry
+            "specinfer_ssm_workers_live",
+            "Workers in service per SSM (0: its requests decode incrementally)",
+            ["ssm"],
+            registry=registry,
         )
         # adaptive speculation (the planner; see services/request_manager/adaptive.py)
         self.planned_tree_nodes = Histogram(
@@ -173,37 +255,62 @@ class SchedulerMetrics:
             registry=registry,
         )
         self.predicted_accepted_tokens = Counter(
-            "specinfer_predicted_accepted_tokens", "Accepted tokens the planner expected of the steps it speculated for", registry=registry
+            "specinfer_predicted_accepted_tokens",
+            "Accepted tokens the planner expected of the steps it speculated for",
+            registry=registry,
         )
         self.realised_accepted_tokens = Counter(
-            "specinfer_realised_accepted_tokens", "Accepted tokens of the steps the planner speculated for (compare: predicted)", registry=registry
+            "specinfer_realised_accepted_tokens",
+            "Accepted tokens of the steps the planner speculated for (compare: predicted)",
+            registry=registry,
         )
         self.position_accepted_tokens = Counter(
-            "specinfer_accepted_tokens_by_position", "Accepted draft tokens by tree depth (1: the root's child)", ["position"], registry=registry
+            "specinfer_accepted_tokens_by_position",
+            "Accepted draft tokens by tree depth (1: the root's child)",
+            ["position"],
+            registry=registry,
         )
         self.cut_draft_nodes = Counter(
-            "specinfer_cut_draft_nodes", "Drafted nodes cut before verification because they would not pay for their verify cost", registry=registry
+            "specinfer_cut_draft_nodes",
+            "Drafted nodes cut before verification because they would not pay for their verify cost",
+            registry=registry,
         )
         self.drafter_proposed_tokens = Counter(
-            "specinfer_drafter_proposed_tokens", "Draft tokens a drafter's trees sent to verification (adaptive requests)", ["drafter"], registry=registry
+            "specinfer_drafter_proposed_tokens",
+            "Draft tokens a drafter's trees sent to verification (adaptive requests)",
+            ["drafter"],
+            registry=registry,
         )
         self.drafter_accepted_tokens = Counter(
-            "specinfer_drafter_accepted_tokens", "Accepted tokens that were on a drafter's tree (adaptive requests)", ["drafter"], registry=registry
+            "specinfer_drafter_accepted_tokens",
+            "Accepted tokens that were on a drafter's tree (adaptive requests)",
+            ["drafter"],
+            registry=registry,
         )
         self.drafter_steps = Counter(
-            "specinfer_drafter_steps", "Verify steps of adaptive requests in which a drafter proposed a tree", ["drafter"], registry=registry
+            "specinfer_drafter_steps",
+            "Verify steps of adaptive requests in which a drafter proposed a tree",
+            ["drafter"],
+            registry=registry,
         )
         self.kept_share = Gauge(
             "specinfer_draft_kept_share",
-            "Moving average of the share of drafted value kept for verification, per SSM (scales the planner's node values)",
+            "Moving average of the share of drafted value kept for verification, per SSM "
+            "(scales the planner's node values)",
             ["ssm"],
             registry=registry,
         )
         self.cost_verify_seconds = Gauge(
-            "specinfer_cost_model_verify_seconds", "The cost model's verify call seconds by tree tokens in the call", ["tokens"], registry=registry
+            "specinfer_cost_model_verify_seconds",
+            "The cost model's verify call seconds by tree tokens in the call",
+            ["tokens"],
+            registry=registry,
         )
         self.cost_draft_seconds = Gauge(
-            "specinfer_cost_model_draft_seconds", "The cost model's SSM pass seconds by frontier tokens, per SSM", ["ssm", "tokens"], registry=registry
+            "specinfer_cost_model_draft_seconds",
+            "The cost model's SSM pass seconds by frontier tokens, per SSM",
+            ["ssm", "tokens"],
+            registry=registry,
         )
 
 
@@ -211,20 +318,70 @@ class ModelMetrics:
     """A model service (SSM worker or LLM verifier): batched model calls and their size."""
 
     def __init__(self, registry: CollectorRegistry, role: str) -> None:
-        self.calls = Counter("specinfer_model_calls", "Batched model calls, by model", ["role", "model"], registry=registry)
-        self.batch_size = Histogram("specinfer_model_batch_size", "Requests per model call", ["role", "model"], buckets=BATCH_BUCKETS, registry=registry)
-        self.tree_nodes = Counter("specinfer_model_tree_nodes", "Tree nodes drafted (SSM) or verified (LLM)", ["role", "model"], registry=registry)
-        self.cache_misses = Counter("specinfer_context_cache_misses", "Items whose context had to be resent", ["role", "model"], registry=registry)
-        self.call_seconds = Histogram("specinfer_model_call_seconds", "Batched model call time", ["role", "model"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.requests_held = Gauge("specinfer_requests_held", "Requests whose context and KV cache the service holds", ["role"], registry=registry)
-        self.kv_blocks = Gauge("specinfer_kv_blocks", "KV blocks of the model's KV cache (contiguous slots: one block each)", ["role"], registry=registry)
-        self.kv_blocks_free = Gauge("specinfer_kv_blocks_free", "KV blocks no request holds, after the last model call", ["role"], registry=registry)
-        self.kv_usage = Gauge("specinfer_kv_usage_ratio", "Share of the KV blocks requests hold, after the last model call", ["role"], registry=registry)
+        self.calls = Counter(
+            "specinfer_model_calls", "Batched model calls, by model", ["role", "model"], registry=registry
+        )
+        self.batch_size = Histogram(
+            "specinfer_model_batch_size",
+            "Requests per model call",
+            ["role", "model"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.tree_nodes = Counter(
+            "specinfer_model_tree_nodes",
+            "Tree nodes drafted (SSM) or verified (LLM)",
+            ["role", "model"],
+            registry=registry,
+        )
+        self.cache_misses = Counter(
+            "specinfer_context_cache_misses",
+            "Items whose context had to be resent",
+            ["role", "model"],
+            registry=registry,
+        )
+        self.call_seconds = Histogram(
+            "specinfer_model_call_seconds",
+            "Batched model call time",
+            ["role", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests_held = Gauge(
+            "specinfer_requests_held",
+            "Requests whose context and KV cache the service holds",
+            ["role"],
+            registry=registry,
+        )
+        self.kv_blocks = Gauge(
+            "specinfer_kv_blocks",
+            "KV blocks of the model's KV cache (contiguous slots: one block each)",
+            ["role"],
+            registry=registry,
+        )
+        self.kv_blocks_free = Gauge(
+            "specinfer_kv_blocks_free",
+            "KV blocks no request holds, after the last model call",
+            ["role"],
+            registry=registry,
+        )
+        self.kv_usage = Gauge(
+            "specinfer_kv_usage_ratio",
+            "Share of the KV blocks requests hold, after the last model call",
+            ["role"],
+            registry=registry,
+        )
         self.prefix_queries = Counter(
-            "specinfer_prefix_cache_queries", "Context tokens looked up in the prefix cache (a cache lacked them)", ["role", "model"], registry=registry
+            "specinfer_prefix_cache_queries",
+            "Context tokens looked up in the prefix cache (a cache lacked them)",
+            ["role", "model"],
+            registry=registry,
         )
         self.prefix_hits = Counter(
-            "specinfer_prefix_cache_hits", "Context tokens the prefix cache held: their KV was reused, not computed", ["role", "model"], registry=registry
+            "specinfer_prefix_cache_hits",
+            "Context tokens the prefix cache held: their KV was reused, not computed",
+            ["role", "model"],
+            registry=registry,
         )
         self._prefix_seen: dict[str, PrefixCacheStats] = {}  # each model's totals at the last observation
         self.role = role

@@ -23,7 +23,9 @@ log = logging.getLogger("specinfer.calibrate")
 T = TypeVar("T")
 
 
-def load_model(path: str, field: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0) -> CausalLM:
+def load_model(
+    path: str, field: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0
+) -> CausalLM:
     """The model at ``path`` with the settings of :func:`specinfer.serving.config.add_model_settings`;
     ``offload``, ``offload_reserve_bytes``: the LLM verifier's offloading settings (docs/offloading.md)."""
     if settings.torch_threads > 0:
@@ -44,10 +46,19 @@ def load_model(path: str, field: str, settings: argparse.Namespace, offload: boo
     )
 
 
-def model_identity(path: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0) -> ModelIdentity:
+def model_identity(
+    path: str, settings: argparse.Namespace, offload: bool = False, offload_reserve_bytes: int = 0
+) -> ModelIdentity:
     """What a calibration cache key says of the model :func:`load_model` loads with the same arguments."""
     runtime = ModelRuntime(
-        settings.dtype, settings.device, settings.backend, settings.attention, settings.kv_block_size, settings.prefix_caching, offload, offload_reserve_bytes
+        settings.dtype,
+        settings.device,
+        settings.backend,
+        settings.attention,
+        settings.kv_block_size,
+        settings.prefix_caching,
+        offload,
+        offload_reserve_bytes,
     )
     return ModelIdentity.of(path, runtime)
 
@@ -76,14 +87,23 @@ def calibrate_verifier(llm: CausalLM, max_tokens: int, cache: CostEntry | None =
     return costs
 
 
-def verifier_cost_entry(settings: argparse.Namespace, identity: ModelIdentity, parallel: tuple[int, int] = (1, 1)) -> CostEntry:
+def verifier_cost_entry(
+    settings: argparse.Namespace, identity: ModelIdentity, parallel: tuple[int, int] = (1, 1)
+) -> CostEntry:
     """The cache entry of the LLM verifier's calibration: the model ``identity``, the
     ``--calibrate-tokens`` and, for a parallel verifier, its (tensor, pipeline) ranks."""
-    params = {"max_tokens": settings.calibrate_tokens, "repeats": REPEATS, "tensor_parallel": parallel[0], "pipeline_parallel": parallel[1]}
+    params = {
+        "max_tokens": settings.calibrate_tokens,
+        "repeats": REPEATS,
+        "tensor_parallel": parallel[0],
+        "pipeline_parallel": parallel[1],
+    }
     return CostEntry(calibration_cache(settings), CalibrationKey.build("verifier", (identity,), params))
 
 
-def calibrate_drafters(ssms: Mapping[str, CausalLM], max_tokens: int, cache: Mapping[str, CostEntry] | None = None) -> dict[str, CostTable]:
+def calibrate_drafters(
+    ssms: Mapping[str, CausalLM], max_tokens: int, cache: Mapping[str, CostEntry] | None = None
+) -> dict[str, CostTable]:
     """Each SSM's draft pass seconds by frontier tokens (up to ``max_tokens``), which ListModels reports;
     empty when ``max_tokens`` is 0 or the measurement fails. ``cache``: each SSM's entry by name, read
     when it holds a table, else measured and written there."""
@@ -99,7 +119,9 @@ def calibrate_drafters(ssms: Mapping[str, CausalLM], max_tokens: int, cache: Map
                 if entry is not None:
                     entry.save_table(table)
             else:
-                log.info("calibration read from the cache", extra={"ssm": name, "path": str(entry.cache.path(entry.key))})
+                log.info(
+                    "calibration read from the cache", extra={"ssm": name, "path": str(entry.cache.path(entry.key))}
+                )
             tables[name] = table
     except Exception:
         log.exception("calibration failed; reporting no cost table")
@@ -133,7 +155,9 @@ class ModelRunner:
         # (and its thread count) per calling thread, so hopping between pool threads cost the
         # forward pass ~20% on a CPU. The count set for the process applies to this thread too.
         threads = torch.get_num_threads()
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,))
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
+        )
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(model, *args)`` in the model's thread, after any call already running."""

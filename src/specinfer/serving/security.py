@@ -77,7 +77,9 @@ class ServerTls:
             return None
         pair = (_read(self.key, "tls-key"), _read(self.cert, "tls-cert"))
         if self.client_ca:
-            return grpc.ssl_server_credentials([pair], root_certificates=_read(self.client_ca, "tls-client-ca"), require_client_auth=True)
+            return grpc.ssl_server_credentials(
+                [pair], root_certificates=_read(self.client_ca, "tls-client-ca"), require_client_auth=True
+            )
         return grpc.ssl_server_credentials([pair])
 
 
@@ -124,9 +126,15 @@ class ClientAuth:
     def channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         """A blocking channel to ``address``, TLS when configured."""
         creds = self.tls.credentials()
-        return grpc.secure_channel(address, creds, options=list(options)) if creds else grpc.insecure_channel(address, options=list(options))
+        return (
+            grpc.secure_channel(address, creds, options=list(options))
+            if creds
+            else grpc.insecure_channel(address, options=list(options))
+        )
 
-    def aio_channel(self, address: str, options: Sequence[tuple[str, object]] = (), tls_name: str = "") -> grpc.aio.Channel:
+    def aio_channel(
+        self, address: str, options: Sequence[tuple[str, object]] = (), tls_name: str = ""
+    ) -> grpc.aio.Channel:
         """An asyncio channel to ``address``, TLS when configured. ``tls_name``: the name the server's
         certificate must carry when it is not ``address``'s host (an IP found by a DNS lookup of that name)."""
         creds = self.tls.credentials()
@@ -172,7 +180,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES) or self.allows(handler_call_details.invocation_metadata):
+        if (
+            handler is None
+            or handler_call_details.method.startswith(OPEN_PREFIXES)
+            or self.allows(handler_call_details.invocation_metadata)
+        ):
             return handler
         return _deny(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 

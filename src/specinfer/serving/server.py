@@ -38,7 +38,12 @@ class JsonFormatter(logging.Formatter):
     _skip = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         out.update({k: v for k, v in record.__dict__.items() if k not in self._skip})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
@@ -67,7 +72,9 @@ class ServerConfig:
     def check_ports_free(self) -> None:
         """:class:`InvalidArgument` naming ``port`` or ``metrics-port`` when another process holds it
         (:func:`specinfer.serving.config.check_ports_free`)."""
-        check_ports_free(self.host, {"port": self.port, "metrics-port": self.metrics_port if self.metrics_port is not None else -1})
+        check_ports_free(
+            self.host, {"port": self.port, "metrics-port": self.metrics_port if self.metrics_port is not None else -1}
+        )
 
     @staticmethod
     def from_args(args) -> ServerConfig:
@@ -114,11 +121,19 @@ class Service:
         register(self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        names = [
+            *self.service_names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         reflection.enable_server_reflection(names, self.server)
         address = f"{config.host}:{config.port}"
         try:
-            self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
+            self.port = (
+                self.server.add_secure_port(address, credentials)
+                if credentials is not None
+                else self.server.add_insecure_port(address)
+            )
         except RuntimeError as exc:  # what grpc raises when the bind fails
             raise port_in_use("port", config.host, config.port, exc) from None
         if self.port == 0:
@@ -172,7 +187,11 @@ async def run_service(
     await service.start(serving=start_up is None)
     log.info(
         "serving" if start_up is None else "listening; starting up",
-        extra={"services": service.service_names, "address": f"{service.config.host}:{service.port}", "metrics_port": service.metrics_port},
+        extra={
+            "services": service.service_names,
+            "address": f"{service.config.host}:{service.port}",
+            "metrics_port": service.metrics_port,
+        },
     )
     if ready is not None:
         ready(service.port)

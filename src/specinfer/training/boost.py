@@ -41,7 +41,9 @@ class Samples:
 
 
 @torch.no_grad()
-def greedy_continuations(llm: torch.nn.Module, prompts: torch.Tensor, length: int, batch_size: int, device: torch.device, progress=None) -> torch.Tensor:
+def greedy_continuations(
+    llm: torch.nn.Module, prompts: torch.Tensor, length: int, batch_size: int, device: torch.device, progress=None
+) -> torch.Tensor:
     """The LLM's greedy continuation of each prompt (argmax at every step, EOS not special).  # [N, length]"""
     llm.eval().to(device)
     out = []
@@ -117,6 +119,8 @@ def coverage_summary(matches: Sequence[torch.Tensor], cover_tokens: int) -> dict
         "coverage": [round(float(c.float().mean()), 4) for c in per],
         "combined_coverage": round(float(combined.float().mean()), 4) if per else 0.0,
         "mean_matched_prefix": [round(float(p.float().mean()), 3) for p in prefixes],
-        "combined_mean_matched_prefix": round(float(torch.stack(prefixes).max(0).values.float().mean()), 3) if prefixes else 0.0,
+        "combined_mean_matched_prefix": round(float(torch.stack(prefixes).max(0).values.float().mean()), 3)
+        if prefixes
+        else 0.0,
         "top1_agreement": [round(float(m.float().mean()), 4) for m in matches],
     }

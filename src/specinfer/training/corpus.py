@@ -86,7 +86,11 @@ def train_sentencepiece_style_tokenizer(texts: Sequence[str], vocab_size: int) -
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     for name, step in steps.items():
         setattr(trained, name, step)
-    trainer = trainers.BpeTrainer(vocab_size=max(len(SPECIAL_TOKENS) + 1, vocab_size - 256), special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(len(SPECIAL_TOKENS) + 1, vocab_size - 256),
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+    )
     trained.train_from_iterator(texts, trainer=trainer)
     model = json.loads(trained.to_str())["model"]
     vocab = dict(model["vocab"])

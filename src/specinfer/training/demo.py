@@ -52,11 +52,22 @@ class DemoConfig:
 
 
 def add_demo_parser(sub) -> None:
-    d = sub.add_parser("train-demo", help="train the demo LLM + boost-tuned SSMs from a local corpus (about 32 min on 2 CPU cores)")
+    d = sub.add_parser(
+        "train-demo", help="train the demo LLM + boost-tuned SSMs from a local corpus (about 32 min on 2 CPU cores)"
+    )
     d.add_argument("--out", default="models/demo", help="where the pair goes (default models/demo)")
-    d.add_argument("--corpus", nargs="*", default=None, help="text files or folders (default: this Python's standard library)")
-    d.add_argument("--prompt-source", nargs="*", default=None, help="where held-out prompts are cut from (default: the standard library's test folders)")
-    d.add_argument("--vocab-size", type=int, default=4096, help="tokens of the byte-level BPE tokenizer trained on the corpus")
+    d.add_argument(
+        "--corpus", nargs="*", default=None, help="text files or folders (default: this Python's standard library)"
+    )
+    d.add_argument(
+        "--prompt-source",
+        nargs="*",
+        default=None,
+        help="where held-out prompts are cut from (default: the standard library's test folders)",
+    )
+    d.add_argument(
+        "--vocab-size", type=int, default=4096, help="tokens of the byte-level BPE tokenizer trained on the corpus"
+    )
     d.add_argument("--llm-arch", default="layers=4,hidden=256,heads=4,intermediate=688", help="shape of the demo LLM")
     d.add_argument("--llm-steps", type=int, default=1100, help="training steps of the LLM")
     d.add_argument("--llm-batch-size", type=int, default=16, help="training windows per LLM step")
@@ -65,20 +76,36 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--ssm-steps", type=int, default=500, help="distillation steps of the base SSM")
     d.add_argument("--ssms", type=int, default=3, help="boost-tuned SSMs")
     d.add_argument("--boost-steps", type=int, default=300, help="steps per boost-tuned SSM")
-    d.add_argument("--samples", type=int, default=8192, help="boost-tuning samples (corpus prompts + LLM continuations)")
-    d.add_argument("--cover-tokens", type=int, default=1, help="a sample is covered when an SSM predicts this many leading continuation tokens")
-    d.add_argument("--heldout-samples", type=int, default=256, help="samples from the corpus's held-out tail, for the report")
+    d.add_argument(
+        "--samples", type=int, default=8192, help="boost-tuning samples (corpus prompts + LLM continuations)"
+    )
+    d.add_argument(
+        "--cover-tokens",
+        type=int,
+        default=1,
+        help="a sample is covered when an SSM predicts this many leading continuation tokens",
+    )
+    d.add_argument(
+        "--heldout-samples", type=int, default=256, help="samples from the corpus's held-out tail, for the report"
+    )
     d.add_argument("--prompts", type=int, default=200, help="held-out prompts written to prompts.jsonl")
     d.add_argument("--max-corpus-bytes", type=int, default=0, help="read at most this much of the corpus (0: all)")
     d.add_argument("--seed", type=int, default=1, help="seed of every training run")
     d.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    d.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"], help="dtype of the saved checkpoints")
+    d.add_argument(
+        "--save-dtype",
+        default="float16",
+        choices=["float32", "float16", "bfloat16"],
+        help="dtype of the saved checkpoints",
+    )
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
     from specinfer.training.corpus import stdlib_dir
 
-    common = TrainSettings(steps=1, seed=args.seed, device=args.device, save_dtype=args.save_dtype, checkpoint_every=100)
+    common = TrainSettings(
+        steps=1, seed=args.seed, device=args.device, save_dtype=args.save_dtype, checkpoint_every=100
+    )
     return DemoConfig(
         out=Path(args.out),
         corpus=tuple(Path(p) for p in args.corpus) if args.corpus else (stdlib_dir(),),
@@ -86,7 +113,15 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         vocab_size=args.vocab_size,
         llm_arch=ArchSpec.parse(args.llm_arch, "llm-arch"),
         ssm_arch=ArchSpec.parse(args.ssm_arch, "ssm-arch"),
-        llm=replace(common, steps=args.llm_steps, batch_size=args.llm_batch_size, seq_len=args.llm_seq_len, lr=2e-3, warmup=50, kd_weight=0.0),
+        llm=replace(
+            common,
+            steps=args.llm_steps,
+            batch_size=args.llm_batch_size,
+            seq_len=args.llm_seq_len,
+            lr=2e-3,
+            warmup=50,
+            kd_weight=0.0,
+        ),
         ssm=replace(common, steps=args.ssm_steps, batch_size=32, seq_len=128, lr=3e-3, warmup=30, kd_weight=1.0),
         boost=replace(common, steps=args.boost_steps, batch_size=32, lr=1e-3, warmup=20, kd_weight=0.5),
         ssms=args.ssms,
@@ -135,7 +170,9 @@ def run_demo(cfg: DemoConfig, log=None) -> dict:
     base = work / "ssm-base"
     if not (base / "training.json").is_file():
         with times.stage("ssm_base"):
-            source = StudentSource(llm_dir, cfg.corpus, config=_shape(cfg.ssm_arch), max_corpus_bytes=cfg.max_corpus_bytes)
+            source = StudentSource(
+                llm_dir, cfg.corpus, config=_shape(cfg.ssm_arch), max_corpus_bytes=cfg.max_corpus_bytes
+            )
             run_train_ssm(TrainSsmConfig(source, base, cfg.ssm), log)
 
     boost = BoostConfig(

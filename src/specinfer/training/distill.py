@@ -99,7 +99,12 @@ def distill_loss(
         loss = (1.0 - kd_weight if teacher_logits is not None else 1.0) * F.cross_entropy(s, labels[mask])
     if teacher_logits is not None and kd_weight > 0.0:
         t = teacher_logits[mask].float()  # [M, V]
-        kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True, reduction="batchmean")
+        kl = F.kl_div(
+            F.log_softmax(s / temperature, -1),
+            F.log_softmax(t / temperature, -1),
+            log_target=True,
+            reduction="batchmean",
+        )
         loss = loss + kd_weight * temperature**2 * kl
     return loss
 
@@ -107,7 +112,11 @@ def distill_loss(
 def save_model(model: torch.nn.Module, out: Path, dtype: str, tokenizer_dir: Path | None) -> None:
     """A Hugging Face checkpoint folder (config, safetensors, generation config, tokenizer)."""
     out.mkdir(parents=True, exist_ok=True)
-    m = model if DTYPES[dtype] == torch.float32 and next(model.parameters()).device.type == "cpu" else copy.deepcopy(model).cpu()
+    m = (
+        model
+        if DTYPES[dtype] == torch.float32 and next(model.parameters()).device.type == "cpu"
+        else copy.deepcopy(model).cpu()
+    )
     m = m.to(DTYPES[dtype])
     m.config.dtype = DTYPES[dtype]
     m.save_pretrained(out, safe_serialization=True)
@@ -131,7 +140,9 @@ def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device)
     total, count = 0.0, 0
     for ids, labels, mask in batches:
         logits = model(input_ids=ids.to(device)).logits
-        total += float(F.cross_entropy(logits[mask.to(device)].float(), labels.to(device)[mask.to(device)], reduction="sum"))
+        total += float(
+            F.cross_entropy(logits[mask.to(device)].float(), labels.to(device)[mask.to(device)], reduction="sum")
+        )
         count += int(mask.sum())
     model.train()
     return total / max(1, count)
@@ -165,7 +176,9 @@ def train(
     decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95)
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
     )
     start, losses = 0, []
     resume = latest_checkpoint(out)
@@ -188,7 +201,9 @@ def train(
         if teacher is not None and settings.kd_weight > 0:
             with torch.no_grad():
                 teacher_logits = teacher(input_ids=ids).logits
-        loss = distill_loss(student(input_ids=ids).logits, teacher_logits, labels, mask, settings.kd_weight, settings.kd_temperature)
+        loss = distill_loss(
+            student(input_ids=ids).logits, teacher_logits, labels, mask, settings.kd_weight, settings.kd_temperature
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), settings.grad_clip)
@@ -217,7 +232,9 @@ def train(
     return report
 
 
-def _checkpoint(student, opt, step: int, losses: list[float], out: Path, s: TrainSettings, tokenizer_dir: Path | None) -> None:
+def _checkpoint(
+    student, opt, step: int, losses: list[float], out: Path, s: TrainSettings, tokenizer_dir: Path | None
+) -> None:
     """Write ``out/checkpoints/step-N`` (a loadable float32 checkpoint plus the optimizer state,
     written last so a half-written folder is never resumed from); keep the newest few."""
     folder = out / CHECKPOINTS / f"step-{step}"

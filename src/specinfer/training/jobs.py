@@ -92,7 +92,9 @@ def _make_samples(cfg: BoostConfig, llm, log):
     path = cfg.out / "samples.pt"
     if path.is_file():
         saved = torch.load(path, weights_only=True)
-        return Samples(saved["prompts"], saved["continuations"]), Samples(saved["heldout_prompts"], saved["heldout_continuations"])
+        return Samples(saved["prompts"], saved["continuations"]), Samples(
+            saved["heldout_prompts"], saved["heldout_continuations"]
+        )
     train_stream, val_stream = cfg.source.tokens(cfg.val_fraction, log)
     g = torch.Generator().manual_seed(cfg.settings.seed)
     prompts = random_windows(train_stream, cfg.samples, cfg.prompt_tokens, g)
@@ -102,7 +104,9 @@ def _make_samples(cfg: BoostConfig, llm, log):
         cont = greedy_continuations(llm, prompts, cfg.continuation_tokens, 64, device, bar)
         held_cont = greedy_continuations(llm, held, cfg.continuation_tokens, 64, device, bar) if len(held) else cont[:0]
     cfg.out.mkdir(parents=True, exist_ok=True)
-    torch.save({"prompts": prompts, "continuations": cont, "heldout_prompts": held, "heldout_continuations": held_cont}, path)
+    torch.save(
+        {"prompts": prompts, "continuations": cont, "heldout_prompts": held, "heldout_continuations": held_cont}, path
+    )
     return Samples(prompts, cont), Samples(held, held_cont)
 
 
@@ -129,19 +133,36 @@ def run_boost(cfg: BoostConfig, log=None) -> dict:
             rounds.append(json.loads(done.read_text()))
         else:
             if len(idx) == 0:
-                raise InvalidArgument("ssms", f"SSMs 0..{k - 1} cover every sample; ask for fewer SSMs, more --samples or a larger --cover-tokens")
+                raise InvalidArgument(
+                    "ssms",
+                    f"SSMs 0..{k - 1} cover every sample; "
+                    "ask for fewer SSMs, more --samples or a larger --cover-tokens",
+                )
             missed = f"those SSMs 0..{k - 1} missed" if k else "all"
-            print(f"boost-tune: SSM {k} trains on {len(idx)} of {len(samples)} samples ({missed})", file=log, flush=True)
+            print(
+                f"boost-tune: SSM {k} trains on {len(idx)} of {len(samples)} samples ({missed})", file=log, flush=True
+            )
             s = replace(cfg.settings, seed=cfg.settings.seed + k)
             student = cfg.source.student(llm)
             report = train(
-                student, llm if s.kd_weight > 0 else None, subset_batches(samples, idx, s.batch_size, s.seed), s, out, cfg.source.llm, desc=f"ssm-{k}", log=log
+                student,
+                llm if s.kd_weight > 0 else None,
+                subset_batches(samples, idx, s.batch_size, s.seed),
+                s,
+                out,
+                cfg.source.llm,
+                desc=f"ssm-{k}",
+                log=log,
             )
             rounds.append({"ssm": k, "trained_on": idx.tolist(), "training": report})
         # coverage of the checkpoint as written (in its saved dtype), not of the in-memory copy
         saved = load_model(out)
         train_matches.append(greedy_matches(saved, samples, 64, device))
-        held_matches.append(greedy_matches(saved, heldout, 64, device) if len(heldout) else torch.zeros(0, cfg.continuation_tokens, dtype=torch.bool))
+        held_matches.append(
+            greedy_matches(saved, heldout, 64, device)
+            if len(heldout)
+            else torch.zeros(0, cfg.continuation_tokens, dtype=torch.bool)
+        )
         rounds[k]["coverage_after"] = coverage_summary(train_matches, cfg.cover_tokens)
         if not done.is_file():
             done.write_text(json.dumps(rounds[k]) + "\n")
@@ -149,13 +170,18 @@ def run_boost(cfg: BoostConfig, log=None) -> dict:
         "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "settings"}, default=str)),
         "settings": asdict(cfg.settings),
         "seconds": round(time.monotonic() - started, 1),
-        "ssms": [{"ssm": r["ssm"], "path": str(cfg.out / f"ssm-{r['ssm']}"), "trained_on_samples": len(r["trained_on"])} for r in rounds],
+        "ssms": [
+            {"ssm": r["ssm"], "path": str(cfg.out / f"ssm-{r['ssm']}"), "trained_on_samples": len(r["trained_on"])}
+            for r in rounds
+        ],
         "train": coverage_summary(train_matches, cfg.cover_tokens),
         "heldout": coverage_summary(held_matches, cfg.cover_tokens) if len(heldout) else None,
     }
     (cfg.out / BOOST_REPORT).write_text(json.dumps(report, indent=1) + "\n")
     t, h = report["train"], report["heldout"] or report["train"]
     print(
-        f"boost-tune: coverage per SSM {t['coverage']} combined {t['combined_coverage']} (held-out {h['coverage']} combined {h['combined_coverage']})", file=log
+        f"boost-tune: coverage per SSM {t['coverage']} combined {t['combined_coverage']} "
+        f"(held-out {h['coverage']} combined {h['combined_coverage']})",
+        file=log,
     )
     return report

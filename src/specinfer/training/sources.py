@@ -24,7 +24,9 @@ class ArchSpec:
             kv = dict(part.split("=", 1) for part in text.split(",") if part.strip())
             spec = ArchSpec(**{k.strip(): int(v) for k, v in kv.items()})
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(field, f"expected layers=L,hidden=H,heads=N,intermediate=I, got {text!r} ({exc})") from None
+            raise InvalidArgument(
+                field, f"expected layers=L,hidden=H,heads=N,intermediate=I, got {text!r} ({exc})"
+            ) from None
         if min(asdict(spec).values()) <= 0 or spec.hidden % spec.heads:
             raise InvalidArgument(field, f"{text!r}: every value > 0 and hidden divisible by heads")
         return spec
@@ -68,12 +70,21 @@ def student_from(init: Path | None, config: str, llm) -> object:
         check_checkpoint(init, "init")
         model = load_model(init)
         if model.config.vocab_size != llm.config.vocab_size:
-            raise InvalidArgument("init", f"vocabulary {model.config.vocab_size} differs from the LLM's {llm.config.vocab_size}")
+            raise InvalidArgument(
+                "init", f"vocabulary {model.config.vocab_size} differs from the LLM's {llm.config.vocab_size}"
+            )
         return model
     spec = ArchSpec.parse(config)
     c = llm.config
     eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
-    return new_llama(spec, c.vocab_size, c.max_position_embeddings, seed=0, bos=c.bos_token_id or 0, eos=eos if eos is not None else 1)
+    return new_llama(
+        spec,
+        c.vocab_size,
+        c.max_position_embeddings,
+        seed=0,
+        bos=c.bos_token_id or 0,
+        eos=eos if eos is not None else 1,
+    )
 
 
 def corpus_tokens(tokenizer_dir: Path, corpus: tuple[Path, ...], max_bytes: int, val_fraction: float, log):
@@ -93,7 +104,9 @@ def corpus_tokens(tokenizer_dir: Path, corpus: tuple[Path, ...], max_bytes: int,
         raise InvalidArgument("corpus", "no text found")
     eos = eos_token_id(tokenizer_dir)
     stream = encode(tok, texts, 1 if eos is None else eos)
-    print(f"corpus: {len(texts)} files, {sum(map(len, texts)) / 1e6:.1f} MB, {len(stream)} tokens", file=log, flush=True)
+    print(
+        f"corpus: {len(texts)} files, {sum(map(len, texts)) / 1e6:.1f} MB, {len(stream)} tokens", file=log, flush=True
+    )
     return split_stream(stream, val_fraction)
 
 
@@ -118,7 +131,10 @@ def val_windows(stream, seq_len: int, count: int = 16, seed: int = 12345):
     if len(stream) <= seq_len + 1:
         return []
     w = random_windows(stream, count, seq_len + 1, torch.Generator().manual_seed(seed))
-    return [(w[i : i + 8, :-1], w[i : i + 8, 1:], torch.ones(len(w[i : i + 8]), seq_len, dtype=torch.bool)) for i in range(0, count, 8)]
+    return [
+        (w[i : i + 8, :-1], w[i : i + 8, 1:], torch.ones(len(w[i : i + 8]), seq_len, dtype=torch.bool))
+        for i in range(0, count, 8)
+    ]
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,16 @@ from specinfer.tuning.model import CostModel
 CONTINUATION_TREE = ExpansionConfig((2, 2, 2, 1, 1, 1))
 
 
-def greedy_continuations(llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int = 8) -> list[list[int]]:
+def greedy_continuations(
+    llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int = 8
+) -> list[list[int]]:
     """The LLM's greedy continuation of every prompt (EOS ignored)."""
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=batch))
     spec = SpeculationConfig(CONTINUATION_TREE)
-    requests = [GenerationRequest(f"tune-{i}", tuple(p), new_tokens, SamplingParams(), spec, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"tune-{i}", tuple(p), new_tokens, SamplingParams(), spec, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
     return [list(r.output_tokens) for r in engine.generate(requests)]
 
 
@@ -40,7 +45,9 @@ def ssm_ranks(ssm: CausalLM, prompt: Sequence[int], continuation: Sequence[int])
     One teacher-forced pass: the chain root (the prompt's last token) + continuation[:-1];
     node i's logits predict continuation[i]."""
     chain = [prompt[-1], *continuation[:-1]]
-    (logits,) = ssm.forward_tree([TreeForward("tune-ranks", list(prompt[:-1]), chain, list(range(-1, len(chain) - 1)))])  # [len(chain), vocab]
+    (logits,) = ssm.forward_tree(
+        [TreeForward("tune-ranks", list(prompt[:-1]), chain, list(range(-1, len(chain) - 1)))]
+    )  # [len(chain), vocab]
     ssm.release("tune-ranks")
     target = torch.tensor(continuation, dtype=torch.long, device=logits.device)
     own = logits.gather(1, target[:, None])  # [n, 1]
@@ -48,14 +55,24 @@ def ssm_ranks(ssm: CausalLM, prompt: Sequence[int], continuation: Sequence[int])
 
 
 @torch.inference_mode()
-def pass_seconds(model: CausalLM, contexts: Sequence[Sequence[int]], sizes: Sequence[int], reps: int) -> dict[int, float]:
+def pass_seconds(
+    model: CausalLM, contexts: Sequence[Sequence[int]], sizes: Sequence[int], reps: int
+) -> dict[int, float]:
     """Median seconds of one batched ``forward_tree`` with ``n`` new nodes per request (a chain;
     the shape does not change the cost) on top of cached contexts, for each ``n`` in ``sizes``.
     Sizes are timed round-robin, so a slow spell of the machine spreads over all of them instead
     of skewing one; the medians are then made non-decreasing in ``n``."""
     ids = [f"tune-cost-{i}" for i in range(len(contexts))]
-    model.forward_tree([TreeForward(rid, list(c), [], []) for rid, c in zip(ids, contexts, strict=True)])  # prefill once
-    batches = {n: [TreeForward(rid, list(c), [int(c[-1])] * n, list(range(-1, n - 1))) for rid, c in zip(ids, contexts, strict=True)] for n in sizes}
+    model.forward_tree(
+        [TreeForward(rid, list(c), [], []) for rid, c in zip(ids, contexts, strict=True)]
+    )  # prefill once
+    batches = {
+        n: [
+            TreeForward(rid, list(c), [int(c[-1])] * n, list(range(-1, n - 1)))
+            for rid, c in zip(ids, contexts, strict=True)
+        ]
+        for n in sizes
+    }
     for batch in batches.values():  # warm-up
         model.forward_tree(batch)
     times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -70,12 +87,18 @@ def pass_seconds(model: CausalLM, contexts: Sequence[Sequence[int]], sizes: Sequ
     return dict(zip(ordered, nondecreasing([statistics.median(times[n]) for n in ordered]), strict=True))
 
 
-def engine_step_seconds(llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence[int]], widths: Sequence[int], steps: int) -> float:
+def engine_step_seconds(
+    llm: CausalLM, ssm: CausalLM, prompts: Sequence[Sequence[int]], widths: Sequence[int], steps: int
+) -> float:
     """Median wall time of a real engine step (drafting, verification, commit) for ``widths``."""
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=len(prompts)))
     spec = SpeculationConfig(ExpansionConfig(tuple(widths)))
     for i, p in enumerate(prompts):
-        engine.add(GenerationRequest(f"tune-step-{i}", tuple(p), 4 * steps * len(widths), SamplingParams(), spec, ignore_eos=True))
+        engine.add(
+            GenerationRequest(
+                f"tune-step-{i}", tuple(p), 4 * steps * len(widths), SamplingParams(), spec, ignore_eos=True
+            )
+        )
     engine.step()  # prefill
     times = []
     for _ in range(steps):

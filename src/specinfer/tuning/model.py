@@ -154,7 +154,9 @@ def configs(max_depth: int, max_width: int, max_nodes: int) -> Iterator[tuple[in
     yield from grow((), 1, 1)
 
 
-def search(rank_lists: Sequence[np.ndarray], cost: CostModel, max_depth: int, max_width: int, max_nodes: int, refine: int = 40) -> list[Candidate]:
+def search(
+    rank_lists: Sequence[np.ndarray], cost: CostModel, max_depth: int, max_width: int, max_nodes: int, refine: int = 40
+) -> list[Candidate]:
     """Candidates best first by expected tokens/s: every config scored with the fast estimate,
     the best ``refine`` re-scored by walking the continuations exactly."""
     hits = hit_table(rank_lists, max_depth, max_width)

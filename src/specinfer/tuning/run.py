@@ -91,7 +91,9 @@ def run_tune(cfg: TuneConfig, log=None) -> dict:
         "top": [c.as_dict() for c in ranked[:10]],
         "acceptance": {
             "positions": len(all_ranks),
-            "top_k_agreement": {str(k): round(sum(r < k for r in all_ranks) / len(all_ranks), 4) for k in range(1, cfg.max_width + 1)},
+            "top_k_agreement": {
+                str(k): round(sum(r < k for r in all_ranks) / len(all_ranks), 4) for k in range(1, cfg.max_width + 1)
+            },
         },
         "cost": {
             "verify_seconds": {str(k): round(v, 6) for k, v in cost.verify.items()},
@@ -120,22 +122,43 @@ def run_tune(cfg: TuneConfig, log=None) -> dict:
 
 
 def add_tune_parser(sub) -> None:
-    p = sub.add_parser("tune", help="pick the expansion tree with the highest expected tokens/s for an LLM/SSM pair on this machine")
+    p = sub.add_parser(
+        "tune", help="pick the expansion tree with the highest expected tokens/s for an LLM/SSM pair on this machine"
+    )
     p.add_argument("--llm", required=True, help="the LLM that will serve (costs are measured on it)")
     p.add_argument("--ssm", required=True, help="the SSM")
     p.add_argument("--prompts", required=True, help="calibration prompts: JSON lines with a 'text' field")
-    p.add_argument("--acceptance-llm", default=None, help="a model with the LLM's logits that is cheaper to run (e.g. before inflation)")
+    p.add_argument(
+        "--acceptance-llm",
+        default=None,
+        help="a model with the LLM's logits that is cheaper to run (e.g. before inflation)",
+    )
     p.add_argument("--count", type=int, default=30, help="calibration prompts")
-    p.add_argument("--offset", type=int, default=100, help="first calibration prompt (keep them apart from benchmark prompts)")
-    p.add_argument("--new-tokens", type=int, default=64, help="the LLM's greedy tokens per calibration prompt (where the SSM's ranks are measured)")
+    p.add_argument(
+        "--offset", type=int, default=100, help="first calibration prompt (keep them apart from benchmark prompts)"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=64,
+        help="the LLM's greedy tokens per calibration prompt (where the SSM's ranks are measured)",
+    )
     p.add_argument("--batch", type=int, default=1, help="batch size to tune for")
     p.add_argument("--max-depth", type=int, default=8, help="deepest tree searched")
     p.add_argument("--max-width", type=int, default=4, help="most children per node searched")
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree searched (nodes, the root included)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--out", default="specinfer-tuning.json", help="where the result (JSON: the picked tree, acceptance, step costs) is written")
-    p.add_argument("--install", action="store_true", help=f"also write {TUNING_FILE} into the SSM folder (--expansion tuned: its pick; auto: its acceptance)")
+    p.add_argument(
+        "--out",
+        default="specinfer-tuning.json",
+        help="where the result (JSON: the picked tree, acceptance, step costs) is written",
+    )
+    p.add_argument(
+        "--install",
+        action="store_true",
+        help=f"also write {TUNING_FILE} into the SSM folder (--expansion tuned: its pick; auto: its acceptance)",
+    )
 
 
 def tune_main(args: argparse.Namespace) -> int:
@@ -159,8 +182,16 @@ def tune_main(args: argparse.Namespace) -> int:
     result = run_tune(cfg)
     print("| config | nodes | tokens / step | step ms | tokens/s (expected) |")
     print("| --- | --- | --- | --- | --- |")
-    rows = [("pick", result["pick"]), ("paper", result["paper"]), ("sequence", result["sequence_same_depth"]), ("incremental", result["incremental"])]
+    rows = [
+        ("pick", result["pick"]),
+        ("paper", result["paper"]),
+        ("sequence", result["sequence_same_depth"]),
+        ("incremental", result["incremental"]),
+    ]
     for name, c in rows:
-        print(f"| {name} <{c['expansion']}> | {c['nodes']} | {c['tokens_per_step']:.2f} | {1000 * c['step_seconds']:.1f} | {c['tokens_per_second']:.2f} |")
+        print(
+            f"| {name} <{c['expansion']}> | {c['nodes']} | {c['tokens_per_step']:.2f} | {1000 * c['step_seconds']:.1f} "
+            f"| {c['tokens_per_second']:.2f} |"
+        )
     print(f"wrote {cfg.out}" + (f" and {cfg.ssm / TUNING_FILE}" if cfg.install else ""))
     return 0

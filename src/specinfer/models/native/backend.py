@@ -95,13 +95,18 @@ def check_kv_budget(spec: ModelSpec, options: NativeOptions) -> None:
     need = per_row * blocks_for(rows, unit) * unit
     if options.kv_cache_bytes >= need:
         return
-    fitting_rows = options.kv_cache_bytes // (per_row * unit) * unit if options.kv_block_size else options.kv_cache_bytes // per_row
+    fitting_rows = (
+        options.kv_cache_bytes // (per_row * unit) * unit
+        if options.kv_block_size
+        else options.kv_cache_bytes // per_row
+    )
     longest = fitting_rows - options.max_tree_nodes  # the rows a request's tree nodes need besides its positions
     shorter = f", or --max-seq-len {longest} or less" if longest > 0 else ""
     raise InvalidArgument(
         "kv-cache-bytes",
         f"{options.kv_cache_bytes} bytes hold no request of {slot_len(spec, options)} positions ({rows} KV rows with "
-        f"{options.max_tree_nodes} for tree nodes, {per_row} bytes each): give --kv-cache-bytes {need} or more{shorter}",
+        f"{options.max_tree_nodes} for tree nodes, {per_row} bytes each): "
+        f"give --kv-cache-bytes {need} or more{shorter}",
     )
 
 
@@ -111,7 +116,9 @@ def pool_geometry(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     :class:`InvalidArgument` when it holds no request (:func:`check_kv_budget`)."""
     check_kv_budget(spec, options)
     if options.kv_block_size:
-        return options.kv_block_size, options.kv_cache_bytes // (KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size)
+        return options.kv_block_size, options.kv_cache_bytes // (
+            KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size
+        )
     return pool_slots(spec, options)
 
 
@@ -139,7 +146,9 @@ def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> RopeTables
     """RoPE tables on ``device`` of the checkpoint at ``path``; None for OPT (learned positions)."""
     if spec.arch == "opt":
         return None
-    local = None if spec.local_rope_theta is None else default_inv_freq(spec.local_rope_theta, spec.rotary_dim).to(device)
+    local = (
+        None if spec.local_rope_theta is None else default_inv_freq(spec.local_rope_theta, spec.rotary_dim).to(device)
+    )
     if spec.rope_type != "default":
         # scaled RoPE: transformers' own tables (imported here only: it takes seconds, and every rank
         # of a parallel verifier pays it at start-up)
@@ -177,14 +186,18 @@ class NativeBackend:
             raise ValueError(f"kv_block_size {self.block_size} does not match the runner's {type(self.pool).__name__}")
         self.vocab_size = spec.vocab_size
         self.max_positions = slot_len(spec, options)
-        self.rows_per_request = request_rows(spec, options)  # KV rows a request may use (its slot, paged: its most blocks' rows)
+        self.rows_per_request = request_rows(
+            spec, options
+        )  # KV rows a request may use (its slot, paged: its most blocks' rows)
         # Concurrent requests the KV pool holds, each at its longest (a slot is one block of a whole
         # request's rows). Paged, a request takes its blocks as it grows, so more fit at once: the
         # drivers admit by kv_budget (core.kv_budget.schedule).
         budget = self.kv_budget
         self.max_requests = budget.blocks // budget.blocks_for(self.rows_per_request)
         if self.max_requests == 0:
-            raise ValueError("the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len")
+            raise ValueError(
+                "the KV budget does not hold the KV blocks of one request; raise the budget or lower max_seq_len"
+            )
         self._caches: dict[str, RequestCache] = {}
         self.prefix_caching = bool(self.block_size) and options.prefix_caching
         self._prefix_queried = 0  # PrefixCacheStats' totals
@@ -215,7 +228,9 @@ class NativeBackend:
         else:
             weights = build_weights(spec, read_state_dict(path), options.dtype, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
-        model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers)
+        model = NativeModel(
+            spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers
+        )
         return cls(spec, LocalRunner(model, new_pool(spec, options, device, geometry), device), options)
 
     def cached_requests(self) -> list[str]:
@@ -237,7 +252,11 @@ class NativeBackend:
     def _cache(self, request_id: str) -> RequestCache:
         cache = self._caches.get(request_id)
         if cache is None:
-            storage = BlockStorage(self.pool, self.prefix_caching) if self.block_size else SlotStorage(self.pool, self.pool.allocate())
+            storage = (
+                BlockStorage(self.pool, self.prefix_caching)
+                if self.block_size
+                else SlotStorage(self.pool, self.pool.allocate())
+            )
             cache = RequestCache(storage)
             self._caches[request_id] = cache
         return cache
@@ -250,15 +269,24 @@ class NativeBackend:
         for item in batch:
             cache = self._cache(item.request_id)
             chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
-            if chain or cache.reused:  # the cache lacked context tokens: a prefix cache lookup (a hit, for cache.reused of them)
+            if (
+                chain or cache.reused
+            ):  # the cache lacked context tokens: a prefix cache lookup (a hit, for cache.reused of them)
                 self._prefix_queried += len(chain) + cache.reused
                 self._prefix_hits += cache.reused
             lc, lp, m, n = cache.context_len, cache.pending_len, len(chain), len(item.tokens)
             if lc + m > self.max_positions or lp + n > self.rows_per_request - lc - m:
-                raise ValueError(f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, a request holds {self.rows_per_request}")
+                raise ValueError(
+                    f"request {item.request_id!r} needs {lc + m + lp + n} KV rows, "
+                    f"a request holds {self.rows_per_request}"
+                )
             storage = cache.storage
             storage.reserve(lc + m, lc + m + lp + n)
-            requests.append(StepRequest(storage.start, lc, chain, item.tokens, cache.node_parents(item.parents), tuple(storage.block_table)))
+            requests.append(
+                StepRequest(
+                    storage.start, lc, chain, item.tokens, cache.node_parents(item.parents), tuple(storage.block_table)
+                )
+            )
             plans.append((item, cache, chain))
         step = PackedStep.from_trees(requests, self.block_size)
         if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)

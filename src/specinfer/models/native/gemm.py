@@ -53,7 +53,8 @@ class GemmPlan:
     transposed: frozenset[tuple[int, int, int]] = frozenset()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form  # [M, out], contiguous."""
+        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form
+        # [M, out], contiguous."""
         if self.transposed and (w.shape[0], w.shape[1], row_bucket(x.shape[0])) in self.transposed:
             return transposed_linear(x, w, b)
         return F.linear(x, w, b)
@@ -114,7 +115,9 @@ def measure(
         log.info("measuring matrix-product forms: weight %d/%d [%d, %d]", n, len(by_shape), out_f, in_f)
         for b in buckets:
             x = torch.randn(b, in_f, dtype=ws[0].dtype, device=ws[0].device)  # [b, in]
-            linear, transposed = _best_seconds([_Rotation(ws, x, F.linear), _Rotation(ws, x, transposed_linear)], repeats)
+            linear, transposed = _best_seconds(
+                [_Rotation(ws, x, F.linear), _Rotation(ws, x, transposed_linear)], repeats
+            )
             timings[(out_f, in_f, b)] = (linear, transposed)
     return timings
 
@@ -125,5 +128,9 @@ def calibrate(weights: Iterable[torch.Tensor], device: torch.device) -> GemmPlan
         return GemmPlan()
     start = time.perf_counter()
     plan = choose(measure(weights))
-    log.info("matrix-product forms measured in %.1f s: %d of the (shape, rows) cases use w @ x.T", time.perf_counter() - start, len(plan.transposed))
+    log.info(
+        "matrix-product forms measured in %.1f s: %d of the (shape, rows) cases use w @ x.T",
+        time.perf_counter() - start,
+        len(plan.transposed),
+    )
     return plan

@@ -48,7 +48,9 @@ class PoolTensors:
 class KVPool(PoolTensors):
     """Contiguous layout: slot s owns rows ``[s * slot_len, (s + 1) * slot_len)``."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, slot_len: int, num_slots: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, slot_len: int, num_slots: int
+    ) -> None:
         if num_slots <= 0:
             raise ValueError("the KV budget does not hold a single slot; raise the budget or lower max_seq_len")
         super().__init__(spec, dtype, device, (num_slots * slot_len,))  # k, v: [layers, capacity, kv_heads, head_dim]

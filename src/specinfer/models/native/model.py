@@ -1,4 +1,5 @@
-"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and OPT forward pass over packed tokens.
+"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and OPT forward pass over packed
+tokens.
 
 Every token of every request of a batch is one row of the packed activations; attention reads
 and writes the KV pool (either layout) through the tree-attention kernel, whose per-step metadata is
@@ -61,7 +62,9 @@ class NativeModel:
         self._windows = spec.layer_windows
         local = rope is not None and rope.local_inv_freq is not None
         self._rope_index = tuple(int(local and w is not None) for w in spec.layer_windows)
-        self._sm_scale = None if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar**-0.5  # None: head_dim ** -0.5
+        self._sm_scale = (
+            None if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar**-0.5
+        )  # None: head_dim ** -0.5
         if spec.gemma:
             self._qk_norm = self._gemma_qk_norm if spec.qk_norm else self._no_qk_norm
             # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (55.4256 -> 55.5 in bf16 for 3072)
@@ -105,7 +108,14 @@ class NativeModel:
         """Token (and for OPT, position) embeddings of the packed tokens."""
         return self._embed_extra(self._embed_tokens(tokens), positions)
 
-    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, meta: TreeAttentionMetadata, pool: PoolTensors) -> torch.Tensor:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache_rows: torch.Tensor,
+        meta: TreeAttentionMetadata,
+        pool: PoolTensors,
+    ) -> torch.Tensor:
         """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
         ropes = self._ropes(positions, h.dtype)  # once per step, shared by every layer
         for i in range(len(self.layers)):
@@ -133,7 +143,9 @@ class NativeModel:
 
     # Shared by every family.
 
-    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
+    def _ropes(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]:
         """The step's cos/sin tables: ``(global,)``, Gemma 3 ``(global, local)``, OPT ``(None,)``."""
         if self.rope is None:
             return (None,)
@@ -143,7 +155,9 @@ class NativeModel:
         return tables
 
     @staticmethod
-    def _rope(positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
         cos = (emb.cos() * scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
@@ -187,7 +201,14 @@ class NativeModel:
         pool.k[i].flatten(0, -3)[cache_rows] = k
         pool.v[i].flatten(0, -3)[cache_rows] = v
         out = tree_attention(
-            q.contiguous(), pool.k[i], pool.v[i], meta, self._sm_scale, self.attention_impl, spec.attn_softcap, self._windows[i]
+            q.contiguous(),
+            pool.k[i],
+            pool.v[i],
+            meta,
+            self._sm_scale,
+            self.attention_impl,
+            spec.attn_softcap,
+            self._windows[i],
         )  # [T, heads, head_dim]
         return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
 
@@ -220,7 +241,9 @@ class NativeModel:
         return h * self._embed_scale
 
     def _gemma_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        attn = self._attention(i, layer, self._gemma_norm(h, layer.norm1_w), rope, cache_rows, meta, pool)  # [T, hidden], reduced
+        attn = self._attention(
+            i, layer, self._gemma_norm(h, layer.norm1_w), rope, cache_rows, meta, pool
+        )  # [T, hidden], reduced
         h = h + self._gemma_norm(attn, layer.post_attn_norm_w)
         gate_up = self.linear(self._gemma_norm(h, layer.norm2_w), layer.up_w)  # [T, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -244,11 +267,15 @@ class NativeModel:
         return self._reduce(self.linear(self.act(self.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
 
     def _opt_pre_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        h = h + self._attention(i, layer, self._layer_norm(h, layer.norm1_w, layer.norm1_b), rope, cache_rows, meta, pool)
+        h = h + self._attention(
+            i, layer, self._layer_norm(h, layer.norm1_w, layer.norm1_b), rope, cache_rows, meta, pool
+        )
         return h + self._opt_mlp(layer, self._layer_norm(h, layer.norm2_w, layer.norm2_b))
 
     def _opt_post_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        h = self._layer_norm(h + self._attention(i, layer, h, rope, cache_rows, meta, pool), layer.norm1_w, layer.norm1_b)
+        h = self._layer_norm(
+            h + self._attention(i, layer, h, rope, cache_rows, meta, pool), layer.norm1_w, layer.norm1_b
+        )
         return self._layer_norm(h + self._opt_mlp(layer, h), layer.norm2_w, layer.norm2_b)
 
     def _opt_final(self, h: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,9 @@ def layer_bytes(layer: LayerWeights) -> int:
 
 def resident_tensors(weights: ModelWeights) -> list[torch.Tensor]:
     """The weights that stay on the device (see the module docstring): everything but the decoder layers."""
-    return [t for f in dataclasses.fields(weights) if f.name != "layers" and (t := getattr(weights, f.name)) is not None]
+    return [
+        t for f in dataclasses.fields(weights) if f.name != "layers" and (t := getattr(weights, f.name)) is not None
+    ]
 
 
 @dataclass(frozen=True)
@@ -77,20 +79,23 @@ class OffloadBudget:
 
 
 def offload_budget(layer_sizes: Sequence[int], resident: int) -> OffloadBudget:
-    """The device bytes of a model whose decoder layers take ``layer_sizes`` bytes each and whose resident weights take ``resident``."""
+    """The device bytes of a model whose decoder layers take ``layer_sizes`` bytes each and whose resident weights
+    take ``resident``."""
     return OffloadBudget(2 * max(layer_sizes, default=0), resident)
 
 
 def check_reserve(budget: OffloadBudget, reserve: int) -> None:
-    """Raise :class:`InvalidArgument` naming ``--offload-reserve-bytes`` when ``budget`` exceeds ``reserve`` (0: no bound)."""
+    """Raise :class:`InvalidArgument` naming ``--offload-reserve-bytes`` when ``budget`` exceeds ``reserve`` (0: no
+    bound)."""
     if reserve < 0:
         raise InvalidArgument(RESERVE_FLAG, f"must be >= 0, got {reserve}")
     if reserve and budget.device_bytes > reserve:
         raise InvalidArgument(
             RESERVE_FLAG,
-            f"{reserve} bytes do not hold what offloading keeps on the device: {budget.device_bytes} bytes = {budget.staging} "
-            f"(two staging buffers of the largest layer) + {budget.resident} (embeddings, final norm, LM head); raise --{RESERVE_FLAG} "
-            f"to at least {budget.device_bytes}, or 0 for no bound",
+            f"{reserve} bytes do not hold what offloading keeps on the device: "
+            f"{budget.device_bytes} bytes = {budget.staging} (two staging buffers of the largest layer) "
+            f"+ {budget.resident} (embeddings, final norm, LM head); "
+            f"raise --{RESERVE_FLAG} to at least {budget.device_bytes}, or 0 for no bound",
         )
 
 
@@ -126,19 +131,27 @@ class OffloadedLayers:
             raise ValueError("offloading needs at least one decoder layer")
         shapes = {tuple((name, tuple(t.shape), t.dtype) for name, t in layer_tensors(layer).items()) for layer in host}
         if len(shapes) != 1:
-            raise ValueError("offloading needs decoder layers of one shape (the staging buffers are shaped like one layer)")
+            raise ValueError(
+                "offloading needs decoder layers of one shape (the staging buffers are shaped like one layer)"
+            )
         cuda = device.type == "cuda"
         self.host = [_pinned(layer) for layer in host] if cuda else host
         self.staging = (_empty_like(host[0], device), _empty_like(host[0], device))
         # (host tensor, staging tensor) pairs per layer and buffer, built once so a copy walks no dataclass fields
-        self._pairs = [[list(zip(layer_tensors(h).values(), layer_tensors(s).values(), strict=True)) for s in self.staging] for h in self.host]
+        self._pairs = [
+            [list(zip(layer_tensors(h).values(), layer_tensors(s).values(), strict=True)) for s in self.staging]
+            for h in self.host
+        ]
         self.copies = 0
         self._pending: tuple[int, int] | None = None  # (layer, buffer) of the prefetch in flight
         self._current = 0  # buffer of the layer acquired last
         if cuda:
             self._copy_stream = torch.cuda.Stream(device)
             self._ready = (torch.cuda.Event(), torch.cuda.Event())  # per buffer: its copy is done (copy stream)
-            self._free = (torch.cuda.Event(), torch.cuda.Event())  # per buffer: the layer that read it is done (compute stream)
+            self._free = (
+                torch.cuda.Event(),
+                torch.cuda.Event(),
+            )  # per buffer: the layer that read it is done (compute stream)
             self._stage, self._wait_ready, self.release = self._stage_async, self._wait_ready_async, self._release_async
         else:
             self._stage, self._wait_ready, self.release = self._stage_sync, _no_wait, _no_release
@@ -147,7 +160,8 @@ class OffloadedLayers:
         return len(self.host)
 
     def acquire(self, i: int) -> LayerWeights:
-        """Layer ``i`` staged on the device, once its copy is done; starts copying the next layer into the other buffer."""
+        """Layer ``i`` staged on the device, once its copy is done; starts copying the next layer into the other
+        buffer."""
         if self._pending is not None and self._pending[0] == i:
             buf = self._pending[1]
         else:  # nothing prefetched for it (the first pass, or layers taken out of order): copy it now
@@ -194,7 +208,9 @@ def _pinned(layer: LayerWeights) -> LayerWeights:
 
 
 def _empty_like(layer: LayerWeights, device: torch.device) -> LayerWeights:
-    return dataclasses.replace(layer, **{name: torch.empty_like(t, device=device) for name, t in layer_tensors(layer).items()})
+    return dataclasses.replace(
+        layer, **{name: torch.empty_like(t, device=device) for name, t in layer_tensors(layer).items()}
+    )
 
 
 def offload_weights(host: ModelWeights, device: torch.device, reserve: int) -> tuple[ModelWeights, OffloadedLayers]:

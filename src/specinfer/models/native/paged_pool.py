@@ -65,12 +65,16 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 class PagedKVPool(PoolTensors):
     """``num_blocks`` KV blocks of ``block_size`` rows: free, idle (cached) or held (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int, num_blocks: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int, num_blocks: int
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1 for a paged pool, got {block_size}")
         if num_blocks <= 0:
             raise ValueError(f"the KV budget does not hold a single KV block of {block_size} tokens; raise the budget")
-        super().__init__(spec, dtype, device, (num_blocks, block_size))  # k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
+        super().__init__(
+            spec, dtype, device, (num_blocks, block_size)
+        )  # k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
@@ -100,7 +104,9 @@ class PagedKVPool(PoolTensors):
         """``n`` blocks for one request, free ones first, then the least recently used idle ones
         (their keys dropped); none at all (:class:`KVCacheFull`) when fewer are free or idle."""
         if n > self.free_blocks:
-            raise KVCacheFull(f"{n} KV blocks ({self.block_size} tokens each) wanted, {self.free_blocks} of {self.num_blocks} free")
+            raise KVCacheFull(
+                f"{n} KV blocks ({self.block_size} tokens each) wanted, {self.free_blocks} of {self.num_blocks} free"
+            )
         k = min(n, len(self._free))
         taken = self._free[len(self._free) - k :][::-1]
         del self._free[len(self._free) - k :]
@@ -217,7 +223,9 @@ class BlockStorage:
         dst = self.rows(range(context_len, context_len + len(path)))
         if src != dst:
             device = self.pool.k.device
-            self.pool.move(torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device))
+            self.pool.move(
+                torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device)
+            )
         self.context_len = context_len + len(path)
         self._trim()
 

@@ -52,8 +52,12 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # Gemma 2: scaled attention scores capped to c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
-    local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' RoPE base (unscaled); the others use rope_theta / rope_type
-    activation: str = "silu"  # the MLP's (transformers' name): SwiGLU's silu (Llama family), GeGLU's gelu_pytorch_tanh (Gemma), OPT's
+    local_rope_theta: float | None = (
+        None  # Gemma 3: the sliding-window layers' RoPE base (unscaled); the others use rope_theta / rope_type
+    )
+    activation: str = (
+        "silu"  # the MLP's (transformers' name): SwiGLU's silu (Llama family), GeGLU's gelu_pytorch_tanh (Gemma), OPT's
+    )
     # OPT only
     layer_norm_before: bool = True
     final_layer_norm: bool = True
@@ -86,8 +90,12 @@ class ModelSpec:
             max_positions=int(cfg["max_position_embeddings"] if opt else cfg.get("max_position_embeddings", 2048)),
             norm_eps=1e-5 if opt else float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", opt)),  # OPT ties by default, Llama does not
-            qkv_bias=bool(cfg.get("enable_bias", True)) if opt else arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            rope_theta=0.0 if opt else float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            qkv_bias=bool(cfg.get("enable_bias", True))
+            if opt
+            else arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_theta=0.0
+            if opt
+            else float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
             layer_windows=(None,) * int(cfg["num_hidden_layers"]) if opt else _layer_windows(cfg),
             rope_type=rope_type,
             qk_norm=arch == "qwen3",
@@ -117,7 +125,8 @@ class ModelSpec:
 
 
 def _llama_rope_type(cfg: dict) -> str:
-    """The RoPE variant of a Llama-family config; raises :class:`UnsupportedModel` for what the native blocks cannot run."""
+    """The RoPE variant of a Llama-family config; raises :class:`UnsupportedModel` for what the native blocks cannot
+    run."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {cfg.get('hidden_act')!r} (native Llama blocks use SwiGLU)")
     if cfg.get("mlp_bias"):
@@ -160,7 +169,11 @@ def _layer_windows(cfg: dict) -> tuple[int | None, ...]:
 
 
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # GeGLU with tanh-approximated GELU, what every Gemma 2 / 3 uses
-GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}  # every n-th layer is global when a config lists no layer_types
+GEMMA_WINDOW_PATTERN = {
+    "gemma2": 2,
+    "gemma3_text": 6,
+    "gemma3": 6,
+}  # every n-th layer is global when a config lists no layer_types
 # What transformers 5's Gemma2Config / Gemma3TextConfig assume for a field a config.json leaves out
 # (the hub's Gemma 3 4B-27B configs give their text_config a few fields only)
 _GEMMA_SHARED_DEFAULTS = dict(
@@ -175,9 +188,17 @@ _GEMMA_SHARED_DEFAULTS = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
 )
-_GEMMA3_DEFAULTS = dict(_GEMMA_SHARED_DEFAULTS, vocab_size=262_208, max_position_embeddings=131_072, final_logit_softcapping=None)
+_GEMMA3_DEFAULTS = dict(
+    _GEMMA_SHARED_DEFAULTS, vocab_size=262_208, max_position_embeddings=131_072, final_logit_softcapping=None
+)
 GEMMA_DEFAULTS = {
-    "gemma2": dict(_GEMMA_SHARED_DEFAULTS, vocab_size=256_000, max_position_embeddings=8192, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma2": dict(
+        _GEMMA_SHARED_DEFAULTS,
+        vocab_size=256_000,
+        max_position_embeddings=8192,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
     "gemma3_text": _GEMMA3_DEFAULTS,
     "gemma3": _GEMMA3_DEFAULTS,
 }
@@ -195,7 +216,9 @@ def _gemma_spec(arch: str, cfg: dict) -> ModelSpec:
         raise UnsupportedModel("use_bidirectional_attention (an embedding model, not a causal LM)")
     layers = int(cfg["num_hidden_layers"])
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_WINDOW_PATTERN[arch])
-    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
     sliding = cfg.get("sliding_window")
     windows = tuple(int(sliding) if t == "sliding_attention" and sliding else None for t in layer_types)
     heads = int(cfg["num_attention_heads"])

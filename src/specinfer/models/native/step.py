@@ -73,7 +73,9 @@ class PackedStep:
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
-        segments: list[tuple[tuple[int, ...], int, int, int, tuple[int, ...]]] = []  # (parents, prefix, kv start, queries, block table)
+        segments: list[
+            tuple[tuple[int, ...], int, int, int, tuple[int, ...]]
+        ] = []  # (parents, prefix, kv start, queries, block table)
         logit_rows: list[int] = []
         for r in requests:
             m, n = len(r.chain), len(r.tokens)
@@ -93,7 +95,9 @@ class PackedStep:
                 tokens.extend(int(t) for t in r.tokens)
                 positions.extend((node_depths(r.parents)[-n:] + context).tolist())
                 rows.extend(r.rows(block_size, first, first + n))
-        seg_parents, seg_prefix, seg_starts, seg_queries, seg_tables = (tuple(column) for column in zip(*segments, strict=True)) if segments else ((),) * 5
+        seg_parents, seg_prefix, seg_starts, seg_queries, seg_tables = (
+            (tuple(column) for column in zip(*segments, strict=True)) if segments else ((),) * 5
+        )
         return PackedStep(
             tuple(tokens),
             tuple(positions),
@@ -109,12 +113,24 @@ class PackedStep:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device``."""
-        return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (self.tokens, self.positions, self.cache_rows, self.logit_rows))
+        return tuple(
+            torch.tensor(x, dtype=torch.long, device=device)
+            for x in (self.tokens, self.positions, self.cache_rows, self.logit_rows)
+        )
 
     def metadata(self, device: torch.device) -> TreeAttentionMetadata:
         if self.block_size:
-            return build_paged_tree_metadata(self.seg_parents, self.seg_prefix, self.seg_tables, self.block_size, device, num_queries=self.seg_queries)
-        return build_tree_metadata(self.seg_parents, self.seg_prefix, self.seg_starts, device, num_queries=self.seg_queries)
+            return build_paged_tree_metadata(
+                self.seg_parents,
+                self.seg_prefix,
+                self.seg_tables,
+                self.block_size,
+                device,
+                num_queries=self.seg_queries,
+            )
+        return build_tree_metadata(
+            self.seg_parents, self.seg_prefix, self.seg_starts, device, num_queries=self.seg_queries
+        )
 
 
 class StepRunner(Protocol):
@@ -142,4 +158,6 @@ class LocalRunner:
 
     def run(self, step: PackedStep) -> torch.Tensor:
         tokens, positions, rows, logit_rows = step.tensors(self.device)
-        return self.model.forward(tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows)  # [N, vocab]
+        return self.model.forward(
+            tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
+        )  # [N, vocab]

@@ -16,7 +16,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of ``model.safetensors`` or of the shards an index names."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         f = root / name
@@ -80,7 +82,9 @@ def _strip(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[st
     return out
 
 
-def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def build_weights(
+    spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
     def t(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.to(device=device, dtype=dtype).contiguous()
 
@@ -91,7 +95,8 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
         def norm(x: torch.Tensor) -> torch.Tensor:
             return (1.0 + x.float()).to(device).contiguous()
 
-        # gemma3 (multimodal) nests the text model: language_model.model.* on the hub, model.language_model.* in transformers 5
+        # gemma3 (multimodal) nests the text model: language_model.model.* on the hub, model.language_model.* in
+        # transformers 5
         s = _strip(state, ("language_model.model.", "model.language_model.", "model."))
         head = state.get("lm_head.weight", state.get("language_model.lm_head.weight"))
     else:
@@ -136,7 +141,9 @@ def build_weights(spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.
     )
 
 
-def _fused(s: dict[str, torch.Tensor], prefix: str, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fused(
+    s: dict[str, torch.Tensor], prefix: str, fused: str, parts: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias (None when any part lacks one) of the projection ``prefix + fused``, stored
     fused (Phi-3's ``qkv_proj``, ``gate_up_proj``, already in our row order) or as ``parts`` that
     are concatenated by rows in their order."""
@@ -156,7 +163,9 @@ def _opt_weights(spec: ModelSpec, s: dict[str, torch.Tensor], t) -> ModelWeights
         layers.append(
             LayerWeights(
                 qkv_w=t(torch.cat([s[a + "q_proj.weight"], s[a + "k_proj.weight"], s[a + "v_proj.weight"]])),
-                qkv_b=t(torch.cat([s[a + "q_proj.bias"], s[a + "k_proj.bias"], s[a + "v_proj.bias"]])) if has_bias else None,
+                qkv_b=t(torch.cat([s[a + "q_proj.bias"], s[a + "k_proj.bias"], s[a + "v_proj.bias"]]))
+                if has_bias
+                else None,
                 o_w=t(s[a + "out_proj.weight"]),
                 o_b=t(s.get(a + "out_proj.bias")),
                 norm1_w=t(s.get(p + "self_attn_layer_norm.weight")),

@@ -6,4 +6,14 @@ from specinfer.models.native.parallel.groups import Rendezvous, close_groups, ex
 from specinfer.models.native.parallel.layout import ParallelLayout, check_layout
 from specinfer.models.native.parallel.load import load_driver, run_rank
 
-__all__ = ["DriverRunner", "ParallelLayout", "RankFailure", "Rendezvous", "check_layout", "close_groups", "exit_rank", "load_driver", "run_rank"]
+__all__ = [
+    "DriverRunner",
+    "ParallelLayout",
+    "RankFailure",
+    "Rendezvous",
+    "check_layout",
+    "close_groups",
+    "exit_rank",
+    "load_driver",
+    "run_rank",
+]

@@ -129,7 +129,9 @@ def serve_rank(model: StageModel, pool: AnyKVPool, device: torch.device) -> None
             dist.barrier(group=groups.control)  # see DriverRunner.shutdown
             return
         for src, dst in op.moves:
-            pool.move(torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device))
+            pool.move(
+                torch.tensor(src, dtype=torch.long, device=device), torch.tensor(dst, dtype=torch.long, device=device)
+            )
         logits = run_stage(model, pool, op.step, op.step.metadata(device), device)
         if sends_logits and op.step.logit_rows:
             dist.send(logits, dst=0, group=groups.world)

@@ -70,7 +70,11 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
         raise InvalidArgument("tensor-parallel", f"must be >= 1, got {tp}")
     if pp < 1:
         raise InvalidArgument("pipeline-parallel", f"must be >= 1, got {pp}")
-    for what, count in (("attention heads", spec.heads), ("key/value heads", spec.kv_heads), ("MLP width", spec.intermediate_size)):
+    for what, count in (
+        ("attention heads", spec.heads),
+        ("key/value heads", spec.kv_heads),
+        ("MLP width", spec.intermediate_size),
+    ):
         if count % tp:
             raise InvalidArgument("tensor-parallel", f"{tp} does not divide the model's {count} {what}")
     if pp > spec.layers:

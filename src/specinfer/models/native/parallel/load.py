@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-from specinfer.models.native.backend import NativeBackend, NativeOptions, gemm_plan, new_pool, pool_geometry, rope_tables
+from specinfer.models.native.backend import (
+    NativeBackend,
+    NativeOptions,
+    gemm_plan,
+    new_pool,
+    pool_geometry,
+    rope_tables,
+)
 from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.parallel.driver import DriverRunner, RecordingPagedPool, RecordingPool, serve_rank
 from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, init_groups
@@ -19,7 +26,11 @@ from specinfer.models.native.weights import LayerWeights, ModelWeights, build_we
 
 
 def _moved(obj: ModelWeights | LayerWeights, device: torch.device) -> ModelWeights | LayerWeights:
-    changes = {f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)}
+    changes = {
+        f.name: getattr(obj, f.name).to(device)
+        for f in dataclasses.fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor)
+    }
     return dataclasses.replace(obj, **changes)
 
 
@@ -39,7 +50,16 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     else:
         weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
     gemm = gemm_plan(weights, options)
-    model = StageModel(shard_spec(spec, layout), weights, rope_tables(spec, path, device), options.attention, spec.vocab_size, groups, gemm, layers)
+    model = StageModel(
+        shard_spec(spec, layout),
+        weights,
+        rope_tables(spec, path, device),
+        options.attention,
+        spec.vocab_size,
+        groups,
+        gemm,
+        layers,
+    )
     rows, units = pool_geometry(shard_spec(spec, ParallelLayout(layout.tp, layout.pp, 0)), options)
     return model, rows, units
 
@@ -57,11 +77,15 @@ def _join_and_load(
     return spec, device, _stage(path, spec, options, groups)
 
 
-def load_driver(path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous) -> tuple[NativeBackend, DriverRunner]:
+def load_driver(
+    path: str | Path, options: NativeOptions, layout: ParallelLayout, rendezvous: Rendezvous
+) -> tuple[NativeBackend, DriverRunner]:
     """Rank 0: joins the group, loads its shard; returns the backend to serve and its runner
     (``runner.shutdown()`` stops the other ranks; ``runner.failure`` says whether the group broke)."""
     spec, device, (model, rows, units) = _join_and_load(path, options, layout, rendezvous)
-    runner = DriverRunner(model, new_pool(model.spec, options, device, (rows, units), RecordingPool, RecordingPagedPool), device)
+    runner = DriverRunner(
+        model, new_pool(model.spec, options, device, (rows, units), RecordingPool, RecordingPagedPool), device
+    )
     return NativeBackend(spec, runner, options), runner
 
 

@@ -31,7 +31,8 @@ def _rows(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
 
 
 def _qkv_rows(spec: ModelSpec, layout: ParallelLayout) -> torch.Tensor:
-    """Row indices of rank's q, k and v heads in the fused qkv projection.  # [(heads + 2 * kv_heads) / tp * head_dim]"""
+    """Row indices of rank's q, k and v heads in the fused qkv projection.
+    # [(heads + 2 * kv_heads) / tp * head_dim]"""
     d, r = spec.head_dim, layout.tp_rank
     hq, hkv = spec.heads // layout.tp, spec.kv_heads // layout.tp
     q = torch.arange(r * hq * d, (r + 1) * hq * d)

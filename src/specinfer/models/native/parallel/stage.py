@@ -52,7 +52,9 @@ class StageModel(NativeModel):
             return super()._embed_tokens(tokens)
         mine = (tokens >= self.vocab.start) & (tokens < self.vocab.stop)  # [T] bool
         if len(self.vocab):
-            h = F.embedding(torch.where(mine, tokens - self.vocab.start, 0), self.w.embed) * mine[:, None].to(self.w.embed.dtype)
+            h = F.embedding(torch.where(mine, tokens - self.vocab.start, 0), self.w.embed) * mine[:, None].to(
+                self.w.embed.dtype
+            )
         else:  # more ranks than vocabulary blocks: this one owns no row
             h = self.w.embed.new_zeros(tokens.shape[0], self.w.embed.shape[1])
         return self._reduce(h)
@@ -73,7 +75,9 @@ class StageModel(NativeModel):
         return x
 
 
-def run_stage(model: StageModel, pool: PoolTensors, step: PackedStep, meta: TreeAttentionMetadata, device: torch.device) -> torch.Tensor | None:
+def run_stage(
+    model: StageModel, pool: PoolTensors, step: PackedStep, meta: TreeAttentionMetadata, device: torch.device
+) -> torch.Tensor | None:
     """This rank's share of ``step`` (``meta``: its tree-attention metadata); the logits
     # [N, vocab] float32 on the last stage, else None."""
     layout, world = model.groups.layout, model.groups.world
