@@ -1,11 +1,20 @@
-"""Request-manager configuration, built once from flags / SPECINFER_* environment variables."""
+"""Request-manager configuration, built once from flags / SPECINFER_* environment variables.
+
+Each setting is declared once: a field of :class:`RequestManagerConfig` with its default, and in its
+metadata its flag's help (:func:`setting`). :meth:`RequestManagerConfig.parser` adds one flag per such
+field (the flag's type and default are the field default's) and :meth:`RequestManagerConfig.from_namespace`
+reads them back. The settings every service has (``--host``, ``--port``, ``--tls-*``, ...) come from
+:func:`specinfer.serving.config.add_server_settings`; a few fields are built from other flags by hand
+(``expansion`` and ``adaptive`` from ``--expansion``, ``security``, ``internal``, ``server``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specinfer.checkpoint import check_checkpoint, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
@@ -26,145 +35,150 @@ from specinfer.serving.security import ClientAuth, ServerSecurity, read_token
 from specinfer.serving.server import ServerConfig
 from specinfer.tuning import resolve_expansion
 
+FLAG = "specinfer.flag"  # the field metadata key of a setting's Flag
+
 
 @dataclass(frozen=True)
+class Flag:
+    """The command-line setting of a field: ``--NAME`` (the field's name, dashed, unless ``name`` says
+    otherwise) with its help; ``secret``: neither ``--help`` nor the config's repr shows the value;
+    ``text``: the flag's default where the field is built from the flag's text by hand and has none."""
+
+    help: str
+    name: str = ""
+    secret: bool = False
+    text: str | None = None
+
+    def flag(self, field_name: str) -> str:
+        return "--" + (self.name or field_name.replace("_", "-"))
+
+    def dest(self, field_name: str) -> str:
+        return self.flag(field_name)[2:].replace("-", "_")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    name: str = "",
+    secret: bool = False,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A field set by the flag ``--NAME`` (:class:`Flag`), defaulting to ``default`` (or ``factory()``,
+    when the parser is built). A tuple is a comma-separated list on the command line."""
+    metadata = {FLAG: Flag(help, name, secret)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, repr=not secret, metadata=metadata)
+
+
+def flag_default(f: dataclasses.Field) -> Any:
+    """The default of ``f``'s flag: the field's default, a tuple as its comma-separated text."""
+    flag: Flag = f.metadata[FLAG]
+    if flag.text is not None:
+        return flag.text
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return ",".join(value) if isinstance(value, tuple) else value
+
+
+def reads_own_flag(f: dataclasses.Field) -> bool:
+    """``f`` is set from its flag as it parses (not built by hand from the flag's text)."""
+    return FLAG in f.metadata and f.metadata[FLAG].text is None
+
+
+def flag_value(f: dataclasses.Field, a: argparse.Namespace) -> Any:
+    """``f``'s value from its parsed flag: a comma-separated list as a tuple."""
+    value = getattr(a, f.metadata[FLAG].dest(f.name))
+    return tuple(split_list(value)) if isinstance(f.default, tuple) else value
+
+
+EXPANSION_HELP = (
+    "default speculation: 'auto' (adaptive: the planner sizes each step's tree), 'tuned' (the paper's tree), "
+    "widths per depth, @FILE (a `specinfer tune` result), 'none'"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequestManagerConfig:
+    """The request manager's settings, its fields in the order of ``--help``."""
+
+    # where it listens, logging and shutdown: the settings every service has (add_server_settings)
     host: str
-    port: int
+    port: int = 50051
     port_file: str
-    redis_url: str  # empty: start an embedded Redis under state_dir
-    redis_password: str = field(repr=False)
-    redis_username: str
-    redis_cluster: bool  # redis_url names a node of a Redis Cluster
-    redis_min_replica_acks: int  # replicas that must acknowledge each write (0: none)
-    redis_replica_timeout_seconds: float  # how long a write waits for them
-    redis_key_prefix: str  # every key of ours starts with it: deployments sharing a Redis keep apart
-    state_dir: str
-    ssm_workers: tuple[str, ...]
-    verifiers: tuple[str, ...]  # LLM verifier replicas: host:port addresses and dns:///host:port names
-    model_dir: str  # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
-    expansion: tuple[
-        int, ...
-    ]  # default static expansion config; empty: adaptive (see adaptive) or no speculation by default
-    adaptive: bool  # requests that set nothing speculate adaptively (--expansion auto)
-    default_ssms: tuple[str, ...]
-    draft_support: int
-    max_batch: int
-    max_prefill_tokens: int
-    max_queue: int
-    max_new_tokens: int
-    owner: str
-    lease_seconds: float  # the ownership lease's TTL (services/request_manager/ownership.py)
-    result_ttl_seconds: float
-    rpc_timeout_seconds: float
-    grace_seconds: float
     log_level: str
-    max_prompt_tokens: int
-    max_tree_nodes: int
+    grace_seconds: float
+    redis_url: str = setting("", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
+    redis_password: str = setting("", "Redis password", secret=True)
+    redis_username: str = setting("", "Redis ACL user name (empty: the default user)")
+    redis_cluster: bool = setting(False, "--redis-url names any node of a Redis Cluster (on/off)")
+    redis_min_replica_acks: int = setting(
+        0,
+        "replicas that must acknowledge each write before tokens are streamed (WAIT), "
+        "so an acknowledged token survives a failover (0: off)",
+    )
+    redis_key_prefix: str = setting(
+        "specinfer", "prefix of every Redis key (deployments that share a Redis use different ones)"
+    )
+    redis_replica_timeout_seconds: float = setting(
+        1.0, "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)"
+    )
+    state_dir: str = setting("./specinfer-state", "where the embedded Redis keeps its data")
+    ssm_workers: tuple[str, ...] = setting(
+        (), "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host"
+    )
+    verifiers: tuple[str, ...] = setting(
+        ("127.0.0.1:50053",),
+        "comma-separated LLM verifier replica addresses host:port; dns:///host:port means all addresses of host "
+        "(each request runs on one)",
+        name="verifier",
+    )
+    # LLM checkpoint folder: tokenizer.json and the EOS token (no weights are loaded)
+    model_dir: str = setting("", "LLM checkpoint folder for the tokenizer and EOS token")
+    # the default static expansion config (widths per depth); empty: adaptive (see adaptive) or no speculation
+    expansion: tuple[int, ...] = field(metadata={FLAG: Flag(EXPANSION_HELP, text="auto")})
+    adaptive: bool  # requests that set nothing speculate adaptively (--expansion auto)
+    default_ssms: tuple[str, ...] = setting((), "comma-separated SSM names used by default (empty: all)")
+    draft_support: int = setting(DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
+    max_batch: int = setting(32, "most requests per iteration")
+    max_prefill_tokens: int = setting(
+        2048, "most tokens of the requests admitted in one iteration, past the first (0: no cap)"
+    )
+    max_queue: int = setting(256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
+    max_new_tokens: int = setting(4096, "upper limit of a request's max_new_tokens")
+    owner: str = setting(
+        help="ID of this replica (requests in Redis are partitioned by owner; unique per replica)",
+        factory=socket.gethostname,
+    )
+    lease_seconds: float = setting(  # the ownership lease's TTL (services/request_manager/ownership.py)
+        10.0,
+        "TTL of this replica's ownership lease in Redis, renewed every third of it; "
+        "a dead replica's requests resume on another within 1.5 times it",
+    )
+    result_ttl_seconds: float = setting(3600.0, "how long finished requests stay in Redis")
+    rpc_timeout_seconds: float = setting(60.0, "timeout of calls to workers and verifier")
+    max_prompt_tokens: int = setting(8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
+    max_tree_nodes: int = setting(64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
+    ssm_failure_seconds: float = setting(
+        10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy"
+    )
+    http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API on --host (0: no HTTP API)")
+    http_port_file: str = setting("", "write the HTTP API's port here once it listens")
     security: ServerSecurity  # the public port: TLS and the --auth-token clients must send
     internal: ClientAuth  # calls to workers and verifier: TLS and the --internal-token
-    ssm_failure_seconds: float
     server: ServerConfig  # where it listens (gRPC and metrics), from the same settings as host/port
-    http_port: int = 0  # the OpenAI-compatible HTTP API (0: off)
-    http_port_file: str = ""
 
     @staticmethod
     def parser() -> SettingsParser:
         p = SettingsParser(
             prog="specinfer-request-manager", description="specinfer request manager: the public gRPC API"
         )
-        add_server_settings(p, default_port=50051)
-        add_setting(p, "--redis-url", str, "", "Redis URL (redis://, rediss://, unix://); empty: embedded Redis")
-        add_setting(p, "--redis-password", str, "", "Redis password", secret=True)
-        add_setting(p, "--redis-username", str, "", "Redis ACL user name (empty: the default user)")
-        add_setting(p, "--redis-cluster", bool, False, "--redis-url names any node of a Redis Cluster (on/off)")
-        add_setting(
-            p,
-            "--redis-min-replica-acks",
-            int,
-            0,
-            "replicas that must acknowledge each write before tokens are streamed (WAIT), "
-            "so an acknowledged token survives a failover (0: off)",
-        )
-        add_setting(
-            p,
-            "--redis-key-prefix",
-            str,
-            "specinfer",
-            "prefix of every Redis key (deployments that share a Redis use different ones)",
-        )
-        add_setting(
-            p,
-            "--redis-replica-timeout-seconds",
-            float,
-            1.0,
-            "how long a write waits for --redis-min-replica-acks replicas before it fails (retried)",
-        )
-        add_setting(p, "--state-dir", str, "./specinfer-state", "where the embedded Redis keeps its data")
-        add_setting(
-            p,
-            "--ssm-workers",
-            str,
-            "",
-            "comma-separated SSM worker addresses host:port; dns:///host:port means all addresses of host",
-        )
-        add_setting(
-            p,
-            "--verifier",
-            str,
-            "127.0.0.1:50053",
-            "comma-separated LLM verifier replica addresses host:port; dns:///host:port means all addresses of host "
-            "(each request runs on one)",
-        )
-        add_setting(p, "--model-dir", str, "", "LLM checkpoint folder for the tokenizer and EOS token")
-        add_setting(
-            p,
-            "--expansion",
-            str,
-            "auto",
-            "default speculation: 'auto' (adaptive: the planner sizes each step's tree), 'tuned' (the paper's tree), "
-            "widths per depth, @FILE (a `specinfer tune` result), 'none'",
-        )
-        add_setting(p, "--default-ssms", str, "", "comma-separated SSM names used by default (empty: all)")
-        add_setting(p, "--draft-support", int, DEFAULT_DRAFT_SUPPORT, "most tokens of a sparse draft distribution")
-        add_setting(p, "--max-batch", int, 32, "most requests per iteration")
-        add_setting(
-            p,
-            "--max-prefill-tokens",
-            int,
-            2048,
-            "most tokens of the requests admitted in one iteration, past the first (0: no cap)",
-        )
-        add_setting(p, "--max-queue", int, 256, "most waiting requests (more get RESOURCE_EXHAUSTED)")
-        add_setting(p, "--max-new-tokens", int, 4096, "upper limit of a request's max_new_tokens")
-        add_setting(
-            p,
-            "--owner",
-            str,
-            socket.gethostname(),
-            "ID of this replica (requests in Redis are partitioned by owner; unique per replica)",
-        )
-        add_setting(
-            p,
-            "--lease-seconds",
-            float,
-            10.0,
-            "TTL of this replica's ownership lease in Redis, renewed every third of it; "
-            "a dead replica's requests resume on another within 1.5 times it",
-        )
-        add_setting(p, "--result-ttl-seconds", float, 3600.0, "how long finished requests stay in Redis")
-        add_setting(p, "--rpc-timeout-seconds", float, 60.0, "timeout of calls to workers and verifier")
-        add_setting(p, "--max-prompt-tokens", int, 8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
-        add_setting(p, "--max-tree-nodes", int, 64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
-        add_setting(
-            p,
-            "--ssm-failure-seconds",
-            float,
-            10.0,
-            "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy",
-        )
-        add_setting(p, "--http-port", int, 8000, "port of the OpenAI-compatible HTTP API on --host (0: no HTTP API)")
-        add_setting(p, "--http-port-file", str, "", "write the HTTP API's port here once it listens")
+        add_server_settings(p, default_port=FIELDS["port"].default)
+        for f in FIELDS.values():
+            if FLAG in f.metadata:
+                flag: Flag = f.metadata[FLAG]
+                default = flag_default(f)
+                add_setting(p, flag.flag(f.name), type(default), default, flag.help, secret=flag.secret)
         add_setting(
             p,
             "--auth-token",
@@ -205,43 +219,21 @@ class RequestManagerConfig:
             else ExpansionConfig.parse(resolve_expansion(a.expansion)).widths
         )
         return RequestManagerConfig(
+            **{f.name: flag_value(f, a) for f in FIELDS.values() if reads_own_flag(f)},
             host=a.host,
             port=a.port,
             port_file=a.port_file or "",
-            redis_url=a.redis_url,
-            redis_password=a.redis_password,
-            redis_username=a.redis_username,
-            redis_cluster=a.redis_cluster,
-            redis_min_replica_acks=a.redis_min_replica_acks,
-            redis_replica_timeout_seconds=a.redis_replica_timeout_seconds,
-            redis_key_prefix=a.redis_key_prefix,
-            state_dir=a.state_dir,
-            ssm_workers=tuple(split_list(a.ssm_workers)),
-            verifiers=tuple(split_list(a.verifier)),
-            model_dir=a.model_dir,
+            log_level=a.log_level,
+            grace_seconds=a.grace_seconds,
             expansion=expansion,
             adaptive=adaptive,
-            default_ssms=tuple(split_list(a.default_ssms)),
-            draft_support=a.draft_support,
-            max_batch=a.max_batch,
-            max_prefill_tokens=a.max_prefill_tokens,
-            max_queue=a.max_queue,
-            max_new_tokens=a.max_new_tokens,
-            owner=a.owner,
-            lease_seconds=a.lease_seconds,
-            result_ttl_seconds=a.result_ttl_seconds,
-            rpc_timeout_seconds=a.rpc_timeout_seconds,
-            grace_seconds=a.grace_seconds,
-            log_level=a.log_level,
-            max_prompt_tokens=a.max_prompt_tokens,
-            max_tree_nodes=a.max_tree_nodes,
             security=server_security(a, (auth_token,)),
             internal=client_auth(a, internal_token(a)),
-            ssm_failure_seconds=a.ssm_failure_seconds,
             server=ServerConfig.from_args(a),
-            http_port=a.http_port,
-            http_port_file=a.http_port_file,
         )
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RequestManagerConfig)}
 
 
 def check_model_dir(path: str) -> None:
@@ -265,7 +257,8 @@ def check_redis(a: argparse.Namespace) -> None:
     if a.redis_cluster and not a.redis_url.startswith(("redis://", "rediss://")):
         raise InvalidArgument(
             "redis-url",
-            f"--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), got {a.redis_url.split('://')[0]}://",
+            "--redis-cluster needs a redis:// or rediss:// --redis-url (a cluster is reached over TCP), "
+            f"got {a.redis_url.split('://')[0]}://",
         )
     if a.redis_min_replica_acks < 0:
         raise InvalidArgument("redis-min-replica-acks", f"must be >= 0, got {a.redis_min_replica_acks}")
