@@ -26,7 +26,7 @@ from pathlib import Path
 from soak import DEFAULT_PAIR, Totals, pct, stream_loop
 
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.redis_server import free_tcp_port
+from specinfer.request_manager.state.redis_server import free_tcp_port
 
 
 def http_stream_loop(port: int, prompts: list[list[int]], index: int, args, stop_at: float, totals: Totals) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from redis.cluster import key_slot
 
-from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # Redis 6 listens for the cluster bus on its port + 10000 (cluster-port is Redis 7)

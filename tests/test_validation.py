@@ -109,7 +109,7 @@ def test_cli_generates(model_pair, capsys):
 
 
 def _limits(default_adaptive: bool = False, default_expansion: tuple[int, ...] = ()):
-    from specinfer.request_manager.admission import ApiLimits
+    from specinfer.request_manager.api.admission import ApiLimits
 
     return ApiLimits(
         vocab_size=100,
@@ -128,7 +128,7 @@ def _limits(default_adaptive: bool = False, default_expansion: tuple[int, ...] =
 def test_admission_of_adaptive_speculation():
     """``adaptive`` (or nothing, on an adaptive server) -> SpeculationConfig(None, ...); expansion -> static; both:
     refused."""
-    from specinfer.request_manager.admission import speculation
+    from specinfer.request_manager.api.admission import speculation
     from specinfer.v1 import api_pb2
 
     auto, static = _limits(default_adaptive=True), _limits(default_expansion=(1, 2))
@@ -159,9 +159,9 @@ def test_admission_of_adaptive_speculation():
 
 
 def test_adaptive_requests_survive_the_redis_record():
-    from specinfer.request_manager.live import Live
-    from specinfer.request_manager.live_records import live_from_snapshot, live_params
-    from specinfer.request_manager.records import RequestSnapshot, RequestStatus
+    from specinfer.request_manager.scheduling.live import Live
+    from specinfer.request_manager.state.live_records import live_from_snapshot, live_params
+    from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
 
     limits = _limits(default_adaptive=True)
     for suffix in (True, False):
@@ -222,7 +222,7 @@ def test_admission_refuses_a_request_no_kv_budget_holds_alone():
     import dataclasses
 
     from specinfer.core.kv_budget import KVBudget
-    from specinfer.request_manager.admission import build_live
+    from specinfer.request_manager.api.admission import build_live
     from specinfer.v1 import api_pb2
 
     limits = dataclasses.replace(

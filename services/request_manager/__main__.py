@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.request_manager.app import RequestManagerApp
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.redis_server import RedisStartError, StateDirInUse
 from specinfer.request_manager.startup import SPECULATION_HEALTH, StartUpError
+from specinfer.request_manager.state.redis_server import RedisStartError, StateDirInUse
 from specinfer.serving.config import check_ports_free
 from specinfer.serving.server import setup_logging
 

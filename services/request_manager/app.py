@@ -15,17 +15,14 @@ import redis.exceptions
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core.kv_budget import KVBudget
-from specinfer.request_manager.adaptive import start_planner
-from specinfer.request_manager.chat_template import ChatTemplate
+from specinfer.request_manager.api.chat_template import ChatTemplate
+from specinfer.request_manager.api.http_api import HttpApi
+from specinfer.request_manager.api.http_transport import HttpMetrics, HttpServer
+from specinfer.request_manager.api.servicer import SpecInferServicer
+from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.http_api import HttpApi
-from specinfer.request_manager.http_transport import HttpMetrics, HttpServer
-from specinfer.request_manager.lifecycle import Requests
-from specinfer.request_manager.ownership import Lease, Ownership
-from specinfer.request_manager.redis_server import EmbeddedRedis, connect
-from specinfer.request_manager.remote import SsmWorkers, Verifiers
-from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
-from specinfer.request_manager.servicer import SpecInferServicer
+from specinfer.request_manager.scheduling.adaptive import start_planner
+from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.startup import (
     SsmSet,
     StartUpError,
@@ -36,7 +33,10 @@ from specinfer.request_manager.startup import (
     wait_for_verifier,
     worker_kv_budgets,
 )
-from specinfer.request_manager.store import RequestStore
+from specinfer.request_manager.state.lifecycle import Requests
+from specinfer.request_manager.state.ownership import Lease, Ownership
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.store import RequestStore
 from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
 from specinfer.serving.server import Service, run_service, write_port_file

@@ -15,12 +15,12 @@ from specinfer.core import ExpansionConfig
 from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.kv_budget import KVBudget
 from specinfer.core.vocab_map import SHARED_VOCABULARY
-from specinfer.request_manager.adaptive import start_planner
-from specinfer.request_manager.admission import ApiLimits
+from specinfer.request_manager.api.admission import ApiLimits
+from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.lifecycle import Requests
-from specinfer.request_manager.remote import SsmWorkers, Verifiers
-from specinfer.request_manager.scheduler import Scheduler
+from specinfer.request_manager.scheduling.adaptive import start_planner
+from specinfer.request_manager.scheduling.scheduler import Scheduler
+from specinfer.request_manager.state.lifecycle import Requests
 from specinfer.serving.metrics import SchedulerMetrics
 from specinfer.serving.server import Service
 from specinfer.v1 import internal_pb2

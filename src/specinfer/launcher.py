@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.serving.config import named_paths
 from specinfer.serving.healthcheck import check
 from specinfer.serving.security import ClientAuth, ClientTls

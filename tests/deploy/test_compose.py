@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 import yaml
 
-from specinfer.request_manager.redis_server import EmbeddedRedis, free_tcp_port
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, free_tcp_port
 from specinfer.serving.security import ClientAuth, ClientTls
 from specinfer.v1 import api_pb2, api_pb2_grpc
 

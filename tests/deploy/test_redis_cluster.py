@@ -24,7 +24,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from specinfer.request_manager.redis_server import find_redis_server
+from specinfer.request_manager.state.redis_server import find_redis_server
 
 from .artifacts import rendered
 

@@ -23,7 +23,7 @@ from specinfer.checkpoint import load_tokenizer
 from specinfer.client import Client
 from specinfer.core import SamplingParams
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.redis_server import free_tcp_port
+from specinfer.request_manager.state.redis_server import free_tcp_port
 from specinfer.v1 import api_pb2
 
 NEW_TOKENS = 12

@@ -18,8 +18,8 @@ from services.harness import wait_until  # tests/services/harness.py
 from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import StackConfig
-from specinfer.request_manager.redis_layout import KeySpace
-from specinfer.request_manager.redis_server import RedisBinaryNotFoundError, find_redis_server
+from specinfer.request_manager.state.redis_layout import KeySpace
+from specinfer.request_manager.state.redis_server import RedisBinaryNotFoundError, find_redis_server
 from specinfer.v1 import api_pb2
 
 STREAMS = 8

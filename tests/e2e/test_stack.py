@@ -406,7 +406,7 @@ def test_request_manager_restart_resumes_from_redis(stack, model_pair, tmp_path)
     """kill -9 the request manager mid-request, start it again on the same Redis: the request
     continues from its committed tokens, and a client reattaching from offset 0 gets exactly the
     transformers output (no gap, no duplicate)."""
-    from specinfer.request_manager.redis_server import EmbeddedRedis
+    from specinfer.request_manager.state.redis_server import EmbeddedRedis
 
     prompt, new_tokens = model_pair.prompts[5], 200  # long enough to be mid-way at the kill
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)

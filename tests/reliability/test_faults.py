@@ -18,7 +18,7 @@ from specinfer.core import SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.__main__ import SPECULATION_HEALTH
-from specinfer.request_manager.redis_server import EmbeddedRedis
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.v1 import api_pb2
 
 from .conftest import check_streams, progress, run_streams

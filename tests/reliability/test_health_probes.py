@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specinfer.request_manager.failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes
+from specinfer.request_manager.cluster.failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes
 
 pytestmark = pytest.mark.reliability  # waits DOWN_SECONDS
 

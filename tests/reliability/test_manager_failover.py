@@ -21,7 +21,7 @@ from services.harness import wait_until  # tests/services/harness.py
 from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.redis_layout import KeySpace
+from specinfer.request_manager.state.redis_layout import KeySpace
 from specinfer.serving.healthcheck import check
 from specinfer.v1 import api_pb2
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.core import InvalidArgument
-from specinfer.request_manager.chat_template import ChatTemplate, check_messages
+from specinfer.request_manager.api.chat_template import ChatTemplate, check_messages
 
 CHATML = (
     "{% for message in messages %}"

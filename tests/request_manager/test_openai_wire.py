@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specinfer.core import InvalidArgument
-from specinfer.request_manager import openai_wire as ow
+from specinfer.request_manager.api import openai_wire as ow
 from specinfer.v1 import api_pb2
 
 

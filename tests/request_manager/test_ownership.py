@@ -1,5 +1,5 @@
 """Request-manager replicas on a real Redis: leases, claims that fence earlier writers, adoption races,
-the owners registry, cancel marks and the tail a follower polls (services/request_manager/ownership.py)."""
+the owners registry, cancel marks and the tail a follower polls (services/request_manager/state/ownership.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from specinfer.request_manager.ownership import Lease
-from specinfer.request_manager.records import RequestRecord
-from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import OwnershipError
+from specinfer.request_manager.state.ownership import Lease
+from specinfer.request_manager.state.records import RequestRecord
+from specinfer.request_manager.state.store import RequestStore
+from specinfer.request_manager.state.store_errors import OwnershipError
 
 PARAMS = {"max_new_tokens": 8}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specinfer.request_manager.redis_server import (
+from specinfer.request_manager.state.redis_server import (
     EmbeddedRedis,
     RedisBinaryNotFoundError,
     RedisStartError,
@@ -112,7 +112,7 @@ def test_die_with_parent_stops_the_server_when_its_owner_is_killed(tmp_path: Pat
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from specinfer.request_manager.redis_server import EmbeddedRedis\n"
+            "from specinfer.request_manager.state.redis_server import EmbeddedRedis\n"
             f"EmbeddedRedis({str(tmp_path)!r}, executable={str(redis_binary)!r}, die_with_parent=True).start()\n"
             "print('up', flush=True)\n"
             "time.sleep(600)\n",

@@ -14,16 +14,16 @@ from prometheus_client import CollectorRegistry
 
 from specinfer.core.errors import Unavailable
 from specinfer.core.requests import GenerationRequest
-from specinfer.request_manager.admission import ApiLimits
-from specinfer.request_manager.lifecycle import Requests
-from specinfer.request_manager.live import Live
-from specinfer.request_manager.live_records import live_record
-from specinfer.request_manager.ownership import Lease, Ownership
-from specinfer.request_manager.redis_server import EmbeddedRedis, connect, free_tcp_port
-from specinfer.request_manager.remote import Verifiers
-from specinfer.request_manager.scheduler import Scheduler, SchedulerConfig
-from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import OwnershipError
+from specinfer.request_manager.api.admission import ApiLimits
+from specinfer.request_manager.cluster.remote import Verifiers
+from specinfer.request_manager.scheduling.live import Live
+from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerConfig
+from specinfer.request_manager.state.lifecycle import Requests
+from specinfer.request_manager.state.live_records import live_record
+from specinfer.request_manager.state.ownership import Lease, Ownership
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect, free_tcp_port
+from specinfer.request_manager.state.store import RequestStore
+from specinfer.request_manager.state.store_errors import OwnershipError
 from specinfer.serving.metrics import SchedulerMetrics
 
 LIMITS = ApiLimits(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specinfer.request_manager.failover import StallWatch
+from specinfer.request_manager.cluster.failover import StallWatch
 
 
 def test_a_blocked_loop_is_a_stall_and_a_running_one_is_not():

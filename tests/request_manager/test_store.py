@@ -12,7 +12,7 @@ import redis.exceptions
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specinfer.request_manager.records import (
+from specinfer.request_manager.state.records import (
     INT32_MAX,
     INT32_MIN,
     FinishReason,
@@ -22,9 +22,9 @@ from specinfer.request_manager.records import (
     pack_tokens,
     unpack_tokens,
 )
-from specinfer.request_manager.redis_server import EmbeddedRedis, connect
-from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import (
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.store import RequestStore
+from specinfer.request_manager.state.store_errors import (
     OffsetConflictError,
     OwnershipError,
     RequestExistsError,

@@ -17,10 +17,10 @@ from redis_cluster import LocalRedisCluster, wait_for  # tests/redis_cluster.py
 
 from specinfer.core import InvalidArgument
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.records import RequestRecord, StepStats
-from specinfer.request_manager.redis_server import EmbeddedRedis, connect
-from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import ReplicationError
+from specinfer.request_manager.state.records import RequestRecord, StepStats
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.store import RequestStore
+from specinfer.request_manager.state.store_errors import ReplicationError
 
 REQUESTS = 24  # hashed over 16384 slots: every master holds some (asserted)
 

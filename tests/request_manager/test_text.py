@@ -1,4 +1,4 @@
-"""Incremental detokenization with special tokens (services/request_manager/text.py): EOS and the other
+"""Incremental detokenization with special tokens (services/request_manager/api/text.py): EOS and the other
 special tokens stay out of the text by default, the streamed deltas concatenate to the final text, and
 stop strings still cut it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specinfer.models.tiny import SPECIAL_TOKENS, byte_tokenizer
-from specinfer.request_manager.text import TextStream, output_text
+from specinfer.request_manager.api.text import TextStream, output_text
 
 BOS, EOS, UNK = range(len(SPECIAL_TOKENS))
 
@@ -94,10 +94,10 @@ def test_the_rule_survives_the_redis_record(tok, skip):
     """A request resumed from Redis (restart, adoption) decodes as it asked, and GetRequest's text is its stream's."""
     from specinfer.core import SamplingParams
     from specinfer.core.requests import GenerationRequest
-    from specinfer.request_manager.admission import ApiLimits
-    from specinfer.request_manager.live import Live
-    from specinfer.request_manager.live_records import live_from_snapshot, live_params, snapshot_text
-    from specinfer.request_manager.records import RequestSnapshot, RequestStatus
+    from specinfer.request_manager.api.admission import ApiLimits
+    from specinfer.request_manager.scheduling.live import Live
+    from specinfer.request_manager.state.live_records import live_from_snapshot, live_params, snapshot_text
+    from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
 
     limits = ApiLimits(
         vocab_size=259,

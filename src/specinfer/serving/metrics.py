@@ -225,7 +225,7 @@ class SchedulerMetrics:
             "Running requests put back at the head of the queue for lack of KV blocks (they resume later)",
             registry=registry,
         )
-        # request-manager replicas (services/request_manager/ownership.py)
+        # request-manager replicas (services/request_manager/state/ownership.py)
         self.adopted = Counter(
             "specinfer_requests_adopted",
             "Requests adopted from a request manager whose ownership lease lapsed",
@@ -247,7 +247,7 @@ class SchedulerMetrics:
             ["ssm"],
             registry=registry,
         )
-        # adaptive speculation (the planner; see services/request_manager/adaptive.py)
+        # adaptive speculation (the planner; see services/request_manager/scheduling/adaptive.py)
         self.planned_tree_nodes = Histogram(
             "specinfer_planned_tree_nodes",
             "Tree nodes the planner gave an adaptive request per step (root included; 1: no speculation)",

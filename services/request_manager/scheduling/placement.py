@@ -2,7 +2,7 @@
 of what this request manager knows of the replicas' KV blocks.
 
 It applies :func:`~specinfer.core.kv_budget.schedule` (the in-process engine's rule) over the live
-replicas' budgets, less what other request managers hold there (:meth:`.remote.Verifiers.kv_budgets`),
+replicas' budgets, less what other request managers hold there (:meth:`.cluster.remote.Verifiers.kv_budgets`),
 and keeps what our own requests hold on each replica once the iteration's verify call has run (their
 committed tokens' blocks), as the replica's next free count will say.
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, schedule
-from specinfer.request_manager.remote import Verifiers
+from specinfer.request_manager.cluster.remote import Verifiers
 
 log = logging.getLogger("specinfer.request_manager")
 FREE_BLOCKS_MAX_AGE = (

@@ -1,4 +1,4 @@
-"""The mapping between a :class:`Live` request and its Redis record (:mod:`specinfer.request_manager.records`).
+"""The mapping between a :class:`Live` request and its Redis record (:mod:`specinfer.request_manager.state.records`).
 
 ``live_params`` writes what a record keeps besides the prompt, ``live_from_snapshot`` reads an unfinished
 record back into a request to resume, ``snapshot_finish`` reads a record's final state, ``snapshot_text`` its text.
@@ -12,10 +12,10 @@ from tokenizers import Tokenizer
 
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
-from specinfer.request_manager.admission import ApiLimits, check_kv_fit
-from specinfer.request_manager.live import Finish, Live, Usage
-from specinfer.request_manager.records import RequestRecord, RequestSnapshot
-from specinfer.request_manager.text import TextStream, output_text
+from specinfer.request_manager.api.admission import ApiLimits, check_kv_fit
+from specinfer.request_manager.api.text import TextStream, output_text
+from specinfer.request_manager.scheduling.live import Finish, Live, Usage
+from specinfer.request_manager.state.records import RequestRecord, RequestSnapshot
 
 
 def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
 
 
 def skip_special_tokens(params: dict[str, Any]) -> bool:
-    """The record's special-token rule (:mod:`.text`); records written before it was kept skip them, the default."""
+    """The record's special-token rule (:mod:`.api.text`); records written before it was kept skip them, the default."""
     return bool(params.get("skip_special_tokens", True))
 
 

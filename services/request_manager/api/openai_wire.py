@@ -2,7 +2,7 @@
 
 The HTTP front door (:mod:`.http_api`) turns an OpenAI ``/v1/completions`` body into one
 :class:`api_pb2.GenerateRequest` per choice (prompts x ``n``), which go through the same admission
-(:func:`.admission.build_live`) and :class:`.lifecycle.Requests` as gRPC calls; and it turns the
+(:func:`.admission.build_live`) and :class:`.state.lifecycle.Requests` as gRPC calls; and it turns the
 events back into ``text_completion`` objects. Terms:
 
 - *choice*: one generated sequence of a response (OpenAI's ``choices[i]``); prompt ``p`` with

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted, Unavailable
-from specinfer.request_manager import openai_wire as ow
+from specinfer.request_manager.api import openai_wire as ow
 from specinfer.serving.config import port_in_use
 from specinfer.serving.security import ServerSecurity
 

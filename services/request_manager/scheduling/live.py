@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from specinfer.core.iteration import Running
 from specinfer.core.requests import StepStats
-from specinfer.request_manager.text import TextStream
+from specinfer.request_manager.api.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class StreamEvent:
 
 class Moved:
     """What a request's subscribers get instead of further events when another replica took it over
-    (:data:`MOVED`): they follow it in Redis from there (:meth:`.lifecycle.Requests.attach`)."""
+    (:data:`MOVED`): they follow it in Redis from there (:meth:`.state.lifecycle.Requests.attach`)."""
 
 
 MOVED = Moved()

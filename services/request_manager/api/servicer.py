@@ -1,7 +1,7 @@
 """The public ``specinfer.v1.SpecInfer`` servicer: translates messages, nothing else.
 
-Admission is :mod:`specinfer.request_manager.admission`, the operations on requests
-:class:`~specinfer.request_manager.lifecycle.Requests`; ``rpc_errors`` maps their errors onto statuses:
+Admission is :mod:`specinfer.request_manager.api.admission`, the operations on requests
+:class:`~specinfer.request_manager.state.lifecycle.Requests`; ``rpc_errors`` maps their errors onto statuses:
 invalid fields INVALID_ARGUMENT naming the field, a full queue RESOURCE_EXHAUSTED, a running request ID
 reused ALREADY_EXISTS, an unknown one NOT_FOUND; every call UNAVAILABLE until start-up has
 reached the verifier (:meth:`SpecInferServicer.open`).
@@ -17,11 +17,11 @@ import grpc
 from tokenizers import Tokenizer
 
 from specinfer.core.errors import Unavailable
-from specinfer.request_manager.admission import build_live, check_request_id, resume_request_id
-from specinfer.request_manager.lifecycle import Requests, RequestState
-from specinfer.request_manager.live import Finish, StreamEvent
-from specinfer.request_manager.live_records import snapshot_text
-from specinfer.request_manager.records import RequestStatus
+from specinfer.request_manager.api.admission import build_live, check_request_id, resume_request_id
+from specinfer.request_manager.scheduling.live import Finish, StreamEvent
+from specinfer.request_manager.state.lifecycle import Requests, RequestState
+from specinfer.request_manager.state.live_records import snapshot_text
+from specinfer.request_manager.state.records import RequestStatus
 from specinfer.serving.rpc import rpc_errors
 from specinfer.v1 import api_pb2, api_pb2_grpc
 

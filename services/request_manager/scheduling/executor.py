@@ -2,7 +2,7 @@
 
 It is where the request manager's calls meet :class:`~specinfer.core.engine_core.EngineCore`: an SSM
 whose call fails costs speed, not answers (its requests verify smaller trees); a verification round
-that reaches no replica waits a doubling backoff and raises :class:`~.remote.VerifierUnavailable`
+that reaches no replica waits a doubling backoff and raises :class:`~.cluster.remote.VerifierUnavailable`
 (nothing was committed; the step is retried), and the request manager's health follows the verifier.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from specinfer.core.engine_core import DraftRound, VerifyRound
 from specinfer.core.iteration import DraftSpec, VerifySpec
-from specinfer.request_manager.placement import Placement
-from specinfer.request_manager.remote import SsmWorkers, Verifiers, VerifierUnavailable
+from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers, VerifierUnavailable
+from specinfer.request_manager.scheduling.placement import Placement
 from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")

@@ -18,10 +18,10 @@ from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
 from specinfer.core.kv_budget import KVBudget, check_fits_alone
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
-from specinfer.request_manager.adaptive import planner_config
-from specinfer.request_manager.live import Live
-from specinfer.request_manager.records import validate_id
-from specinfer.request_manager.text import TextStream
+from specinfer.request_manager.api.text import TextStream
+from specinfer.request_manager.scheduling.adaptive import planner_config
+from specinfer.request_manager.scheduling.live import Live
+from specinfer.request_manager.state.records import validate_id
 from specinfer.v1 import api_pb2
 
 # Bounds of the fields not tied to a setting: enough for any real use, small enough that a

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 
-from specinfer.request_manager.records import validate_id
-from specinfer.request_manager.store import LeaseReply, RequestStore
+from specinfer.request_manager.state.records import validate_id
+from specinfer.request_manager.state.store import LeaseReply, RequestStore
 
 if TYPE_CHECKING:
-    from specinfer.request_manager.lifecycle import Requests
+    from specinfer.request_manager.state.lifecycle import Requests
 
 log = logging.getLogger("specinfer.request_manager")
 

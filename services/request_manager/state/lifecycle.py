@@ -2,7 +2,7 @@
 
 A request lives in two places: the scheduler of its owner holds it while it runs (:class:`Live`), the
 store holds its durable record from admission on, and after it finished
-(:mod:`specinfer.request_manager.live_records` maps one onto the other). :class:`Requests` spans both;
+(:mod:`specinfer.request_manager.state.live_records` maps one onto the other). :class:`Requests` spans both;
 failures are the domain errors of :mod:`specinfer.core.errors`, which ``rpc_errors`` turns into statuses.
 
 Any replica serves any request: one that does not run a request streams it from Redis
@@ -22,15 +22,15 @@ import redis.exceptions
 from tokenizers import Tokenizer
 
 from specinfer.core.errors import AlreadyExists, NotFound, Unavailable
-from specinfer.request_manager.admission import ApiLimits
-from specinfer.request_manager.live import MOVED, Finish, Live, StreamEvent
-from specinfer.request_manager.live_records import live_from_snapshot, live_record, snapshot_finish
-from specinfer.request_manager.ownership import Lease
-from specinfer.request_manager.records import RequestSnapshot, RequestStatus
-from specinfer.request_manager.scheduler import Scheduler
-from specinfer.request_manager.store import RequestStore, Tail
-from specinfer.request_manager.store_errors import RequestExistsError, StoreError
-from specinfer.request_manager.text import TextStream
+from specinfer.request_manager.api.admission import ApiLimits
+from specinfer.request_manager.api.text import TextStream
+from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, StreamEvent
+from specinfer.request_manager.scheduling.scheduler import Scheduler
+from specinfer.request_manager.state.live_records import live_from_snapshot, live_record, snapshot_finish
+from specinfer.request_manager.state.ownership import Lease
+from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
+from specinfer.request_manager.state.store import RequestStore, Tail
+from specinfer.request_manager.state.store_errors import RequestExistsError, StoreError
 
 log = logging.getLogger("specinfer.request_manager")
 

@@ -9,7 +9,7 @@ iteration too): every SSM drafts on its sticky worker, the trees are merged per 
 verifier replicas check them (:class:`~.executor.RemoteExecutor`), and each verified request is
 committed here: its tokens are persisted in Redis *before* they are published to the client streams
 (fenced by this replica's owner ID and lease token: a request another replica took over is dropped
-here, see :mod:`.ownership`). The core owns adaptive speculation's state; :class:`~.adaptive.PlannerMetrics`
+here, see :mod:`.state.ownership`). The core owns adaptive speculation's state; :class:`~.adaptive.PlannerMetrics`
 publishes it.
 """
 
@@ -30,13 +30,13 @@ from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import StepOutcome
 from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
 from specinfer.core.planner import PlannerConfig
-from specinfer.request_manager.adaptive import PlannerMetrics
-from specinfer.request_manager.executor import Backoff, RemoteExecutor
-from specinfer.request_manager.live import MOVED, Finish, Live, StreamEvent
-from specinfer.request_manager.placement import Placement
-from specinfer.request_manager.remote import SsmWorkers, Verifiers, VerifierUnavailable
-from specinfer.request_manager.store import RequestStore
-from specinfer.request_manager.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
+from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers, VerifierUnavailable
+from specinfer.request_manager.scheduling.adaptive import PlannerMetrics
+from specinfer.request_manager.scheduling.executor import Backoff, RemoteExecutor
+from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, StreamEvent
+from specinfer.request_manager.scheduling.placement import Placement
+from specinfer.request_manager.state.store import RequestStore
+from specinfer.request_manager.state.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
 from specinfer.serving.metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")

@@ -4,11 +4,11 @@ request manager's own event loop: no extra hop, no extra process).
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (messages rendered by the checkpoint's
 chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire`), admit
 each choice with the same :func:`.admission.build_live` as the gRPC servicer, call
-:meth:`.lifecycle.Requests.start` once per choice, and wrap the events; they hold no logic of their own. Errors are
-OpenAI error objects: 400 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404
+:meth:`.state.lifecycle.Requests.start` once per choice, and wrap the events; they hold no logic of their own. Errors
+are OpenAI error objects: 400 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404
 for an unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after start-up,
 while it is unreachable (requests already running wait for it) or while this request manager does not hold its
-ownership lease (:mod:`.ownership`). A client that disconnects cancels its requests.
+ownership lease (:mod:`.state.ownership`). A client that disconnects cancels its requests.
 """
 
 from __future__ import annotations
@@ -29,12 +29,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specinfer.core.errors import InvalidArgument, Unavailable
-from specinfer.request_manager import openai_wire as ow
-from specinfer.request_manager.admission import build_live
-from specinfer.request_manager.chat_template import ChatTemplate, check_messages
-from specinfer.request_manager.http_transport import HttpError, HttpMetrics, disconnected, http_error, json_body, sse
-from specinfer.request_manager.live import StreamEvent
-from specinfer.request_manager.servicer import SpecInferServicer, finish_to_proto
+from specinfer.request_manager.api import openai_wire as ow
+from specinfer.request_manager.api.admission import build_live
+from specinfer.request_manager.api.chat_template import ChatTemplate, check_messages
+from specinfer.request_manager.api.http_transport import (
+    HttpError,
+    HttpMetrics,
+    disconnected,
+    http_error,
+    json_body,
+    sse,
+)
+from specinfer.request_manager.api.servicer import SpecInferServicer, finish_to_proto
+from specinfer.request_manager.scheduling.live import StreamEvent
 from specinfer.serving.security import ServerSecurity
 from specinfer.v1 import api_pb2
 
