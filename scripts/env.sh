@@ -1,5 +1,6 @@
 # Sourced by the other scripts: makes ./.venv with the project and its dev tools installed.
-# Re-installs only when pyproject.toml changed since the last install.
+# Re-installs only when pyproject.toml or setup.py changed, or a folder services/<name>/ came or went, since the
+# last install (setup.py's packaging rule maps each such folder; an editable install records the mapping).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -10,7 +11,7 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 stamp=".venv/.specinfer-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py <(ls services/*/__init__.py) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch==2.13.0 is pinned: pip takes the local CPU wheel where one is offered, so no CUDA
     # packages are pulled. GPU users: install a CUDA build of torch 2.13.0 first (README).

@@ -3,9 +3,10 @@
 
 ``gpu_layout.py DEST [--wheels DIR]`` builds an *import layout* under DEST and prints the PYTHONPATH that uses it:
 
-- ``DEST/py/specinfer/`` holds a symlink to every entry of ``src/specinfer`` and one per package-dir mapping of
-  pyproject.toml (``specinfer.kernels`` -> ``kernels/``, ``specinfer.ssm_worker`` -> ``services/ssm_worker``, ...), so
-  ``PYTHONPATH=DEST/py`` imports the tree as ``pip install -e .`` does, with the machine's own torch and triton;
+- ``DEST/py/specinfer/`` holds a symlink to every entry of ``src/specinfer`` and one per top-level folder of
+  setup.py's packaging rule (``specinfer.kernels`` -> ``kernels/``, ``specinfer.ssm_worker`` -> ``services/ssm_worker``,
+  ...), so ``PYTHONPATH=DEST/py`` imports the tree as ``pip install -e .`` does, with the machine's own torch and
+  triton;
 - with ``--wheels``, every wheel in DIR whose distribution the machine lacks, or has in an older version than the
   wheel's (our pin: protobuf's generated code, for one, refuses an older runtime), is unpacked into ``DEST/site``
   (after ``DEST/py`` on the path, before the machine's own packages). Files under a ``bin/`` folder are made
@@ -20,6 +21,7 @@ import argparse
 import importlib.metadata
 import os
 import re
+import runpy
 import shutil
 import stat
 import subprocess
@@ -27,15 +29,13 @@ import sys
 import zipfile
 from pathlib import Path
 
-import tomllib
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
-    """pyproject.toml's package-dir mapping: package -> folder (the root package ``""`` is ``src``)."""
-    config = tomllib.loads((root / "pyproject.toml").read_text())
-    return {name: root / folder for name, folder in config["tool"]["setuptools"]["package-dir"].items()}
+    """setup.py's packaging rule: top-level package -> folder (``specinfer`` is ``src/specinfer``)."""
+    rule = runpy.run_path(str(root / "setup.py"))["package_dirs"]  # run_path does not run setup()
+    return {name: root / folder for name, folder in rule(root).items()}
 
 
 def build_layout(root: Path, dest: Path) -> Path:
@@ -46,7 +46,7 @@ def build_layout(root: Path, dest: Path) -> Path:
         shutil.rmtree(py)
     package = py / "specinfer"
     package.mkdir(parents=True)
-    source = mapping[""] / "specinfer"
+    source = mapping["specinfer"]
     mapped = {name.split(".", 1)[1]: folder for name, folder in mapping.items() if name.startswith("specinfer.")}
     if any("." in sub for sub in mapped):
         raise SystemExit(f"only mappings one level below specinfer are supported, got {sorted(mapped)}")

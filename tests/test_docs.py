@@ -4,6 +4,7 @@ names modules that exist and, for each concept, names that those modules define.
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,12 @@ DOCS = [
     REPO / "models/demo/README.md",
 ]
 ARCHITECTURE = REPO / "docs/architecture.md"
-# pyproject.toml's package-dir: top-level folders installed into the specinfer namespace
+# setup.py's packaging rule: the top-level folders besides src/ installed into the specinfer namespace
+# (kernels/, services/<name>/); run_path reads the rule without running setup()
 PACKAGE_DIRS = {
-    "specinfer.kernels": "kernels",
-    "specinfer.ssm_worker": "services/ssm_worker",
-    "specinfer.llm_verifier": "services/llm_verifier",
-    "specinfer.request_manager": "services/request_manager",
+    name: folder
+    for name, folder in runpy.run_path(str(REPO / "setup.py"))["package_dirs"](REPO).items()
+    if name != "specinfer"
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 MODULE = re.compile(r"`(specinfer(?:\.\w+)+)")
