@@ -112,7 +112,7 @@ def unpack_missing(wheels: Path, site: Path) -> list[str]:
 CHECK = """
 import pathlib, sys
 layout = pathlib.Path(sys.argv[1])
-import specinfer, specinfer.kernels, specinfer.engine.on_device, specinfer.llm_verifier, specinfer.ssm_worker
+import specinfer, specinfer.kernels, specinfer.models.on_device, specinfer.llm_verifier, specinfer.ssm_worker
 import specinfer.request_manager, specinfer.v1
 assert pathlib.Path(specinfer.__file__).parent == layout / "specinfer", specinfer.__file__
 for name in ("kernels", "llm_verifier", "ssm_worker", "request_manager"):

@@ -1,4 +1,4 @@
-"""Model outputs leave the model's device only through specinfer.engine.on_device.to_host, once per call.
+"""Model outputs leave the model's device only through specinfer.models.on_device.to_host, once per call.
 
 The models here are real native backends behind a wrapper whose logits are :class:`DeviceOnly`
 tensors: every way of reading values on the host (``.numpy()``, ``.tolist()``, ``.item()``,
@@ -27,11 +27,12 @@ from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.planner import PlannerConfig
-from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine, on_device
-from specinfer.engine.steps import draft_trees, verify_trees
+from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.llm_verifier.servicer import LlmVerifierServicer
+from specinfer.models import on_device
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
+from specinfer.models.steps import draft_trees, verify_trees
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.ssm_worker.servicer import SsmWorkerServicer
 from specinfer.v1 import internal_pb2

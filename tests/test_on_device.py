@@ -1,4 +1,4 @@
-"""The device-side work on model outputs (specinfer.engine.on_device) against its NumPy references.
+"""The device-side work on model outputs (specinfer.models.on_device) against its NumPy references.
 
 Each batched function must give what the per-row reference in specinfer.core gives: logit
 processing, top-k, the greedy accept walk; and verify_trees / the SSM pass tables, which run them,
@@ -30,9 +30,9 @@ from specinfer.core import (
 from specinfer.core.coupled import coupled_children, coupled_token, position_noise, verify_coupled
 from specinfer.core.drafts import DraftGroup, ExpansionConfig, TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
-from specinfer.engine.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
-from specinfer.engine.steps import pass_tables, propose, verify_trees
 from specinfer.models.interface import TreeForward
+from specinfer.models.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
+from specinfer.models.steps import pass_tables, propose, verify_trees
 
 PARAMS = [
     SamplingParams(temperature=1.0),

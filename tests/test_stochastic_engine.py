@@ -30,8 +30,8 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import local as local_module
-from specinfer.engine import on_device as on_device_module
-from specinfer.engine import steps as steps_module
+from specinfer.models import on_device as on_device_module
+from specinfer.models import steps as steps_module
 from specinfer.models.cross_vocab import CrossVocabularyLM
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend

@@ -1,5 +1,5 @@
 """``specinfer.v1.LlmVerifier``: translates messages (:mod:`specinfer.wire`) and verifies with
-:func:`specinfer.engine.steps.verify_trees`; nothing else happens here."""
+:func:`specinfer.models.steps.verify_trees`; nothing else happens here."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from specinfer import wire
 from specinfer.core import VerifyResult
 from specinfer.core.costs import StepCosts
 from specinfer.core.iteration import VerifySpec
-from specinfer.engine.steps import verify_trees
 from specinfer.models.interface import CausalLM
+from specinfer.models.steps import verify_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors

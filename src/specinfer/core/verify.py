@@ -158,7 +158,7 @@ def walk_stochastic(
     uniforms: np.ndarray,
 ) -> VerifyResult:
     """:func:`verify_stochastic` from precomputed numbers (see
-    :func:`specinfer.engine.on_device.mss_tables`): ``try_probs(u, k)``: the target at node u after
+    :func:`specinfer.models.on_device.mss_tables`): ``try_probs(u, k)``: the target at node u after
     its first k tries were rejected, at the k-th try's token; ``bonus(u, j)``: the token drawn with
     ``uniforms[j]`` from u's target once all its tries are rejected; ``uniforms``: the stream's
     draws, in order (at least :func:`bonus_draws`' highest + 1). Given the same numbers, it accepts

@@ -40,8 +40,8 @@ import numpy as np
 
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
 from specinfer.core.tree import binary_tree_parents
-from specinfer.engine.on_device import wait_for
 from specinfer.models.interface import CausalLM, TreeForward
+from specinfer.models.on_device import wait_for
 
 log = logging.getLogger("specinfer.calibrate")
 

@@ -74,7 +74,7 @@ class CausalLM(Protocol):
 
         They live on the model's device (a backend's ``device`` option), and are returned without
         waiting for the device to finish computing them. Callers read values only through one
-        device-to-host copy per call of small results (:mod:`specinfer.engine.on_device`): any other
+        device-to-host copy per call of small results (:mod:`specinfer.models.on_device`): any other
         read (``.numpy()``, ``.item()``, ``.cpu()``, ...) is a copy and a wait of its own on a GPU."""
         ...
 

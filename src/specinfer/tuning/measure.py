@@ -17,8 +17,8 @@ from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.acceptance import nondecreasing
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-from specinfer.engine.on_device import wait_for
 from specinfer.models.interface import CausalLM, TreeForward
+from specinfer.models.on_device import wait_for
 from specinfer.tuning.model import CostModel
 
 # a wide tree makes the LLM's greedy continuations cheap to produce (the output is the LLM's own)

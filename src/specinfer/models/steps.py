@@ -7,7 +7,7 @@
   per job (the LLM verifier's ``Verify``).
 
 Model outputs stay on the model's device: each SSM pass and each verify step computes what it
-needs there, for all jobs at once (:mod:`specinfer.engine.on_device`), and copies the small results
+needs there, for all jobs at once (:mod:`specinfer.models.on_device`), and copies the small results
 to the host once. The host keeps what is sequential and small: growing the trees, drawing drafts
 from their sparse distributions, and the MSS walk.
 
@@ -36,7 +36,8 @@ from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
-from specinfer.engine.on_device import (
+from specinfer.models.interface import CausalLM, TreeForward
+from specinfer.models.on_device import (
     coupled_targets,
     greedy_accept,
     mss_tables,
@@ -46,7 +47,6 @@ from specinfer.engine.on_device import (
     stack_rows,
     to_host,
 )
-from specinfer.models.interface import CausalLM, TreeForward
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def _greedy_result(draft: DraftTree, end: int, bonus: int) -> VerifyResult:
 
 class _MssPlan:
     """Multi-step speculative sampling of one step's sampled jobs: the host's tables of tries and
-    uniforms, the device's part (:func:`~specinfer.engine.on_device.mss_tables`), the walks."""
+    uniforms, the device's part (:func:`~specinfer.models.on_device.mss_tables`), the walks."""
 
     def __init__(self, jobs: Sequence[VerifySpec]) -> None:
         self.jobs = list(jobs)
