@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from compare import load_prompts
+from common import load_prompts
 
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION

@@ -24,11 +24,11 @@ from itertools import cycle
 from pathlib import Path
 
 import torch
-from compare import load_prompts
+from common import kv_bytes, load_prompts
 
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine.calibrate import calibrate_costs
-from specinfer.models.dtypes import DTYPE_CHOICES, resolve_dtype
+from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.loading import load_backend
 
 
@@ -48,7 +48,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     prompts = load_prompts(args.prompts, args.llm, 64, args.max_prompt_tokens)
-    llm = load_backend(args.llm, "llm", dtype, backend="native", kv_cache_bytes=_kv_bytes(args.llm, args.peak, dtype))
+    llm = load_backend(
+        args.llm, "llm", dtype, backend="native", kv_cache_bytes=kv_bytes(args.llm, args.peak, DTYPES[dtype])
+    )
     ssm = load_backend(args.ssm, "ssm", dtype, backend="native")
     costs = calibrate_costs(
         llm, [ssm], max_verify_tokens=64, progress=lambda m: print(f"calibrating {m}", file=sys.stderr)
@@ -110,14 +112,6 @@ def main() -> int:
         )
     plot(trace, args.out / "planned_budget.png")
     return 0
-
-
-def _kv_bytes(llm_dir: Path, batch: int, dtype: str) -> int:
-    from compare import _kv_bytes as kv
-
-    from specinfer.models.dtypes import DTYPES
-
-    return kv(llm_dir, batch, DTYPES[dtype])
 
 
 def plot(trace: list[dict], path: Path) -> None:

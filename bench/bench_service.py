@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from compare import load_prompts
+from common import load_prompts
 
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig

@@ -15,23 +15,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from collections.abc import Sequence
 from pathlib import Path
+
+from common import load_prompts
 
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine.calibrate import calibrate_costs
 from specinfer.models.loading import eos_token_id, load_backend
-
-
-def prompts_of(pair: Path, count: int, max_tokens: int) -> list[tuple[int, ...]]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(pair / "llm/tokenizer.json"))
-    lines = (pair / "prompts.jsonl").read_text().splitlines()[:count]
-    return [tuple(tok.encode(json.loads(line)["text"]).ids[-max_tokens:]) for line in lines]
 
 
 def run(
@@ -82,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig(eos_token_id=eos_token_id(pair / "llm"))
         costs = calibrate_costs(llm, [ssm], max_verify_tokens=64)  # once per pair; each row refines its own copy
         plain_engine = SpeculativeEngine(llm, [ssm], config)
-        prompts = prompts_of(pair, args.count, args.max_prompt_tokens)
+        prompts = load_prompts(pair / "prompts.jsonl", pair / "llm", args.count, args.max_prompt_tokens)
         for temperature in (float(t) for t in args.temperatures.split(",")):
             trees = {
                 "paper": ("paper " + PAPER_EXPANSION, SpeculationConfig(ExpansionConfig.parse(PAPER_EXPANSION))),

@@ -23,14 +23,14 @@ import threading
 import time
 from pathlib import Path
 
-from soak import DEFAULT_PAIR, Totals, pct, stream_loop
+from common import DEFAULT_PAIR, Totals, pct, stream_loop
 
 from specinfer.launcher import Stack, StackConfig
 from specinfer.request_manager.state.redis_server import free_tcp_port
 
 
 def http_stream_loop(port: int, prompts: list[list[int]], index: int, args, stop_at: float, totals: Totals) -> None:
-    """Like soak.stream_loop, over HTTP: one keep-alive connection, SSE chunks parsed as they come."""
+    """Like common.stream_loop, over HTTP: one keep-alive connection, SSE chunks parsed as they come."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=args.request_timeout)
     k = index
     while time.monotonic() < stop_at:

@@ -24,27 +24,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import prompt_windows
 
-from specinfer.checkpoint import load_tokenizer
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.native import NativeBackend, NativeOptions
 from specinfer.models.native.kv_pool import KVPool
 from specinfer.models.native.spec import ModelSpec
-
-
-def prompts_of(llm: Path, prompts: Path, count: int, length: int) -> list[tuple[int, ...]]:
-    """``count`` prompts of exactly ``length`` tokens: the prompt file's texts, tokenized and
-    concatenated, cut into windows (each request a different window)."""
-    tok = load_tokenizer(llm)
-    stream: list[int] = []
-    for line in prompts.read_text().splitlines():
-        stream += tok.encode(json.loads(line)["text"]).ids
-    if len(stream) < length + count:
-        raise SystemExit(f"{prompts} holds {len(stream)} tokens, too few for {count} prompts of {length}")
-    step = max(1, (len(stream) - length) // count)
-    return [tuple(stream[i * step : i * step + length]) for i in range(count)]
 
 
 def run(args: argparse.Namespace, block_size: int, prompts: list[tuple[int, ...]]) -> dict:
@@ -113,7 +100,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.manual_seed(0)
-    prompts = prompts_of(args.llm, args.prompts, args.requests, args.context - args.new_tokens)
+    prompts = prompt_windows(args.llm, args.prompts, args.requests, args.context - args.new_tokens)
     rows = [run(args, bs, prompts) for bs in (0, *(int(b) for b in args.block_sizes.split(",")))]
     dtype = resolve_dtype(args.dtype, "cpu")
     cap = args.max_prefill_tokens or "none"

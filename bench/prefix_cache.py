@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from kv_capacity import prompts_of  # bench/kv_capacity.py (a script's folder is on its path)
+from common import prompt_windows
 
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -121,7 +121,7 @@ def main() -> None:
     if args.requests < 2 or args.kv_block_size < 1:
         raise SystemExit("needs --requests >= 2 and --kv-block-size >= 1 (prefix caching is of paged KV pools)")
     torch.manual_seed(0)
-    windows = prompts_of(args.llm, args.prompts, args.requests + 1, max(args.prefix, args.suffix))
+    windows = prompt_windows(args.llm, args.prompts, args.requests + 1, max(args.prefix, args.suffix))
     prompts = [tuple(windows[0][: args.prefix] + w[: args.suffix]) for w in windows[1:]]
     rows = [run(args, caching, prompts) for caching in (False, True)]
     if rows[0]["outputs"] != rows[1]["outputs"]:

@@ -16,24 +16,18 @@ Exit code 1 when an error other than RESOURCE_EXHAUSTED happened.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
+from common import DEFAULT_PAIR, Totals, pct, stream_loop
 
-from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PAIR = REPO.parent / "shared/models/pycode-a"
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -61,55 +55,6 @@ def child_pids(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-
-
-@dataclass
-class Totals:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    requests: int = 0
-    tokens: int = 0
-    errors: collections.Counter = field(default_factory=collections.Counter)
-    per_token: list[float] = field(default_factory=list)
-    first_token: list[float] = field(default_factory=list)
-
-
-def stream_loop(address: str, prompts: list[list[int]], index: int, args, stop_at: float, totals: Totals) -> None:
-    with Client(address, timeout=args.request_timeout) as client:
-        k = index
-        while time.monotonic() < stop_at:
-            prompt = prompts[k % len(prompts)]
-            k += args.streams
-            request = Client.request(prompt, args.new_tokens, ignore_eos=True)
-            started = last = time.monotonic()
-            lat, first, count = [], None, 0
-            try:
-                for msg in client.stream(request):
-                    now = time.monotonic()
-                    if msg.token_ids:
-                        if first is None:
-                            first = now - started
-                        lat += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
-                        count += len(msg.token_ids)
-                        last = now
-            except grpc.RpcError as exc:
-                with totals.lock:
-                    totals.errors[exc.code().name] += 1
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    time.sleep(args.retry_pause)
-                continue
-            with totals.lock:
-                totals.requests += 1
-                totals.tokens += count
-                totals.per_token += lat[1:]  # the first token's wait is time to first token, below
-                if first is not None:
-                    totals.first_token.append(first)
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def main() -> int:

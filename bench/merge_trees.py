@@ -10,7 +10,7 @@ depend on the machine) on held-out prompts, greedy and at temperature 1, with ou
   model), so the test prompts do not pick it;
 - ``merged``: several SSMs, each with a tree, merged (the same SSM twice = merged copies).
 
-    python bench/merge.py --llm models/demo/llm --ssm ssm=models/demo/ssm --ssm ssm-1=models/demo/ssm-1 \\
+    python bench/merge_trees.py --llm models/demo/llm --ssm ssm=models/demo/ssm --ssm ssm-1=models/demo/ssm-1 \\
         --ssm ssm-2=models/demo/ssm-2 --prompts models/demo/prompts.jsonl --out bench/results/boost \\
         --case "ssm@1,1,3,1,1,1,1,1" --case "ssm+ssm-1@1,1,3,1,1,1,1,1" --best-single ssm:41
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import load_prompts
 from tqdm import tqdm
 
 from specinfer.core import ExpansionConfig, SamplingParams
@@ -33,9 +34,6 @@ from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig,
 from specinfer.models.loading import load_backend
 from specinfer.tuning.measure import greedy_continuations, ssm_ranks
 from specinfer.tuning.model import CostModel, num_nodes, search
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import load_prompts
 
 
 @dataclass(frozen=True)
@@ -217,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {
-            "command": "bench/merge.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "bench/merge_trees.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"),
             "picked": picked,
         }
