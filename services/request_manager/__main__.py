@@ -10,12 +10,10 @@ from collections.abc import Sequence
 from specinfer.core import InvalidArgument
 from specinfer.request_manager.app import RequestManagerApp
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.startup import SPECULATION_HEALTH, StartUpError
+from specinfer.request_manager.startup import StartUpError
 from specinfer.request_manager.state.redis_server import RedisStartError, StateDirInUse
 from specinfer.serving.config import check_ports_free
 from specinfer.serving.server import setup_logging
-
-__all__ = ["SPECULATION_HEALTH", "main", "serve"]
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -23,7 +21,7 @@ log = logging.getLogger("specinfer.request_manager")
 async def serve(cfg: RequestManagerConfig) -> int:
     """Run the request manager until SIGTERM/SIGINT. The port opens at once (health NOT_SERVING,
     calls UNAVAILABLE) and serves once the verifier answers and it holds its ownership lease (another
-    process with the same --owner makes it wait: :mod:`.ownership`); SSM workers that are down join
+    process with the same --owner makes it wait: :mod:`.state.ownership`); SSM workers that are down join
     when they come up. Whatever this starts (the embedded Redis, channels, the scheduler, the lease) is
     stopped or released on every way out, a failed start-up included (:class:`.app.RequestManagerApp`)."""
     app = RequestManagerApp(cfg)

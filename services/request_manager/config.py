@@ -150,7 +150,7 @@ class RequestManagerConfig:
         help="ID of this replica (requests in Redis are partitioned by owner; unique per replica)",
         factory=socket.gethostname,
     )
-    lease_seconds: float = setting(  # the ownership lease's TTL (services/request_manager/ownership.py)
+    lease_seconds: float = setting(  # the ownership lease's TTL (services/request_manager/state/ownership.py)
         10.0,
         "TTL of this replica's ownership lease in Redis, renewed every third of it; "
         "a dead replica's requests resume on another within 1.5 times it",

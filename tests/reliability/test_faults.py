@@ -17,7 +17,7 @@ from specinfer.client import Client
 from specinfer.core import SamplingParams
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.__main__ import SPECULATION_HEALTH
+from specinfer.request_manager.startup import SPECULATION_HEALTH
 from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.v1 import api_pb2
 

@@ -22,7 +22,7 @@ from services.harness import wait_until  # tests/services/harness.py
 
 from specinfer.client import Client
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.__main__ import SPECULATION_HEALTH
+from specinfer.request_manager.startup import SPECULATION_HEALTH
 from specinfer.request_manager.state.redis_server import free_tcp_port
 from specinfer.serving.healthcheck import check
 
