@@ -15,7 +15,6 @@ random pause, with fresh counts, so that two managers stepping back at once do n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -65,14 +64,14 @@ class Placement:
         before = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
         await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
         budgets = self.verifier.kv_budgets(self._held)
-        plan = None
+        plan = None  # a replica refused our last step for lack of KV blocks: step back
         if not self._step_back:
-            # ValueError: our oldest request fits in none of what the other managers leave: step back
-            with contextlib.suppress(ValueError):
-                plan = schedule(
-                    kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before)
-                )
-        if plan is None:
+            plan = schedule(
+                kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before)
+            )
+        if not isinstance(
+            plan, Schedule
+        ):  # None, or Overfull: our oldest request fits in none of what the others leave
             plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
             self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * self.backoff_seconds
             log.warning(

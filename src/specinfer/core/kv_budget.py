@@ -115,6 +115,21 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Overfull:
+    """What :func:`schedule` decides when the oldest running request fits in none of the budgets even
+    alone. In process that is a request its driver should have refused (:func:`check_fits_alone`);
+    across request managers, what the others hold leaves ours too little: every request of ours steps
+    back (``specinfer.request_manager.scheduling.placement``). ``holds``: the budgets, for the message."""
+
+    request_id: str
+    rows: StepRows
+    holds: str
+
+    def __str__(self) -> str:
+        return f"request {self.request_id!r} needs {self.rows} KV rows, more than a KV budget holds ({self.holds})"
+
+
+@dataclass(frozen=True)
 class Replicas:
     """The LLM's verifier replicas (module docstring): ``budgets``, each replica's KV budget (None:
     it reports none, and only the rows placed on it are balanced); ``placement``, request ID -> the
@@ -172,7 +187,7 @@ def schedule(
     max_batch: int,
     max_admit_rows: int = 0,
     replicas: Replicas | None = None,
-) -> Schedule:
+) -> Schedule | Overfull:
     """Decide an iteration's requests (module docstring). ``running``: (request ID, step rows) of the
     running requests, oldest first; ``waiting``: the same of the waiting ones, in queue order;
     ``max_batch``: most requests an iteration runs. With no budgets, only ``max_batch`` limits.
@@ -183,8 +198,7 @@ def schedule(
     ``replicas``: the LLM's verifier replicas, each request placed on one (module docstring); the
     result's ``placement`` says where each request of ``run`` is.
 
-    Raises ValueError when the oldest running request does not fit alone (a request the driver
-    should have refused)."""
+    :class:`Overfull` when the oldest running request does not fit alone."""
     used = [0] * len(budgets)
     replica_budgets = replicas.budgets if replicas is not None else ()
     replica_used = [0] * len(replica_budgets)  # blocks, or rows where the replica reports no budget
@@ -230,10 +244,7 @@ def schedule(
         take(request_id, rows)
         kept.append(request_id)
     if running and not kept:
-        holds = f"{list(budgets)}, replicas {list(replica_budgets)}"
-        raise ValueError(
-            f"request {running[0][0]!r} needs {running[0][1]} KV rows, more than a KV budget holds ({holds})"
-        )
+        return Overfull(running[0][0], running[0][1], f"{list(budgets)}, replicas {list(replica_budgets)}")
     preempted = tuple(request_id for request_id, _ in running[len(kept) :])
     admitted: list[str] = []
     if not preempted:  # else the queue's head is the first preempted request, which did not fit just now

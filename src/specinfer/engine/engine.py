@@ -31,7 +31,7 @@ from specinfer.core.costs import StepCosts
 from specinfer.core.engine_core import EngineCore, admit, run_to_end
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import Running, StepOutcome, request_seed
-from specinfer.core.kv_budget import StepRows, check_fits_alone, schedule, step_rows
+from specinfer.core.kv_budget import Overfull, StepRows, check_fits_alone, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs, probe_costs
@@ -237,6 +237,8 @@ class SpeculativeEngine:
             self._capacity,
             self.config.max_prefill_tokens,
         )
+        if isinstance(plan, Overfull):  # check_fits_alone refused such requests when they arrived
+            raise AssertionError(str(plan))
         back = admit(self._active, self._waiting, plan)
         for state in back:
             self._release(state.request_id)
