@@ -12,7 +12,6 @@ from specinfer.checkpoint import check_checkpoint, eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
-from specinfer.models.reference import ReferenceBackend
 
 log = logging.getLogger(__name__)
 
@@ -86,4 +85,8 @@ def load_backend(
             log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
             return NativeBackend.load(path, options)
     log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)
+    # imported here only: transformers' modeling code takes seconds to import, which every service
+    # start and test run on the native backend would pay for nothing
+    from specinfer.models.reference import ReferenceBackend
+
     return ReferenceBackend.load(path, dtype=DTYPES[dtype], device=device)
