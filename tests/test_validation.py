@@ -47,6 +47,27 @@ def test_request_fields(engine):
     assert _field(lambda: SpeculationConfig(spec.expansion, ssms=())) == "speculation.ssms"
 
 
+def test_request_ids_are_unique_while_running_or_waiting_and_free_once_cancelled_or_done():
+    engine = SpeculativeEngine(
+        ReferenceBackend(tiny_llama(50, 32, 1, 2, 2, 0)), [], EngineConfig(max_batch=1, eos_token_id=None)
+    )
+    engine.add(GenerationRequest("run", (1, 2), 3, ignore_eos=True))
+    engine.add(GenerationRequest("wait", (1, 2), 3, ignore_eos=True))
+    engine.add(GenerationRequest("third", (1, 2), 3, ignore_eos=True))
+    engine.step()  # max_batch 1: "run" runs, the others wait
+    for rid in ("run", "wait", "third"):
+        assert _field(lambda rid=rid: engine.add(GenerationRequest(rid, (1,), 2))) == "request_id"
+    cancelled = engine.cancel("wait")  # a waiting request, not the last of the queue
+    assert cancelled is not None and cancelled.finish_reason == "cancelled"
+    assert engine.cancel("wait") is None and engine.admitted == 2
+    engine.add(GenerationRequest("wait", (1, 2), 3, ignore_eos=True))  # its ID is free again
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert sorted(r.request_id for r in done) == ["run", "third", "wait"]
+    engine.add(GenerationRequest("run", (1, 2), 1, ignore_eos=True))  # a finished request's ID is free
+
+
 @pytest.mark.parametrize("text", ["", "0", "1,0,2", "1,-1", "a,b", "<>"])
 def test_expansion(text):
     assert _field(lambda: ExpansionConfig.parse(text)) == "expansion"

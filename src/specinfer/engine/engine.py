@@ -92,6 +92,7 @@ class SpeculativeEngine:
         self.config = config
         self._active: dict[str, _Active] = {}  # in admission order, oldest first
         self._waiting: deque[_Active] = deque()
+        self._ids: set[str] = set()  # request IDs running or waiting: add() checks a batch of thousands in O(1) each
         # A request holds a KV cache in every model until it finishes. Models that size their cache
         # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
         # many requests their caches hold.
@@ -161,19 +162,19 @@ class SpeculativeEngine:
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
-        if request.request_id in self._active or any(w.request.request_id == request.request_id for w in self._waiting):
+        if request.request_id in self._ids:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already running")
+        self._ids.add(request.request_id)
         self._waiting.append(_Active(request))
 
     def cancel(self, request_id: str) -> GenerationResult | None:
         state = self._active.pop(request_id, None)
         if state is None:
-            for w in self._waiting:
-                if w.request.request_id == request_id:
-                    self._waiting.remove(w)
-                    state = w
-        if state is None:
-            return None
+            state = next((w for w in self._waiting if w.request.request_id == request_id), None)
+            if state is None:
+                return None
+            self._waiting.remove(state)
+        self._ids.discard(request_id)
         state.result.finish_reason = "cancelled"
         self._release(request_id)
         return state.result
@@ -224,6 +225,7 @@ class SpeculativeEngine:
         if outcome.finish_reason is not None:
             finished.append(state.result)
             del self._active[state.request_id]
+            self._ids.discard(state.request_id)
             self._release(state.request_id)
 
     def _admit(self) -> None:
