@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import auto_dtype, cpu_flags, resolve_dtype
 from specinfer.models.native import gemm
-from specinfer.models.native.gemm import ROW_BUCKETS, GemmPlan, all_transposed, calibrate, choose, measure, row_bucket
+from specinfer.models.native.gemm import (
+    ROW_BUCKETS,
+    GemmPlan,
+    all_transposed,
+    calibrate,
+    choose,
+    gemv_linear,
+    measure,
+    row_bucket,
+)
 
 
 def test_row_buckets():
@@ -29,12 +38,28 @@ def test_both_forms_compute_linear(rows, bias):
     assert out.shape == (rows, 48) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert torch.equal(GemmPlan().linear(x, w, b), F.linear(x, w, b))
+    gemv = GemmPlan(gemv=frozenset({(48, 32)})).linear(x, w, b)  # one row: matrix-vector; more: linear
+    assert gemv.shape == (rows, 48) and gemv.is_contiguous()
+    torch.testing.assert_close(gemv, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_form_equals_linear(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w, x, b = torch.randn(64, 40, generator=gen), torch.randn(1, 40, generator=gen), torch.randn(64, generator=gen)
+    w, x, b = w.to(dtype), x.to(dtype), b.to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gemv_linear(x, w, b), F.linear(x, w, b), rtol=tol, atol=tol)
 
 
 def test_choose_needs_a_clear_win():
     timings = {(8, 4, 1): (1.0, 0.95), (8, 4, 2): (1.0, 0.5), (8, 4, 4): (1.0, 2.0)}
     assert choose(timings).transposed == frozenset({(8, 4, 2)})
     assert choose(timings, margin=1.0).transposed == frozenset({(8, 4, 1), (8, 4, 2)})
+    # one row: the fastest of the other forms, gemv by weight shape
+    timings = {(8, 4, 1): (1.0, 0.8, 0.6), (6, 4, 1): (1.0, 0.6, 0.8), (5, 4, 1): (1.0, 0.95, 0.95)}
+    plan = choose(timings)
+    assert plan.gemv == frozenset({(8, 4)}) and plan.transposed == frozenset({(6, 4, 1)})
 
 
 def test_plan_applies_per_shape_and_bucket(monkeypatch):
@@ -55,7 +80,13 @@ def test_measure_times_each_shape_once_per_bucket():
     weights = [torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)]
     timings = measure(weights, repeats=1, buckets=(1, 4))
     assert set(timings) == {(16, 8, 1), (16, 8, 4), (8, 16, 1), (8, 16, 4)}
-    assert all(lin > 0 and tr > 0 for lin, tr in timings.values())
+    assert all(t > 0 for forms in timings.values() for t in forms)
+    assert {key: len(forms) for key, forms in timings.items()} == {
+        (16, 8, 1): 3,
+        (16, 8, 4): 2,
+        (8, 16, 1): 3,
+        (8, 16, 4): 2,
+    }
     assert calibrate(weights, torch.device("meta")) == GemmPlan()  # off the CPU: always linear
     assert ROW_BUCKETS[0] == 1
 

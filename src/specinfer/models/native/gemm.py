@@ -1,4 +1,4 @@
-"""The native runtime's matrix products ``x @ w.T``, each in whichever of two equal forms measures faster.
+"""The native runtime's matrix products ``x @ w.T``, each in whichever of its equal forms measures faster.
 
 A verify step multiplies a few rows (the tree's nodes, 1-64) by every weight matrix. On a CPU, ATen's
 ``linear`` (one "NT" GEMM) takes a slow path for a few rows: on a 2-core AVX2 machine in fp32, 4 rows through
@@ -7,6 +7,11 @@ costs about the same either way, and with many rows ``linear`` wins again. Which
 the BLAS, the CPU, the dtype and the shape, so the choice is measured once when the model loads
 (:func:`calibrate`) and kept in a :class:`GemmPlan` per (weight shape, row bucket). Both forms compute the
 same sums; only their rounding order can differ, as between two BLAS kernels.
+
+One row (an incremental step, or the root of a batch of one) has a third form, ``torch.mv(w, x[0])``: a
+matrix-vector kernel, which in bf16 on a CPU streams the weights faster than either GEMM (measured on a
+2-core Xeon with AMX, [2048, 8192]: 36 GB/s against 22-24; the whole 1B model's products 85 ms against 111,
+BENCHMARKS.md "Incremental step").
 
 Terms: a *row bucket* is the smallest of :data:`ROW_BUCKETS` at least the number of rows; products with
 more rows than the largest bucket (prefill) always use ``linear``.
@@ -38,6 +43,12 @@ def row_bucket(rows: int) -> int | None:
     return None
 
 
+def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for one row ``x``  # [1, in] as a matrix-vector product; returns  # [1, out]."""
+    out = torch.mv(w, x[0]).unsqueeze(0)  # [1, out]
+    return out if b is None else out + b
+
+
 def transposed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` computed as ``(w @ x.T).T`` for ``x``  # [M, in] and ``w``  # [out, in];
     returns  # [M, out], contiguous."""
@@ -48,13 +59,17 @@ def transposed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None =
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """Which products use the transposed form: ``(out_features, in_features, row bucket)`` triples."""
+    """Which products use the transposed form: ``(out_features, in_features, row bucket)`` triples; which
+    weight shapes ``(out_features, in_features)`` use the matrix-vector form for one row."""
 
     transposed: frozenset[tuple[int, int, int]] = frozenset()
+    gemv: frozenset[Shape] = frozenset()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form
         # [M, out], contiguous."""
+        if self.gemv and x.shape[0] == 1 and (w.shape[0], w.shape[1]) in self.gemv:
+            return gemv_linear(x, w, b)
         if self.transposed and (w.shape[0], w.shape[1], row_bucket(x.shape[0])) in self.transposed:
             return transposed_linear(x, w, b)
         return F.linear(x, w, b)
@@ -65,10 +80,19 @@ def all_transposed(weights: Iterable[torch.Tensor], buckets: tuple[int, ...] = R
     return GemmPlan(frozenset((w.shape[0], w.shape[1], b) for w in weights for b in buckets))
 
 
-def choose(timings: Mapping[tuple[int, int, int], tuple[float, float]], margin: float = MARGIN) -> GemmPlan:
-    """The plan from measured ``(linear seconds, transposed seconds)`` per ``(out, in, row bucket)``: the
-    transposed form where it takes at most ``margin`` of linear's time."""
-    return GemmPlan(frozenset(key for key, (lin, tr) in timings.items() if tr <= margin * lin))
+def choose(timings: Mapping[tuple[int, int, int], tuple[float, ...]], margin: float = MARGIN) -> GemmPlan:
+    """The plan from measured ``(linear, transposed[, gemv])`` seconds per ``(out, in, row bucket)`` (gemv:
+    bucket 1 only): the fastest other form where it takes at most ``margin`` of linear's time."""
+    transposed, gemv = set(), set()
+    for key, (lin, *others) in timings.items():
+        form = min(range(len(others)), key=lambda i: others[i])
+        if others[form] > margin * lin:
+            continue
+        if form == 0:
+            transposed.add(key)
+        else:
+            gemv.add(key[:2])
+    return GemmPlan(frozenset(transposed), frozenset(gemv))
 
 
 def _best_seconds(fns, repeats: int) -> list[float]:
@@ -102,9 +126,10 @@ class _Rotation:
 @torch.inference_mode()
 def measure(
     weights: Iterable[torch.Tensor], repeats: int = 5, buckets: tuple[int, ...] = ROW_BUCKETS, per_shape: int = 4
-) -> dict[tuple[int, int, int], tuple[float, float]]:
-    """Best-of-``repeats`` time of both forms for every distinct weight shape and row bucket (on the
-    weights' own device and dtype), each call on the next of up to ``per_shape`` weights of the shape."""
+) -> dict[tuple[int, int, int], tuple[float, ...]]:
+    """Best-of-``repeats`` time of each form (linear, transposed, and gemv for one row) for every distinct
+    weight shape and row bucket (on the weights' own device and dtype), each call on the next of up to
+    ``per_shape`` weights of the shape."""
     by_shape: dict[Shape, list[torch.Tensor]] = {}
     for w in weights:
         same = by_shape.setdefault((w.shape[0], w.shape[1]), [])
@@ -115,10 +140,8 @@ def measure(
         log.info("measuring matrix-product forms: weight %d/%d [%d, %d]", n, len(by_shape), out_f, in_f)
         for b in buckets:
             x = torch.randn(b, in_f, dtype=ws[0].dtype, device=ws[0].device)  # [b, in]
-            linear, transposed = _best_seconds(
-                [_Rotation(ws, x, F.linear), _Rotation(ws, x, transposed_linear)], repeats
-            )
-            timings[(out_f, in_f, b)] = (linear, transposed)
+            forms = [F.linear, transposed_linear, *([gemv_linear] if b == 1 else [])]
+            timings[(out_f, in_f, b)] = tuple(_best_seconds([_Rotation(ws, x, f) for f in forms], repeats))
     return timings
 
 
@@ -129,8 +152,9 @@ def calibrate(weights: Iterable[torch.Tensor], device: torch.device) -> GemmPlan
     start = time.perf_counter()
     plan = choose(measure(weights))
     log.info(
-        "matrix-product forms measured in %.1f s: %d of the (shape, rows) cases use w @ x.T",
+        "matrix-product forms measured in %.1f s: %d of the (shape, rows) cases use w @ x.T, %d shapes mv for one row",
         time.perf_counter() - start,
         len(plan.transposed),
+        len(plan.gemv),
     )
     return plan
