@@ -21,7 +21,9 @@ speculative's committed / target decodes (``n_predict / (n_predict - n_accept)``
 engine. "greedy text = llama.cpp" compares each prompt's text with llama.cpp incremental's, as a
 prefix match (speculative llama.cpp may run a token past ``-n``); it is reported, not asserted: in
 bfloat16 near-ties can round differently in two implementations. Caches (source, build, converter
-venv, GGUF files) live in ``--cache``, outside the repository. Writes ``OUT/llama_cpp.{json,md}``.
+venv, GGUF files) live in ``--cache``, outside the repository. Writes ``OUT/llama_cpp.{json,md}`` (by default
+in ``~/.cache/specinfer/peers/results``: a run leaves nothing in the repository; BENCHMARKS.md's records pass
+``--out bench/results/peers``).
 
     python bench/peers/llama_cpp.py --llm /tmp/pycode-a-llm-1b --ssm ../shared/models/pycode-a/ssm \\
         --prompts ../shared/models/pycode-a/prompts.jsonl --count 5 --new-tokens 64 --dtype bfloat16 \\
@@ -66,7 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-bench", action="store_true", help="skip the llama-bench reference row")
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache/specinfer/peers/llama_cpp")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/peers")
+    # outside the repository by default: a run leaves nothing in the clone (records go to bench/results on purpose)
+    ap.add_argument("--out", type=Path, default=Path.home() / ".cache/specinfer/peers/results")
     args = ap.parse_args(argv)
     args.draft_max = [int(x) for x in args.draft_max.split(",") if x.strip()]
     args.draft_p_min = [float(x) for x in args.draft_p_min.split(",") if x.strip()]
