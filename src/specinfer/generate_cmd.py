@@ -1,0 +1,353 @@
+"""The ``specinfer generate`` command: its flags, its :class:`GenerateConfig`, generation in this
+process (:func:`run_generate`: load the models, generate the prompts as one batch) and streamed from a
+running request manager (:func:`generate_remote`); ``specinfer demo`` runs it too."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
+from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.tuning import resolve_expansion, slot_prior
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything ``specinfer generate`` needs, built once from the flags."""
+
+    llm: Path
+    ssms: tuple[Path, ...]
+    expansion: ExpansionConfig | None  # a static tree; None: adaptive (see ``adaptive``) or no speculation
+    adaptive: bool  # adaptive speculation (``--expansion auto``): the planner sizes each step's tree
+    suffix: bool  # adaptive trees also drafted from the request's own text (core.suffix)
+    sampling: SamplingParams
+    max_new_tokens: int
+    dtype: str
+    backend: str
+    attention: str
+    prompts: tuple[str, ...]
+    offload: bool = False  # the LLM's decoder layers in host memory, streamed layer by layer (docs/offloading.md)
+    offload_reserve_bytes: int = 0
+    calibration_cache: str = (
+        ""  # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
+    )
+
+
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--expansion",
+        default="auto",
+        help=(
+            "auto (default): adaptive speculation, the planner sizes each step's tree; "
+            "tuned: the SSM's installed tuning, else the paper's tree; "
+            f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; none: no speculation"
+        ),
+    )
+    p.add_argument("--no-speculation", action="store_true", help="incremental decoding with the LLM alone")
+    p.add_argument(
+        "--no-suffix",
+        action="store_true",
+        help="adaptive trees without the model-free drafts from the prompt's and output's own text",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens up to this probability (1: all)",
+    )
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (none: a random draw)")
+    p.add_argument(
+        "--verification",
+        default="auto",
+        choices=["auto", "coupled", "mss"],
+        help="how sampled trees are verified: coupled (a seed fixes the output, equal to --no-speculation's), "
+        "mss (multi-step speculative sampling); auto: coupled when --seed is given",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto (default): bfloat16 where the device computes in it natively, "
+        "else float16 on a GPU, float32 on a CPU",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "native", "reference"],
+        help="model runtime (auto: native where supported)",
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="native tree attention (auto: Triton on CUDA)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)",
+    )
+    p.add_argument(
+        "--offload-reserve-bytes",
+        type=int,
+        default=0,
+        help="most device memory offloading may use (0: no bound; needs --offload)",
+    )
+    p.add_argument(
+        "--calibration-cache",
+        default="",
+        help="folder caching adaptive speculation's step cost model between runs "
+        "(default: $SPECINFER_CALIBRATION_CACHE, "
+        "else $XDG_CACHE_HOME/specinfer/calibration, else ~/.cache/specinfer/calibration; none or off: no cache)",
+    )
+
+
+def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
+    keyword = args.expansion.strip().lower()
+    speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
+    adaptive = speculate and keyword == "auto"
+    return GenerateConfig(
+        llm=Path(llm),
+        ssms=tuple(Path(s) for s in ssms),
+        expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms))
+        if speculate and not adaptive
+        else None,
+        adaptive=adaptive,
+        suffix=not args.no_suffix,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            verification=args.verification,
+        ),
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        backend=args.backend,
+        attention=args.attention,
+        prompts=tuple(prompts),
+        offload=args.offload,
+        offload_reserve_bytes=args.offload_reserve_bytes,
+        calibration_cache=args.calibration_cache,
+    )
+
+
+def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
+    """Where adaptive speculation's cost model is cached between runs (after loading: the key holds the thread
+    count)."""
+    from specinfer.engine.calibration_cache import CalibrationCache, ModelIdentity, ModelRuntime, engine_cost_entry
+
+    def identity(path: Path, offload: bool) -> ModelIdentity:
+        reserve = cfg.offload_reserve_bytes if offload else 0
+        return ModelIdentity.of(
+            path,
+            ModelRuntime(cfg.dtype, "cpu", cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve),
+        )
+
+    cache = CalibrationCache.from_setting(cfg.calibration_cache, os.environ)
+    return engine_cost_entry(
+        cache, identity(cfg.llm, cfg.offload), [identity(p, False) for p in cfg.ssms], vocabularies
+    )
+
+
+def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
+    """The LLM, the SSMs (each in the LLM's token IDs) and each SSM's vocabulary method."""
+    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
+    from specinfer.models.loading import check_checkpoint, load_backend
+
+    llm = load_backend(
+        cfg.llm,
+        "llm",
+        cfg.dtype,
+        backend=cfg.backend,
+        attention=cfg.attention,
+        offload=cfg.offload,
+        offload_reserve_bytes=cfg.offload_reserve_bytes,
+    )
+    ssms, vocabularies = [], []
+    for i, path in enumerate(cfg.ssms):
+        check_checkpoint(path, f"ssm[{i}]")
+        vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
+        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
+        if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
+            print(
+                f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "
+                "that the LLM's spells alike",
+                file=out,
+            )
+        ssms.append(in_llm_ids(ssm, vmap))
+        vocabularies.append(vocabulary_method(vmap))
+    return llm, ssms, vocabularies
+
+
+def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str]):
+    from specinfer.core.planner import OFFLOAD_PLANNER, PlannerConfig
+    from specinfer.engine import EngineConfig, SpeculativeEngine
+    from specinfer.models.loading import eos_token_id
+
+    priors = tuple(
+        slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms
+    )  # adaptive speculation's prior: the SSMs' tuning files
+    planner = (
+        OFFLOAD_PLANNER if cfg.offload else PlannerConfig()
+    )  # offloaded steps cost a transfer whatever their tokens: larger trees pay
+    config = EngineConfig(eos_token_id=eos_token_id(cfg.llm), planner=planner, slot_priors=priors)
+    return SpeculativeEngine(llm, ssms, config, cost_entry=_cost_entry(cfg, vocabularies) if cfg.adaptive else None)
+
+
+def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
+    from specinfer.engine import GenerationRequest, SpeculationConfig
+
+    spec = (
+        SpeculationConfig(cfg.expansion, ssms=tuple(range(n_ssms)), suffix=cfg.suffix)
+        if cfg.expansion is not None or cfg.adaptive
+        else None
+    )
+    requests = []
+    for i, text in enumerate(cfg.prompts):
+        if not text:
+            raise InvalidArgument("prompt", "must not be empty")
+        requests.append(
+            GenerationRequest(f"cli-{i}", tuple(tokenizer.encode(text).ids), cfg.max_new_tokens, cfg.sampling, spec)
+        )
+    return requests
+
+
+def run_generate(cfg: GenerateConfig, out=None) -> None:
+    """Load the models, generate every prompt as one batch, print text and statistics."""
+    import torch
+
+    out = out or sys.stdout
+    from specinfer.models.loading import load_tokenizer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    llm, ssms, vocabularies = _load_models(cfg, out)
+    tokenizer = load_tokenizer(cfg.llm)
+    if tokenizer is None:
+        raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
+    engine = _engine(cfg, llm, ssms, vocabularies)
+    requests = _requests(cfg, tokenizer, len(ssms))
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    _print_results(cfg, results, tokenizer, len(ssms), elapsed, out)
+
+
+def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, elapsed: float, out) -> None:
+    """Each prompt's text and statistics, then one line over the batch."""
+    for text, res in zip(cfg.prompts, results, strict=True):
+        print_prompt_header(text, out, len(res.prompt_tokens))
+        print(f"--- generated ({len(res.output_tokens)} tokens, finish: {res.finish_reason})", file=out)
+        print(
+            tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out
+        )  # no "</s>" in the text, as the servers do
+        sizes = [s.tree_size for s in res.steps]
+        print(
+            f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
+            f"accepted per step {res.mean_accepted:.2f}, tree size {min(sizes)}-{max(sizes)}",
+            file=out,
+        )
+    total = sum(len(r.output_tokens) for r in results)
+    steps = sum(r.llm_steps for r in results)
+    if cfg.adaptive:
+        mode = f"adaptive trees over {n_ssms} SSM(s)"
+    else:
+        mode = (
+            "incremental"
+            if cfg.expansion is None
+            else f"tree <{','.join(map(str, cfg.expansion.widths))}> x {n_ssms} SSM(s)"
+        )
+    print(
+        f"=== {len(results)} request(s), {mode}: {total} tokens in {steps} LLM steps "
+        f"({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s",
+        file=out,
+    )
+
+
+def client_auth(args: argparse.Namespace):
+    from specinfer.serving.security import ClientAuth, ClientTls, read_token
+
+    try:
+        auth = ClientAuth(
+            ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+            read_token(args.auth_token, args.auth_token_file, "auth-token"),
+        )
+        auth.tls.credentials()
+    except ValueError as exc:
+        raise InvalidArgument("tls", str(exc)) from None
+    return auth
+
+
+def generate_remote(args: argparse.Namespace) -> int:
+    """Stream each prompt's text from a running request manager."""
+    auth = client_auth(args)
+    for prompt in args.prompt:
+        if stream(args.server, args, prompt, auth) != 0:
+            return 2
+    return 0
+
+
+def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> None:
+    """The ``--- prompt`` header and the prompt, before each generation's text: in-process and
+    streamed output look alike (``tokens``: the prompt's length, where known before generating)."""
+    out = out or sys.stdout
+    print("--- prompt" + (f" ({tokens} tokens)" if tokens is not None else ""), file=out, flush=True)
+    print(prompt, end="" if prompt.endswith("\n") else "\n", file=out, flush=True)
+
+
+def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> int:
+    """Stream one generation's text to stdout; 0 on success, 2 on an RPC error."""
+    import grpc
+
+    from specinfer.client import Client
+
+    keyword = args.expansion.strip().lower()
+    request = Client.request(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        verification="" if args.verification == "auto" else args.verification,
+        # auto: the server's default (adaptive speculation unless the server runs otherwise)
+        expansion=()
+        if args.no_speculation or keyword in ("auto", "none", "off")
+        else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
+        speculation=not args.no_speculation and keyword not in ("none", "off"),
+        suffix=False if args.no_suffix else None,
+    )
+    print_prompt_header(prompt)
+    print("--- generated (streamed)", flush=True)
+    with Client(address, auth=auth) as client:
+        try:
+            for msg in client.stream(request):
+                print(msg.text, end="", flush=True)
+                if msg.HasField("finished"):
+                    u = msg.finished.usage
+                    print(
+                        f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps "
+                        f"({u.tokens_per_step:.2f} tokens per LLM step, "
+                        f"mean tree size {u.mean_tree_size:.1f}), finish: {api_reason(msg.finished.reason)}",
+                        flush=True,
+                    )
+        except grpc.RpcError as exc:
+            print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def api_reason(reason: int) -> str:
+    from specinfer.v1 import api_pb2
+
+    return api_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
