@@ -61,8 +61,7 @@ def _add_client_security_flags(p: argparse.ArgumentParser) -> None:
 
 def _stack_security(args: argparse.Namespace):
     """``specinfer up``: the server files, and the client side the launcher and the request manager use."""
-    from specinfer.launcher import StackSecurity
-    from specinfer.serving.security import read_token
+    from specinfer.serving.security import StackSecurity, read_token
 
     try:
         auth_token = read_token(args.auth_token, args.auth_token_file, "auth-token")
@@ -247,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_up(args: argparse.Namespace) -> int:
     """``specinfer up``: the stack's config from the flags (the demo models where none are given), then run it."""
-    from specinfer.launcher import StackConfig, run_up
+    from specinfer.launcher import StackConfig
     from specinfer.serving.config import named_paths
+    from specinfer.supervisor import run_up
 
     # flags the user gave are served as given; the demo models fill in what is missing (an LLM
     # of one's own has no demo SSMs: without --ssm it runs alone)

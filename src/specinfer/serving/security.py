@@ -12,6 +12,9 @@ Client side (request manager -> workers and verifier, :class:`specinfer.client.C
 manager, health probes) ``--tls-ca`` trusts the servers' CA and ``--tls-client-cert``/``--tls-client-key``
 present a client certificate. Secrets are never logged: the dataclasses hide them in ``repr``.
 
+A local stack (``specinfer up``, :class:`specinfer.launcher.Stack`) holds its files and tokens in
+:class:`StackSecurity`, which hands them to each process as SPECINFER_* environment variables.
+
 This module imports only grpc (no numpy, no torch): the health probe uses it.
 """
 
@@ -203,3 +206,48 @@ class ServerSecurity:
 def env_or(name: str, default: str = "") -> str:
     """``SPECINFER_<name>`` from the environment (for the health probe, which has no settings parser)."""
     return os.environ.get(f"SPECINFER_{name}", default)
+
+
+@dataclass(frozen=True)
+class StackSecurity:
+    """TLS files and tokens of a local stack. ``cert``/``key``: every port serves TLS (a
+    certificate valid for 127.0.0.1); ``ca``: what the request manager and the launcher trust;
+    ``client_ca``: every port requires client certificates (mTLS), which the request manager and
+    the launcher present (``client_cert``/``client_key``). ``auth_token``: the public API's bearer
+    token; ``internal_token``: the one between services. All reach the processes through
+    SPECINFER_* environment variables, never the command line (which ``ps`` shows)."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    client_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    auth_token: str = field(default="", repr=False)
+    internal_token: str = field(default="", repr=False)
+
+    @property
+    def client_tls(self) -> ClientTls:
+        return ClientTls.from_files(self.ca, self.client_cert, self.client_key)
+
+    def client_auth(self) -> ClientAuth:
+        """How a client of the public API reaches this stack."""
+        return ClientAuth(self.client_tls, self.auth_token)
+
+    def env(self, request_manager: bool) -> dict[str, str]:
+        """The environment of one process: server TLS and the internal token for all; the calling
+        side and the public token for the request manager."""
+        out = {
+            "SPECINFER_TLS_CERT": self.cert,
+            "SPECINFER_TLS_KEY": self.key,
+            "SPECINFER_TLS_CLIENT_CA": self.client_ca,
+            "SPECINFER_INTERNAL_TOKEN": self.internal_token,
+        }
+        if request_manager:
+            out |= {
+                "SPECINFER_TLS_CA": self.ca,
+                "SPECINFER_TLS_CLIENT_CERT": self.client_cert,
+                "SPECINFER_TLS_CLIENT_KEY": self.client_key,
+                "SPECINFER_AUTH_TOKEN": self.auth_token,
+            }
+        return {k: v for k, v in out.items() if v}
