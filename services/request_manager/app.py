@@ -38,7 +38,8 @@ from specinfer.request_manager.state.ownership import Lease, Ownership
 from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.serving.messages import BadMessageInterceptor
-from specinfer.serving.metrics import SchedulerMetrics, ServiceMetrics
+from specinfer.serving.metrics import ServiceMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 from specinfer.serving.server import Service, run_service, write_port_file
 from specinfer.v1 import api_pb2, api_pb2_grpc, internal_pb2
 

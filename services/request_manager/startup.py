@@ -21,7 +21,7 @@ from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.scheduling.adaptive import start_planner
 from specinfer.request_manager.scheduling.scheduler import Scheduler
 from specinfer.request_manager.state.lifecycle import Requests
-from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 from specinfer.serving.server import Service
 from specinfer.v1 import internal_pb2
 

@@ -24,7 +24,7 @@ from specinfer.request_manager.state.ownership import Lease, Ownership
 from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect, free_tcp_port
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import OwnershipError
-from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 
 LIMITS = ApiLimits(
     vocab_size=100,

@@ -32,7 +32,7 @@ from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.tree import binary_tree_parents
 from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
-from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 from specinfer.v1 import internal_pb2
 
 log = logging.getLogger("specinfer.request_manager")

@@ -17,7 +17,7 @@ from specinfer.core.engine_core import DraftRound, VerifyRound
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers, VerifierUnavailable
 from specinfer.request_manager.scheduling.placement import Placement
-from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
 

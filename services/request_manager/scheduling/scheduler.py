@@ -37,7 +37,7 @@ from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, Strea
 from specinfer.request_manager.scheduling.placement import Placement
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
-from specinfer.serving.metrics import SchedulerMetrics
+from specinfer.serving.scheduler_metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
 ROOT_ONLY = PlannerConfig(max_nodes=1, max_depth=0)  # the tree limits without a planner: the root alone
