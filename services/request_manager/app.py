@@ -19,7 +19,8 @@ from specinfer.request_manager.api.chat_template import ChatTemplate
 from specinfer.request_manager.api.http_api import HttpApi
 from specinfer.request_manager.api.http_transport import HttpMetrics, HttpServer
 from specinfer.request_manager.api.servicer import SpecInferServicer
-from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
+from specinfer.request_manager.cluster.remote import Verifiers
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.scheduling.adaptive import start_planner
 from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerConfig

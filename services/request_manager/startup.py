@@ -16,7 +16,8 @@ from specinfer.core.drafts import merged_tree_nodes
 from specinfer.core.kv_budget import KVBudget
 from specinfer.core.vocab_map import SHARED_VOCABULARY
 from specinfer.request_manager.api.admission import ApiLimits
-from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
+from specinfer.request_manager.cluster.remote import Verifiers
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.scheduling.adaptive import start_planner
 from specinfer.request_manager.scheduling.scheduler import Scheduler

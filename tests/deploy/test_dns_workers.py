@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from specinfer.request_manager.cluster.discovery import DnsTarget
-from specinfer.request_manager.cluster.remote import SsmWorkers
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.state.redis_server import free_tcp_port
 from specinfer.serving.security import ClientAuth, ClientTls
 from specinfer.v1 import internal_pb2, internal_pb2_grpc

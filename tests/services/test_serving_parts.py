@@ -168,7 +168,8 @@ def test_request_manager_planner_from_reports_and_through_calls(services):
     where one reports none, a few real Verify and Speculate calls measure them."""
     from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
     from specinfer.core.costs import VerifyShape
-    from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
+    from specinfer.request_manager.cluster.remote import Verifiers
+    from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
     from specinfer.request_manager.scheduling.adaptive import (
         CALIBRATION_SIZES,
         calibrate_through_calls,

@@ -44,6 +44,7 @@ CALLER_FAULTS = frozenset(
         grpc.StatusCode.PERMISSION_DENIED,
     }
 )
+STALL_FAULTS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # what a stall of ours can cause
 
 
 class HealthProbes:

@@ -31,7 +31,8 @@ from specinfer.core.engine_core import StepReport
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.planner import PlannerConfig
 from specinfer.core.tree import binary_tree_parents
-from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers
+from specinfer.request_manager.cluster.remote import Verifiers
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.serving.scheduler_metrics import SchedulerMetrics
 from specinfer.v1 import internal_pb2
 

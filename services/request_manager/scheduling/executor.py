@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from specinfer.core.engine_core import DraftRound, VerifyRound
 from specinfer.core.iteration import DraftSpec, VerifySpec
-from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers, VerifierUnavailable
+from specinfer.request_manager.cluster.remote import Verifiers, VerifierUnavailable
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.scheduling.placement import Placement
 from specinfer.serving.scheduler_metrics import SchedulerMetrics
 

@@ -30,7 +30,8 @@ from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import StepOutcome
 from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
 from specinfer.core.planner import PlannerConfig
-from specinfer.request_manager.cluster.remote import SsmWorkers, Verifiers, VerifierUnavailable
+from specinfer.request_manager.cluster.remote import Verifiers, VerifierUnavailable
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.scheduling.adaptive import PlannerMetrics
 from specinfer.request_manager.scheduling.executor import Backoff, RemoteExecutor
 from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, StreamEvent
