@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specinfer.core import InvalidArgument
+from specinfer.request_manager.api import openai_objects as oo
 from specinfer.request_manager.api import openai_wire as ow
 from specinfer.v1 import api_pb2
 
@@ -146,15 +147,15 @@ def test_admission_fields_map_to_openai_params(field, param):
 
 def test_usage_counts_each_prompt_once_and_speculation_sums_the_choices():
     usage = api_pb2.Usage(llm_steps=4, mean_accepted_tokens=1.5, mean_tree_size=3.0, cached_prompt_tokens=4)
-    choices = [ow.Choice(0, token_ids=10, usage=usage), ow.Choice(1, token_ids=10, usage=usage)]
+    choices = [oo.Choice(0, token_ids=10, usage=usage), oo.Choice(1, token_ids=10, usage=usage)]
     want = {
         "prompt_tokens": 7,
         "completion_tokens": 20,
         "total_tokens": 27,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
-    assert ow.usage_object(choices, [7]) == want  # the prompt's cached tokens once, not per sample
-    spec = ow.speculation_object(choices)
+    assert oo.usage_object(choices, [7]) == want  # the prompt's cached tokens once, not per sample
+    spec = oo.speculation_object(choices)
     assert spec == {
         "num_drafts": 8,
         "num_draft_tokens": 16,

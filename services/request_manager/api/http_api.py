@@ -2,8 +2,8 @@
 request manager's own event loop: no extra hop, no extra process).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (messages rendered by the checkpoint's
-chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire`), admit
-each choice with the same :func:`.admission.build_live` as the gRPC servicer, call
+chat template, :mod:`.chat_template`), ``/v1/models``, ``/health``. Handlers convert (:mod:`.openai_wire` in,
+:mod:`.openai_objects` out), admit each choice with the same :func:`.admission.build_live` as the gRPC servicer, call
 :meth:`.state.lifecycle.Requests.start` once per choice, and wrap the events; they hold no logic of their own. Errors
 are OpenAI error objects: 400 naming the ``param``, 401 without the bearer token (``--auth-token`` is the API key), 404
 for an unknown model, 429 when the queue is full, 503 while the verifier has not answered yet or, after start-up,
@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specinfer.core.errors import InvalidArgument, Unavailable
+from specinfer.request_manager.api import openai_objects as oo
 from specinfer.request_manager.api import openai_wire as ow
 from specinfer.request_manager.api.admission import build_live
 from specinfer.request_manager.api.chat_template import ChatTemplate, check_messages
@@ -152,7 +153,7 @@ class HttpApi:
         return await self._endpoint("models", request, lambda: self._models())
 
     async def _models(self) -> Response:
-        return JSONResponse(ow.models_object(self._model(None), ow.now()))
+        return JSONResponse(oo.models_object(self._model(None), oo.now()))
 
     async def completions(self, request: Request) -> Response:
         return await self._endpoint("completions", request, lambda: self._completions(request))
@@ -196,12 +197,12 @@ class HttpApi:
         echo = [self._echo_text(p) if params.echo else "" for p in params.prompts]
         prompt_tokens = [len(lives[p * params.n].request.prompt_tokens) for p in range(len(params.prompts))]
         streams = await self._start(lives)
-        created = ow.now()
+        created = oo.now()
         if params.stream:
             chunks = self._chunks(streams, params, echo, prompt_tokens, response_id, model, created, started, chat)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
-        build = ow.chat_object if chat else ow.completion_object
+        build = oo.chat_object if chat else oo.completion_object
         return JSONResponse(build(response_id, model, created, choices, prompt_tokens))
 
     def _echo_text(self, prompt: str | Sequence[int]) -> str:
@@ -227,9 +228,9 @@ class HttpApi:
 
     async def _collect(
         self, request: Request, streams: list[_Stream], params: ow.CompletionParams, echo: list[str], started: float
-    ) -> list[ow.Choice]:
+    ) -> list[oo.Choice]:
         """Every choice to its end; the requests are cancelled if the client goes away first."""
-        choices = [ow.Choice(i, text=echo[i // params.n]) for i in range(len(streams))]
+        choices = [oo.Choice(i, text=echo[i // params.n]) for i in range(len(streams))]
 
         async def follow(i: int, s: _Stream) -> None:
             last = started
@@ -254,7 +255,7 @@ class HttpApi:
         self.metrics.e2e.observe(time.monotonic() - started)
         return choices
 
-    def _observe(self, choice: ow.Choice, event: StreamEvent, started: float, last: float) -> float:
+    def _observe(self, choice: oo.Choice, event: StreamEvent, started: float, last: float) -> float:
         """Add ``event`` to ``choice``; record its latencies; the arrival time."""
         now = time.monotonic()
         if event.tokens:
@@ -267,7 +268,7 @@ class HttpApi:
         choice.text += event.text
         choice.token_ids += len(event.tokens)
         if event.finished is not None:
-            choice.finish_reason = ow.FINISH_REASONS[event.finished.reason]
+            choice.finish_reason = oo.FINISH_REASONS[event.finished.reason]
             choice.usage = _usage_proto(event)
         return now if event.tokens else last
 
@@ -278,7 +279,7 @@ class HttpApi:
         with the role, content deltas, then an empty delta with the finish reason), a usage chunk
         when asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects;
         the event streams close with it, which cancels the requests."""
-        choices = [ow.Choice(i) for i in range(len(streams))]
+        choices = [oo.Choice(i) for i in range(len(streams))]
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException]] = asyncio.Queue()
 
         async def pump(i: int, s: _Stream) -> None:
@@ -296,24 +297,24 @@ class HttpApi:
 
         def chunk(i: int, text: str, finish_reason: str | None) -> str:
             if not chat:
-                return sse(ow.completion_chunk(response_id, model, created, i, text, finish_reason))
+                return sse(oo.completion_chunk(response_id, model, created, i, text, finish_reason))
             if finish_reason is None:
-                return sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None))
-            head = sse(ow.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
-            return head + sse(ow.chat_chunk(response_id, model, created, i, {}, finish_reason))
+                return sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None))
+            head = sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
+            return head + sse(oo.chat_chunk(response_id, model, created, i, {}, finish_reason))
 
         try:
             for i in range(len(streams)):
                 if chat:
-                    yield sse(ow.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
+                    yield sse(oo.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
                 elif echo[i // params.n]:
-                    yield sse(ow.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
+                    yield sse(oo.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
             open_choices = len(streams)
             while open_choices:
                 i, item = await queue.get()
                 if isinstance(item, BaseException):
                     err = http_error(item)
-                    yield sse(ow.error_object(str(err), err.kind, err.param, err.code))
+                    yield sse(oo.error_object(str(err), err.kind, err.param, err.code))
                     open_choices -= 1
                     continue
                 last[i] = self._observe(choices[i], item, started, last[i])
@@ -322,7 +323,7 @@ class HttpApi:
                 if item.finished is not None:
                     open_choices -= 1
             if params.include_usage:
-                usage = ow.chat_usage_chunk if chat else ow.usage_chunk
+                usage = oo.chat_usage_chunk if chat else oo.usage_chunk
                 yield sse(usage(response_id, model, created, choices, prompt_tokens))
             yield "data: [DONE]\n\n"
             self.metrics.e2e.observe(time.monotonic() - started)

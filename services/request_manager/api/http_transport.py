@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from specinfer.core.errors import FieldError, InvalidArgument, ResourceExhausted, Unavailable
+from specinfer.request_manager.api import openai_objects as oo
 from specinfer.request_manager.api import openai_wire as ow
 from specinfer.serving.config import port_in_use
 from specinfer.serving.security import ServerSecurity
@@ -75,7 +76,7 @@ class HttpError(Exception):
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
         return JSONResponse(
-            ow.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers
+            oo.error_object(str(self), self.kind, self.param, self.code), status_code=self.status, headers=headers
         )
 
 
