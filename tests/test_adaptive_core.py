@@ -27,7 +27,7 @@ from specinfer.core.acceptance import (
 )
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
-from specinfer.core.drafts import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
+from specinfer.core.dynamic_trees import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
 VOCAB = 8

@@ -28,7 +28,8 @@ from specinfer.core import (
     verify_stochastic,
 )
 from specinfer.core.coupled import coupled_children, coupled_token, position_noise, verify_coupled
-from specinfer.core.drafts import DraftGroup, ExpansionConfig, TreeBudget
+from specinfer.core.drafts import DraftGroup, ExpansionConfig
+from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.models.interface import TreeForward
 from specinfer.models.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows

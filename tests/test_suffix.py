@@ -33,7 +33,7 @@ from specinfer.core import (
     verify_stochastic,
 )
 from specinfer.core.coupled import position_noise, verify_coupled
-from specinfer.core.drafts import MIN_SCORE
+from specinfer.core.dynamic_trees import MIN_SCORE
 from specinfer.core.suffix import SuffixConfig, TokenHistory, point_mass, suffix_tree
 from specinfer.core.verify import mss_tries
 

@@ -22,7 +22,8 @@ from specinfer.core import (
     VerifyResult,
 )
 from specinfer.core.costs import CostTable
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, TreeBudget
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.kv_budget import KVBudget

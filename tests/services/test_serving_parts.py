@@ -124,7 +124,7 @@ def test_wire_adaptive_round_trips():
     """Budgets, scores, cost tables and pass timings survive the wire; a broken one names its field."""
     from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
     from specinfer.core.costs import CostTable
-    from specinfer.core.drafts import EDGE_KNOTS, TreeBudget
+    from specinfer.core.dynamic_trees import EDGE_KNOTS, TreeBudget
     from specinfer.core.iteration import DraftSpec
 
     curve = tuple(min(1.0, 2 * k) for k in EDGE_KNOTS)

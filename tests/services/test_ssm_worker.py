@@ -12,7 +12,8 @@ import pytest
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
 from specinfer.core.costs import BUCKETS
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, EDGE_KNOTS, TreeBudget
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.core.dynamic_trees import EDGE_KNOTS, TreeBudget
 from specinfer.core.iteration import DraftSpec
 from specinfer.models.loading import load_backend
 from specinfer.models.steps import draft_trees

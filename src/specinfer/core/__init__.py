@@ -1,14 +1,7 @@
 """Pure algorithms of tree-based speculative inference: no I/O, no torch."""
 
-from specinfer.core.drafts import (
-    BestFirstTreeBuilder,
-    DraftGroup,
-    DraftTree,
-    ExpansionConfig,
-    Proposal,
-    TreeBudget,
-    TreeBuilder,
-)
+from specinfer.core.drafts import DraftGroup, DraftTree, ExpansionConfig, TreeBuilder
+from specinfer.core.dynamic_trees import BestFirstTreeBuilder, Proposal, TreeBudget
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.merge import combine_drafts, merge_drafts, merge_trees
 from specinfer.core.sampling import (

@@ -12,7 +12,7 @@ Terms.
 - *Edge acceptance*: the probability that a drafted child is accepted once its parent is,
   given the slot probability the SSM drafted it with (:class:`EdgeCalibration`), forced
   monotone. A dynamic tree's node is worth the product of its edges' acceptances along its path
-  (its *value*, see :class:`~specinfer.core.drafts.BestFirstTreeBuilder`). Calibrating edges,
+  (its *value*, see :class:`~specinfer.core.dynamic_trees.BestFirstTreeBuilder`). Calibrating edges,
   not whole paths by their score, lets one curve serve every depth: it is learned at every
   reached node, shallow ones included, and the product carries it to nodes never drafted yet.
 - *Per-position acceptance*: accepted tokens by depth, the counters vLLM exports.
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specinfer.core.drafts import EDGE_KNOTS, DraftTree, slot_probabilities
+from specinfer.core.drafts import DraftTree
+from specinfer.core.dynamic_trees import EDGE_KNOTS, slot_probabilities
 
 MAX_SLOTS = 4  # slot acceptance is tracked for the first children of a node
 MAX_POSITIONS = 16  # per-position acceptance counters (depths 1..16)
@@ -145,7 +146,7 @@ class SlotAcceptance:
 class EdgeCalibration:
     """Decaying counts, by slot probability, of the drafted children of reached nodes (see
     :class:`StepOutcomes`) and of those accepted: the edge acceptance curve at
-    :data:`~specinfer.core.drafts.EDGE_KNOTS`.
+    :data:`~specinfer.core.dynamic_trees.EDGE_KNOTS`.
 
     A child of slot probability p counts toward the two knots around p, in proportion to how near
     it is (the curve is read by linear interpolation between knots, so it is learned the same
@@ -183,7 +184,7 @@ class EdgeCalibration:
         return np.clip(nondecreasing((self.accepted + self.prior_weight * self.prior) / weight, weight), 0.0, 1.0)
 
     def knot_values(self) -> tuple[float, ...]:
-        """:meth:`curve` as a :class:`~specinfer.core.drafts.TreeBudget`'s ``edge_curve``."""
+        """:meth:`curve` as a :class:`~specinfer.core.dynamic_trees.TreeBudget`'s ``edge_curve``."""
         return tuple(float(v) for v in self.curve())
 
 

@@ -28,7 +28,8 @@ from specinfer.core.acceptance import (
     step_outcomes,
 )
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
-from specinfer.core.drafts import DraftTree, TreeBudget, tree_values
+from specinfer.core.drafts import DraftTree
+from specinfer.core.dynamic_trees import TreeBudget, tree_values
 from specinfer.core.merge import merge_with_maps
 from specinfer.core.planner import (
     BatchPlan,
@@ -183,7 +184,7 @@ class AdaptiveSpeculation:
         """Each request's trees cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`,
         whose arguments these are), by request ID, as (drafter, tree) pairs. The cut is made on the trees
         merged: a node's predicted acceptance is its value under its drafter's edge acceptance
-        (:func:`~specinfer.core.drafts.tree_values`), the likelier one where two drafters proposed it; each
+        (:func:`~specinfer.core.dynamic_trees.tree_values`), the likelier one where two drafters proposed it; each
         drafter's tree then keeps its nodes the cut kept. Only for greedy and coupled requests (see
         :meth:`DraftTree.subtree`)."""
         curves = self._edge_curves()

@@ -28,7 +28,8 @@ import numpy as np
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice, Context, Drafted
 from specinfer.core.costs import VerifyShape
-from specinfer.core.drafts import DraftTree, ExpansionConfig, TreeBudget, merged_tree_nodes
+from specinfer.core.drafts import DraftTree, ExpansionConfig, merged_tree_nodes
+from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.merge import combine_drafts
 from specinfer.core.requests import GenerationRequest, StepStats
 from specinfer.core.sampling import SamplingParams
@@ -57,7 +58,7 @@ class DraftSpec:
 
     ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
     draft distribution under sampling. The tree is static (``expansion``) or grown best first
-    within ``budget`` (:class:`~specinfer.core.drafts.BestFirstTreeBuilder`). The job draws from
+    within ``budget`` (:class:`~specinfer.core.dynamic_trees.BestFirstTreeBuilder`). The job draws from
     ``step_rng(seed, step, stream)``.
     """
 

@@ -17,7 +17,7 @@ Terms.
 - *support* of a tree node: the summed weight of the occurrences whose continuation passes through it.
 - *score* of a node: an estimate of the probability that its whole path is accepted, the product along the
   path of its edges' *slot probabilities*; 1.0 at the root, as in
-  :class:`~specinfer.core.drafts.BestFirstTreeBuilder`, so the adaptive planner ranks (and calibrates)
+  :class:`~specinfer.core.dynamic_trees.BestFirstTreeBuilder`, so the adaptive planner ranks (and calibrates)
   these nodes like an SSM's. A child's slot probability is its support over its parent's *onward* support
   (the occurrences that go on past the parent; those cut off by the history's end say nothing) plus
   ``unseen_weight``: a pseudo-weight for "the LLM continues differently from every occurrence", which keeps
@@ -59,7 +59,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from specinfer.core.drafts import MAX_DRAFT_WIDTH, MIN_SCORE, DraftGroup, DraftTree
+from specinfer.core.drafts import DraftGroup, DraftTree
+from specinfer.core.dynamic_trees import MAX_DRAFT_WIDTH, MIN_SCORE
 from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import TokenTree
 
