@@ -247,33 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = kv_bytes(args.llm, batches, DTYPES[dtype])
     llm: CausalLM = load_backend(args.llm, "llm", dtype, args.device, backend="native", kv_cache_bytes=budget)
     ssms = [load_backend(p, f"ssm[{i}]", dtype, args.device, backend="native") for i, p in enumerate(args.ssm)]
-    costs = None
-    if any(c.method in ("auto", "auto-ssm-only", "suffix-only") for c in cases):
-        started = time.perf_counter()
-        costs = calibrate_costs(
-            llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr)
-        )
-        print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")
-    # the tuner's measured agreement (if given) is SSM 0's prior slot acceptance, as a tuning file installed in its
-    # folder would be
-    priors: tuple[tuple[float, ...], ...] = ()
-    if args.tuned:
-        top_k = json.loads(args.tuned.read_text())["acceptance"]["top_k_agreement"]
-        priors = (slot_prior_from_agreement({int(k): v for k, v in top_k.items()}),)
+    costs = calibrate(llm, ssms, cases)
+    priors = tuned_priors(args)
     batches_ours = {c.batch for c in cases if not c.method.startswith("hf-")}
     engines = {
         b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), costs) for b in batches_ours
     }
 
-    # warm-up (lazy initialisation, allocator, thread pools), not timed
-    with tqdm(total=0, disable=True) as quiet:
-        warm = [Case(c.method, 1, c.temperature, c.expansion, c.ssms) for c in cases if c.batch == 1][:8]
-        for case in warm:
-            if case.method.startswith("hf-"):
-                run_hf(case, prompts[:1], 4, hf_llm, hf_ssm, args.seed, quiet)
-            elif 1 in engines:
-                run_ours(case, prompts[:1], 4, engines[1], args.seed, quiet)
-
+    warm_up(cases, prompts, hf_llm, hf_ssm, engines, args.seed)
     runs: list[Run] = []
     with tqdm(total=len(cases) * len(prompts), unit="request", file=sys.stderr) as progress:
         for case in cases:
@@ -283,7 +264,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 runs.append(run_ours(case, prompts, args.new_tokens, engines[case.batch], args.seed, progress))
 
-    rows = summarise(runs)
+    write_results(args, summarise(runs), prompts, dtype)
+    return 0
+
+
+def calibrate(llm: CausalLM, ssms: Sequence[CausalLM], cases: Sequence[Case]):
+    """The step cost model, when an adaptive row needs one (else None)."""
+    if not any(c.method in ("auto", "auto-ssm-only", "suffix-only") for c in cases):
+        return None
+    started = time.perf_counter()
+    costs = calibrate_costs(
+        llm, ssms, max_verify_tokens=64, progress=lambda msg: print(f"calibrating {msg}", file=sys.stderr)
+    )
+    print(f"cost model calibrated in {time.perf_counter() - started:.1f} s: {json.dumps(costs.describe())}")
+    return costs
+
+
+def tuned_priors(args: argparse.Namespace) -> tuple[tuple[float, ...], ...]:
+    """The tuner's measured agreement (if given) as SSM 0's prior slot acceptance, as a tuning file installed in
+    its folder would be."""
+    if not args.tuned:
+        return ()
+    top_k = json.loads(args.tuned.read_text())["acceptance"]["top_k_agreement"]
+    return (slot_prior_from_agreement({int(k): v for k, v in top_k.items()}),)
+
+
+def warm_up(cases: Sequence[Case], prompts, hf_llm, hf_ssm, engines: dict, seed: int) -> None:
+    """Lazy initialisation, allocator, thread pools: a few short runs, not timed."""
+    with tqdm(total=0, disable=True) as quiet:
+        warm = [Case(c.method, 1, c.temperature, c.expansion, c.ssms) for c in cases if c.batch == 1][:8]
+        for case in warm:
+            if case.method.startswith("hf-"):
+                run_hf(case, prompts[:1], 4, hf_llm, hf_ssm, seed, quiet)
+            elif 1 in engines:
+                run_ours(case, prompts[:1], 4, engines[1], seed, quiet)
+
+
+def write_results(args: argparse.Namespace, rows: list[dict], prompts, dtype: str) -> None:
+    """compare.json (rows and the run's facts), compare.md (the table, also printed) and the plots."""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -306,7 +324,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     for path in plot(rows, args.out):
         print(f"wrote {path}")
-    return 0
 
 
 def summarise(runs: list[Run]) -> list[dict]:

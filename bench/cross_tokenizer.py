@@ -75,7 +75,7 @@ def train_ssm(
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--pair", type=Path, default=Path("../shared/models/pycode-a"), help="folder with llm/, ssm/, prompts.jsonl"
@@ -91,17 +91,18 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap.parse_args()
+
+
+def build_drafts(args: argparse.Namespace, styles: list[str], llm_dir: Path) -> None:
+    """The tokenizers and SSMs under ``--work`` (stages whose output exists are skipped)."""
     corpus = tuple(args.corpus or (stdlib_dir(),))
-    llm_dir = args.pair / "llm"
     settings = TrainSettings(
         steps=args.steps, batch_size=16, seq_len=256, lr=2e-3, kd_weight=0.0, device="cpu", checkpoint_every=500
     )
     arch = ArchSpec.parse(args.arch, "arch")
 
     started = time.perf_counter()
-    styles = [s for s in args.styles.split(",") if s]
     for style in styles:
         vocab = args.vocab_size if style == "sentencepiece" else args.bpe_vocab_size
         build_tokenizer(args.work / f"tokenizer-{style}", style, corpus, vocab, args.max_corpus_bytes)
@@ -115,6 +116,46 @@ def main() -> None:
         )
     train_ssm(args.work / "same", llm_dir, corpus, arch, settings, args.max_corpus_bytes)
     print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+def print_rows(name: str, path: Path, llm, llm_dir: Path, prompts: list, new_tokens: int) -> None:
+    """One draft's table rows: a chain of 8 and the paper's tree, greedy and temperature 1."""
+    vmap = draft_vocabulary(llm_dir, path, "ssm")
+    ssm = in_llm_ids(load_backend(path, "ssm", "float32", backend="native"), vmap)
+    shared = "all" if vmap is None else f"{vmap.shared} of {vmap.ssm_size}"
+    engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(llm_dir)))
+    for widths in ("1,1,1,1,1,1,1,1", PAPER_EXPANSION):
+        for temp in (0.0, 1.0):
+            spec = SpeculationConfig(ExpansionConfig.parse(widths))
+            reqs = [
+                GenerationRequest(
+                    f"{name}-{widths}-{temp}-{i}",
+                    p,
+                    new_tokens,
+                    SamplingParams(temperature=temp, seed=i),
+                    spec,
+                    ignore_eos=True,
+                )
+                for i, p in enumerate(prompts)
+            ]
+            results = engine.generate(reqs)
+            steps = [s for r in results for s in r.steps]
+            accepted = sum(s.accepted for s in steps) / len(steps)
+            tokens = sum(len(r.output_tokens) for r in results) / len(steps)
+            vocab = "shared" if vmap is None else "token-intersection"
+            print(
+                f"| {name} | {vocab} | {shared} | <{widths}> | {temp:g} | {accepted:.2f} | {tokens:.2f} "
+                f"| {len(steps)} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    llm_dir = args.pair / "llm"
+    styles = [s for s in args.styles.split(",") if s]
+    build_drafts(args, styles, llm_dir)
 
     prompts = load_prompts(args.pair / "prompts.jsonl", llm_dir, args.prompts, 0)
     llm = load_backend(llm_dir, "llm", "float32", backend="native")
@@ -133,34 +174,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, path in drafts.items():
-        vmap = draft_vocabulary(llm_dir, path, "ssm")
-        ssm = in_llm_ids(load_backend(path, "ssm", "float32", backend="native"), vmap)
-        shared = "all" if vmap is None else f"{vmap.shared} of {vmap.ssm_size}"
-        engine = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos_token_id(llm_dir)))
-        for widths in ("1,1,1,1,1,1,1,1", PAPER_EXPANSION):
-            for temp in (0.0, 1.0):
-                spec = SpeculationConfig(ExpansionConfig.parse(widths))
-                reqs = [
-                    GenerationRequest(
-                        f"{name}-{widths}-{temp}-{i}",
-                        p,
-                        args.new_tokens,
-                        SamplingParams(temperature=temp, seed=i),
-                        spec,
-                        ignore_eos=True,
-                    )
-                    for i, p in enumerate(prompts)
-                ]
-                results = engine.generate(reqs)
-                steps = [s for r in results for s in r.steps]
-                accepted = sum(s.accepted for s in steps) / len(steps)
-                tokens = sum(len(r.output_tokens) for r in results) / len(steps)
-                vocab = "shared" if vmap is None else "token-intersection"
-                print(
-                    f"| {name} | {vocab} | {shared} | <{widths}> | {temp:g} | {accepted:.2f} | {tokens:.2f} "
-                    f"| {len(steps)} |",
-                    flush=True,
-                )
+        print_rows(name, path, llm, llm_dir, prompts, args.new_tokens)
 
 
 if __name__ == "__main__":

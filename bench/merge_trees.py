@@ -135,7 +135,7 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llm", type=Path, required=True)
     ap.add_argument("--ssm", action="append", required=True, help="NAME=DIR; repeat")
@@ -160,15 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return ap.parse_args(argv)
+
+
+def load_drafters(args: argparse.Namespace, cases: Sequence[Case]) -> tuple[list, dict[str, int]]:
+    """Each SSM as many times as one case merges it (``NAME#k``), and each one's index among them."""
     paths = dict(s.split("=", 1) for s in args.ssm)
-    cases = [parse_case(c) for c in args.case]
-    all_prompts = load_prompts(args.prompts, args.llm, args.select_offset + args.select_count, args.max_prompt_tokens)
-    prompts = all_prompts[args.offset : args.offset + args.count]
-    select = all_prompts[args.select_offset : args.select_offset + args.select_count]
-    llm = load_backend(args.llm, "llm")
     need: dict[str, int] = {}
     for c in cases:
         for n in set(c.ssms):
@@ -180,7 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in range(1, count + 1):
             index[f"{name}#{k}"] = len(backends)
             backends.append(load_backend(paths[name], f"{name}#{k}"))
-    picked, ranks = [], {}
+    return backends, index
+
+
+def pick_best_singles(
+    args: argparse.Namespace, llm, backends: list, index: dict[str, int], select: list
+) -> tuple[list[Case], list[dict]]:
+    """The cases of ``--best-single`` (each SSM's best tree within a node budget, picked on the selection
+    prompts), and what was picked."""
+    cases, picked, ranks = [], [], {}
     for spec in args.best_single:
         name, nodes = spec.split(":")
         if name not in ranks:  # one measurement per SSM serves every budget
@@ -202,6 +207,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         cases.append(case)
+    return cases, picked
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = [parse_case(c) for c in args.case]
+    all_prompts = load_prompts(args.prompts, args.llm, args.select_offset + args.select_count, args.max_prompt_tokens)
+    prompts = all_prompts[args.offset : args.offset + args.count]
+    select = all_prompts[args.select_offset : args.select_offset + args.select_count]
+    llm = load_backend(args.llm, "llm")
+    backends, index = load_drafters(args, cases)
+    singles, picked = pick_best_singles(args, llm, backends, index, select)
+    cases += singles
     engine = SpeculativeEngine(llm, backends, EngineConfig(eos_token_id=None, max_batch=args.batch))
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []

@@ -126,7 +126,7 @@ def prompts_of(llm: Path, prompts: Path, count: int) -> list[tuple[int, ...]]:
     return [tuple(tok.encode(text).ids[:256]) for text in lines]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", type=Path, required=True)
     ap.add_argument("--ssm", type=Path, required=True)
@@ -145,9 +145,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-resident", action="store_true", help="the LLM does not fit the device: run offloaded only")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
+    return ap.parse_args(argv)
+
+
+def load_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[NativeBackend, dict[str, NativeBackend]]:
+    """The SSM (on the device either way) and the LLM offloaded, and resident unless ``--skip-resident``."""
     base = NativeOptions(dtype, args.device, args.kv_cache_bytes, max_seq_len=1024, max_tree_nodes=256)
     offload_options = NativeOptions(
         dtype,
@@ -162,6 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
     llms = {"offloaded": NativeBackend.load(args.llm, offload_options)}
     if not args.skip_resident:
         llms = {"resident": NativeBackend.load(args.llm, base), **llms}
+    return ssm, llms
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
+    ssm, llms = load_models(args, dtype)
     layer = layer_bytes(llms["offloaded"].runner.model.layers.staging[0])
     bandwidth, measured = copy_bandwidth(layer, device, args.repeats)
     prompts = prompts_of(args.llm, args.prompts, args.requests)
@@ -188,6 +198,34 @@ def main(argv: list[str] | None = None) -> dict:
             "and say nothing about PCIe offloading."
         )
     print(f"copy of one layer into a staging buffer: {bandwidth / 1e9:.2f} GB/s, {measured}")
+    measure_steps(args, llms, context, layer, bandwidth, report)
+    identical = measure_decoding(args, llms, ssm, prompts, report)
+    if device.type != "cuda":
+        print("(CPU: speedups above are of a resident-speed model with memcpy staging, not offloading speedups)")
+    report["outputs_identical"] = identical
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if not identical and dtype == torch.float32:
+        raise SystemExit("greedy outputs differ between runs")
+    if not identical:  # fp16/bf16: a tree step and a one-token step round differently, which can flip a near tie
+        print(
+            f"(outputs differ in {report['dtype']}: rounding of tree vs one-token steps can flip near ties; "
+            "run --dtype float32 to check exactness)"
+        )
+    return report
+
+
+def measure_steps(
+    args: argparse.Namespace,
+    llms: dict[str, NativeBackend],
+    context: list[int],
+    layer: int,
+    bandwidth: float,
+    report: dict,
+) -> None:
+    """Verify steps of 1 and 64 nodes of each LLM (``report["verify_seconds"]``), printed as a table (with the
+    resident per-layer compute)."""
     steps = {
         name: {n: verify_seconds(llm, context, n, args.repeats) for n in VERIFY_NODES} for name, llm in llms.items()
     }
@@ -204,6 +242,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name, s in steps.items():
         print(f"| {name} | {s[1] * 1e3:.2f} ms | {s[64] * 1e3:.2f} ms | {(s[64] / s[1] - 1) * 100:+.0f}% |")
 
+
+def measure_decoding(
+    args: argparse.Namespace,
+    llms: dict[str, NativeBackend],
+    ssm: NativeBackend,
+    prompts: list[tuple[int, ...]],
+    report: dict,
+) -> bool:
+    """Incremental and speculative decoding on each LLM, printed as a table; whether all outputs are identical."""
     runs = {}
     for name, llm in llms.items():
         planner = OFFLOAD_PLANNER if name == "offloaded" else PlannerConfig()
@@ -228,24 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
                 f"| {name} | {mode} | {run['tokens_per_s']:.1f} | {run['tokens_per_step']:.2f} | {speedup:.2f}x "
                 f"| {paper} |"
             )
-    if device.type != "cuda":
-        print("(CPU: speedups above are of a resident-speed model with memcpy staging, not offloading speedups)")
     report["decoding"] = {
         name: {mode: {k: v for k, v in run.items() if k != "outputs"} for mode, run in modes.items()}
         for name, modes in runs.items()
     }
-    report["outputs_identical"] = identical
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if not identical and dtype == torch.float32:
-        raise SystemExit("greedy outputs differ between runs")
-    if not identical:  # fp16/bf16: a tree step and a one-token step round differently, which can flip a near tie
-        print(
-            f"(outputs differ in {report['dtype']}: rounding of tree vs one-token steps can flip near ties; "
-            "run --dtype float32 to check exactness)"
-        )
-    return report
+    return identical
 
 
 if __name__ == "__main__":

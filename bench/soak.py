@@ -57,7 +57,7 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llm", type=Path, default=DEFAULT_PAIR / "llm")
     p.add_argument("--ssm", type=Path, default=DEFAULT_PAIR / "ssm")
@@ -80,7 +80,11 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--sample-seconds", type=float, default=2.0)
     p.add_argument("--json", type=Path, default=None, help="write the summary here too")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
 
     from tokenizers import Tokenizer
 
@@ -97,29 +101,52 @@ def main() -> int:
         rm_args=("--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)),
     )
     with Stack(cfg) as stack:
-        pids = {p.name: p.popen.pid for p in stack.processes}
-        for child in child_pids(pids["request-manager"]):
-            pids["redis-server"] = child
-        samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
-        totals = Totals()
-        start = time.monotonic()
-        stop_at = start + args.seconds
-        threads = [
-            threading.Thread(target=stream_loop, args=(stack.address, prompts, i, args, stop_at, totals), daemon=True)
-            for i in range(args.streams)
-        ]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            now = time.monotonic() - start
-            for name, pid in pids.items():
-                rss = rss_bytes(pid)
-                if rss is not None:
-                    samples[name].append((now, rss))
-            time.sleep(args.sample_seconds)
-        elapsed = time.monotonic() - start
+        samples, totals, elapsed = soak(stack, prompts, args)
         alive = {p.name: p.popen.poll() is None for p in stack.processes}
+    summary = summarise(args, samples, totals, elapsed, alive)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 1 if summary["unexpected_errors"] or not all(alive.values()) else 0
 
+
+def soak(
+    stack: Stack, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, list[tuple[float, int]]], Totals, float]:
+    """Run the streams until ``--seconds`` have passed, sampling every process's RSS meanwhile; the samples
+    by process, the streams' totals and the seconds it took."""
+    pids = {p.name: p.popen.pid for p in stack.processes}
+    for child in child_pids(pids["request-manager"]):
+        pids["redis-server"] = child
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+    totals = Totals()
+    start = time.monotonic()
+    stop_at = start + args.seconds
+    threads = [
+        threading.Thread(target=stream_loop, args=(stack.address, prompts, i, args, stop_at, totals), daemon=True)
+        for i in range(args.streams)
+    ]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        now = time.monotonic() - start
+        for name, pid in pids.items():
+            rss = rss_bytes(pid)
+            if rss is not None:
+                samples[name].append((now, rss))
+        time.sleep(args.sample_seconds)
+    return samples, totals, time.monotonic() - start
+
+
+def summarise(
+    args: argparse.Namespace,
+    samples: dict[str, list[tuple[float, int]]],
+    totals: Totals,
+    elapsed: float,
+    alive: dict[str, bool],
+) -> dict:
+    """The summary: throughput, errors by status, latencies and each process's memory."""
     mib = 1 << 20
     memory = {
         name: {
@@ -133,7 +160,7 @@ def main() -> int:
         if s
     }
     unexpected = {k: v for k, v in totals.errors.items() if k != "RESOURCE_EXHAUSTED"}
-    summary = {
+    return {
         "streams": args.streams,
         "seconds": round(elapsed, 1),
         "requests_finished": totals.requests,
@@ -154,11 +181,6 @@ def main() -> int:
         "processes_alive_at_end": alive,
         "cpu_count": os.cpu_count(),
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    return 1 if unexpected or not all(alive.values()) else 0
 
 
 if __name__ == "__main__":
