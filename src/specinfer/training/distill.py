@@ -173,24 +173,8 @@ def train(
     student.to(device).train()
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
-    decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
-    start, losses = 0, []
-    resume = latest_checkpoint(out)
-    if resume is not None:
-        from safetensors.torch import load_file
-
-        state = torch.load(resume / TRAINER_STATE, map_location=device, weights_only=False)
-        weights = load_file(resume / "model.safetensors", device=str(device))
-        student.load_state_dict(weights, strict=False)  # tied weights are saved once
-        opt.load_state_dict(state["optimizer"])
-        start, losses = state["step"], state["losses"]
-        print(f"{desc}: resuming from {resume} (step {start}/{settings.steps})", file=log, flush=True)
+    opt = _optimizer(student, settings)
+    start, losses = _resume(student, opt, out, device, settings, desc, log)
     started = time.monotonic()
     bar = tqdm(total=settings.steps, initial=start, desc=desc, file=log, dynamic_ncols=True, mininterval=2.0)
     for step in range(start, settings.steps):
@@ -230,6 +214,42 @@ def train(
     (out / "training.json").write_text(json.dumps({**report, "losses": losses}, indent=1) + "\n")
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     return report
+
+
+def _optimizer(student: torch.nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
+    """AdamW, with weight decay on the matrices only (not on norms and biases)."""
+    decay = [p for n, p in student.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _resume(
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    out: Path,
+    device: torch.device,
+    settings: TrainSettings,
+    desc: str,
+    log,
+) -> tuple[int, list[float]]:
+    """The step to start at and the losses so far: from the newest checkpoint under ``out`` (its weights and
+    optimizer state loaded), else 0 and none."""
+    resume = latest_checkpoint(out)
+    if resume is None:
+        return 0, []
+    from safetensors.torch import load_file
+
+    state = torch.load(resume / TRAINER_STATE, map_location=device, weights_only=False)
+    weights = load_file(resume / "model.safetensors", device=str(device))
+    student.load_state_dict(weights, strict=False)  # tied weights are saved once
+    opt.load_state_dict(state["optimizer"])
+    start, losses = state["step"], state["losses"]
+    print(f"{desc}: resuming from {resume} (step {start}/{settings.steps})", file=log, flush=True)
+    return start, losses
 
 
 def _checkpoint(
