@@ -41,6 +41,7 @@ class GenerateConfig:
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    """The speculation, sampling and model flags ``specinfer generate`` and ``specinfer demo`` share."""
     p.add_argument(
         "--expansion",
         default="auto",
@@ -113,6 +114,7 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
+    """The in-process run of ``prompts`` on ``llm`` and ``ssms`` that the generation flags ask for."""
     keyword = args.expansion.strip().lower()
     speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
     adaptive = speculate and keyword == "auto"
@@ -275,6 +277,7 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
 
 
 def client_auth(args: argparse.Namespace):
+    """TLS and the bearer token of a request manager, from the client security flags (bad files: InvalidArgument)."""
     from specinfer.serving.security import ClientAuth, ClientTls, read_token
 
     try:
