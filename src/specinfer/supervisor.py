@@ -35,8 +35,8 @@ class Member:
 @dataclass
 class Supervisor:
     """Keeps a started :class:`Stack` running: :meth:`poll` notices a member that exited, starts it
-    again after the :class:`RestartPolicy` delay with the same flags on the same port, and watches
-    its health until it is SERVING again, without waiting on it: the others keep serving meanwhile.
+    again after the :class:`~specinfer.launcher.RestartPolicy` delay with the same flags on the same port, and
+    watches its health until it is SERVING again, without waiting on it: the others keep serving meanwhile.
     Raises :class:`StartUpFailure` when a member fails at start-up too often in a row."""
 
     stack: Stack
