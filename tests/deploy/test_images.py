@@ -200,9 +200,10 @@ def test_request_manager_runs_without_torch():
 
 def test_model_services_import_with_their_lock_files():
     lock = set(pins(REQUIREMENTS / "model-service.txt")) | {"torch", "triton"}
-    used = import_with_only(
-        ["specinfer.ssm_worker.__main__", "specinfer.llm_verifier.__main__", "specinfer.serving.healthcheck"], lock
-    )
+    # the reference backend (--backend reference, or a family the native runtime lacks) is imported on
+    # demand, not at start-up: the lock file must cover it too
+    modules = ["specinfer.ssm_worker.__main__", "specinfer.llm_verifier.__main__", "specinfer.serving.healthcheck"]
+    used = import_with_only([*modules, "specinfer.models.reference"], lock)
     assert {"torch", "transformers", "safetensors", "grpcio"} <= used
 
 
