@@ -101,9 +101,8 @@ class TreeAttentionMetadata:
     _dense_masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # Paged layout only (defaults: contiguous).
     block_size: int = 0  # token slots per KV block; 0: contiguous layout
-    block_table: torch.Tensor | None = (
-        None  # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded
-    )
+    # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded
+    block_table: torch.Tensor | None = None
     block_tables: tuple[tuple[int, ...], ...] = ()  # host copy of each request's block-table row, unpadded
 
     @property

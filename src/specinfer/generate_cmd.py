@@ -35,9 +35,8 @@ class GenerateConfig:
     prompts: tuple[str, ...]
     offload: bool = False  # the LLM's decoder layers in host memory, streamed layer by layer (docs/offloading.md)
     offload_reserve_bytes: int = 0
-    calibration_cache: str = (
-        ""  # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
-    )
+    # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
+    calibration_cache: str = ""
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:

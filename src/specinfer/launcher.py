@@ -66,9 +66,8 @@ class StackConfig:
     backend: str = "auto"
     expansion: str = "auto"  # the request manager's --expansion: auto (adaptive), tuned, widths, @FILE, none
     threads: int = 0  # torch threads of the verifier (0: torch's default)
-    ssm_threads: int = (
-        1  # torch threads per SSM worker (0: torch's default): small models, and they must not crowd the verifier
-    )
+    # torch threads per SSM worker (0: torch's default): small models, and they must not crowd the verifier
+    ssm_threads: int = 1
     extra_env: tuple[tuple[str, str], ...] = ()
     rm_args: tuple[str, ...] = ()  # further request-manager flags
     model_args: tuple[str, ...] = ()  # further flags of the verifier and the SSM workers (e.g. --kv-cache-bytes)

@@ -49,12 +49,10 @@ class ApiLimits:
     max_prompt_tokens: int = 8192
     max_tree_nodes: int = 64  # of the merged tree, root included
     default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
-    kv_budgets: tuple[
-        KVBudget, ...
-    ] = ()  # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
-    draft_vocabulary: tuple[
-        tuple[str, str], ...
-    ] = ()  # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
+    # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
+    kv_budgets: tuple[KVBudget, ...] = ()
+    # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
+    draft_vocabulary: tuple[tuple[str, str], ...] = ()
 
     @property
     def default_speculation(self) -> str:

@@ -60,9 +60,8 @@ class Verifiers(ReplicaPool):
         self.placement: dict[str, str] = {}  # request ID -> replica address holding its cache
         self.free: dict[str, int] = {}  # address -> KV blocks it last said no request holds (replicas with a KV budget)
         self._free_at: dict[str, float] = {}  # address -> time.monotonic() of that report
-        self.refusal: grpc.aio.AioRpcError | None = (
-            None  # the last join refused for our credentials (start-up reports it)
-        )
+        # the last join refused for our credentials (start-up reports it)
+        self.refusal: grpc.aio.AioRpcError | None = None
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -222,9 +221,8 @@ class Verifiers(ReplicaPool):
                 timings.append((address, tuple(cs), seconds))
                 if free is not None:
                     self._heard_free(address, free)
-        unreachable = [
-            e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
-        ]  # a full KV cache answers: it is there
+        # a full KV cache answers: it is there
+        unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
         if not verdicts and unreachable:
             raise VerifierUnavailable(f"every verify call failed: {unreachable[0].code()} {unreachable[0].details()}")
         return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))

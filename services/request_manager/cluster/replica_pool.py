@@ -35,9 +35,8 @@ from .failover import CHANNEL_OPTIONS, PROBE_SECONDS, HealthProbes, StallWatch
 
 log = logging.getLogger("specinfer.request_manager")
 
-JOIN_SECONDS = (
-    1.0  # how long a join waits for a replica's answer (a refused connection fails at once) before it stays pending
-)
+# how long a join waits for a replica's answer (a refused connection fails at once) before it stays pending
+JOIN_SECONDS = 1.0
 
 
 class ReplicaPool:
@@ -65,9 +64,8 @@ class ReplicaPool:
         self.auth = auth or ClientAuth()
         self._down = HealthProbes(probe_seconds, self.auth.metadata, self._back)
         self.stalls = StallWatch()  # started by discover(), on the running loop
-        self.on_change: Callable[[], object] | None = (
-            None  # called when a replica joins, leaves, is taken out or comes back
-        )
+        # called when a replica joins, leaves, is taken out or comes back
+        self.on_change: Callable[[], object] | None = None
         self.refresh_seconds = refresh_seconds
         self.addresses: list[str] = []  # the joined replicas, in the order they joined
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -49,12 +49,10 @@ class WorkerPool(ReplicaPool):
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = vocab_size
-        self.profiles: dict[
-            str, internal_pb2.SsmProfile
-        ] = {}  # SSM name -> the first profile a worker reported (calibration, slot prior)
-        self.kv_budgets: dict[
-            str, set[KVBudget]
-        ] = {}  # SSM name -> the KV budgets its workers reported, each worker's SSM cache
+        # SSM name -> the first profile a worker reported (calibration, slot prior)
+        self.profiles: dict[str, internal_pb2.SsmProfile] = {}
+        # SSM name -> the KV budgets its workers reported, each worker's SSM cache
+        self.kv_budgets: dict[str, set[KVBudget]] = {}
 
     async def _introduce(self, channel: grpc.aio.Channel) -> internal_pb2.ListModelsResponse:
         return await internal_pb2_grpc.SsmWorkerStub(channel).ListModels(

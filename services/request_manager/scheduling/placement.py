@@ -24,9 +24,8 @@ from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, sch
 from specinfer.request_manager.cluster.remote import Verifiers
 
 log = logging.getLogger("specinfer.request_manager")
-FREE_BLOCKS_MAX_AGE = (
-    1.0  # seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
-)
+# seconds before a verifier replica's free KV block count is asked again (when no verify call told it)
+FREE_BLOCKS_MAX_AGE = 1.0
 
 
 class Placement:
@@ -36,9 +35,8 @@ class Placement:
     def __init__(self, verifier: Verifiers, backoff_seconds: float) -> None:
         self.verifier = verifier
         self.backoff_seconds = backoff_seconds
-        self._held: dict[
-            str, int
-        ] = {}  # verifier replica -> KV blocks our requests there hold (their committed tokens)
+        # verifier replica -> KV blocks our requests there hold (their committed tokens)
+        self._held: dict[str, int] = {}
         self._step_back = False  # a replica refused a step for lack of KV blocks: the next plan steps back
         self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
 
@@ -69,9 +67,8 @@ class Placement:
             plan = schedule(
                 kv_budgets, running, waiting, max_batch, max_prefill_tokens, Replicas(tuple(budgets), before)
             )
-        if not isinstance(
-            plan, Schedule
-        ):  # None, or Overfull: our oldest request fits in none of what the others leave
+        # None, or Overfull: our oldest request fits in none of what the other managers leave
+        if not isinstance(plan, Schedule):
             plan = Schedule((), tuple(rid for rid, _ in running), (), (), {}, (0,) * len(replicas))
             self._paused_until = time.monotonic() + random.uniform(0.5, 1.5) * self.backoff_seconds
             log.warning(

@@ -66,9 +66,8 @@ class SchedulerConfig:
     verifier_backoff_seconds: float = 0.5  # first wait after a failed verifier call; doubles per failure in a row
     verifier_backoff_max_seconds: float = 8.0
     kv_budgets: tuple[KVBudget, ...] = ()
-    max_prefill_tokens: int = (
-        0  # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
-    )
+    # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    max_prefill_tokens: int = 0
 
 
 # the store's answers to a fenced write: the request is not this replica's to drive any more

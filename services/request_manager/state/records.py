@@ -68,9 +68,8 @@ class RequestRecord:
     prompt: tuple[int, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
     owner: str = "default"
-    lease_token: str = (
-        ""  # the incarnation of ``owner`` that creates it ("": none, the writes are fenced by owner alone)
-    )
+    # the incarnation of ``owner`` that creates it ("": none, the writes are fenced by owner alone)
+    lease_token: str = ""
 
     def __post_init__(self) -> None:
         validate_id(self.request_id, "request_id")

@@ -21,9 +21,8 @@ from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import TokenTree
 
-PAPER_EXPANSION = (
-    "1,1,3,1,1,1,1,1"  # the paper's static tree (21 nodes): the default expansion where no tuning is installed
-)
+# the paper's static tree (21 nodes): the default expansion where no tuning is installed
+PAPER_EXPANSION = "1,1,3,1,1,1,1,1"
 DEFAULT_DRAFT_SUPPORT = 32  # most tokens of a sparse draft distribution q, unless a request or a flag says otherwise
 
 

@@ -47,9 +47,8 @@ class EngineConfig:
     ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default)."""
 
     max_batch: int = 64
-    max_prefill_tokens: int = (
-        2048  # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
-    )
+    # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
+    max_prefill_tokens: int = 2048
     eos_token_id: int | None = None
     planner: PlannerConfig = PlannerConfig()
     slot_priors: tuple[tuple[float, ...], ...] = ()

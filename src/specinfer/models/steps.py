@@ -227,9 +227,8 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
             meta.extend((job.seed, len(job.context) + int(d) + 1) for d in job.draft.tree.depths)
             params.extend([job.sampling] * n)
         index.extend(range(start, start + n))
-    targets = _select(rows.argmax(dim=-1)[:, None], index)[
-        :, 0
-    ]  # [Ng] (the argmax of every row, then these: no copy of rows)
+    # [Ng] (the argmax of every row, then these: no copy of rows)
+    targets = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]
     if meta:
         seeds, indices = torch.tensor(meta, dtype=torch.int64).T.to(rows.device)  # one host-to-device copy
         drawn = coupled_targets(_select(rows, [index[w] for w in where]), params, seeds, indices)

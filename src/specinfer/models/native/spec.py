@@ -52,12 +52,10 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # Gemma 2: scaled attention scores capped to c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
-    local_rope_theta: float | None = (
-        None  # Gemma 3: the sliding-window layers' RoPE base (unscaled); the others use rope_theta / rope_type
-    )
-    activation: str = (
-        "silu"  # the MLP's (transformers' name): SwiGLU's silu (Llama family), GeGLU's gelu_pytorch_tanh (Gemma), OPT's
-    )
+    # Gemma 3: the sliding-window layers' RoPE base (unscaled); the others use rope_theta / rope_type
+    local_rope_theta: float | None = None
+    # the MLP's (transformers' name): SwiGLU's silu (Llama family), GeGLU's gelu_pytorch_tanh (Gemma), OPT's
+    activation: str = "silu"
     # OPT only
     layer_norm_before: bool = True
     final_layer_norm: bool = True

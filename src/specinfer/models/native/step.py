@@ -73,9 +73,8 @@ class PackedStep:
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
-        segments: list[
-            tuple[tuple[int, ...], int, int, int, tuple[int, ...]]
-        ] = []  # (parents, prefix, kv start, queries, block table)
+        # (parents, prefix, kv start, queries, block table)
+        segments: list[tuple[tuple[int, ...], int, int, int, tuple[int, ...]]] = []
         logit_rows: list[int] = []
         for r in requests:
             m, n = len(r.chain), len(r.tokens)
