@@ -263,8 +263,61 @@ class NativeBackend:
 
     @torch.inference_mode()
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
-        if not batch:
-            return []
+        requests, plans = self._plan(batch)
+        step = PackedStep.from_trees(requests, self.block_size)
+        if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch]
+        logits = self.runner.run(step)  # [sum n, vocab]
+        return self._record(plans, logits)
+
+    @torch.inference_mode()
+    def forward_tree_features(self, batch: Sequence[TreeForward]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward_tree`'s logits, and per request the features (:meth:`NativeModel.forward_features`) of
+        every token this call computed: the context tokens its cache lacked (a chain ending at the context's
+        end), then its new nodes. # each [n_new, V], each [m_chain + n_new, lm_head_dim]
+
+        Only a model in this process has them (a tensor- or pipeline-parallel group returns logits alone)."""
+        runner = self._local_runner()
+        requests, plans = self._plan(batch)
+        step = PackedStep.from_trees(requests, self.block_size)
+        if not step.tokens:
+            empty = torch.empty(0, self.feature_dim, device=self.device)
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch], [empty for _ in batch]
+        logits, features = runner.run_features(step)  # [sum n, vocab], [T, lm_head_dim]
+        out, at = [], 0
+        for r in requests:  # rows are packed request by request: chain, then nodes
+            rows = len(r.chain) + len(r.tokens)
+            out.append(features[at : at + rows])
+            at += rows
+        return self._record(plans, logits), out
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of a feature (:meth:`forward_tree_features`): the LM head's input."""
+        return int(self._local_model().w.lm_head.shape[1])
+
+    def lm_logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        """The LLM's logits of features  # [N, feature_dim] (its LM head, as in a forward pass)."""
+        return self._local_model().logits(features)
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, feature_dim]
+        """Rows of the LLM's token embedding table  # tokens [N] int64 on the model's device."""
+        return self._local_model().embed_rows(tokens)
+
+    def _local_model(self) -> NativeModel:
+        return self._local_runner().model
+
+    def _local_runner(self) -> LocalRunner:
+        """The runner of a model in this process; a parallel group's model is spread over its ranks."""
+        if not isinstance(self.runner, LocalRunner):
+            raise InvalidArgument("head", "draft heads need the LLM in one process (tensor and pipeline parallel 1)")
+        return self.runner
+
+    def _plan(
+        self, batch: Sequence[TreeForward]
+    ) -> tuple[list[StepRequest], list[tuple[TreeForward, RequestCache, list[int]]]]:
+        """Sync each request's cache with its context and reserve its rows: the step's requests, and per
+        request what :meth:`_record` needs once the step ran."""
         requests, plans = [], []
         for item in batch:
             cache = self._cache(item.request_id)
@@ -288,10 +341,13 @@ class NativeBackend:
                 )
             )
             plans.append((item, cache, chain))
-        step = PackedStep.from_trees(requests, self.block_size)
-        if not step.tokens:  # every cache already holds its context and no nodes came (a prefill that is up to date)
-            return [torch.empty(0, self.vocab_size, device=self.device) for _ in batch]
-        logits = self.runner.run(step)  # [sum n, vocab]
+        return requests, plans
+
+    @staticmethod
+    def _record(
+        plans: Sequence[tuple[TreeForward, RequestCache, list[int]]], logits: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The caches now hold what the step computed; each request's logit rows.  # each [n_new, V]"""
         out, offset = [], 0
         for item, cache, chain in plans:
             cache.record_context(chain)

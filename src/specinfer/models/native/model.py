@@ -123,6 +123,30 @@ class NativeModel:
             self.layers.release()  # after the layer's last kernel: its staging buffer may be refilled
         return h
 
+    def forward_features(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache_rows: torch.Tensor,  # [T] int64
+        meta: TreeAttentionMetadata,
+        pool: PoolTensors,
+        logit_rows: torch.Tensor,  # [N] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`'s logits, and the *features* of every row: the last hidden state after the final
+        norm, which the LM head reads (what a draft head, :mod:`specinfer.models.draft_head`, drafts from).
+        # [N, vocab] float32, [T, lm_head_dim]"""
+        h = self.run_layers(self.embed(tokens, positions), positions, cache_rows, meta, pool)
+        features = self._final(h)  # [T, lm_head_dim]
+        return self.logits(features[logit_rows]), features
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        """The LM head on features (final-normed hidden states)  # [N, lm_head_dim]; Gemma 2's soft cap."""
+        return soft_cap(self._lm_head(features).float(), self.spec.final_softcap)
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, word_embed_dim]
+        """The token embedding table's rows of ``tokens``  # [N] int64 (no scale, no positions)."""
+        return self._embed_tokens(tokens)
+
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]; Gemma 2 soft-caps the logits
         (in fp32, where transformers does it in the model's dtype: the same in the fp32 tests, finer otherwise)."""

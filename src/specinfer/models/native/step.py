@@ -160,3 +160,9 @@ class LocalRunner:
         return self.model.forward(
             tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
         )  # [N, vocab]
+
+    def run_features(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of ``step.logit_rows`` and the features of every row (:meth:`NativeModel.forward_features`).
+        # [N, vocab] float32, [T, lm_head_dim]"""
+        tokens, positions, rows, logit_rows = step.tensors(self.device)
+        return self.model.forward_features(tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows)

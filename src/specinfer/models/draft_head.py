@@ -1,0 +1,172 @@
+"""Feature-level draft heads (the EAGLE family): a small model that drafts from the LLM's own features.
+
+Terms. The LLM's *feature* at position j, ``f_j``, is its last hidden state at token ``x_j`` after the
+final norm: what its LM head reads (:meth:`specinfer.models.native.backend.NativeBackend.forward_tree_features`).
+A *pair* j is ``(f_j, x_{j+1})``: a feature and the token that followed it. The head reads pair j at RoPE
+position j and predicts ``f_{j+1}``; the LLM's own LM head turns that prediction into logits for
+``x_{j+2}``. So from the pairs of the committed text (true features) the head drafts the token after the
+next one, and a drafted token with the feature the head predicted for it forms the next pair, down a tree.
+
+Architecture (EAGLE-1's, with its two inputs normed apart: Gemma scales its embeddings by sqrt(hidden)
+while features come out of a norm): ``x = fc([rms(f); rms(E(t))])``, one Llama decoder layer over ``x``
+(RoPE attention with grouped KV heads, SwiGLU MLP), a final RMSNorm and a projection to the feature
+width. The LLM's embedding table ``E`` and LM head are reused, frozen; the head owns only the above,
+so its width is its own (a narrow head for a wide LLM is cheap to train and to run).
+
+A checkpoint is a folder with ``config.json`` (``"model_type": "specinfer_draft_head"`` and
+:class:`HeadConfig`'s fields) and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MODEL_TYPE = "specinfer_draft_head"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """A head's shape. ``feature_dim``: the LLM's LM-head input width (its features' and embeddings'
+    width); ``vocab_size``: the LLM's; ``llm``: what it was trained for (the LLM's ``model_type``,
+    layers, hidden size and vocabulary, :func:`llm_signature`), checked when a server loads it."""
+
+    feature_dim: int
+    vocab_size: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    llm: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.feature_dim, self.vocab_size, self.hidden, self.heads, self.kv_heads, self.head_dim) < 1:
+            raise ValueError(f"invalid head config {self}")
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}), head_dim even")
+
+
+def llm_signature(config: dict) -> str:
+    """What identifies an LLM for its heads: its family, depth, width and vocabulary (from its config.json)."""
+    text = config.get("text_config") or config
+    return (
+        f"{config.get('model_type')}/layers={text.get('num_hidden_layers')}/hidden={text.get('hidden_size')}"
+        f"/vocab={text.get('vocab_size')}"
+    )
+
+
+class DraftHead(nn.Module):
+    """The head's weights and its two ways of running: :meth:`forward` over whole sequences (training:
+    causal, teacher-forced), and :meth:`keys_values` + :meth:`finish` around an attention the caller
+    masks (drafting token trees, :mod:`specinfer.models.head_drafter`)."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.feature_norm = nn.Parameter(torch.ones(c.feature_dim))
+        self.embed_norm = nn.Parameter(torch.ones(c.feature_dim))
+        self.fc = nn.Linear(2 * c.feature_dim, c.hidden, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(c.hidden))
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(c.hidden))
+        self.gate_up = nn.Linear(c.hidden, 2 * c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+        self.final_norm = nn.Parameter(torch.ones(c.hidden))
+        self.out = nn.Linear(c.hidden, c.feature_dim, bias=False)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.config.norm_eps)
+
+    def inputs(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The layer's input of pairs: features ``f``, embeddings of the tokens after them.
+        # [..., feature_dim] x2 -> [..., hidden]"""
+        return self.fc(torch.cat([self._rms(features, self.feature_norm), self._rms(embeds, self.embed_norm)], -1))
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of inputs ``x``  # [N, hidden] at RoPE ``positions``  # [N] int64.
+        # [N, heads, head_dim], [N, kv_heads, head_dim], [N, kv_heads, head_dim]"""
+        c = self.config
+        n = x.shape[0]
+        h = self._rms(x, self.attn_norm)
+        q = self.q(h).view(n, c.heads, c.head_dim)
+        k = self.k(h).view(n, c.kv_heads, c.head_dim)
+        v = self.v(h).view(n, c.kv_heads, c.head_dim)
+        cos, sin = self._rope(positions, x.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Predicted features from the inputs ``x``  # [N, hidden] and their attention's output
+        # [N, heads, head_dim]. -> [N, feature_dim]"""
+        h = x + self.o(attended.flatten(-2))
+        gate, up = self.gate_up(self._rms(h, self.mlp_norm)).chunk(2, dim=-1)
+        h = h + self.down(F.silu(gate) * up)
+        return self.out(self._rms(h, self.final_norm))
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced prediction over sequences: pair j = (``features[:, j]``, ``embeds[:, j]``, the
+        embedding of the token after it) predicts the feature at j + 1.  # [B, S, F] x2 -> [B, S, F]"""
+        b, s, _ = features.shape
+        c = self.config
+        x = self.inputs(features, embeds)  # [B, S, hidden]
+        positions = torch.arange(s, device=x.device).repeat(b)
+        q, k, v = self.keys_values(x.reshape(b * s, -1), positions)
+        q, k, v = (t.view(b, s, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.heads != c.kv_heads)
+        return self.finish(x, attended.transpose(1, 2))  # [B, S, F]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config  # in fp32 whatever the head's dtype (a bf16 table would blur the angles)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=positions.device) / c.head_dim))
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def is_head_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a draft-head checkpoint folder."""
+    config = Path(path) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError):
+        return False
+
+
+def save_head(head: DraftHead, path: str | Path, extra: dict | None = None) -> None:
+    """Write ``head`` as a checkpoint folder (fp32 weights); ``extra``: more keys for its config.json
+    (how it was trained, for the record)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    config = {"model_type": MODEL_TYPE, **asdict(head.config), **(extra or {})}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_head(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+    """A head checkpoint folder, in ``dtype`` on ``device``, ready to draft (eval mode, no gradients)."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{path} is not a draft head (config.json model_type {raw.get('model_type')!r})")
+    config = HeadConfig(**{f.name: raw[f.name] for f in fields(HeadConfig) if f.name in raw})
+    head = DraftHead(config)
+    head.load_state_dict(load_file(str(path / "model.safetensors")))
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
