@@ -86,6 +86,6 @@ def test_seeded_sampling_with_suffix_trees_is_plain_decodings(setup):
 
 def test_a_request_drafting_from_nothing_is_refused():
     with pytest.raises(InvalidArgument, match=r"speculation\.ssms"):
-        SpeculationConfig(None, ssms=(), suffix=False)
+        SpeculationConfig(None, ssms=(), suffix=False, head=False)
     with pytest.raises(InvalidArgument, match=r"speculation\.ssms"):  # static trees are an SSM's
         SpeculationConfig(ExpansionConfig((2, 1)), ssms=(), suffix=True)

@@ -30,6 +30,7 @@ from specinfer.llm_verifier.ranks import (
 )
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
+from specinfer.models.head_drafter import with_head
 from specinfer.models.loading import check_checkpoint
 from specinfer.models.native import ModelSpec, NativeOptions, UnsupportedModel
 from specinfer.models.native.parallel import check_layout, close_groups, exit_rank, load_driver, run_rank
@@ -94,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_setting(
         parser,
+        "--head",
+        str,
+        "",
+        help="a draft head for the LLM (a folder from specinfer train-head): adaptive requests also draft "
+        "with it, next to the features, as each step is verified (native backend, one process)",
+    )
+    add_setting(
+        parser,
         "--calibrate-tokens",
         int,
         64,
@@ -120,6 +129,8 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
     llm = load_model(path, "llm", args, args.offload, args.offload_reserve_bytes)
+    if args.head:
+        llm = with_head(llm, args.head, path)
     entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes))
     return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens, entry))
 
@@ -133,6 +144,8 @@ def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
             raise InvalidArgument(field, f"must be >= 1, got {value}")
     if tp * pp == 1:
         return None
+    if args.head:
+        raise InvalidArgument("head", "a draft head drafts from the features of an LLM in one process (parallel 1)")
     if args.offload_reserve_bytes and not args.offload:  # the single process's load_backend says the same
         raise InvalidArgument("offload-reserve-bytes", "bounds offloading's device memory: it needs --offload")
     if args.backend == "reference":

@@ -12,6 +12,7 @@ from specinfer import wire
 from specinfer.core import VerifyResult
 from specinfer.core.costs import StepCosts
 from specinfer.core.iteration import VerifySpec
+from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
 from specinfer.models.steps import verify_trees
 from specinfer.serving.contexts import ContextStore
@@ -102,6 +103,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
             kv_block_size=block_size,
             kv_blocks=blocks,
             kv_blocks_free=llm.kv_blocks_free or 0,
+            draft_head=isinstance(llm, WithHead),
         )
         if self.costs is not None:
             info.verify_costs.extend(wire.cost_points_to_proto(self.costs.verify_table))

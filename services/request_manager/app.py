@@ -228,6 +228,7 @@ class RequestManagerApp:
             self.lease.token,
             kv_budgets=worker_kv_budgets(workers),
             max_prefill_tokens=cfg.max_prefill_tokens,
+            draft_head=info.draft_head,
         )
         self.scheduler = Scheduler(
             scheduler_config, self.store, workers, self.verifier, self.scheduler_metrics, adaptive

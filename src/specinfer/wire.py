@@ -25,7 +25,7 @@ from specinfer.core.costs import CostTable
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.errors import check_token_ids
-from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core.iteration import DraftSpec, HeadDraft, VerifySpec
 from specinfer.core.kv_budget import KVBudget
 from specinfer.v1 import api_pb2, internal_pb2
 
@@ -116,8 +116,9 @@ def draft_from_proto(msg: internal_pb2.DraftTree, field: str = "tree") -> DraftT
 MAX_BUDGET_NODES = 1024
 
 
-def budget_from_proto(item: internal_pb2.SpeculateItem, field: str) -> TreeBudget | None:
-    """The item's dynamic tree budget, or None (``budget_nodes`` 0: a static tree of ``expansion``)."""
+def budget_from_proto(item: internal_pb2.SpeculateItem | internal_pb2.HeadDraft, field: str) -> TreeBudget | None:
+    """The item's dynamic tree budget, or None (``budget_nodes`` 0: a static tree of ``expansion``). A
+    :class:`HeadDraft` has the same ``budget_*`` fields."""
     if item.budget_nodes == 0:
         return None
     if item.budget_nodes > MAX_BUDGET_NODES:
@@ -150,15 +151,45 @@ def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> interna
     if job.expansion is not None:
         item.expansion.extend(job.expansion.widths)
     if job.budget is not None:
-        b = job.budget
-        item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = (
-            b.nodes,
-            b.depth,
-            b.max_width,
-            b.min_score,
-        )
-        item.budget_edge_curve.extend(b.edge_curve)
+        _budget_to_proto(job.budget, item)
     return item
+
+
+def _budget_to_proto(b: TreeBudget, item: internal_pb2.SpeculateItem | internal_pb2.HeadDraft) -> None:
+    item.budget_nodes, item.budget_depth, item.budget_width, item.budget_min_score = (
+        b.nodes,
+        b.depth,
+        b.max_width,
+        b.min_score,
+    )
+    item.budget_edge_curve.extend(b.edge_curve)
+
+
+def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> internal_pb2.VerifyItem:
+    """A Verify item of ``job`` (``context``: what the verifier lacks of the job's context)."""
+    item = internal_pb2.VerifyItem(
+        context=context,
+        tree=draft_to_proto(job.draft),
+        sampling=sampling_to_proto(job.sampling),
+        seed=job.seed,
+        step=job.step,
+    )
+    if job.head is not None:
+        _budget_to_proto(job.head.budget, item.head)
+        item.head.draft_support = job.head.draft_support
+    return item
+
+
+def head_draft_from_proto(item: internal_pb2.VerifyItem, field: str) -> HeadDraft | None:
+    """The item's ask of the verifier's draft head, or None."""
+    if not item.HasField("head"):
+        return None
+    budget = budget_from_proto(item.head, f"{field}.head")
+    if budget is None:
+        return None
+    if item.head.draft_support <= 0:
+        raise InvalidArgument(f"{field}.head.draft_support", "must be > 0")
+    return HeadDraft(budget, int(item.head.draft_support))
 
 
 # -- cost tables (start-up calibration, reported by GetInfo / ListModels) ----------------------
@@ -338,7 +369,8 @@ def verify_job_from_proto(
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
     _check_draft(draft, sampling.greedy, vocab_size, f"{field}.tree")
     check_positions(len(context), int(draft.tree.depths.max()), max_positions, f"{field}.context.tokens")
-    return VerifySpec(item.context.request_id, list(context), draft, sampling, int(item.seed), int(item.step))
+    head = head_draft_from_proto(item, field)
+    return VerifySpec(item.context.request_id, list(context), draft, sampling, int(item.seed), int(item.step), head)
 
 
 def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> internal_pb2.SpeculateResult:
@@ -354,9 +386,17 @@ def verify_result_to_proto(request_id: str, result: tuple[VerifyResult, int] | N
     if result is None:
         return internal_pb2.VerifyResult(request_id=request_id, cache_miss=True)
     verdict, prefix_hits = result
-    return internal_pb2.VerifyResult(
+    message = internal_pb2.VerifyResult(
         request_id=request_id,
         accepted_tokens=verdict.accepted_tokens,
         bonus_token=verdict.bonus_token,
         prefix_hit_tokens=prefix_hits,
     )
+    if verdict.next_tree is not None:
+        message.next_tree.CopyFrom(draft_to_proto(verdict.next_tree))
+    return message
+
+
+def next_tree_from_proto(result: internal_pb2.VerifyResult, field: str) -> DraftTree | None:
+    """The head tree a verify result carries for the next step, or None."""
+    return draft_from_proto(result.next_tree, f"{field}.next_tree") if result.HasField("next_tree") else None

@@ -237,21 +237,19 @@ class Verifiers(ReplicaPool):
 
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
-            for c, ctx in zip(pending, contexts, strict=True):
-                request.items.add(
-                    context=ctx,
-                    tree=wire.draft_to_proto(c.draft),
-                    sampling=wire.sampling_to_proto(c.sampling),
-                    seed=c.seed,
-                    step=c.step,
-                )
+            request.items.extend(wire.verify_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True))
             response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
             free[0] = response.kv_blocks_free if response.HasField("kv_blocks_free") else None
             return response.results
 
         results = await call_with_context(send, calls, tracker)
         verdicts = {
-            rid: Verdict(tuple(r.accepted_tokens), int(r.bonus_token), int(r.prefix_hit_tokens))
+            rid: Verdict(
+                tuple(r.accepted_tokens),
+                int(r.bonus_token),
+                int(r.prefix_hit_tokens),
+                wire.next_tree_from_proto(r, "results"),
+            )
             for rid, r in results.items()
         }
         return verdicts, time.perf_counter() - started, free[0]

@@ -68,6 +68,7 @@ class SchedulerConfig:
     kv_budgets: tuple[KVBudget, ...] = ()
     # most step rows admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
     max_prefill_tokens: int = 0
+    draft_head: bool = False  # the verifier drafts with a draft head: adaptive requests ask it for their next trees
 
 
 # the store's answers to a fenced write: the request is not this replica's to drive any more
@@ -96,7 +97,9 @@ class Scheduler:
         self.placement = Placement(verifier, config.verifier_backoff_seconds)
         backoff = Backoff(config.verifier_backoff_seconds, config.verifier_backoff_max_seconds)
         self.executor = RemoteExecutor(config.ssm_names, workers, verifier, self.placement, metrics, backoff)
-        self.core = EngineCore(self.executor, len(config.ssm_names), config.eos_token_id, adaptive)
+        self.core = EngineCore(
+            self.executor, len(config.ssm_names), config.eos_token_id, adaptive, head=config.draft_head
+        )
         self.planner_metrics = PlannerMetrics(metrics, config.ssm_names)
         if adaptive is not None:
             self.planner_metrics.publish(adaptive)

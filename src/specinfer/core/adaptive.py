@@ -71,6 +71,7 @@ class Totals:
 
 
 SUFFIX_DRAFTER = -1  # the drafter index of model-free suffix drafting (core.suffix) beside SSMs 0, 1, ...
+HEAD_DRAFTER = -2  # the drafter index of the verifier's draft head (models.head_drafter)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class AdaptiveSpeculation:
         self.config = config
         self.ssm_slots = {s: SlotAcceptance(p, prior_weight=32.0, decay=0.999) for s, p in slot_priors.items()}
         # suffix drafts are scored like an SSM's trees (core.suffix): their edge curve is learned the same way
-        self.edges = {s: EdgeCalibration() for s in (*slot_priors, SUFFIX_DRAFTER)}
+        self.edges = {s: EdgeCalibration() for s in (*slot_priors, SUFFIX_DRAFTER, HEAD_DRAFTER)}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
         self.kept_share = {s: 1.0 for s in slot_priors}
@@ -173,6 +174,16 @@ class AdaptiveSpeculation:
         # never past the request's token budget (the bonus token comes on top of the tree)
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, edge_curve)
+
+    def head_budget(self, remaining: int) -> TreeBudget | None:
+        """The budget of a draft head's next tree for a request with ``remaining`` tokens to go before this
+        step: the planner's limits (the cut before verification keeps what pays), its depth short of the
+        tokens left after this step commits at least one; None when no tree fits."""
+        depth = min(self.config.max_depth, remaining - 2)
+        if depth <= 0 or self.config.max_nodes < 2:
+            return None
+        curve = self.edges[HEAD_DRAFTER].knot_values()
+        return TreeBudget(self.config.max_nodes, depth, min(MAX_SLOTS, self.config.max_nodes - 1), 0.0, curve)
 
     def select(
         self,

@@ -25,13 +25,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-from specinfer.core.adaptive import SUFFIX_DRAFTER, AdaptiveSpeculation, Choice
+from specinfer.core.adaptive import HEAD_DRAFTER, SUFFIX_DRAFTER, AdaptiveSpeculation, Choice
 from specinfer.core.drafts import DraftTree
 from specinfer.core.iteration import (
     DraftSpec,
+    HeadDraft,
     Running,
     StepOutcome,
     VerifySpec,
@@ -56,11 +57,13 @@ R = TypeVar("R", bound=Running)
 @dataclass(frozen=True)
 class Verdict:
     """What verification decided for one request: accepted tree tokens and the bonus token;
-    ``prefix_hits``: context tokens the LLM's forward took from its prefix cache."""
+    ``prefix_hits``: context tokens the LLM's forward took from its prefix cache; ``next_tree``: the
+    verifier's draft head's tree for the next step (rooted at the bonus token), if the job asked for one."""
 
     accepted_tokens: tuple[int, ...]
     bonus_token: int
     prefix_hits: int = 0
+    next_tree: DraftTree | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,10 @@ class EngineCore:
     """See the module docstring. ``num_ssms``: the SSMs the executor drafts with (indices
     ``0..num_ssms-1``); ``eos_token_id``: ends a request unless it ignores EOS. ``adaptive``:
     adaptive speculation's state, or a function that builds it when the first adaptive request
-    runs (e.g. a calibration), or None: adaptive requests verify their root alone."""
+    runs (e.g. a calibration), or None: adaptive requests verify their root alone. ``head``: the
+    executor's verifier has a draft head: adaptive requests that allow it ask each verification for the
+    next step's head tree (:class:`~specinfer.core.iteration.HeadDraft`), which the next step merges with
+    its other drafts as :data:`~specinfer.core.adaptive.HEAD_DRAFTER`'s."""
 
     def __init__(
         self,
@@ -126,8 +132,12 @@ class EngineCore:
         num_ssms: int,
         eos_token_id: int | None,
         adaptive: AdaptiveSpeculation | Callable[[], AdaptiveSpeculation] | None = None,
+        head: bool = False,
     ) -> None:
         self.executor = executor
+        self.head = head
+        # a request's head tree for its next step, with the committed length it was drafted for
+        self._head_trees: dict[str, tuple[int, DraftTree]] = {}
         self.num_ssms = num_ssms
         self.eos_token_id = eos_token_id
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
@@ -159,6 +169,7 @@ class EngineCore:
         if self._adaptive is not None:
             self._adaptive.forget(request_id)
         self._histories.pop(request_id, None)
+        self._head_trees.pop(request_id, None)
 
     async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
         """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
@@ -172,8 +183,11 @@ class EngineCore:
         drafted, draft_seconds = await self._draft(batch, choices)
         if adaptive is not None:
             self._draft_suffixes(batch, choices, drafted, adaptive.config)
+            self._take_head_trees(batch, drafted)
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
+        if adaptive is not None and self.head:
+            jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
@@ -189,6 +203,10 @@ class EngineCore:
             outcome = r.outcome(
                 job.draft, verdict.accepted_tokens, verdict.bonus_token, self.eos_token_id, verdict.prefix_hits
             )
+            if verdict.next_tree is not None and outcome.finish_reason is None:
+                # valid while the request's committed tokens end where the head drafted from
+                committed = len(job.context) + 1 + len(verdict.accepted_tokens) + 1
+                self._head_trees[r.request_id] = (committed, verdict.next_tree)
             await commit(r, outcome)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
@@ -238,6 +256,27 @@ class EngineCore:
             )
             if len(tree.tree) > 1:
                 drafted[r.request_id].append((SUFFIX_DRAFTER, tree))
+
+    def _take_head_trees(self, batch: Sequence[Running], drafted: Drafts) -> None:
+        """Add to each request's drafts the head tree its last verification drafted for this step, if the
+        request's committed tokens are those it was drafted after (a stop string may have cut them)."""
+        for r in batch:
+            stored = self._head_trees.pop(r.request_id, None)
+            if stored is None:
+                continue
+            length, tree = stored
+            committed = len(r.request.prompt_tokens) + len(r.output)
+            if committed == length and tree.tree.tokens[0] == r.committed[-1] and len(tree.tree) > 1:
+                drafted[r.request_id].append((HEAD_DRAFTER, tree))
+
+    @staticmethod
+    def _ask_head(r: Running, job: VerifySpec, adaptive: AdaptiveSpeculation) -> VerifySpec:
+        """``job``, asking the verifier's head for the next step's tree where the request allows it."""
+        speculation = r.request.speculation
+        if speculation is None or not (speculation.adaptive and speculation.head):
+            return job
+        budget = adaptive.head_budget(r.remaining)
+        return job if budget is None else replace(job, head=HeadDraft(budget, speculation.draft_support))
 
     def _history(self, r: Running) -> TokenHistory:
         """The request's committed tokens as a suffix index, brought up to date (rebuilt if they shrank: a

@@ -35,6 +35,7 @@ from specinfer.core.requests import GenerationRequest, StepStats
 from specinfer.core.sampling import SamplingParams
 
 VERIFY_STREAM = 0  # the verifier's stream; SSM i drafts on draft_stream(i)
+HEAD_STREAM = 1 << 20  # the verifier's draft head draws the next step's tree on this stream (beyond any SSM's)
 
 
 def draft_stream(ssm_index: int) -> int:
@@ -83,9 +84,21 @@ class DraftSpec:
 
 
 @dataclass(frozen=True)
+class HeadDraft:
+    """What a verify job asks of the verifier's draft head (:mod:`specinfer.models.head_drafter`): once the
+    step is verified, the next step's tree from the bonus token, grown best first within ``budget``, with at
+    most ``draft_support`` tokens per distribution under sampling, drawn on ``step_rng(seed, step + 1,
+    HEAD_STREAM)`` (the next step's stream: the tree belongs to it)."""
+
+    budget: TreeBudget
+    draft_support: int
+
+
+@dataclass(frozen=True)
 class VerifySpec:
     """One verify job: check ``draft`` (rooted at the last committed token) after ``context``
-    (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``."""
+    (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``;
+    ``head``: also draft the next step's tree with the verifier's draft head (None: not)."""
 
     request_id: str
     context: Sequence[int]
@@ -93,9 +106,28 @@ class VerifySpec:
     sampling: SamplingParams
     seed: int
     step: int
+    head: HeadDraft | None = None
 
     def rng(self) -> np.random.Generator:
         return step_rng(self.seed, self.step, VERIFY_STREAM)
+
+    def head_spec(self, committed: Sequence[int], bonus_token: int) -> DraftSpec | None:
+        """The head's draft job once this step committed ``committed`` (context, root and accepted tokens)
+        and ``bonus_token`` (None: no head draft asked)."""
+        if self.head is None:
+            return None
+        return DraftSpec(
+            self.request_id,
+            committed,
+            bonus_token,
+            None,
+            self.sampling,
+            self.head.draft_support,
+            self.seed,
+            self.step + 1,
+            HEAD_STREAM,
+            self.head.budget,
+        )
 
 
 def commit_tokens(

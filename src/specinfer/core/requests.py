@@ -22,18 +22,22 @@ class SpeculationConfig:
     ``draft_support``: most tokens kept in a sparse draft distribution q under sampling.
     ``suffix``: adaptive greedy and coupled requests also draft from their own text, model-free
     (:mod:`specinfer.core.suffix`): the trees are merged and the planner's cut keeps what pays.
+    ``head``: adaptive requests also draft with the verifier's draft head where it has one
+    (:mod:`specinfer.models.head_drafter`), merged and cut the same way.
     """
 
     expansion: ExpansionConfig | None
     ssms: tuple[int, ...] = (0,)
     draft_support: int = DEFAULT_DRAFT_SUPPORT
     suffix: bool = True
+    head: bool = True
 
     def __post_init__(self) -> None:
-        if not self.ssms and not (self.adaptive and self.suffix):
+        if not self.ssms and not (self.adaptive and (self.suffix or self.head)):
             raise InvalidArgument(
                 "speculation.ssms",
-                "name at least one SSM, or draft from the text alone (adaptive with suffix), or turn speculation off",
+                "name at least one SSM, or draft without one (adaptive with suffix or head drafts), "
+                "or turn speculation off",
             )
         if len(set(self.ssms)) != len(self.ssms):
             raise InvalidArgument("speculation.ssms", f"lists an SSM twice: {self.ssms}")

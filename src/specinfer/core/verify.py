@@ -29,11 +29,13 @@ from specinfer.core.tree import TokenTree
 @dataclass(frozen=True)
 class VerifyResult:
     """``accepted_nodes``: the accepted path without the root; ``bonus_token``: the LLM's own
-    token after it. The tokens to commit are ``accepted_tokens + (bonus_token,)``."""
+    token after it. The tokens to commit are ``accepted_tokens + (bonus_token,)``. ``next_tree``: the
+    verifier's draft head's tree for the next step, rooted at the bonus token (None: none asked, or no head)."""
 
     accepted_nodes: tuple[int, ...]
     accepted_tokens: tuple[int, ...]
     bonus_token: int
+    next_tree: DraftTree | None = None
 
     @property
     def num_accepted(self) -> int:

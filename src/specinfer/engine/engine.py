@@ -37,6 +37,7 @@ from specinfer.core.requests import GenerationRequest, GenerationResult
 from specinfer.engine.calibrate import calibrate_costs, probe_costs
 from specinfer.engine.calibration_cache import CostEntry
 from specinfer.engine.local import LocalExecutor
+from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
 
 
@@ -104,7 +105,11 @@ class SpeculativeEngine:
         self._costs = costs
         self._cost_entry = cost_entry
         self._core = EngineCore(
-            LocalExecutor(llm, self.ssms), len(self.ssms), config.eos_token_id, self._build_adaptive
+            LocalExecutor(llm, self.ssms),
+            len(self.ssms),
+            config.eos_token_id,
+            self._build_adaptive,
+            head=isinstance(llm, WithHead),  # an LLM with a draft head drafts the next trees as it verifies
         )
 
     @property

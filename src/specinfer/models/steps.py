@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
+from specinfer.models.head_drafter import HeadDrafter, WithHead
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.on_device import (
     coupled_targets,
@@ -178,12 +179,19 @@ def draft_trees(
 
 
 def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
-    """Accepted path and bonus token per job, in job order."""
+    """Accepted path and bonus token per job, in job order. An LLM with a draft head (:class:`WithHead`) also
+    drafts the next step's tree of each job that asks for one (:attr:`VerifySpec.head`): ``next_tree``."""
     if not jobs:
         return []
-    logits = llm.forward_tree(
-        [TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
-    )
+    items = [TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
+    if isinstance(llm, WithHead) and any(j.head is not None for j in jobs):
+        logits, features = llm.llm.forward_tree_features(items)
+        return head_drafts(llm.head, jobs, _verdicts(jobs, logits), features)
+    return _verdicts(jobs, llm.forward_tree(items))
+
+
+def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> list[VerifyResult]:
+    """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device)."""
     rows = stack_rows(logits)  # [N, V] every tree's nodes, job after job
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
@@ -204,6 +212,31 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult
         for i, result in zip(sampled, mss.results(host[2 * len(greedy) :]), strict=True):
             results[i] = result
     return [results[i] for i in range(len(jobs))]
+
+
+def head_drafts(
+    head: HeadDrafter, jobs: Sequence[VerifySpec], results: Sequence[VerifyResult], features: Sequence[torch.Tensor]
+) -> list[VerifyResult]:
+    """``results`` with the next step's head trees of the jobs that ask for one: the head first takes the
+    features of each job's computed context and accepted path (``features[i]``: its chain rows, then its
+    tree's nodes, :meth:`~specinfer.models.native.backend.NativeBackend.forward_tree_features`), then drafts
+    from the bonus tokens, all jobs batched (:func:`draft_trees`)."""
+    specs, where = [], []
+    for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
+        committed = [*job.context, job.draft.tree.tokens[0], *result.accepted_tokens]
+        spec = job.head_spec(committed, result.bonus_token)
+        if spec is None:
+            continue
+        chain = features[i].shape[0] - len(job.draft.tree)  # context tokens the LLM computed in this call
+        rows = [*range(chain), chain, *(chain + u for u in result.accepted_nodes)]
+        index = torch.tensor(rows, device=features[i].device)
+        head.absorb(job.request_id, committed, len(job.context) - chain, features[i].index_select(0, index))
+        specs.append(spec)
+        where.append(i)
+    out = list(results)
+    for i, tree in zip(where, draft_trees(head, specs), strict=True):
+        out[i] = replace(out[i], next_tree=tree)
+    return out
 
 
 def _select(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:

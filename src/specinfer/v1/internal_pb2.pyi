@@ -154,18 +154,36 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("context", "tree", "sampling", "seed", "step")
+    __slots__ = ("context", "tree", "sampling", "seed", "step", "head")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     context: Context
     tree: DraftTree
     sampling: _api_pb2.SamplingParams
     seed: int
     step: int
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    head: HeadDraft
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ...) -> None: ...
+
+class HeadDraft(_message.Message):
+    __slots__ = ("budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "draft_support")
+    BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_EDGE_CURVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    budget_nodes: int
+    budget_depth: int
+    budget_width: int
+    budget_min_score: float
+    budget_edge_curve: _containers.RepeatedScalarFieldContainer[float]
+    draft_support: int
+    def __init__(self, budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., draft_support: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -174,18 +192,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token", "prefix_hit_tokens")
+    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token", "prefix_hit_tokens", "next_tree")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache_miss: bool
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     prefix_hit_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    next_tree: DraftTree
+    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., next_tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "kv_blocks_free")
@@ -200,7 +220,7 @@ class LlmInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LlmInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token", "kv_block_size", "kv_blocks", "kv_blocks_free")
+    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token", "kv_block_size", "kv_blocks", "kv_blocks_free", "draft_head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +230,7 @@ class LlmInfo(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -219,4 +240,5 @@ class LlmInfo(_message.Message):
     kv_block_size: int
     kv_blocks: int
     kv_blocks_free: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+    draft_head: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., draft_head: _Optional[bool] = ...) -> None: ...
