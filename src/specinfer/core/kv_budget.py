@@ -143,6 +143,39 @@ class Replicas:
             raise ValueError("no replica to place requests on")
 
 
+def replica_takes(budget: KVBudget | None, rows: StepRows) -> int:
+    """What a request with ``rows`` takes on a verifier replica with ``budget``: blocks, or verify rows
+    where the replica reports no budget (the unit :func:`replica_for` balances it in)."""
+    return budget.needs(rows) if budget is not None else rows.verify
+
+
+def replica_for(
+    replicas: Replicas, used: Sequence[int], request_id: str, rows: StepRows, must_fit: bool = True
+) -> int | None:
+    """The replica (index into ``replicas.budgets``) ``request_id`` with ``rows`` runs on if it joins now,
+    while ``used[r]`` is what the requests placed before it take on replica r (:func:`replica_takes`): its
+    home (``replicas.placement``) while it fits there, else the one with the most room left once it is in
+    (the lowest index on a tie); None when none has room. ``must_fit`` False: the one with the most room
+    even when none has room (for a call that must go somewhere; the replica may refuse it).
+
+    The placement rule of :func:`schedule`."""
+    budgets = replicas.budgets
+
+    def room(r: int) -> int:  # what r has left once the request is in (rows placed, negated, without a budget)
+        b = budgets[r]
+        return b.blocks - used[r] - b.needs(rows) if b is not None else -used[r] - rows.verify
+
+    def fits_on(r: int) -> bool:
+        b = budgets[r]
+        return not must_fit or b is None or used[r] + b.needs(rows) <= b.blocks
+
+    home = replicas.placement.get(request_id)
+    if home is not None and 0 <= home < len(budgets) and fits_on(home):
+        return home
+    candidates = [r for r in range(len(budgets)) if fits_on(r)]
+    return max(candidates, key=lambda r: (room(r), -r)) if candidates else None
+
+
 def step_rows(request: GenerationRequest, committed: int, num_ssms: int, planner: PlannerConfig) -> StepRows:
     """The most KV rows ``request`` may hold during its next step with ``committed`` tokens (prompt
     and output so far) behind it.
@@ -204,37 +237,18 @@ def schedule(
     replica_used = [0] * len(replica_budgets)  # blocks, or rows where the replica reports no budget
     placement: dict[str, int] = {}
 
-    def replica_for(request_id: str, rows: StepRows) -> int | None:
-        """The replica ``request_id`` runs on if it joins now (None: none has room)."""
-
-        def room(r: int) -> int:  # what r has left once the request is in (rows placed, negated, without a budget)
-            b = replica_budgets[r]
-            return b.blocks - replica_used[r] - b.needs(rows) if b is not None else -replica_used[r] - rows.verify
-
-        def fits_on(r: int) -> bool:
-            b = replica_budgets[r]
-            return b is None or replica_used[r] + b.needs(rows) <= b.blocks
-
-        assert replicas is not None
-        home = replicas.placement.get(request_id)
-        if home is not None and 0 <= home < len(replica_budgets) and fits_on(home):
-            return home
-        candidates = [r for r in range(len(replica_budgets)) if fits_on(r)]
-        return max(candidates, key=lambda r: (room(r), -r)) if candidates else None
-
     def fits(request_id: str, rows: StepRows) -> bool:
         if not all(u + b.needs(rows) <= b.blocks for u, b in zip(used, budgets, strict=True)):
             return False
-        return replicas is None or replica_for(request_id, rows) is not None
+        return replicas is None or replica_for(replicas, replica_used, request_id, rows) is not None
 
     def take(request_id: str, rows: StepRows) -> None:
         for i, b in enumerate(budgets):
             used[i] += b.needs(rows)
         if replicas is not None:
-            r = replica_for(request_id, rows)
+            r = replica_for(replicas, replica_used, request_id, rows)
             assert r is not None
-            b = replica_budgets[r]
-            replica_used[r] += b.needs(rows) if b is not None else rows.verify
+            replica_used[r] += replica_takes(replica_budgets[r], rows)
             placement[request_id] = r
 
     kept: list[str] = []
