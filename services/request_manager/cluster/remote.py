@@ -1,5 +1,8 @@
-"""gRPC client of the LLM verifier replicas (:class:`Verifiers`): membership, placement of requests,
-KV budgets and the verify calls (the SSM workers' client is :mod:`.ssm_workers`).
+"""gRPC client of the LLM verifier replicas (:class:`Verifiers`): their membership and the calls to
+them, each request's call to the replica its placement names (the SSM workers' client is
+:mod:`.ssm_workers`). Where each request is placed, and what each replica's KV blocks hold, is
+:class:`~.placement_map.PlacementMap`'s: the pool tells it who joins, leaves or is taken out and what
+free-block counts the replicas report, and asks it where a request lives.
 
 Its calls send only the context tokens a replica lacks (:mod:`.context_protocol`); the replicas are a
 pool found by :mod:`.discovery`, from which a failed replica is taken out until it is back
@@ -11,21 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import grpc
 
 from specinfer import wire
 from specinfer.core.engine_core import Verdict, VerifyRound  # what a verification round gives the engine core
 from specinfer.core.iteration import VerifySpec
-from specinfer.core.kv_budget import KVBudget
+from specinfer.core.kv_budget import StepRows
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
 from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
+from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 
 log = logging.getLogger("specinfer.request_manager")
@@ -39,8 +42,8 @@ class Verifiers(ReplicaPool):
     """The LLM verifier replicas ``targets`` stand for (one address, several, or ``dns:`` names; see
     :mod:`.replica_pool`). Every replica must serve the same LLM (model name, vocabulary, positions):
     another one never joins. Each request is *placed* on one replica, which holds its KV cache, and
-    stays there (:attr:`placement`, decided by :func:`~specinfer.core.kv_budget.schedule`); when its
-    replica is taken out or leaves, it is unplaced and placed anew, and the new replica rebuilds its
+    stays there (:attr:`placement_map`, the one owner of placements; see :mod:`.placement_map`); when
+    its replica is taken out or leaves, it is unplaced and placed anew, and the new replica rebuilds its
     cache from the committed tokens (context protocol). Calls carry ``timeout`` and ``auth``'s credentials."""
 
     kind = "LLM verifier"
@@ -57,9 +60,8 @@ class Verifiers(ReplicaPool):
         self._stubs: dict[str, internal_pb2_grpc.LlmVerifierStub] = {}
         self.infos: dict[str, internal_pb2.LlmInfo] = {}  # address -> what it reported when it joined
         self.reference: internal_pb2.LlmInfo | None = None  # the first replica's report: what every replica must match
-        self.placement: dict[str, str] = {}  # request ID -> replica address holding its cache
-        self.free: dict[str, int] = {}  # address -> KV blocks it last said no request holds (replicas with a KV budget)
-        self._free_at: dict[str, float] = {}  # address -> time.monotonic() of that report
+        # where each request runs and the replicas' KV block counts: this pool only reports to it and asks it
+        self.placement_map = PlacementMap()
         # the last join refused for our credentials (start-up reports it)
         self.refusal: grpc.aio.AioRpcError | None = None
 
@@ -92,30 +94,21 @@ class Verifiers(ReplicaPool):
         super()._join(address, channel, info)
         self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
         self.infos[address] = info
-        if wire.kv_budget_from_proto(info) is not None:
-            self._heard_free(address, info.kv_blocks_free)
+        self.placement_map.join(address, wire.kv_budget_from_proto(info), info.kv_blocks_free)
 
     def _leave(self, address: str) -> None:
         super()._leave(address)
         del self._stubs[address], self.infos[address]
-        self.free.pop(address, None)
-        self._free_at.pop(address, None)
-        self._unplace_from(address)
+        self.placement_map.leave(address)
 
     def _report_taken_out(self, address: str, error: BaseException) -> None:
-        moved = self._unplace_from(address)
+        moved = self.placement_map.unplace_from(address)
         log.warning(
             "LLM verifier taken out; its requests move to the others",
             extra={"address": address, "error": repr(error), "live": self.live_count(), "requests_moved": moved},
         )
         if not self.live():
             log.warning("no LLM verifier left: requests wait until one answers")
-
-    def _unplace_from(self, address: str) -> int:
-        gone = [rid for rid, a in self.placement.items() if a == address]
-        for rid in gone:
-            del self.placement[rid]
-        return len(gone)
 
     async def wait_ready(self, retry_max_seconds: float) -> internal_pb2.LlmInfo:
         """The first replica's report, once one has joined (a verifier that is down, or still loading
@@ -129,47 +122,12 @@ class Verifiers(ReplicaPool):
             wait = min(2 * wait, retry_max_seconds)
         return self.reference
 
-    def kv_budgets(self, own: Mapping[str, int] | None) -> list[KVBudget | None]:
-        """What each live replica's KV budget leaves to us, in :meth:`live` order (None: it reports
-        none). Other request managers may share a replica: the blocks it last said were held, less
-        ``own`` (address -> the blocks our requests placed there hold: their committed tokens, counted
-        when that report came), are theirs, and are not ours to admit into (``own`` None: the whole
-        budgets). With one request manager that is about nothing; with several, two may still admit
-        into the same free blocks at once: the replica then refuses the call (RESOURCE_EXHAUSTED, see
-        :attr:`VerifyRound.refused`) and its free count is asked again."""
-        out: list[KVBudget | None] = []
-        for a in self.live():
-            total = wire.kv_budget_from_proto(self.infos[a])
-            if total is not None and own is not None and a in self.free:
-                others = max(0, total.blocks - self.free[a] - own.get(a, 0))
-                total = KVBudget(total.block_size, total.blocks - others)
-            out.append(total)
-        return out
-
-    def place(self, placement: Mapping[str, str]) -> None:
-        """Record where requests run (request ID -> live replica address)."""
-        self.placement.update(placement)
-
     # -- calls -------------------------------------------------------------------------------------
 
     async def info(self, address: str) -> internal_pb2.LlmInfo:
         return await self._stubs[address].GetInfo(
             internal_pb2.LlmInfoRequest(), timeout=self.timeout, metadata=self.auth.metadata
         )
-
-    def _home(self, request_id: str) -> str | None:
-        """The live replica of ``request_id``; one not placed (e.g. a calibration call) goes to the
-        live replica with the fewest requests."""
-        address = self.placement.get(request_id)
-        if address is not None and self.is_live(address):
-            return address
-        live = self.live()
-        if not live:
-            return None
-        counts = Counter(self.placement.values())
-        address = min(live, key=lambda a: counts[a])
-        self.placement[request_id] = address
-        return address
 
     async def verify(self, calls: Sequence[VerifySpec]) -> VerifyRound:
         """One verify call per replica for the requests placed on it, concurrently. A replica that
@@ -179,8 +137,9 @@ class Verifiers(ReplicaPool):
         every refusal was for lack of KV blocks (the replicas answer; the next schedule preempts)."""
         by_replica: dict[str, list[VerifySpec]] = {}
         failed: list[str] = []
+        live = self.live()
         for c in calls:
-            address = self._home(c.request_id)
+            address = self.placement_map.home(c.request_id, verify_rows(c), live)
             if address is None:
                 failed.append(c.request_id)
             else:
@@ -220,7 +179,7 @@ class Verifiers(ReplicaPool):
                 verdicts.update(results)
                 timings.append((address, tuple(cs), seconds))
                 if free is not None:
-                    self._heard_free(address, free)
+                    self.placement_map.heard_free(address, free)
         # a full KV cache answers: it is there
         unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
         if not verdicts and unreachable:
@@ -254,23 +213,18 @@ class Verifiers(ReplicaPool):
         }
         return verdicts, time.perf_counter() - started, free[0]
 
-    def _heard_free(self, address: str, free: int) -> None:
-        self.free[address] = free
-        self._free_at[address] = time.monotonic()
-
     async def _ask_free(self, address: str) -> None:
         try:
             info = await self.info(address)
         except grpc.aio.AioRpcError:
             return
-        if address in self.free:
-            self._heard_free(address, info.kv_blocks_free)
+        if self.placement_map.counts_free(address):
+            self.placement_map.heard_free(address, info.kv_blocks_free)
 
     async def refresh_free(self, max_age: float) -> None:
         """Ask the live replicas whose free-block count is older than ``max_age`` seconds (those no
         verify call of ours reached lately) for a new one, concurrently."""
-        now = time.monotonic()
-        stale = [a for a in self.live() if a in self.free and now - self._free_at.get(a, 0.0) > max_age]
+        stale = self.placement_map.stale(self.live(), max_age)
         if stale:
             await asyncio.gather(*(self._ask_free(a) for a in stale))
 
@@ -279,7 +233,7 @@ class Verifiers(ReplicaPool):
         fails the call keeps them (only memory: it frees them when it restarts)."""
         by_replica: dict[str, list[str]] = {}
         for rid in request_ids:
-            address = self.placement.get(rid)
+            address = self.placement_map.where(rid)
             if address is not None and address in self._stubs:
                 by_replica.setdefault(address, []).append(rid)
         self.forget(request_ids)
@@ -295,7 +249,13 @@ class Verifiers(ReplicaPool):
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Stop tracking requests another request manager drives now, without releasing their caches (it uses them)."""
+        self.placement_map.unplace(request_ids)
         for rid in request_ids:
-            self.placement.pop(rid, None)
             for a in self.addresses:
                 self.tracker(a).forget(rid)
+
+
+def verify_rows(call: VerifySpec) -> StepRows:
+    """The KV rows ``call`` takes on the replica that verifies it: its context and its tree."""
+    rows = len(call.context) + len(call.draft.tree.tokens)
+    return StepRows(rows, rows)

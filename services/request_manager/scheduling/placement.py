@@ -1,10 +1,10 @@
-"""Which requests run each iteration, and on which verifier replica: :class:`Placement`, the one owner
-of what this request manager knows of the replicas' KV blocks.
+"""Which requests run each iteration, and on which verifier replica: :class:`Placement` plans it.
 
 It applies :func:`~specinfer.core.kv_budget.schedule` (the in-process engine's rule) over the live
-replicas' budgets, less what other request managers hold there (:meth:`.cluster.remote.Verifiers.kv_budgets`),
-and keeps what our own requests hold on each replica once the iteration's verify call has run (their
-committed tokens' blocks), as the replica's next free count will say.
+replicas' budgets, less what other request managers hold there, and records the plan (where each
+request runs, what our requests hold on each replica once the iteration's verify call has run) in
+the verifier's :class:`~specinfer.request_manager.cluster.placement_map.PlacementMap`, the one owner
+of placements and KV block counts, which it also asks for the budgets and the placement before it.
 
 *Stepping back.* Other request managers may hold so much of the replicas that even our oldest request
 fits in none of what they leave (each fits a replica alone), or a replica may refuse our step for lack
@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from specinfer.core.kv_budget import KVBudget, Replicas, Schedule, StepRows, schedule
+from specinfer.request_manager.cluster.placement_map import PlacementMap
 from specinfer.request_manager.cluster.remote import Verifiers
 
 log = logging.getLogger("specinfer.request_manager")
@@ -35,10 +36,13 @@ class Placement:
     def __init__(self, verifier: Verifiers, backoff_seconds: float) -> None:
         self.verifier = verifier
         self.backoff_seconds = backoff_seconds
-        # verifier replica -> KV blocks our requests there hold (their committed tokens)
-        self._held: dict[str, int] = {}
         self._step_back = False  # a replica refused a step for lack of KV blocks: the next plan steps back
         self._paused_until = 0.0  # time.monotonic() before which nothing is admitted (stepping back for other managers)
+
+    @property
+    def map(self) -> PlacementMap:
+        """The verifier's placements and KV block counts, which the plans are recorded in."""
+        return self.verifier.placement_map
 
     def refused(self) -> None:
         """A replica refused this manager's step for lack of KV blocks: the next plan steps back."""
@@ -59,9 +63,9 @@ class Placement:
         replicas = self.verifier.live()
         if not replicas or time.monotonic() < self._paused_until:
             return None
-        before = {rid: replicas.index(a) for rid, a in self.verifier.placement.items() if a in replicas}
+        before = self.map.indices(replicas)
         await self.verifier.refresh_free(FREE_BLOCKS_MAX_AGE)
-        budgets = self.verifier.kv_budgets(self._held)
+        budgets = self.map.budgets(replicas)
         plan = None  # a replica refused our last step for lack of KV blocks: step back
         if not self._step_back:
             plan = schedule(
@@ -76,8 +80,14 @@ class Placement:
                 extra={"requests": len(running)},
             )
         self._step_back = False
-        held = dict.fromkeys(replicas, 0)
-        for rid, r in plan.placement.items():
-            held[replicas[r]] += budgets[r].blocks_for(committed[rid]) if budgets[r] is not None else 0
-        self._held = held
+        self.map.hold(plan, replicas, budgets, committed)
         return plan, replicas, before
+
+    async def place(self, plan: Schedule, replicas: Sequence[str], before: Mapping[str, int]) -> None:
+        """Place the requests of ``plan`` (with the ``replicas`` and the placement ``before`` it, as
+        :meth:`plan` returned them). A placed request the plan moves (its replica has no room for it now)
+        has its cache there released first; it is rebuilt on the new one."""
+        moved = [rid for rid, r in plan.placement.items() if self.map.where(rid) is not None and before.get(rid) != r]
+        if moved:
+            await self.verifier.release(moved)
+        self.map.place({rid: replicas[r] for rid, r in plan.placement.items()})

@@ -260,10 +260,7 @@ class Scheduler:
             for live in back:
                 self.core.forget(live.request_id)
             await self._release(plan.preempted)
-        moved = [rid for rid, r in plan.placement.items() if rid in self.verifier.placement and before.get(rid) != r]
-        if moved:  # their replica has no room for them now: their caches go, and are rebuilt on the new one
-            await self.verifier.release(moved)
-        self.verifier.place({rid: replicas[r] for rid, r in plan.placement.items()})
+        await self.placement.place(plan, replicas, before)
         if self.config.kv_budgets:  # the blocks of requests that finished are free only once their release is through
             await asyncio.gather(*self._releases)
 

@@ -158,7 +158,8 @@ def replica_for(
     (the lowest index on a tie); None when none has room. ``must_fit`` False: the one with the most room
     even when none has room (for a call that must go somewhere; the replica may refuse it).
 
-    The placement rule of :func:`schedule`."""
+    The placement rule of :func:`schedule`, and of the request manager's requests no schedule placed
+    (``specinfer.request_manager.cluster.placement_map``)."""
     budgets = replicas.budgets
 
     def room(r: int) -> int:  # what r has left once the request is in (rows placed, negated, without a budget)
