@@ -33,6 +33,12 @@ def _demo_models() -> tuple[Path, tuple[Path, ...], str]:
     return cache / "llm", (cache / "ssm",), f"tiny random pair in {cache} (no trained pair found; its text is noise)"
 
 
+def _demo_head(llm: Path) -> Path | None:
+    """The demo models' draft head (``head/`` beside ``llm/``, from ``specinfer train-head``), if they have one."""
+    head = llm.parent / "head"
+    return head if (head / "config.json").is_file() else None
+
+
 def _demo_ssms(folder: Path) -> tuple[Path, ...]:
     """``ssm/`` and the boost-tuned ``ssm-1/``, ``ssm-2/``, ... after it (``specinfer train-demo``):
     served together, their trees merge (merge-based speculation)."""
@@ -143,6 +149,12 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         help="an SSM's checkpoint folder, PATH (served under its folder's name) or NAME=PATH; "
         "repeat for several, whose trees merge (default: the demo models' SSMs when --llm is not given, else none)",
     )
+    up.add_argument(
+        "--head",
+        default=None,
+        help="a draft head of the LLM (specinfer train-head), which the verifiers draft with "
+        "(default: the demo models' head when --llm is not given, else none)",
+    )
     up.add_argument("--workers", type=int, default=1, help="SSM worker processes")
     up.add_argument(
         "--verifiers", type=int, default=1, help="LLM verifier replicas (each request runs on one; docs/scaling.md)"
@@ -235,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ssms = ssms[:1] if args.one_ssm else ssms
             print(f"=== demo models: {what}; drafting with {', '.join(s.name for s in ssms)}")
             prompts = _demo_prompts(llm, args.prompts)
+            if args.head is None:  # the demo's own head, where it has one
+                args.head = _demo_head(llm)
             if args.in_process:
                 run_generate(build_config(args, llm, ssms, prompts))
             else:
@@ -270,6 +284,7 @@ def _run_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         verifiers=args.verifiers,
         request_managers=args.request_managers,
+        head=Path(args.head) if args.head else None if args.llm else _demo_head(llm),
     )
     if cfg.verifiers < 1:
         raise InvalidArgument("verifiers", f"must be at least 1, got {cfg.verifiers}")
@@ -288,7 +303,7 @@ def _demo_stack(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], promp
     expansion = resolve_expansion(args.expansion, ssms)
     with (
         tempfile.TemporaryDirectory(prefix="specinfer-demo-") as state,
-        Stack(StackConfig(llm, tuple(ssms), 1, 0, Path(state), args.backend, expansion)) as s,
+        Stack(StackConfig(llm, tuple(ssms), 1, 0, Path(state), args.backend, expansion, head=args.head)) as s,
     ):
         for p in s.processes:
             print(f"    {p.name:16s} {p.address}", flush=True)

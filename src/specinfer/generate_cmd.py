@@ -37,6 +37,7 @@ class GenerateConfig:
     offload_reserve_bytes: int = 0
     # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
     calibration_cache: str = ""
+    head: Path | None = None  # a draft head of the LLM (specinfer train-head): adaptive trees also draft with it
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,11 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         "--no-suffix",
         action="store_true",
         help="adaptive trees without the model-free drafts from the prompt's and output's own text",
+    )
+    p.add_argument(
+        "--head",
+        default=None,
+        help="a draft head of the LLM (a folder from specinfer train-head): adaptive trees also draft with it",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument(
@@ -117,6 +123,8 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
     keyword = args.expansion.strip().lower()
     speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
     adaptive = speculate and keyword == "auto"
+    if args.head and not args.no_speculation and keyword == "auto":  # a head alone drafts adaptive trees
+        speculate = adaptive = True
     return GenerateConfig(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
@@ -140,6 +148,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         offload=args.offload,
         offload_reserve_bytes=args.offload_reserve_bytes,
         calibration_cache=args.calibration_cache,
+        head=Path(args.head) if args.head else None,
     )
 
 
@@ -175,6 +184,10 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
         offload=cfg.offload,
         offload_reserve_bytes=cfg.offload_reserve_bytes,
     )
+    if cfg.head is not None:
+        from specinfer.models.head_drafter import with_head
+
+        llm = with_head(llm, cfg.head, cfg.llm)
     ssms, vocabularies = [], []
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
@@ -210,7 +223,7 @@ def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
     from specinfer.engine import GenerationRequest, SpeculationConfig
 
     spec = (
-        SpeculationConfig(cfg.expansion, ssms=tuple(range(n_ssms)), suffix=cfg.suffix)
+        SpeculationConfig(cfg.expansion, ssms=tuple(range(n_ssms)), suffix=cfg.suffix, head=cfg.head is not None)
         if cfg.expansion is not None or cfg.adaptive
         else None
     )
@@ -261,7 +274,7 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
     total = sum(len(r.output_tokens) for r in results)
     steps = sum(r.llm_steps for r in results)
     if cfg.adaptive:
-        mode = f"adaptive trees over {n_ssms} SSM(s)"
+        mode = f"adaptive trees over {n_ssms} SSM(s)" + (" and a draft head" if cfg.head is not None else "")
     else:
         mode = (
             "incremental"

@@ -81,6 +81,7 @@ class StackConfig:
     # its own --owner rm-<i> and state dir; the first has ``port`` and ``http_port``, the others free ports
     request_managers: int = 1
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    head: Path | None = None  # a draft head of the LLM (specinfer train-head), which every verifier drafts with
 
     @property
     def named_ssms(self) -> dict[str, str]:
@@ -234,6 +235,8 @@ class Stack:
         for i in range(c.verifiers):
             name = "llm-verifier" if i == 0 else f"llm-verifier-{i}"
             args = ["--port", "0", "--llm", str(c.llm), "--torch-threads", str(c.threads), *model, *c.verifier_args]
+            if c.head is not None:
+                args += ["--head", str(c.head)]
             self._start_member(name, "specinfer.llm_verifier", args, timeout)
         workers = [
             self._start_member(
