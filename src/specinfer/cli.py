@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_up(args)
         if args.command == "tune":
             return tune_main(args)
-        if args.command in ("train-ssm", "boost-tune", "train-demo"):
+        if args.command in ("train-ssm", "boost-tune", "train-demo", "train-head", "map-head"):
             return training_main(args)
         if args.command == "generate" and args.server:
             return generate_remote(args)

@@ -149,12 +149,14 @@ def is_head_dir(path: str | Path) -> bool:
         return False
 
 
-def save_head(head: DraftHead, path: str | Path, extra: dict | None = None) -> None:
-    """Write ``head`` as a checkpoint folder (fp32 weights); ``extra``: more keys for its config.json
-    (how it was trained, for the record)."""
+def save_head(head: DraftHead, path: str | Path, extra: dict | None = None, dtype: str = "float32") -> None:
+    """Write ``head`` as a checkpoint folder (weights in ``dtype``: float32, float16 or bfloat16); ``extra``:
+    more keys for its config.json (how it was trained, for the record)."""
+    from specinfer.models.dtypes import DTYPES
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
     config = {"model_type": MODEL_TYPE, **asdict(head.config), **(extra or {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Commands: ``specinfer train-ssm``, ``specinfer boost-tune`` and ``specinfer train-demo``.
+"""Commands: ``specinfer train-ssm``, ``boost-tune``, ``train-demo``, ``train-head`` and ``map-head``.
 
 Each builds one frozen config from its flags and runs its job (:mod:`specinfer.training.jobs`,
 :mod:`specinfer.training.demo`).
@@ -23,6 +23,7 @@ def add_settings_flags(
     lr: float,
     kd: float,
     save_dtype: str = "float32",
+    kd_help: str = "1: match the LLM's distributions (KL); 0: its tokens / the corpus's (CE); between: a mix",
 ) -> None:
     """``seq`` None: the windows' length is set elsewhere (boost-tune: prompt + continuation)."""
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
@@ -35,7 +36,7 @@ def add_settings_flags(
         "--kd-weight",
         type=float,
         default=kd,
-        help="1: match the LLM's distributions (KL); 0: its tokens / the corpus's (CE); between: a mix",
+        help=kd_help,
     )
     p.add_argument(
         "--kd-temperature", type=float, default=1.0, help="softmax temperature of both distributions in the KL term"
@@ -70,12 +71,16 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
 
 
 def _add_student_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--llm", required=True, help="the LLM's checkpoint folder (teacher; its tokenizer encodes the corpus)"
-    )
+    _add_corpus_flags(p)
     p.add_argument("--init", type=Path, help="checkpoint folder the SSM starts from")
     p.add_argument(
         "--config", default="", help="or a new SSM of this shape: layers=1,hidden=128,heads=2,intermediate=352"
+    )
+
+
+def _add_corpus_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--llm", required=True, help="the LLM's checkpoint folder (teacher; its tokenizer encodes the corpus)"
     )
     p.add_argument(
         "--corpus",
@@ -116,12 +121,73 @@ def add_training_parsers(sub) -> None:
     )
     add_settings_flags(b, steps=300, batch=32, seq=None, lr=1e-3, kd=0.5)
     add_demo_parser(sub)
+    _add_head_parsers(sub)
+
+
+def _add_head_parsers(sub) -> None:
+    h = sub.add_parser("train-head", help="train an EAGLE-style draft head on an LLM's features (self-distillation)")
+    _add_corpus_flags(h)
+    kd_help = "share of the KL term (LLM's distribution vs the LM head on the prediction); the rest: smooth L1"
+    add_settings_flags(h, steps=1000, batch=8, seq=256, lr=1e-3, kd=0.1, kd_help=kd_help)
+    for name, what in (
+        ("hidden", "head width (0: min(LLM feature width, 1024))"),
+        ("heads", "query heads (0: hidden / 64)"),
+        ("kv-heads", "KV heads (0: heads / 4 from 8 heads, else heads)"),
+        ("head-dim", "dims per head (0: hidden / heads)"),
+        ("intermediate", "SwiGLU width (0: ~8/3 hidden)"),
+    ):
+        h.add_argument(f"--{name}", type=int, default=0, help=what)
+    h.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input features, times their std")
+    h.add_argument("--unroll", type=int, default=1, choices=[1, 2], help="2: also train on the head's own predictions")
+    h.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="the LLM's dtype")
+    h.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
+    h.add_argument("--log-every", type=int, default=50, help="steps between held-out accuracy lines")
+    h.add_argument("--heldout-windows", type=int, default=16, help="windows of the corpus's held-out tail measured")
+    h.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="continue from out/checkpoints (default: when there is one)",
+    )
+    m = sub.add_parser("map-head", help="map a draft head onto an inflated copy of its LLM (inflate_llm.py)")
+    m.add_argument("--head", required=True, type=Path, help="the head's checkpoint folder")
+    m.add_argument("--llm", required=True, type=Path, help="the inflated LLM's checkpoint folder")
+    m.add_argument("--out", required=True, type=Path, help="output folder of the mapped head")
+
+
+def _head_main(args: argparse.Namespace) -> int:
+    from specinfer.training.head import HeadShape, TrainHeadConfig, run_train_head
+    from specinfer.training.head_map import run_map_head
+
+    if args.command == "map-head":
+        run_map_head(args.head, args.llm, args.out)
+        return 0
+    shape = HeadShape(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate)
+    cfg = TrainHeadConfig(
+        Path(args.llm),
+        tuple(Path(c) for c in args.corpus),
+        Path(args.out),
+        settings_from(args),
+        shape,
+        args.noise,
+        args.unroll,
+        args.dtype,
+        args.threads,
+        args.resume,
+        args.log_every,
+        args.heldout_windows,
+        args.max_corpus_bytes,
+    )
+    run_train_head(cfg)
+    return 0
 
 
 def training_main(args: argparse.Namespace) -> int:
     if args.command == "train-demo":
         run_demo(demo_config(args))
         return 0
+    if args.command in ("train-head", "map-head"):
+        return _head_main(args)
     source = StudentSource(
         Path(args.llm), tuple(Path(c) for c in args.corpus), args.init, args.config, args.max_corpus_bytes
     )
