@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from common import kv_bytes, load_prompts
-from compare_runs import Case, Run, run_hf, run_ours
+from compare_runs import ADAPTIVE_DRAFTERS, Case, Run, run_hf, run_ours
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -54,6 +54,7 @@ from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.engine import EngineConfig, SpeculativeEngine
 from specinfer.engine.calibrate import calibrate_costs
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
+from specinfer.models.head_drafter import with_head
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
 
@@ -88,6 +89,11 @@ def build_cases(args: argparse.Namespace, num_ssms: int) -> list[Case]:
                     Case("auto-ssm-only", batch, temp, "", tuple(range(num_ssms))),
                     Case("suffix-only", batch, temp, "", ()),
                 ]
+                if args.head:
+                    cases += [
+                        Case("head-only", batch, temp, "", ()),
+                        Case("auto-no-head", batch, temp, "", tuple(range(num_ssms))),
+                    ]
     return cases
 
 
@@ -210,8 +216,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--drafter-rows",
         action="store_true",
-        help="add adaptive rows with one kind of drafter: SSMs alone, suffix alone",
+        help="add adaptive rows with one kind of drafter: SSMs alone, suffix alone (with --head: head alone, and "
+        "all but the head)",
     )
+    ap.add_argument("--head", type=Path, default=None, help="a draft head of the LLM: adaptive rows also draft with it")
     ap.add_argument(
         "--max-prompt-tokens", type=int, default=0, help="keep only each prompt's last N tokens (0: whole prompts)"
     )
@@ -246,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=DTYPES[dtype]).eval().to(args.device)
     budget = kv_bytes(args.llm, batches, DTYPES[dtype])
     llm: CausalLM = load_backend(args.llm, "llm", dtype, args.device, backend="native", kv_cache_bytes=budget)
+    if args.head is not None:
+        llm = with_head(llm, args.head, args.llm)
     ssms = [load_backend(p, f"ssm[{i}]", dtype, args.device, backend="native") for i, p in enumerate(args.ssm)]
     costs = calibrate(llm, ssms, cases)
     priors = tuned_priors(args)
@@ -270,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def calibrate(llm: CausalLM, ssms: Sequence[CausalLM], cases: Sequence[Case]):
     """The step cost model, when an adaptive row needs one (else None)."""
-    if not any(c.method in ("auto", "auto-ssm-only", "suffix-only") for c in cases):
+    if not any(c.method in ADAPTIVE_DRAFTERS for c in cases):
         return None
     started = time.perf_counter()
     costs = calibrate_costs(

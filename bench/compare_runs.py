@@ -18,6 +18,15 @@ from transformers.generation.streamers import BaseStreamer
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.engine import GenerationRequest, SpeculationConfig, SpeculativeEngine
 
+# adaptive rows: which drafters they use (SSMs, suffix drafts, the draft head)
+ADAPTIVE_DRAFTERS = {
+    "auto": (True, True, True),
+    "auto-ssm-only": (True, False, False),
+    "suffix-only": (False, True, False),
+    "head-only": (False, False, True),
+    "auto-no-head": (True, True, False),
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -183,11 +192,11 @@ def run_ours(
     case: Case, prompts: Sequence[Sequence[int]], new_tokens: int, engine: SpeculativeEngine, seed: int, progress: tqdm
 ) -> Run:
     """Our in-process engine, prompts in rounds of ``case.batch`` concurrent requests."""
-    if case.method in ("auto", "auto-ssm-only", "suffix-only"):
-        # auto: SSMs and the text's own suffix drafts merged; the others one kind alone
-        spec = SpeculationConfig(
-            None, () if case.method == "suffix-only" else case.ssms, suffix=case.method != "auto-ssm-only"
-        )
+    if case.method in ADAPTIVE_DRAFTERS:
+        # auto: every drafter merged (SSMs, the text's own suffix drafts, a draft head if the LLM has one); the
+        # others one kind alone, or all but the head
+        ssms, suffix, head = ADAPTIVE_DRAFTERS[case.method]
+        spec = SpeculationConfig(None, case.ssms if ssms else (), suffix=suffix, head=head)
     else:
         spec = SpeculationConfig(ExpansionConfig.parse(case.expansion), case.ssms) if case.expansion else None
     run = Run(case)
