@@ -134,7 +134,7 @@ def test_seeded_sampling_with_head_trees_is_plain_decodings(model_pair, head_eng
 def test_a_head_that_does_not_fit_is_refused(model_pair, tmp_path):
     llm = load_backend(model_pair.llm, "llm", "float32", backend="native", kv_cache_bytes=1 << 26)
     save_head(_random_head(llm.feature_dim + 8, llm.vocab_size), tmp_path / "wide")
-    with pytest.raises(InvalidArgument, match="head.*features of width"):
+    with pytest.raises(InvalidArgument, match=r"head.*features of width"):
         with_head(llm, tmp_path / "wide")
     with pytest.raises(InvalidArgument, match="not a draft-head folder"):
         with_head(llm, model_pair.llm)

@@ -50,6 +50,11 @@ CONTROL_SAMPLES = 5000
 
 @pytest.fixture(scope="module")
 def models():
+    return tiny_models()
+
+
+def tiny_models():
+    """The tiny LLM and two SSMs the statistical tests sample from (transformers modules)."""
     llm = tiny_llama(VOCAB, 32, 2, 4, 2, seed=11)
     with torch.no_grad():  # milder logits than the default tiny model: every token stays likely
         llm.lm_head.weight.mul_(0.08)

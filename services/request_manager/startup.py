@@ -98,7 +98,8 @@ def api_limits(
         max_tree_nodes=cfg.max_tree_nodes,
         llm_name=info.model,
         eos_token_id=eos,
-        default_adaptive=cfg.adaptive and bool(ssm_names),
+        default_adaptive=cfg.adaptive and (bool(ssm_names) or info.draft_head),
+        draft_head=info.draft_head,
         kv_budgets=budgets,
         draft_vocabulary=tuple(
             (n, (profiles[n].vocabulary if n in profiles else "") or SHARED_VOCABULARY) for n in ssm_names

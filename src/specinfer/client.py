@@ -76,6 +76,7 @@ class Client:
         verification: str = "",
         skip_special_tokens: bool = True,
         suffix: bool | None = None,
+        head: bool | None = None,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
@@ -87,7 +88,8 @@ class Client:
         keep them). Speculation: by default the server's (``auto``: adaptive); ``adaptive`` asks for
         adaptive trees, ``expansion`` for a static tree (widths per depth, e.g. ``(1, 1, 3, 1)``),
         ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them), ``suffix`` turns drafts from
-        the request's own text on or off (None: on), ``speculation=False`` decodes with the LLM alone.
+        the request's own text on or off (None: on), ``head`` drafts with the verifier's draft head on or off
+        (None: on, where it has one), ``speculation=False`` decodes with the LLM alone.
         ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
         server picks one)."""
         msg = api_pb2.GenerateRequest(
@@ -99,7 +101,12 @@ class Client:
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),
             speculation=api_pb2.SpeculationParams(
-                disabled=not speculation, expansion=list(expansion), ssms=list(ssms), adaptive=adaptive, suffix=suffix
+                disabled=not speculation,
+                expansion=list(expansion),
+                ssms=list(ssms),
+                adaptive=adaptive,
+                suffix=suffix,
+                head=head,
             ),
             ignore_eos=ignore_eos,
             skip_special_tokens=skip_special_tokens,

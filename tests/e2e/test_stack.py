@@ -45,9 +45,16 @@ def stack(model_pair, tmp_path_factory):
         expansion=PAPER_EXPANSION,
         threads=1,
         rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
+        head=demo_head(model_pair),  # the verifier drafts with the pair's draft head too
     )
     with serving(cfg) as s:
         yield s
+
+
+def demo_head(model_pair) -> Path | None:
+    """The test pair's draft head (``head/`` beside ``llm/``: the bundled demo pair has one)."""
+    head = model_pair.llm.parent / "head"
+    return head if (head / "config.json").is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +187,28 @@ def test_suffix_drafts_through_the_services_equal_transformers_greedy(stack, mod
     assert total(after, "specinfer_drafter_steps_total", drafter="suffix") > 0
     proposed = total(after, "specinfer_drafter_proposed_tokens_total", drafter="suffix")
     assert proposed >= total(after, "specinfer_drafter_accepted_tokens_total", drafter="suffix")
+
+
+def test_head_drafts_through_the_services_equal_transformers_greedy(stack, model_pair):
+    """The verifier drafts each adaptive request's next tree with its draft head as it verifies (no SSM pass,
+    no extra call); head trees alone, merged with the SSMs', or turned off, the streams are transformers'
+    greedy output."""
+    if demo_head(model_pair) is None:
+        pytest.skip("the test pair has no draft head (head/ beside llm/)")
+    prompts = model_pair.prompts[4:7]
+    want = hf_greedy(model_pair.llm, prompts, NEW_TOKENS, ignore_eos=True)
+    requests = [Client.request(p, NEW_TOKENS, adaptive=True, ignore_eos=True) for p in prompts]
+    requests += [Client.request(p, NEW_TOKENS, adaptive=True, ignore_eos=True, head=False) for p in prompts]
+    before = scrape(stack.process("request-manager").metrics_address)
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: _run(client, r), requests))
+    for i, msgs in enumerate(results):
+        assert [t for m in msgs for t in m.token_ids] == want[i % len(prompts)], f"stream {i} differs from transformers"
+    after = scrape(stack.process("request-manager").metrics_address)
+    steps = total(after, "specinfer_drafter_steps_total", drafter="head")
+    assert steps > total(before, "specinfer_drafter_steps_total", drafter="head"), "head trees were verified"
+    proposed = total(after, "specinfer_drafter_proposed_tokens_total", drafter="head")
+    assert proposed >= total(after, "specinfer_drafter_accepted_tokens_total", drafter="head") > 0
 
 
 def test_health_and_reflection(stack):

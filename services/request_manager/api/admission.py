@@ -53,6 +53,7 @@ class ApiLimits:
     kv_budgets: tuple[KVBudget, ...] = ()
     # (SSM name, how its drafts reach the LLM's token IDs) as its worker reported
     draft_vocabulary: tuple[tuple[str, str], ...] = ()
+    draft_head: bool = False  # the verifier drafts with a draft head: adaptive requests need no SSM
 
     @property
     def default_speculation(self) -> str:
@@ -130,7 +131,7 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
         )
     if len(set(names)) != len(names):
         raise InvalidArgument("speculation.ssms", "lists an SSM twice")
-    if not names:
+    if not names and not (adaptive and limits.draft_head):
         raise InvalidArgument("speculation.ssms", "no SSM is available; set speculation.disabled")
     if expansion is not None:
         nodes = merged_tree_nodes(expansion, len(names))
@@ -140,7 +141,9 @@ def speculation(msg: api_pb2.SpeculationParams, limits: ApiLimits) -> Speculatio
                 f"up to {nodes} tree nodes with {len(names)} SSM(s); at most {limits.max_tree_nodes}",
             )
     suffix = msg.suffix if msg.HasField("suffix") else True
-    return SpeculationConfig(expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix)
+    head = msg.head if msg.HasField("head") else True
+    ssms = tuple(limits.ssm_names.index(n) for n in names)
+    return SpeculationConfig(expansion, ssms, limits.draft_support, suffix, head)
 
 
 def _static_expansion(widths: tuple[int, ...], limits: ApiLimits) -> ExpansionConfig | None:

@@ -13,7 +13,7 @@ gRPC calls; it turns the events back into ``text_completion`` objects with :mod:
 Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
 as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default
 true: EOS and the other special tokens are left out of the text), ``speculation`` (``"auto"``,
-``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool}``) and
+``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool, "head": bool}``) and
 ``verification`` (``"auto"``, ``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With
 ``n > 1`` and a ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
 """
@@ -128,8 +128,9 @@ def _speculation(body: Mapping[str, Any]) -> api_pb2.SpeculationParams:
         return api_pb2.SpeculationParams(adaptive=True)
     if spec in ("disabled", "none", False):
         return api_pb2.SpeculationParams(disabled=True)
-    if isinstance(spec, Mapping) and set(spec) <= {"expansion", "ssms", "adaptive", "suffix"}:
-        expansion, ssms, suffix = spec.get("expansion", []), spec.get("ssms", []), spec.get("suffix")
+    if isinstance(spec, Mapping) and set(spec) <= {"expansion", "ssms", "adaptive", "suffix", "head"}:
+        expansion, ssms, suffix, head = (spec.get(k) for k in ("expansion", "ssms", "suffix", "head"))
+        expansion, ssms = expansion or [], ssms or []
         if not (
             isinstance(expansion, list)
             and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in expansion)
@@ -137,14 +138,16 @@ def _speculation(body: Mapping[str, Any]) -> api_pb2.SpeculationParams:
             raise InvalidArgument("speculation", "expansion must be a list of positive widths per depth")
         if not (isinstance(ssms, list) and all(isinstance(s, str) for s in ssms)):
             raise InvalidArgument("speculation", "ssms must be a list of SSM names")
-        if suffix is not None and not isinstance(suffix, bool):
-            raise InvalidArgument("speculation", "suffix must be true or false")
+        for name, flag in (("suffix", suffix), ("head", head)):
+            if flag is not None and not isinstance(flag, bool):
+                raise InvalidArgument("speculation", f"{name} must be true or false")
         return api_pb2.SpeculationParams(
-            expansion=expansion, ssms=ssms, adaptive=bool(spec.get("adaptive", False)), suffix=suffix
+            expansion=expansion, ssms=ssms, adaptive=bool(spec.get("adaptive", False)), suffix=suffix, head=head
         )
     raise InvalidArgument(
         "speculation",
-        'must be "auto", "disabled" or {"expansion": [...], "ssms": [...], "adaptive": bool, "suffix": bool}',
+        'must be "auto", "disabled" or '
+        '{"expansion": [...], "ssms": [...], "adaptive": bool, "suffix": bool, "head": bool}',
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.adaptive import SUFFIX_DRAFTER, AdaptiveSpeculation
+from specinfer.core.adaptive import HEAD_DRAFTER, SUFFIX_DRAFTER, AdaptiveSpeculation
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
 from specinfer.core.engine_core import StepReport
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
@@ -189,6 +189,8 @@ class PlannerMetrics:
     def _name(self, drafter: int) -> str:
         if drafter == SUFFIX_DRAFTER:
             return "suffix"
+        if drafter == HEAD_DRAFTER:
+            return "head"
         return self.ssm_names[drafter] if 0 <= drafter < len(self.ssm_names) else str(drafter)
 
 
@@ -200,9 +202,11 @@ async def start_planner(
     max_tree_nodes: int,
 ) -> AdaptiveSpeculation | None:
     """Adaptive speculation's state from the services' reports, calibrated through calls where they
-    report nothing, its trees within the API's ``max_tree_nodes``; None without SSMs."""
+    report nothing, its trees within the API's ``max_tree_nodes``. Without SSMs: None, unless the verifier
+    drafts with a draft head and reported its costs (its trees are then the only model drafts)."""
     if not ssm_names or workers is None:
-        return None
+        costs = costs_from_reports(info, {}, ()) if info.draft_head else None
+        return None if costs is None else AdaptiveSpeculation(costs, planner_config(max_tree_nodes), {})
     profiles = workers.profiles
     costs = costs_from_reports(info, profiles, ssm_names)
     if costs is None or len(costs.drafts) < len(ssm_names):

@@ -39,7 +39,12 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "skip_special_tokens": live.text.skip_special_tokens if live.text is not None else True,
         "speculation": None
         if spec is None
-        else {"expansion": widths, "ssms": [ssm_names[i] for i in spec.ssms], "suffix": spec.suffix},
+        else {
+            "expansion": widths,
+            "ssms": [ssm_names[i] for i in spec.ssms],
+            "suffix": spec.suffix,
+            "head": spec.head,
+        },
     }
 
 
@@ -55,14 +60,16 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     spec = None
     if params.get("speculation"):
         names = [n for n in params["speculation"]["ssms"] if n in limits.ssm_names]
-        if names:
+        # records written before draft heads: on, the default
+        head = bool(params["speculation"].get("head", True))
+        if names or (params["speculation"]["expansion"] is None and head and limits.draft_head):
             widths = params["speculation"]["expansion"]
             expansion = None if widths is None else ExpansionConfig(tuple(widths))
             suffix = bool(
                 params["speculation"].get("suffix", True)
             )  # records written before suffix drafts: on, the default
             spec = SpeculationConfig(
-                expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix
+                expansion, tuple(limits.ssm_names.index(n) for n in names), limits.draft_support, suffix, head
             )
     request = GenerationRequest(
         request_id=snapshot.request_id,

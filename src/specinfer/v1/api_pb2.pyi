@@ -54,18 +54,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., verification: _Optional[str] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("disabled", "expansion", "ssms", "adaptive", "suffix")
+    __slots__ = ("disabled", "expansion", "ssms", "adaptive", "suffix", "head")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
     SSMS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     expansion: _containers.RepeatedScalarFieldContainer[int]
     ssms: _containers.RepeatedScalarFieldContainer[str]
     adaptive: bool
     suffix: bool
-    def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., adaptive: _Optional[bool] = ..., suffix: _Optional[bool] = ...) -> None: ...
+    head: bool
+    def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., adaptive: _Optional[bool] = ..., suffix: _Optional[bool] = ..., head: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from", "skip_special_tokens")
