@@ -25,7 +25,7 @@ from specinfer.core.acceptance import (
     slot_prior_from_agreement,
     step_outcomes,
 )
-from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
+from specinfer.core.adaptive import HEAD_DRAFTER, KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
 from specinfer.core.dynamic_trees import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
@@ -861,3 +861,23 @@ def test_a_subnormal_path_score_counts_as_zero():
     builder = BestFirstTreeBuilder(0, budget)
     builder.expand([Proposal((0, 1, 2, 3), None, (0.0, 0.0, 0.0, 5e-324))])
     assert builder.done and len(builder.build().tree) == 1
+
+
+def test_the_head_outdrafts_the_ssms_only_once_both_are_measured_and_it_is_ahead():
+    """The draft head replaces SSM drafts only when its trees had at least as many tokens accepted per step
+    as every SSM's, each over enough steps (an SSM not measured yet keeps drafting); its budget never drafts
+    past what the request may still commit."""
+    adaptive = AdaptiveSpeculation(
+        _costs(per_token=1e-4, draft=1e-4), PlannerConfig(max_nodes=16, max_depth=6), {0: (0.5,)}
+    )
+    t = adaptive.totals
+    assert not adaptive.head_outdrafts_ssms()
+    t.drafter_steps[HEAD_DRAFTER], t.drafter_accepted[HEAD_DRAFTER] = 10, 30
+    assert not adaptive.head_outdrafts_ssms(), "the SSM is not measured yet"
+    t.drafter_steps[0], t.drafter_accepted[0] = 10, 35
+    assert not adaptive.head_outdrafts_ssms(), "the SSM is ahead"
+    t.drafter_accepted[0] = 30
+    assert adaptive.head_outdrafts_ssms()
+    assert adaptive.head_budget(2) is None
+    budget = adaptive.head_budget(5)
+    assert budget.depth == 3 and budget.nodes == 16 and budget.max_width <= MAX_SLOTS

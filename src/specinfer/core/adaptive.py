@@ -175,6 +175,19 @@ class AdaptiveSpeculation:
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, edge_curve)
 
+    def head_outdrafts_ssms(self, min_steps: int = 8) -> bool:
+        """Whether the draft head's trees have had as many tokens accepted per step as every SSM's (each
+        measured over at least ``min_steps`` steps; an SSM not yet measured keeps drafting, so it is)."""
+        t = self.totals
+
+        def per_step(drafter: int) -> float | None:
+            steps = t.drafter_steps.get(drafter, 0)
+            return t.drafter_accepted.get(drafter, 0) / steps if steps >= min_steps else None
+
+        head = per_step(HEAD_DRAFTER)
+        ssms = [per_step(s) for s in self.ssm_slots]
+        return head is not None and all(v is not None and head >= v for v in ssms)
+
     def head_budget(self, remaining: int) -> TreeBudget | None:
         """The budget of a draft head's next tree for a request with ``remaining`` tokens to go before this
         step: the planner's limits (the cut before verification keeps what pays), its depth short of the

@@ -22,6 +22,7 @@ with :func:`run_to_end`, without an event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping, Sequence
@@ -178,6 +179,11 @@ class EngineCore:
         started = time.perf_counter()
         contexts = adaptive_contexts(batch)
         adaptive = self.adaptive if contexts else None
+        if adaptive is not None and self._head_trees and adaptive.head_outdrafts_ssms():
+            # a request with its head tree at hand drafts no SSM tree this step: the head's proposals have
+            # been accepted at least as well as any SSM's, and its tree is drafted already (SSM passes are not)
+            ready = {r.request_id for r in batch if self._head_tree_for(r) is not None}
+            contexts = [dataclasses.replace(c, ssms=()) if c.request_id in ready else c for c in contexts]
         choices = adaptive.plan(contexts, static_shape(batch)) if adaptive is not None else {}
         planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
         drafted, draft_seconds = await self._draft(batch, choices)
@@ -257,16 +263,25 @@ class EngineCore:
             if len(tree.tree) > 1:
                 drafted[r.request_id].append((SUFFIX_DRAFTER, tree))
 
+    def _head_tree_for(self, r: Running) -> DraftTree | None:
+        """The head tree the request's last verification drafted for this step, if its committed tokens are
+        those it was drafted after (a stop string may have cut them)."""
+        stored = self._head_trees.get(r.request_id)
+        if stored is None:
+            return None
+        length, tree = stored
+        committed = len(r.request.prompt_tokens) + len(r.output)
+        if committed == length and tree.tree.tokens[0] == r.committed[-1] and len(tree.tree) > 1:
+            return tree
+        return None
+
     def _take_head_trees(self, batch: Sequence[Running], drafted: Drafts) -> None:
-        """Add to each request's drafts the head tree its last verification drafted for this step, if the
-        request's committed tokens are those it was drafted after (a stop string may have cut them)."""
+        """Add to each request's drafts its head tree for this step (:meth:`_head_tree_for`); the stored
+        trees go either way."""
         for r in batch:
-            stored = self._head_trees.pop(r.request_id, None)
-            if stored is None:
-                continue
-            length, tree = stored
-            committed = len(r.request.prompt_tokens) + len(r.output)
-            if committed == length and tree.tree.tokens[0] == r.committed[-1] and len(tree.tree) > 1:
+            tree = self._head_tree_for(r)
+            self._head_trees.pop(r.request_id, None)
+            if tree is not None:
                 drafted[r.request_id].append((HEAD_DRAFTER, tree))
 
     @staticmethod

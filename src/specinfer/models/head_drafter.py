@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -189,21 +190,19 @@ class HeadDrafter:
             state = self._states[item.request_id]
             if not self.can_draft(item.request_id, item.context):
                 raise ValueError(f"request {item.request_id!r}: the head has no feature at its last context token")
-            rnd = state.round if item.parents and item.parents[0] >= 0 else None
-            feats, pos, anc = [], [], []
-            for j, p in enumerate(item.parents):
-                if p < 0:
-                    if j:
-                        raise ValueError("only the first node of a round attaches to the context")
-                    feats.append(state.last)
-                    pos.append(len(item.context) - 1)
-                    anc.append([])
-                else:
-                    parent_feature, parent_pos, parent_anc = self._node(rnd, p)
-                    feats.append(parent_feature)
-                    pos.append(parent_pos + 1)
-                    anc.append([*parent_anc, p])
-            inputs.append(torch.stack(feats))
+            first = item.parents[0] if item.parents else -1
+            if first < 0:  # a new round: its root, on the true feature at the last context token
+                if len(item.parents) != 1:
+                    raise ValueError("a round starts with its root alone (a child needs its parent's prediction)")
+                rnd, feats, pos, anc = None, state.last[None], [len(item.context) - 1], [[]]
+            else:  # children of nodes drafted in earlier calls of the round, on their parents' predictions
+                rnd = state.round
+                if rnd is None or min(item.parents) < 0 or max(item.parents) >= len(rnd.positions):
+                    raise ValueError("node parents must be nodes drafted earlier in this round")
+                feats = rnd.predicted.index_select(0, torch.tensor(item.parents, device=self.device))
+                pos = [rnd.positions[p] + 1 for p in item.parents]
+                anc = [[*rnd.ancestors[p], p] for p in item.parents]
+            inputs.append(feats)
             rounds.append(rnd)
             positions.append(pos)
             parents_of.append(anc)
@@ -226,14 +225,6 @@ class HeadDrafter:
         logits = self.lm_logits(predicted)  # [N, vocab]
         return list(logits.split([len(item.tokens) for item in batch]))
 
-    @staticmethod
-    def _node(rnd: _Round | None, p: int) -> tuple[torch.Tensor, int, list[int]]:
-        """Node ``p`` of the round, drafted in an earlier call (a child's input is its parent's prediction, so
-        a parent comes in a call before its children's): its prediction, position and ancestors."""
-        if rnd is None or p >= len(rnd.positions):
-            raise ValueError(f"node parent {p} is not a node drafted earlier in this round")
-        return rnd.predicted[p], rnd.positions[p], rnd.ancestors[p]
-
     def _attend(
         self, state: _State, rnd: _Round | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anc
     ) -> torch.Tensor:
@@ -245,12 +236,13 @@ class HeadDrafter:
         keys = torch.cat([state.keys, *(() if rnd is None else (rnd.keys,)), k])  # [P + pending + n, kvh, d]
         values = torch.cat([state.values, *(() if rnd is None else (rnd.values,)), v])
         cached = state.keys.shape[0]
-        mask = torch.zeros(n, keys.shape[0], dtype=torch.bool, device=self.device)
-        mask[:, :cached] = True
+        tree = np.zeros((n, pending + n), dtype=bool)  # built on the host: one copy, not an indexing op per entry
         for i, ancestors in enumerate(anc):
-            for a in ancestors:
-                mask[i, cached + a] = True
-            mask[i, cached + pending + i] = True
+            tree[i, ancestors] = True
+            tree[i, pending + i] = True
+        mask = torch.cat(
+            [torch.ones(n, cached, dtype=torch.bool, device=self.device), torch.from_numpy(tree).to(self.device)], 1
+        )
         c = self.head.config
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
