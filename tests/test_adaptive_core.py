@@ -881,3 +881,8 @@ def test_the_head_outdrafts_the_ssms_only_once_both_are_measured_and_it_is_ahead
     assert adaptive.head_budget(2) is None
     budget = adaptive.head_budget(5)
     assert budget.depth == 3 and budget.nodes == 16 and budget.max_width <= MAX_SLOTS
+    # sized by what the last cut kept: twice its nodes, two depths more, within the limits; a head cut to its
+    # root still drafts a small tree (it may earn more again)
+    assert (adaptive.head_budget(50, (5, 2)).nodes, adaptive.head_budget(50, (5, 2)).depth) == (12, 4)
+    assert (adaptive.head_budget(50, (1, 0)).nodes, adaptive.head_budget(50, (1, 0)).depth) == (4, 2)
+    assert (adaptive.head_budget(50, (16, 6)).nodes, adaptive.head_budget(50, (16, 6)).depth) == (16, 6)

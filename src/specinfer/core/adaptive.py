@@ -188,15 +188,23 @@ class AdaptiveSpeculation:
         ssms = [per_step(s) for s in self.ssm_slots]
         return head is not None and all(v is not None and head >= v for v in ssms)
 
-    def head_budget(self, remaining: int) -> TreeBudget | None:
+    def head_budget(self, remaining: int, kept: tuple[int, int] | None = None) -> TreeBudget | None:
         """The budget of a draft head's next tree for a request with ``remaining`` tokens to go before this
-        step: the planner's limits (the cut before verification keeps what pays), its depth short of the
-        tokens left after this step commits at least one; None when no tree fits."""
-        depth = min(self.config.max_depth, remaining - 2)
-        if depth <= 0 or self.config.max_nodes < 2:
+        step; None when no tree fits. Its depth stops short of the tokens left after this step commits at
+        least one. ``kept``: (nodes, depth) of the request's last head tree after the cut before verification
+        (:meth:`select`), which sizes the next: twice its nodes and two depths more, within the planner's
+        limits (the cut keeps what pays; drafting far more than it keeps costs a head pass per depth for
+        nothing, which at large batches outweighs what the head adds). None: the planner's limits."""
+        cfg = self.config
+        nodes, depth = cfg.max_nodes, cfg.max_depth
+        if kept is not None:
+            nodes = min(nodes, max(4, 2 * kept[0] + 2))
+            depth = min(depth, max(2, kept[1] + 2))
+        depth = min(depth, remaining - 2)
+        if depth <= 0 or nodes < 2:
             return None
         curve = self.edges[HEAD_DRAFTER].knot_values()
-        return TreeBudget(self.config.max_nodes, depth, min(MAX_SLOTS, self.config.max_nodes - 1), 0.0, curve)
+        return TreeBudget(nodes, depth, min(MAX_SLOTS, nodes - 1), 0.0, curve)
 
     def select(
         self,

@@ -139,6 +139,9 @@ class EngineCore:
         self.head = head
         # a request's head tree for its next step, with the committed length it was drafted for
         self._head_trees: dict[str, tuple[int, DraftTree]] = {}
+        # a request's head tree as the last cut before verification kept it: (nodes, depth), which sizes
+        # the next one (a head draft costs a pass per depth over its frontier, verified or not)
+        self._head_kept: dict[str, tuple[int, int]] = {}
         self.num_ssms = num_ssms
         self.eos_token_id = eos_token_id
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
@@ -171,6 +174,7 @@ class EngineCore:
             self._adaptive.forget(request_id)
         self._histories.pop(request_id, None)
         self._head_trees.pop(request_id, None)
+        self._head_kept.pop(request_id, None)
 
     async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
         """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
@@ -191,6 +195,7 @@ class EngineCore:
             self._draft_suffixes(batch, choices, drafted, adaptive.config)
             self._take_head_trees(batch, drafted)
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
+            self._note_head_cut(drafted)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
         if adaptive is not None and self.head:
             jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
@@ -284,13 +289,18 @@ class EngineCore:
             if tree is not None:
                 drafted[r.request_id].append((HEAD_DRAFTER, tree))
 
-    @staticmethod
-    def _ask_head(r: Running, job: VerifySpec, adaptive: AdaptiveSpeculation) -> VerifySpec:
+    def _note_head_cut(self, drafted: Drafts) -> None:
+        for rid, pairs in drafted.items():
+            for drafter, tree in pairs:
+                if drafter == HEAD_DRAFTER:
+                    self._head_kept[rid] = (len(tree.tree), int(tree.tree.depths.max()))
+
+    def _ask_head(self, r: Running, job: VerifySpec, adaptive: AdaptiveSpeculation) -> VerifySpec:
         """``job``, asking the verifier's head for the next step's tree where the request allows it."""
         speculation = r.request.speculation
         if speculation is None or not (speculation.adaptive and speculation.head):
             return job
-        budget = adaptive.head_budget(r.remaining)
+        budget = adaptive.head_budget(r.remaining, self._head_kept.get(r.request_id))
         return job if budget is None else replace(job, head=HeadDraft(budget, speculation.draft_support))
 
     def _history(self, r: Running) -> TokenHistory:
