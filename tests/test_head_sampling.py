@@ -36,11 +36,16 @@ from specinfer.models.head_drafter import with_head  # noqa: E402
 from specinfer.models.loading import load_backend  # noqa: E402
 
 SAMPLES = 3000
+MSS = SamplingParams(temperature=1.0, verification="mss")
+MERGED = SpeculationConfig(None, ssms=(0,), suffix=True, head=True)
+# no SSM: the first step verifies its root alone, so the second step's tree, the head's, decides every
+# request's second token (merged with an SSM's, many requests commit both kept tokens in their first step)
+HEAD_ALONE = SpeculationConfig(None, ssms=(), suffix=False, head=True)
 CASES = {
-    "mss": SamplingParams(temperature=1.0, verification="mss"),
-    "coupled": SamplingParams(temperature=0.9, top_k=8, verification="coupled"),
+    "mss-merged": (MSS, MERGED),
+    "coupled-merged": (SamplingParams(temperature=0.9, top_k=8, verification="coupled"), MERGED),
+    "mss-head-alone": (MSS, HEAD_ALONE),
 }
-SPEC = SpeculationConfig(None, ssms=(0,), suffix=True, head=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +64,15 @@ def _head_engine(models, tmp_path) -> SpeculativeEngine:
         HeadConfig(llm.feature_dim, llm.vocab_size, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=24)
     )
     with torch.no_grad():
-        head.out.weight.mul_(40.0)
+        head.out.weight.mul_(1000.0)  # q nearly one-hot on the head's choice
     save_head(head, tmp_path / "head")
-    config = EngineConfig(max_batch=SAMPLES, planner=ADAPTIVE_PLANNER)
+    # every request of the big batch asks for head trees (the default stops past 8 adaptive requests)
+    config = EngineConfig(max_batch=SAMPLES, planner=dataclasses.replace(ADAPTIVE_PLANNER, head_max_batch=0))
     return SpeculativeEngine(with_head(llm, tmp_path / "head"), [ssm], config, free_speculation())
 
 
-def _sample(engine: SpeculativeEngine, params: SamplingParams, samples: int):
-    counts = sample_engine(engine, params, SPEC, batch=samples, samples=samples, keep=ADAPTIVE_KEEP)
+def _sample(engine: SpeculativeEngine, params: SamplingParams, spec: SpeculationConfig, samples: int):
+    counts = sample_engine(engine, params, spec, batch=samples, samples=samples, keep=ADAPTIVE_KEEP)
     assert sum(counts.values()) == samples
     totals = engine.adaptive.totals
     assert totals.drafter_steps.get(HEAD_DRAFTER, 0) > samples // 10, "head trees were verified"
@@ -76,8 +82,8 @@ def _sample(engine: SpeculativeEngine, params: SamplingParams, samples: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_merged_head_ssm_suffix_sampling_matches_llm_sampling(models, tmp_path, case):
-    params = CASES[case]
-    counts = _sample(_head_engine(models, tmp_path), params, SAMPLES)
+    params, spec = CASES[case]
+    counts = _sample(_head_engine(models, tmp_path), params, spec, SAMPLES)
     pvalue = chi_square_pvalue(counts, marginal(exact_joint(models[0], params), ADAPTIVE_KEEP))
     assert pvalue > 0.001, f"p-value {pvalue}"
 
@@ -103,6 +109,6 @@ def uniform_q_head_drafts(original):
 @pytest.mark.slow
 def test_head_trees_with_a_wrong_draft_distribution_fail(models, tmp_path, monkeypatch):
     monkeypatch.setattr(steps_module, "head_drafts", uniform_q_head_drafts(steps_module.head_drafts))
-    params = CASES["mss"]
-    counts = _sample(_head_engine(models, tmp_path), params, CONTROL_SAMPLES)
+    params, spec = CASES["mss-head-alone"]
+    counts = _sample(_head_engine(models, tmp_path), params, spec, CONTROL_SAMPLES)
     assert chi_square_pvalue(counts, marginal(exact_joint(models[0], params), ADAPTIVE_KEEP)) < 1e-6

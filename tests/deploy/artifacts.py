@@ -209,13 +209,20 @@ def script_service(script: str) -> str:
 
 # -- compose ----------------------------------------------------------------------------------
 
-VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*))?\}")
+
+
+def _substitute(m: re.Match, variables: dict[str, str]) -> str:
+    value = variables.get(m.group(1))
+    if m.group(2) == "-":  # ${NAME-default}: the default only when unset (empty stays empty)
+        return m.group(3) if value is None else value
+    return value or m.group(3) or ""  # ${NAME:-default}: also when empty; ${NAME}: empty when unset
 
 
 def interpolate(value: Any, variables: dict[str, str]) -> Any:
-    """Compose's ``${NAME}`` / ``${NAME:-default}`` with ``variables`` (unset: the default)."""
+    """Compose's ``${NAME}`` / ``${NAME:-default}`` / ``${NAME-default}`` with ``variables``."""
     if isinstance(value, str):
-        return VARIABLE.sub(lambda m: variables.get(m.group(1)) or m.group(2) or "", value).replace("$$", "$")
+        return VARIABLE.sub(lambda m: _substitute(m, variables), value).replace("$$", "$")
     if isinstance(value, dict):
         return {k: interpolate(v, variables) for k, v in value.items()}
     if isinstance(value, list):

@@ -349,6 +349,11 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
     models.mkdir()
     (models / "llm").symlink_to(model_pair.llm)
     (models / "ssm").symlink_to(model_pair.ssm)
+    head = model_pair.llm.parent / "head"  # the bundled pair's draft head, which compose's default names
+    if (head / "config.json").is_file():
+        (models / "head").symlink_to(head)
+    else:
+        variables["SPECINFER_HEAD"] = ""  # a pair without one: none, as a user's models without head/ set it
     paths = {"/models/": f"{models}/", "/home/specinfer/": f"{tmp_path}/"}
     redis_command = compose(variables, stack)["services"]["redis"]["command"]
     password = redis_command[redis_command.index("--requirepass") + 1]

@@ -197,7 +197,8 @@ class EngineCore:
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
             self._note_head_cut(drafted)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        if adaptive is not None and self.head:
+        limit = adaptive.config.head_max_batch if adaptive is not None else 0
+        if adaptive is not None and self.head and (limit == 0 or len(contexts) <= limit):
             jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
