@@ -185,18 +185,19 @@ def test_adaptive_requests_survive_the_redis_record():
     from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
 
     limits = _limits(default_adaptive=True)
-    for suffix in (True, False):
-        live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), SpeculationConfig(None, (1,), 8, suffix)), 5)
+    for suffix, head in ((True, True), (False, True), (True, False)):
+        spec = SpeculationConfig(None, (1,), 8, suffix, head)
+        live = Live(GenerationRequest("r", (1, 2), 8, SamplingParams(), spec), 5)
         params = live_params(live, limits.ssm_names)
-        assert params["speculation"] == {"expansion": None, "ssms": ["b"], "suffix": suffix}
+        assert params["speculation"] == {"expansion": None, "ssms": ["b"], "suffix": suffix, "head": head}
         snapshot = RequestSnapshot(
             "r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0.0, 0.0
         )
-        assert live_from_snapshot(snapshot, limits, None).request.speculation == SpeculationConfig(
-            None, (1,), 8, suffix
-        )
+        assert live_from_snapshot(snapshot, limits, None).request.speculation == spec
     del params["speculation"]["suffix"]  # a record from before suffix drafts: on, the default
-    assert live_from_snapshot(snapshot, limits, None).request.speculation.suffix
+    del params["speculation"]["head"]  # and from before draft heads: on too
+    restored = live_from_snapshot(snapshot, limits, None).request.speculation
+    assert restored.suffix and restored.head
 
 
 def test_request_manager_expansion_keywords():
