@@ -66,7 +66,7 @@ def _head_engine(models, tmp_path) -> SpeculativeEngine:
     with torch.no_grad():
         head.out.weight.mul_(1000.0)  # q nearly one-hot on the head's choice
     save_head(head, tmp_path / "head")
-    # every request of the big batch asks for head trees (the default stops past 8 adaptive requests)
+    # every request of the big batch asks for head trees (the default stops past 4 requests drafting with it)
     config = EngineConfig(max_batch=SAMPLES, planner=dataclasses.replace(ADAPTIVE_PLANNER, head_max_batch=0))
     return SpeculativeEngine(with_head(llm, tmp_path / "head"), [ssm], config, free_speculation())
 

@@ -197,8 +197,7 @@ class EngineCore:
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
             self._note_head_cut(drafted)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        limit = adaptive.config.head_max_batch if adaptive is not None else 0
-        if adaptive is not None and self.head and (limit == 0 or len(contexts) <= limit):
+        if adaptive is not None and self.head and self._head_pays(batch, adaptive.config.head_max_batch):
             jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
@@ -289,6 +288,18 @@ class EngineCore:
             self._head_trees.pop(r.request_id, None)
             if tree is not None:
                 drafted[r.request_id].append((HEAD_DRAFTER, tree))
+
+    @staticmethod
+    def _head_pays(batch: Sequence[Running], limit: int) -> bool:
+        """Whether the batch's requests that draft with the head are few enough for it
+        (:attr:`~specinfer.core.planner.PlannerConfig.head_max_batch`; 0: no limit)."""
+        if limit == 0:
+            return True
+        heads = 0
+        for r in batch:
+            speculation = r.request.speculation
+            heads += speculation is not None and speculation.adaptive and speculation.head
+        return heads <= limit
 
     def _note_head_cut(self, drafted: Drafts) -> None:
         for rid, pairs in drafted.items():
