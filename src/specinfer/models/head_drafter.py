@@ -97,14 +97,6 @@ class HeadDrafter:
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
 
-    # CausalLM's bookkeeping: a head has no KV budget of its own (its state is a few rows per token)
-    kv_budget = None
-    kv_blocks_free = None
-    prefix_cache_stats = None
-
-    def prefix_hits(self, request_id: str) -> int:
-        return 0
-
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
