@@ -38,6 +38,16 @@ def test_features_are_what_the_lm_head_reads(llm, model_pair):
     assert again[0].shape == (1, llm.feature_dim)
 
 
+@pytest.mark.parametrize("width", [8, 512])
+def test_lm_logits_after_a_map_into_features(llm, width):
+    """The LM head after a linear map into features, folded into one product where the map's input is narrower
+    than a feature (a draft head's width): the logits of the mapped rows, up to rounding."""
+    torch.manual_seed(0)
+    proj = torch.randn(llm.feature_dim, width) / width**0.5  # [feature_dim, width]
+    x = torch.randn(5, width)
+    torch.testing.assert_close(llm.lm_logits_after(proj)(x), llm.lm_logits(x @ proj.T), atol=1e-4, rtol=1e-4)
+
+
 def _tiny_head(feature_dim: int = 32, vocab: int = 50) -> DraftHead:
     torch.manual_seed(0)
     head = DraftHead(HeadConfig(feature_dim, vocab, hidden=24, heads=4, kv_heads=2, head_dim=6, intermediate=40))
@@ -54,7 +64,7 @@ def test_head_forward_equals_its_step_by_step_parts():
     features, embeds = torch.randn(1, 7, 32), torch.randn(1, 7, 32)
     whole = head(features, embeds)[0]  # [7, 32]
     x = head.inputs(features[0], embeds[0])
-    q, k, v = head.keys_values(x, torch.arange(7))
+    q, k, v = head.keys_values(x, torch.arange(7), 7)
     k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # 2 query heads per kv head
     scores = torch.einsum("qhd,khd->hqk", q, k) / 6**0.5
     scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))

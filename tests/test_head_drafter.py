@@ -39,7 +39,9 @@ def _random_head(feature_dim: int = F, vocab: int = V, seed: int = 0) -> DraftHe
 def drafter():
     torch.manual_seed(1)
     unembed, embed = torch.randn(V, F), torch.randn(V, F)
-    return HeadDrafter(_random_head(), lambda f: f @ unembed.T, lambda t: embed[t], V, 512)
+    drafter = HeadDrafter(_random_head(), lambda proj: lambda x: x @ (unembed @ proj).T, lambda t: embed[t])
+    drafter.unembed = unembed  # the LM head, for the tests' own teacher-forced logits
+    return drafter
 
 
 def test_tree_passes_are_the_teacher_forced_forward(drafter):
@@ -52,7 +54,7 @@ def test_tree_passes_are_the_teacher_forced_forward(drafter):
     (root_logits,) = drafter.forward_tree([TreeForward("r", committed, [root], [-1])])
     (kid_logits,) = drafter.forward_tree([TreeForward("r", committed, list(kids), [0, 0])])
     (gk_logits,) = drafter.forward_tree([TreeForward("r", committed, [grandkid], [1])])  # under kids[0] (node 1)
-    head, embed, unembed = drafter.head, drafter.embed_rows, drafter.lm_logits
+    head, embed, unembed = drafter.head, drafter.embed_rows, lambda f: f @ drafter.unembed.T
 
     def run(pair_feats, next_tokens):  # teacher-forced over one sequence of pairs
         return head(torch.stack(pair_feats)[None], embed(torch.tensor(next_tokens))[None])[0]
@@ -73,7 +75,7 @@ def test_state_follows_the_committed_tokens(drafter):
     same pairs absorbed at once do."""
     committed = [3, 9, 4, 22, 7, 8, 1, 2]
     feats = torch.randn(len(committed), F)
-    fresh = HeadDrafter(drafter.head, drafter.lm_logits, drafter.embed_rows, V, 512)
+    fresh = HeadDrafter(drafter.head, lambda proj: drafter.logits, drafter.embed_rows)
     fresh.absorb("r", committed, 0, feats)
     drafter.absorb("r", committed[:4], 0, feats[:4])
     drafter.absorb("r", [*committed[:4], 30, 31], 4, torch.randn(2, F))  # a path that is then dropped

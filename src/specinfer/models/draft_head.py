@@ -86,6 +86,7 @@ class DraftHead(nn.Module):
         self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
         self.final_norm = nn.Parameter(torch.ones(c.hidden))
         self.out = nn.Linear(c.hidden, c.feature_dim, bias=False)
+        self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.config.norm_eps)
@@ -95,8 +96,11 @@ class DraftHead(nn.Module):
         # [..., feature_dim] x2 -> [..., hidden]"""
         return self.fc(torch.cat([self._rms(features, self.feature_norm), self._rms(embeds, self.embed_norm)], -1))
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of inputs ``x``  # [N, hidden] at RoPE ``positions``  # [N] int64.
+    def keys_values(
+        self, x: torch.Tensor, positions: torch.Tensor, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of inputs ``x``  # [N, hidden] at RoPE ``positions``  # [N] int64, each
+        below ``end`` (known to the caller: reading the tensor's maximum would wait for the device).
         # [N, heads, head_dim], [N, kv_heads, head_dim], [N, kv_heads, head_dim]"""
         c = self.config
         n = x.shape[0]
@@ -104,16 +108,21 @@ class DraftHead(nn.Module):
         q = self.q(h).view(n, c.heads, c.head_dim)
         k = self.k(h).view(n, c.kv_heads, c.head_dim)
         v = self.v(h).view(n, c.kv_heads, c.head_dim)
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = self._rope(positions, end, x.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Predicted features from the inputs ``x``  # [N, hidden] and their attention's output
         # [N, heads, head_dim]. -> [N, feature_dim]"""
+        return self.out(self.final_state(x, attended))
+
+    def final_state(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """:meth:`finish` before its last product (``out``): the layer's final-normed state  # [N, hidden]
+        (drafting folds ``out`` into the LLM's LM head for the logits)."""
         h = x + self.o(attended.flatten(-2))
         gate, up = self.gate_up(self._rms(h, self.mlp_norm)).chunk(2, dim=-1)
         h = h + self.down(F.silu(gate) * up)
-        return self.out(self._rms(h, self.final_norm))
+        return self._rms(h, self.final_norm)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Teacher-forced prediction over sequences: pair j = (``features[:, j]``, ``embeds[:, j]``, the
@@ -122,16 +131,26 @@ class DraftHead(nn.Module):
         c = self.config
         x = self.inputs(features, embeds)  # [B, S, hidden]
         positions = torch.arange(s, device=x.device).repeat(b)
-        q, k, v = self.keys_values(x.reshape(b * s, -1), positions)
+        q, k, v = self.keys_values(x.reshape(b * s, -1), positions, s)
         q, k, v = (t.view(b, s, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.heads != c.kv_heads)
         return self.finish(x, attended.transpose(1, 2))  # [B, S, F]
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config  # in fp32 whatever the head's dtype (a bf16 table would blur the angles)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=positions.device) / c.head_dim))
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, head_dim]
+    def _rope(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions``  # [N], each below ``end`` -> [N, 1, head_dim] each: rows of a table kept
+        per device and dtype (a drafting pass is a few rows: building them anew was a dozen small ops a pass)."""
+        key = (positions.device, dtype, torch.is_inference_mode_enabled())  # an inference tensor cannot train
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < end:
+            size = max(1024, 1 << (max(end, 1) - 1).bit_length())
+            table = self._rope_tables[key] = self._rope_table(size, positions.device, dtype)
+        return table[0][positions], table[1][positions]
+
+    def _rope_table(self, size: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config  # angles in fp32 whatever the head's dtype (a bf16 table would blur them)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device) / c.head_dim))
+        freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [size, 1, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

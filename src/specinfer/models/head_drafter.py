@@ -74,24 +74,22 @@ class _State:
 
 
 class HeadDrafter:
-    """See the module docstring. ``lm_logits`` / ``embed_rows``: the LLM's LM head on features and its
-    embedding rows (:class:`~specinfer.models.native.backend.NativeBackend`'s); ``max_requests``: the
-    requests whose state it keeps (the least recently used goes first)."""
+    """See the module docstring. ``lm_logits_after``: the LLM's LM head after a linear map into features (given
+    the map, a function of the mapped rows: :meth:`~specinfer.models.native.backend.NativeBackend.lm_logits_after`);
+    ``embed_rows``: the LLM's embedding rows; ``max_requests``: the requests whose state it keeps (the least
+    recently used goes first)."""
 
     def __init__(
         self,
         head: DraftHead,
-        lm_logits: Callable[[torch.Tensor], torch.Tensor],
+        lm_logits_after: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
         embed_rows: Callable[[torch.Tensor], torch.Tensor],
-        vocab_size: int,
-        max_positions: int,
         max_requests: int = 4096,
     ) -> None:
         self.head = head
-        self.lm_logits = lm_logits
+        # the head's last product and the LM head as one: logits of the final state  # [N, hidden] -> [N, vocab]
+        self.logits = lm_logits_after(head.out.weight)
         self.embed_rows = embed_rows
-        self.vocab_size = vocab_size
-        self.max_positions = max_positions
         self.max_requests = max_requests
         self._states: OrderedDict[str, _State] = OrderedDict()
         param = next(head.parameters())
@@ -121,7 +119,7 @@ class HeadDrafter:
         if wanted:
             nexts = torch.tensor([committed[j + 1] for j in wanted], device=self.device)
             x = self.head.inputs(torch.stack(rows), self.embed_rows(nexts).to(self.dtype))
-            _, k, v = self.head.keys_values(x, torch.tensor(wanted, device=self.device))
+            _, k, v = self.head.keys_values(x, torch.tensor(wanted, device=self.device), wanted[-1] + 1)
             state.keys = torch.cat([state.keys, k])
             state.values = torch.cat([state.values, v])
             state.positions.extend(wanted)
@@ -200,21 +198,22 @@ class HeadDrafter:
             parents_of.append(anc)
         tokens = torch.tensor([t for item in batch for t in item.tokens], device=self.device)
         x = self.head.inputs(torch.cat(inputs), self.embed_rows(tokens).to(self.dtype))  # [N, hidden]
-        flat_positions = torch.tensor([p for pos in positions for p in pos], device=self.device)
-        q, k, v = self.head.keys_values(x, flat_positions)
+        flat = [p for pos in positions for p in pos]
+        q, k, v = self.head.keys_values(x, torch.tensor(flat, device=self.device), max(flat) + 1)
         attended, at = [], 0
         for item, rnd, anc in zip(batch, rounds, parents_of, strict=True):
             n = len(item.tokens)
             state = self._states[item.request_id]
             attended.append(self._attend(state, rnd, q[at : at + n], k[at : at + n], v[at : at + n], anc))
             at += n
-        predicted = self.head.finish(x, torch.cat(attended))  # [N, feature_dim]
+        state = self.head.final_state(x, torch.cat(attended))  # [N, hidden]
+        predicted = self.head.out(state)  # [N, feature_dim]
         at = 0
         for item, pos, anc in zip(batch, positions, parents_of, strict=True):
             n = len(item.tokens)
             self._remember(item, k[at : at + n], v[at : at + n], predicted[at : at + n], pos, anc)
             at += n
-        logits = self.lm_logits(predicted)  # [N, vocab]
+        logits = self.logits(state)  # [N, vocab]
         return list(logits.split([len(item.tokens) for item in batch]))
 
     def _attend(
@@ -308,5 +307,5 @@ def with_head(llm: CausalLM, path: str | Path, llm_path: str | Path | None = Non
             raise InvalidArgument(
                 "head", f"{path} was trained for the LLM {c.llm}, not {signature} (specinfer train-head trains one)"
             )
-    drafter = HeadDrafter(head, llm.lm_logits, llm.embed_rows, llm.vocab_size, llm.max_positions)
+    drafter = HeadDrafter(head, llm.lm_logits_after, llm.embed_rows)
     return WithHead(llm, drafter)

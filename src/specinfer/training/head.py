@@ -143,14 +143,14 @@ def predict(head: DraftHead, feats: torch.Tensor, embeds: torch.Tensor, unroll: 
     c = head.config
     b, n, _ = feats.shape
     x = head.inputs(feats, embeds)  # [B, N, hidden]
-    q, k, v = head.keys_values(x.reshape(b * n, -1), torch.arange(n, device=x.device).repeat(b))
+    q, k, v = head.keys_values(x.reshape(b * n, -1), torch.arange(n, device=x.device).repeat(b), n)
     q, k, v = (t.view(b, n, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, N, head_dim]
     gqa = c.heads != c.kv_heads
     first = head.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2))
     if unroll < 2:
         return [first]
     x2 = head.inputs(first[:, :-1], embeds[:, 1:])  # pairs at positions 1 .. N - 1
-    q2, k2, v2 = head.keys_values(x2.reshape(b * (n - 1), -1), torch.arange(1, n, device=x.device).repeat(b))
+    q2, k2, v2 = head.keys_values(x2.reshape(b * (n - 1), -1), torch.arange(1, n, device=x.device).repeat(b), n)
     q2, k2, v2 = (t.view(b, n - 1, -1, c.head_dim).transpose(1, 2) for t in (q2, k2, v2))
     keys, values = torch.cat([k[:, :, :-1], k2], 2), torch.cat([v[:, :, :-1], v2], 2)  # true pairs, then itself
     eye = torch.eye(n - 1, dtype=torch.bool, device=x.device)

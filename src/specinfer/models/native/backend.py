@@ -8,7 +8,7 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,6 +299,11 @@ class NativeBackend:
     def lm_logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """The LLM's logits of features  # [N, feature_dim] (its LM head, as in a forward pass)."""
         return self._local_model().logits(features)
+
+    def lm_logits_after(self, proj: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LLM's LM head after a linear map into features ``proj``  # [feature_dim, k], as one function of
+        ``x``  # [N, k] -> [N, vocab] float32 (:meth:`NativeModel.logits_after`: folded where ``k`` is narrower)."""
+        return self._local_model().logits_after(proj)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, feature_dim]
         """Rows of the LLM's token embedding table  # tokens [N] int64 on the model's device."""

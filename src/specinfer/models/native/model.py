@@ -8,6 +8,7 @@ built once by the backend and reused by every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,16 @@ class NativeModel:
     def logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """The LM head on features (final-normed hidden states)  # [N, lm_head_dim]; Gemma 2's soft cap."""
         return soft_cap(self._lm_head(features).float(), self.spec.final_softcap)
+
+    def logits_after(self, proj: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LM head after a linear map into features ``proj``  # [lm_head_dim, k]: a function of ``x``
+        # [N, k] giving :meth:`logits` of ``x @ proj.T``  # [N, vocab] float32. Where ``k`` is narrower than
+        the features (a draft head's width), the two products are folded into one ``[vocab, k]`` matrix,
+        multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes."""
+        if proj.shape[1] >= proj.shape[0]:
+            return lambda x: self.logits(F.linear(x, proj))
+        folded = (self.w.lm_head.float() @ proj.float()).to(self.w.lm_head.dtype)  # [vocab, k]
+        return lambda x: soft_cap(self.linear(x, folded).float(), self.spec.final_softcap)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, word_embed_dim]
         """The token embedding table's rows of ``tokens``  # [N] int64 (no scale, no positions)."""
