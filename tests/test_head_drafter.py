@@ -140,3 +140,38 @@ def test_a_head_that_does_not_fit_is_refused(model_pair, tmp_path):
         with_head(llm, tmp_path / "wide")
     with pytest.raises(InvalidArgument, match="not a draft-head folder"):
         with_head(llm, model_pair.llm)
+
+
+def test_a_head_that_costs_more_than_it_returns_is_switched_off(model_pair, monkeypatch):
+    """A head whose every pass is made 20 ms slower loses to plain steps in the head gate's measurements at batch
+    1 (:mod:`specinfer.core.head_gate`): after a block with it and one without, steps stop asking it, and greedy
+    output stays plain decoding's."""
+    import time
+
+    llm = load_backend(model_pair.llm, "llm", "float32", backend="native", kv_cache_bytes=1 << 26)
+    head_dir = model_pair.llm.parent / "head"
+    if not (head_dir / "config.json").is_file():
+        head_dir = model_pair.llm.parent / "random-head"
+        save_head(_random_head(llm.feature_dim, llm.vocab_size), head_dir)
+    engine = SpeculativeEngine(
+        with_head(llm, head_dir, model_pair.llm), [], EngineConfig(eos_token_id=None), free_speculation()
+    )
+    passes = []
+    slow = engine.llm.head.forward_tree
+
+    def forward_tree(batch):
+        passes.append(len(batch))
+        time.sleep(0.02)
+        return slow(batch)
+
+    monkeypatch.setattr(engine.llm.head, "forward_tree", forward_tree)
+    prompt = tuple(model_pair.prompts[0][:30])
+    first = engine.generate([GenerationRequest("a", prompt, 80, speculation=SPECS["head-alone"], ignore_eos=True)])
+    gate = engine.head_gate
+    on, off = gate.rates(1)
+    assert 0 < on < off
+    asked = len(passes)
+    second = engine.generate([GenerationRequest("b", prompt, 30, speculation=SPECS["head-alone"], ignore_eos=True)])
+    assert len(passes) == asked, "the head was asked again though it did not pay"
+    expected = hf_greedy(model_pair.llm, [prompt], 80, ignore_eos=True)[0]
+    assert list(first[0].output_tokens) == expected and list(second[0].output_tokens) == expected[:30]

@@ -28,6 +28,7 @@ from test_stochastic_engine import (  # noqa: E402  tests/test_stochastic_engine
 from specinfer.core import SamplingParams  # noqa: E402
 from specinfer.core.adaptive import HEAD_DRAFTER  # noqa: E402
 from specinfer.core.drafts import DraftGroup  # noqa: E402
+from specinfer.core.head_gate import HeadGateConfig  # noqa: E402
 from specinfer.core.sampling import SparseDist  # noqa: E402
 from specinfer.engine import EngineConfig, SpeculationConfig, SpeculativeEngine  # noqa: E402
 from specinfer.models import steps as steps_module  # noqa: E402
@@ -66,8 +67,9 @@ def _head_engine(models, tmp_path) -> SpeculativeEngine:
     with torch.no_grad():
         head.out.weight.mul_(1000.0)  # q nearly one-hot on the head's choice
     save_head(head, tmp_path / "head")
-    # every request of the big batch asks for head trees (the default stops past 4 requests drafting with it)
-    config = EngineConfig(max_batch=SAMPLES, planner=dataclasses.replace(ADAPTIVE_PLANNER, head_max_batch=0))
+    # every step asks for head trees (the default gate measures steps without them too)
+    planner = dataclasses.replace(ADAPTIVE_PLANNER, head_gate=HeadGateConfig(measure=False))
+    config = EngineConfig(max_batch=SAMPLES, planner=planner)
     return SpeculativeEngine(with_head(llm, tmp_path / "head"), [ssm], config, free_speculation())
 
 

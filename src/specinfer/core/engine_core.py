@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 from specinfer.core.adaptive import HEAD_DRAFTER, SUFFIX_DRAFTER, AdaptiveSpeculation, Choice
 from specinfer.core.drafts import DraftTree
+from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import (
     DraftSpec,
     HeadDraft,
@@ -142,6 +143,7 @@ class EngineCore:
         # a request's head tree as the last cut before verification kept it: (nodes, depth), which sizes
         # the next one (a head draft costs a pass per depth over its frontier, verified or not)
         self._head_kept: dict[str, tuple[int, int]] = {}
+        self._head_gate: HeadGate | None = None  # built with the adaptive state (its config is the planner's)
         self.num_ssms = num_ssms
         self.eos_token_id = eos_token_id
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
@@ -159,6 +161,11 @@ class EngineCore:
     def adaptive_built(self) -> AdaptiveSpeculation | None:
         """Adaptive speculation's state if it exists yet (never builds it)."""
         return self._adaptive
+
+    @property
+    def head_gate(self) -> HeadGate | None:
+        """When steps ask the draft head for next trees; None until a step could ask it."""
+        return self._head_gate
 
     def add_ssms(self, num_ssms: int, adaptive: AdaptiveSpeculation | None) -> None:
         """The executor now drafts with ``num_ssms`` SSMs (a driver's SSM set only grows: SSM i keeps
@@ -197,7 +204,9 @@ class EngineCore:
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
             self._note_head_cut(drafted)
         jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        if adaptive is not None and self.head and self._head_pays(batch, adaptive.config.head_max_batch):
+        gate = self._gate(batch, adaptive)
+        head_on = gate is not None and gate.decide(len(batch))
+        if head_on:
             jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
@@ -205,6 +214,7 @@ class EngineCore:
         if self._adaptive is not None:
             for _, calls, seconds in verified.timings:
                 self._adaptive.observe_verify(verify_shape(calls), seconds)
+        committed_tokens = 0
         for r, job in zip(batch, jobs, strict=True):
             verdict = verified.verdicts.get(r.request_id)
             if verdict is None or (live is not None and not live(r.request_id)):
@@ -218,7 +228,10 @@ class EngineCore:
                 # valid while the request's committed tokens end where the head drafted from
                 committed = len(job.context) + 1 + len(verdict.accepted_tokens) + 1
                 self._head_trees[r.request_id] = (committed, verdict.next_tree)
+            committed_tokens += len(outcome.tokens)
             await commit(r, outcome)
+        if gate is not None and verified.timings and all(verify_shape(c) is not None for _, c, _ in verified.timings):
+            gate.observe(len(batch), head_on, committed_tokens, time.perf_counter() - started)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
@@ -289,17 +302,18 @@ class EngineCore:
             if tree is not None:
                 drafted[r.request_id].append((HEAD_DRAFTER, tree))
 
-    @staticmethod
-    def _head_pays(batch: Sequence[Running], limit: int) -> bool:
-        """Whether the batch's requests that draft with the head are few enough for it
-        (:attr:`~specinfer.core.planner.PlannerConfig.head_max_batch`; 0: no limit)."""
-        if limit == 0:
-            return True
-        heads = 0
+    def _gate(self, batch: Sequence[Running], adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
+        """The head gate, where this step may ask the head for next trees: the verifier has one and a
+        request of the batch drafts adaptively with it (None: this step has nothing to decide)."""
+        if adaptive is None or not self.head:
+            return None
         for r in batch:
             speculation = r.request.speculation
-            heads += speculation is not None and speculation.adaptive and speculation.head
-        return heads <= limit
+            if speculation is not None and speculation.adaptive and speculation.head:
+                if self._head_gate is None:
+                    self._head_gate = HeadGate(adaptive.config.head_gate)
+                return self._head_gate
+        return None
 
     def _note_head_cut(self, drafted: Drafts) -> None:
         for rid, pairs in drafted.items():

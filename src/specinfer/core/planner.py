@@ -37,24 +37,20 @@ import numpy as np
 
 from specinfer.core.acceptance import NodeValues
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
+from specinfer.core.head_gate import HeadGateConfig
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
     """``max_nodes``: most tree nodes per request (root included); ``max_depth``: most depths
     (SSM passes); ``hysteresis``: relative gain needed to leave the previous plan's size;
-    ``head_max_batch``: most adaptive requests in a step for which the verifier's draft head drafts next
-    trees (0: no limit). Why a limit: the head's drafting time is not in the cost model yet, and it grows
-    with the batch (a head pass per depth per request). On the 2-core AMX CPU with the 1B-shaped LLM
-    (BENCHMARKS.md, draft heads) the default with the head ran at 3.19x incremental decoding at batch 1
-    (2.77x without it), within run-to-run noise of the no-head default at batch 4 (1.19x/1.16x in one run,
-    1.34x/1.45x in another), behind it at batch 8 in one of two runs (1.30x against 1.54x) and at 0.85x at
-    batch 16 (1.27x without)."""
+    ``head_gate``: when steps ask the verifier's draft head for next trees (:mod:`specinfer.core.head_gate`:
+    whichever of asking or not measures more committed tokens per second at the batch size)."""
 
     max_nodes: int = 32
     max_depth: int = 8
     hysteresis: float = 0.05
-    head_max_batch: int = 4
+    head_gate: HeadGateConfig = HeadGateConfig()
 
     def __post_init__(self) -> None:
         if self.max_nodes < 1 or self.max_depth < 0 or not 0.0 <= self.hysteresis < 1.0:

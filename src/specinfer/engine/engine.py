@@ -30,6 +30,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.costs import StepCosts
 from specinfer.core.engine_core import EngineCore, admit, run_to_end
 from specinfer.core.errors import check_token_ids
+from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import Running, StepOutcome, request_seed
 from specinfer.core.kv_budget import Overfull, StepRows, check_fits_alone, schedule, step_rows
 from specinfer.core.planner import PlannerConfig
@@ -118,6 +119,12 @@ class SpeculativeEngine:
         adaptive = self._core.adaptive
         assert adaptive is not None  # the core was given a builder
         return adaptive
+
+    @property
+    def head_gate(self) -> HeadGate | None:
+        """When steps ask the draft head for next trees (:mod:`specinfer.core.head_gate`); None before the
+        first adaptive step that may draft with a head."""
+        return self._core.head_gate
 
     def _build_adaptive(self) -> AdaptiveSpeculation:
         costs = self._costs or self._initial_costs()
