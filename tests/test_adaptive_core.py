@@ -302,8 +302,15 @@ def test_cost_table_online_updates_move_toward_samples_and_clip_outliers():
     assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 1.0 + ONLINE_RATE, 1.0, 1.0, 1.0, 1.0])
     assert np.isclose(table(4), (2.0 * (1.0 + ONLINE_RATE) + 4.0) / 6.0)  # bucket 4 (weight 2) pooled with 6, 8, 12, 16
     table = CostTable({1: 1.0, 4: 1.0, 16: 1.0})
-    table.observe(4, 0.0)  # clipped to half
-    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 1.0 - ONLINE_RATE * 0.5, 1.0, 1.0, 1.0, 1.0])
+    table.observe(4, 0.0)  # faster: clipped to a tenth, taken at once on a bucket no real call measured
+    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0])
+    table.observe(4, 0.05)  # faster again: the running mean of the calls that measured it
+    assert np.isclose(table.seconds[3], 0.075)
+    table.observe(4, 0.4)  # slower: maybe a stall, clipped to twice the prediction and folded in slowly
+    assert np.isclose(table.seconds[3], 0.075 * (1.0 + ONLINE_RATE))
+    before, predicted = table.seconds[3], table(4)
+    table.observe(4, 0.0)  # faster: weight 1/4 (the seed and 3 calls so far), clipped to a tenth of the prediction
+    assert np.isclose(table.seconds[3], before + (0.1 * predicted - before) / 4)
     table = CostTable({1: 1.0, 4: 1.0, 16: 2.0, 64: 3.0})
     previous = table(4)
     for _ in range(60):
@@ -757,7 +764,7 @@ def _rate(drafted, keep, costs, spent=0.0) -> float:
     value = sum(min([d.values[k - 1] for k in _ancestry(d, node)]) for d in drafted for node in keep[d.request_id][1:])
     seconds = (
         costs.verify_seconds(
-            VerifyShape(len(drafted) + extra, sum(d.context * len(keep[d.request_id]) for d in drafted))
+            VerifyShape(len(drafted) + extra, sum(d.context_len * len(keep[d.request_id]) for d in drafted))
         )
         + spent
         + costs.overhead

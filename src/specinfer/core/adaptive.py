@@ -76,11 +76,11 @@ HEAD_DRAFTER = -2  # the drafter index of the verifier's draft head (models.head
 
 @dataclass(frozen=True)
 class Drafted:
-    """A request whose drafted trees may be cut before verification: committed ``context`` length and
+    """A request whose drafted trees may be cut before verification: committed length ``context_len`` and
     its trees by drafter (an SSM's index, or :data:`SUFFIX_DRAFTER`), which verification merges."""
 
     request_id: str
-    context: int
+    context_len: int
     drafts: tuple[tuple[int, DraftTree], ...]
 
 
@@ -89,7 +89,7 @@ class Context:
     """What the planner needs of one request in the batch (the drivers' request objects differ)."""
 
     request_id: str
-    context: int  # committed tokens
+    context_len: int  # committed tokens
     remaining: int  # tokens it may still generate
     ssms: tuple[int, ...]  # the SSMs it allows
 
@@ -125,6 +125,8 @@ class AdaptiveSpeculation:
         self.kept_share = {s: 1.0 for s in slot_priors}
         self.previous: BatchPlan | None = None
         self.totals = Totals()
+        self._plans = 0
+        self._step_costs = costs  # what this iteration plans and cuts with (optimistic on exploring ones)
 
     def _slots(self, request_id: str, ssm: int) -> SlotAcceptance:
         key = (request_id, ssm)
@@ -143,9 +145,12 @@ class AdaptiveSpeculation:
                 if s in self.ssm_slots:
                     v = node_values(self._slots(c.request_id, s).rates(), cfg.max_nodes - 1, cfg.max_depth)
                     options[s] = NodeValues(v.values * self.kept_share[s], v.depths, v.parents)
-            inputs.append(PlanInput(c.request_id, c.context, c.remaining, options))
+            inputs.append(PlanInput(c.request_id, c.context_len, c.remaining, options))
         previous = self.previous.extra_nodes if self.previous is not None else None
-        plan = plan_batch(inputs, self.costs, cfg, fixed, previous)
+        self._plans += 1
+        explore = cfg.explore_costs > 0 and self._plans % cfg.explore_costs == 0
+        self._step_costs = self.costs.optimistic() if explore else self.costs
+        plan = plan_batch(inputs, self._step_costs, cfg, fixed, None if explore else previous)
         self.previous = plan
         remaining = {c.request_id: c.remaining for c in batch}
         curves = self._edge_curves()
@@ -231,10 +236,10 @@ class AdaptiveSpeculation:
             for m, v in zip(maps, own, strict=True):
                 np.maximum.at(values, m, v)
             nodes.append(
-                DraftedNodes(d.request_id, d.context, values[1:], np.asarray(merged.parents[1:], dtype=np.int64))
+                DraftedNodes(d.request_id, d.context_len, values[1:], np.asarray(merged.parents[1:], dtype=np.int64))
             )
             sources.append((maps, own))
-        keep = select_nodes(nodes, self.costs, fixed, fixed_committed, spent_seconds)
+        keep = select_nodes(nodes, self._step_costs, fixed, fixed_committed, spent_seconds)
         out = {}
         drafted_value: dict[int, float] = {}
         kept_value: dict[int, float] = {}

@@ -15,8 +15,13 @@ over more tokens never costs less, so reads go through a monotone fit (pool adja
 weighted by how many observations each bucket has folded in: a bucket that real steps keep
 measuring outweighs a stale neighbour from the start-up calibration instead of being averaged with
 it. Start-up calibration (:mod:`specinfer.engine.calibrate`) fills the tables; every real step
-then moves the buckets next to its size toward what it took (an exponential moving average, each
-sample clipped to [1/2, 2] x the current prediction, so one stall cannot swing the plan).
+then moves the buckets next to its size toward what it took: a call slower than predicted by an
+exponential moving average, clipped to twice the prediction, so one stall cannot swing the plan; a
+call faster than predicted (down to a tenth of it) at once where few real calls measured the bucket
+(their running mean), because a computer does not run faster than it can: the bucket's seed was
+pessimistic, as a calibration taken while other processes loaded is. Sizes that no real step measures
+are tried now and then on the model's optimistic copy (:meth:`StepCosts.optimistic`), so a seed that
+rules them out is measured and corrected instead of steering the whole run.
 """
 
 from __future__ import annotations
@@ -65,7 +70,17 @@ class CostTable:
         """The monotone fit of the buckets' seconds, weighted by their samples (recomputed only after an
         observation).  # [buckets]"""
         if self._fit is None:
-            self._fit = nondecreasing(self.seconds, self.samples)
+            # a seed no real call measured, above what real calls measured at a larger size, is wrong (fewer
+            # tokens never cost more): capped there before pooling, or it would hold the measured bucket up
+            seconds = self.seconds.copy()
+            measured = self.measured()
+            ceiling = np.inf
+            for k in range(len(seconds) - 1, -1, -1):
+                if measured[k]:
+                    ceiling = min(ceiling, seconds[k])
+                else:
+                    seconds[k] = min(seconds[k], ceiling)
+            self._fit = nondecreasing(seconds, self.samples)
         return self._fit
 
     def __call__(self, tokens: float) -> float:
@@ -82,7 +97,7 @@ class CostTable:
         if tokens <= 0 or not np.isfinite(seconds) or seconds < 0:
             return
         predicted = self(tokens)
-        sample = float(np.clip(seconds, 0.5 * predicted, 2.0 * predicted)) if predicted > 0 else float(seconds)
+        sample = float(np.clip(seconds, 0.1 * predicted, 2.0 * predicted)) if predicted > 0 else float(seconds)
         x = float(tokens)
         while x > self.buckets[-1] and self.buckets[-1] < BUCKETS[-1]:
             # a call larger than any measured: add the next bucket, at its extrapolated cost
@@ -106,10 +121,38 @@ class CostTable:
         error = sample - float(_interp(self.buckets, self.seconds, x))
         for k, w in ((i, wi), (j, wj)):
             if w > 0:
-                self.seconds[k] += ONLINE_RATE * w * error
+                # slower than the bucket says: maybe a stall, folded in slowly. Faster: a CPU does not run
+                # faster than it can, so the bucket is too pessimistic (a calibration taken while other
+                # processes loaded): a bucket few calls measured follows their running mean at once
+                rate = ONLINE_RATE if error >= 0 else max(ONLINE_RATE, 1.0 / self.samples[k])
+                self.seconds[k] += rate * w * error
                 self.samples[k] += w
         self.seconds = np.maximum(self.seconds, 0.0)
         self._fit = None
+
+    def measured(self) -> np.ndarray:
+        """Whether real calls measured each bucket (half a call's weight at least: a call between two buckets
+        counts for both in proportion), not only the seed it started from.  # [buckets] bool"""
+        return self.samples - 1.0 >= 0.5
+
+    def optimistic(self) -> CostTable:
+        """A copy in which each bucket no real call measured, up to twice the largest measured one, costs no
+        more than the fit at the measured bucket below it: the least it could cost (a call over more tokens
+        never costs less). Beyond twice, the copy keeps the seed: exploration grows one doubling at a time.
+        Plans made on it try sizes a pessimistic seed would rule out for good (:mod:`specinfer.core.adaptive`)."""
+        copy = CostTable.restore(self.buckets.astype(np.int64).tolist(), self.seconds.tolist(), self.samples.tolist())
+        measured = self.measured()
+        if not measured.any():
+            return copy
+        fit = self.fitted()
+        largest = float(self.buckets[measured][-1])
+        floor = None
+        for k in range(len(self.buckets)):
+            if measured[k]:
+                floor = fit[k]
+            elif floor is not None and self.buckets[k] <= 2.0 * largest:
+                copy.seconds[k] = min(copy.seconds[k], floor)
+        return copy
 
     def as_dict(self) -> dict[int, float]:
         return {int(b): float(s) for b, s in zip(self.buckets, self.fitted(), strict=True)}
@@ -190,6 +233,16 @@ class StepCosts:
             self.drafts[ssm] = CostTable({max(1, frontier_tokens): seconds})
         else:
             table.observe(frontier_tokens, seconds)
+
+    def optimistic(self) -> StepCosts:
+        """A frozen copy whose tables are :meth:`CostTable.optimistic` (observations go to this model, not it)."""
+        return StepCosts(
+            self.verify_table.optimistic(),
+            self.per_context,
+            {s: t.optimistic() for s, t in self.drafts.items()},
+            self.overhead,
+            frozen=True,
+        )
 
     def describe(self) -> dict:
         """The current tables, for GetInfo, metrics and logs."""

@@ -45,15 +45,19 @@ class PlannerConfig:
     """``max_nodes``: most tree nodes per request (root included); ``max_depth``: most depths
     (SSM passes); ``hysteresis``: relative gain needed to leave the previous plan's size;
     ``head_gate``: when steps ask the verifier's draft head for next trees (:mod:`specinfer.core.head_gate`:
-    whichever of asking or not measures more committed tokens per second at the batch size)."""
+    whichever of asking or not measures more committed tokens per second at the batch size);
+    ``explore_costs``: every this many iterations plan and cut on the cost model's optimistic copy
+    (:meth:`~specinfer.core.costs.StepCosts.optimistic`), so sizes that no real step measured, whose seed
+    may be a calibration taken under load, get measured (0: never)."""
 
     max_nodes: int = 32
     max_depth: int = 8
     hysteresis: float = 0.05
     head_gate: HeadGateConfig = HeadGateConfig()
+    explore_costs: int = 8
 
     def __post_init__(self) -> None:
-        if self.max_nodes < 1 or self.max_depth < 0 or not 0.0 <= self.hysteresis < 1.0:
+        if self.max_nodes < 1 or self.max_depth < 0 or not 0.0 <= self.hysteresis < 1.0 or self.explore_costs < 0:
             raise ValueError(f"invalid planner config {self}")
 
 
@@ -65,11 +69,11 @@ OFFLOAD_PLANNER = PlannerConfig(max_nodes=128, max_depth=16)
 
 @dataclass(frozen=True)
 class PlanInput:
-    """One request the planner may speculate for: its committed ``context`` length, tokens it may
+    """One request the planner may speculate for: its committed length ``context_len``, tokens it may
     still generate (``remaining``), and its node values for each SSM it allows."""
 
     request_id: str
-    context: int
+    context_len: int
     remaining: int
     options: Mapping[int, NodeValues]
 
@@ -149,7 +153,7 @@ def _choose_ssm(inp: PlanInput, costs: StepCosts, config: PlannerConfig) -> tupl
             continue
         gained = np.concatenate(([0.0], np.cumsum(values.values[:n])))
         k = np.arange(n + 1)
-        verify = costs.verify_many(1 + k, (1 + k) * inp.context)
+        verify = costs.verify_many(1 + k, (1 + k) * inp.context_len)
         frontiers = _Frontiers(costs, n)
         draft = np.concatenate(([0.0], np.cumsum([frontiers.add(ssm, 0, values, j) for j in range(n)])))
         rate = float(np.max((1.0 + gained) / (verify + draft + costs.overhead)))
@@ -171,14 +175,14 @@ def plan_batch(
     inputs = [
         PlanInput(
             inp.request_id,
-            inp.context,
+            inp.context_len,
             inp.remaining,
             {s: _within_depth(v, min(config.max_depth, inp.remaining - 1)) for s, v in inp.options.items()},
         )
         for inp in inputs
     ]
     base_tokens = fixed.tokens + len(inputs)
-    base_work = fixed.context_work + sum(inp.context for inp in inputs)
+    base_work = fixed.context_work + sum(inp.context_len for inp in inputs)
     # every candidate node: (value, request, its index in the request's list)
     chosen_ssm: dict[str, int | None] = {}
     items: list[tuple[float, int, int]] = []
@@ -201,7 +205,7 @@ def plan_batch(
         inp = inputs[r]
         ssm = chosen_ssm[inp.request_id]
         value[i + 1] = value[i] + v
-        work[i + 1] = work[i] + inp.context
+        work[i + 1] = work[i] + inp.context_len
         draft[i + 1] = draft[i] + frontiers.add(ssm, r, inp.options[ssm], k)
     tokens = base_tokens + np.arange(total + 1)
     verify = costs.verify_many(tokens, work)
@@ -242,12 +246,12 @@ def plan_batch(
 
 @dataclass(frozen=True)
 class DraftedNodes:
-    """One request's drafted tree, as :func:`select_nodes` sees it: its committed ``context`` length, and
+    """One request's drafted tree, as :func:`select_nodes` sees it: its committed length ``context_len``, and
     for each non-root node (node i + 1 of the tree) its predicted acceptance ``values[i]`` and its
     ``parents[i]`` (tree numbering, 0: the root; parents come before children)."""
 
     request_id: str
-    context: int
+    context_len: int
     values: np.ndarray  # [nodes - 1] float64
     parents: np.ndarray  # [nodes - 1] int64
 
@@ -278,8 +282,8 @@ def select_nodes(
     tokens = fixed.tokens + len(drafted) + np.arange(len(items) + 1)
     work = (
         fixed.context_work
-        + sum(d.context for d in drafted)
-        + np.concatenate(([0.0], np.cumsum([drafted[r].context for _, r, _ in items])))
+        + sum(d.context_len for d in drafted)
+        + np.concatenate(([0.0], np.cumsum([drafted[r].context_len for _, r, _ in items])))
     )
     seconds = costs.verify_many(tokens, work) + spent_seconds + costs.overhead
     best = int(np.argmax((fixed_committed + len(drafted) + gained) / np.maximum(seconds, 1e-12)))
