@@ -4,8 +4,9 @@ Runs greedy generation of the same prompts with each method, (a) through the loc
 manager + Redis, SSM worker, LLM verifier as separate processes, gRPC streaming) and, unless
 ``--skip-in-process``, (b) in this process with :class:`SpeculativeEngine`, at each batch size
 (batch B: B concurrent requests, run in rounds until every prompt is done). Methods, chosen per
-request through the public API: ``none`` (incremental decoding), ``auto`` (adaptive speculation)
-and static expansions (``1,1,1,1,1,1,1,1``). One stack per batch size serves every method, so the
+request through the public API: ``none`` (incremental decoding), ``auto`` (adaptive speculation),
+``auto-no-head`` (adaptive, without the draft head ``--head`` gives the verifier) and static expansions
+(``1,1,1,1,1,1,1,1``). One stack per batch size serves every method, so the
 rows of a batch size share the services' start-up calibration. Prints tokens/s, mean per-token
 latency, LLM steps, and each method's speed relative to ``none`` on the same path.
 
@@ -31,6 +32,7 @@ from specinfer.client import Client
 from specinfer.core import ExpansionConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.launcher import Stack, StackConfig
+from specinfer.models.head_drafter import with_head
 from specinfer.models.loading import eos_token_id, load_backend
 
 
@@ -47,14 +49,19 @@ def in_process(args, rounds: list[list[tuple[int, ...]]], batch: int, methods: l
     torch.set_num_threads(args.threads)
     llm = load_backend(args.llm, "llm", args.dtype, backend=args.backend, kv_cache_bytes=int(args.kv_cache_bytes))
     ssm = load_backend(args.ssm, "ssm", args.dtype, backend=args.backend)
+    if args.head:
+        llm = with_head(llm, args.head, args.llm)
     engine = SpeculativeEngine(llm, [ssm], EngineConfig(max_batch=batch, eos_token_id=eos_token_id(args.llm)))
-    if "auto" in methods:
+    if any(m.startswith("auto") for m in methods):
         engine.adaptive  # noqa: B018 - calibrates the cost model now, outside the timed rows
     runs = {}
     for method in methods:
-        spec = (
-            None if method == "none" else SpeculationConfig(None if method == "auto" else ExpansionConfig.parse(method))
-        )
+        if method == "none":
+            spec = None
+        elif method.startswith("auto"):
+            spec = SpeculationConfig(None, head=method == "auto")
+        else:
+            spec = SpeculationConfig(ExpansionConfig.parse(method))
         run = runs[method] = Run()
         for r, prompts in enumerate(rounds):
             reqs = [
@@ -84,6 +91,7 @@ def through_services(args, rounds: list[list[tuple[int, ...]]], batch: int, meth
         extra_env=(("SPECINFER_DTYPE", args.dtype),),
         rm_args=("--max-batch", str(batch)),
         model_args=("--kv-cache-bytes", str(int(args.kv_cache_bytes))),
+        head=Path(args.head) if args.head else None,
     )
     runs = {}
     started = time.perf_counter()
@@ -95,13 +103,15 @@ def through_services(args, rounds: list[list[tuple[int, ...]]], batch: int, meth
         for method in methods:
 
             def one(prompt: tuple[int, ...], method: str = method) -> tuple[tuple[int, ...], int, float]:
-                widths = () if method in ("none", "auto") else ExpansionConfig.parse(method).widths
+                adaptive = method.startswith("auto")
+                widths = () if method == "none" or adaptive else ExpansionConfig.parse(method).widths
                 req = Client.request(
                     prompt,
                     args.new_tokens,
                     expansion=widths,
                     speculation=method != "none",
-                    adaptive=method == "auto",
+                    adaptive=adaptive,
+                    head=None if not adaptive else method == "auto",
                     ignore_eos=True,
                 )
                 t0 = time.perf_counter()
@@ -140,6 +150,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-bytes", type=float, default=4e9)
     ap.add_argument("--skip-in-process", action="store_true")
+    ap.add_argument("--head", default=None, help="a draft head of the LLM: the verifier (and the engine) draft with it")
     args = ap.parse_args()
     methods = [m.strip() for m in args.methods.split(";") if m.strip()]
     prompts = load_prompts(Path(args.prompts), Path(args.llm), args.count, args.max_prompt_tokens)

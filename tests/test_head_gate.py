@@ -74,3 +74,10 @@ def test_invalid_config():
         HeadGateConfig(block=1)
     with pytest.raises(ValueError):
         HeadGateConfig(memory=0.0)
+
+
+def test_a_new_bucket_measures_first_what_the_nearest_smaller_bucket_prefers():
+    gate = HeadGate(HeadGateConfig(block=4, explore_every=100))
+    run(gate, 4, 12, rate_on=10.0, rate_off=20.0)  # batch 3-4: off wins
+    assert run(gate, 16, 8, rate_on=10.0, rate_off=20.0) == [False] * 4 + [True] * 4  # batch 9-16: off first
+    assert run(gate, 1, 4, rate_on=10.0, rate_off=20.0) == [True] * 4  # batch 1: no smaller bucket, on first

@@ -241,7 +241,7 @@ class Scheduler:
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
         running = [(rid, self._step_rows(live)) for rid, live in self._active.items()]
         waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
-        committed = {live.request_id: len(live.committed) for live in (*self._waiting, *self._active.values())}
+        committed = {live.request_id: live.committed_len for live in (*self._waiting, *self._active.values())}
         cfg = self.config
         placed = await self.placement.plan(
             running, waiting, committed, cfg.kv_budgets, cfg.max_batch, cfg.max_prefill_tokens
@@ -269,7 +269,7 @@ class Scheduler:
         # root alone
         adaptive = self.core.adaptive_built
         limits = adaptive.config if adaptive is not None else ROOT_ONLY
-        return step_rows(live.request, len(live.committed), len(self.config.ssm_names), limits)
+        return step_rows(live.request, live.committed_len, len(self.config.ssm_names), limits)
 
     async def _commit(self, live: Live, outcome: StepOutcome) -> None:
         delta = ""

@@ -288,8 +288,7 @@ class EngineCore:
         if stored is None:
             return None
         length, tree = stored
-        committed = len(r.request.prompt_tokens) + len(r.output)
-        if committed == length and tree.tree.tokens[0] == r.committed[-1] and len(tree.tree) > 1:
+        if r.committed_len == length and tree.tree.tokens[0] == r.last_token and len(tree.tree) > 1:
             return tree
         return None
 

@@ -15,9 +15,11 @@ Terms.
 - A *block*: :attr:`HeadGateConfig.block` consecutive steps of one bucket on one arm. A step's tokens come
   from the trees drafted in the step before it, so the first step of a block is not scored: it still
   carries the other arm's trees.
-- A bucket measures on first, then off, then keeps the better arm, and every
+- A bucket measures both arms, then keeps the better, and every
   :attr:`HeadGateConfig.explore_every` blocks runs the other one for a block again (the text, the load and
-  the batch's mix change). Each arm's rate is a ratio of decayed sums (tokens / seconds), so a long step
+  the batch's mix change). It measures first the arm the nearest smaller bucket prefers (on where none has
+  measured both), so a short run at a large batch does not spend its first block on a head that smaller
+  batches found not to pay. Each arm's rate is a ratio of decayed sums (tokens / seconds), so a long step
   weighs as long as it took and the last few dozen steps decide.
 
 Pure state, no I/O: the engine core calls :meth:`HeadGate.decide` before a step's verification and
@@ -122,6 +124,8 @@ class HeadGate:
     def _choose(self, b: int) -> bool:
         state = self._buckets.setdefault(b, _Bucket())
         enough = self.config.block - 1  # one block's scored steps
+        if state.on.samples < enough and state.off.samples < enough:
+            return self._first_arm(b)
         if state.on.samples < enough:
             return True
         if state.off.samples < enough:
@@ -129,3 +133,14 @@ class HeadGate:
         state.decided += 1
         best = state.on.rate >= state.off.rate
         return not best if state.decided % self.config.explore_every == 0 else best
+
+    def _first_arm(self, b: int) -> bool:
+        """The arm a bucket measures first: the one the nearest smaller bucket that measured both prefers (what
+        the head returns shrinks as the batch grows, so a head that does not pay at batch 4 is unlikely to at
+        8: a short run at 8 should not spend its first block on it), else asking the head."""
+        enough = self.config.block - 1
+        for smaller in range(b - 1, -1, -1):
+            state = self._buckets.get(smaller)
+            if state is not None and state.on.samples >= enough and state.off.samples >= enough:
+                return state.on.rate >= state.off.rate
+        return True

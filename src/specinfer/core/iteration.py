@@ -178,8 +178,18 @@ class Running:
 
     @property
     def committed(self) -> list[int]:
-        """Prompt and output: the last one roots the next tree, the rest is its context."""
+        """Prompt and output: the last one roots the next tree, the rest is its context (a new list: where
+        only its length or last token is needed, :attr:`committed_len` and :attr:`last_token` build none)."""
         return [*self.request.prompt_tokens, *self.output]
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.request.prompt_tokens) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        """The last committed token: the next tree's root."""
+        return self.output[-1] if self.output else self.request.prompt_tokens[-1]
 
     @property
     def remaining(self) -> int:
@@ -254,7 +264,7 @@ def draft_specs(
 def adaptive_contexts(batch: Sequence[Running]) -> list[Context]:
     """What the planner needs of the batch's adaptive requests, in batch order."""
     return [
-        Context(r.request_id, len(r.request.prompt_tokens) + len(r.output), r.remaining, r.request.speculation.ssms)
+        Context(r.request_id, r.committed_len, r.remaining, r.request.speculation.ssms)
         for r in batch
         if r.request.speculation is not None and r.request.speculation.adaptive
     ]
@@ -272,7 +282,7 @@ def static_shape(batch: Sequence[Running]) -> VerifyShape:
             expansion = speculation.expansion_for(speculation.ssms[0], r.remaining)
             nodes = 1 if expansion is None else merged_tree_nodes(expansion, len(speculation.ssms))
         tokens += nodes
-        work += nodes * (len(r.request.prompt_tokens) + len(r.output))
+        work += nodes * r.committed_len
     return VerifyShape(tokens, work)
 
 
@@ -293,7 +303,7 @@ def select_drafts(
     tokens = work = others = 0
     for r in batch:
         pairs = drafted.get(r.request_id, ())
-        context = len(r.request.prompt_tokens) + len(r.output)
+        context = r.committed_len
         speculation = r.request.speculation
         if (
             speculation is not None
@@ -304,7 +314,7 @@ def select_drafts(
         ):
             candidates.append(Drafted(r.request_id, context, tuple(pairs)))
             continue
-        nodes = len(combine_drafts(r.committed[-1], [tree for _, tree in pairs]).tree) if pairs else 1
+        nodes = len(combine_drafts(r.last_token, [tree for _, tree in pairs]).tree) if pairs else 1
         tokens += nodes
         work += nodes * context
         others += 1

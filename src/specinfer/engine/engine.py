@@ -245,8 +245,8 @@ class SpeculativeEngine:
         output; re-admitted, its caches are rebuilt from its committed tokens."""
         plan = schedule(
             self._budgets,
-            [(rid, self._step_rows(s.request, len(s.committed))) for rid, s in self._active.items()],
-            [(w.request_id, self._step_rows(w.request, len(w.committed))) for w in self._waiting],
+            [(rid, self._step_rows(s.request, s.committed_len)) for rid, s in self._active.items()],
+            [(w.request_id, self._step_rows(w.request, w.committed_len)) for w in self._waiting],
             self._capacity,
             self.config.max_prefill_tokens,
         )
