@@ -15,6 +15,7 @@ import torch
 from devices import on_test_device  # tests/devices.py
 from oracles import hf_greedy
 from rope_configs import GEMMA3_ROPE, LONGROPE_SWITCH, PARTIAL_ROPE, PHI3_LONGROPE, gemma3_multimodal, llama3_rope
+from test_stochastic_engine import free_speculation  # tests/test_stochastic_engine.py
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -27,7 +28,12 @@ from transformers import (
 )
 
 from specinfer.core import ExpansionConfig
+from specinfer.core.adaptive import HEAD_DRAFTER
+from specinfer.core.head_gate import HeadGateConfig
+from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.models.draft_head import DraftHead, HeadConfig, save_head
+from specinfer.models.head_drafter import with_head
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import eos_token_id, load_backend
 from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
@@ -339,3 +345,22 @@ def test_phi3_config_of_the_older_layout():
         128,
         96,
     )
+
+
+def test_head_drafts_equal_transformers(family, tmp_path):
+    """Every family drafts with a draft head (random: exactness does not depend on what it drafts): its
+    features, embedding and LM head (Gemma's scaled embeddings and soft-capped logits included) feed head
+    trees that are verified, and greedy output stays transformers'."""
+    prompts, expected, engine = family
+    llm = engine.llm
+    torch.manual_seed(0)
+    save_head(DraftHead(HeadConfig(llm.feature_dim, llm.vocab_size, 32, 4, 2, 8, 64)), tmp_path / "head")
+    config = EngineConfig(
+        eos_token_id=engine.config.eos_token_id, planner=PlannerConfig(head_gate=HeadGateConfig(measure=False))
+    )
+    with_a_head = SpeculativeEngine(with_head(llm, tmp_path / "head"), [], config, free_speculation())
+    spec = SpeculationConfig(None, ssms=(), suffix=False, head=True)
+    requests = [GenerationRequest(f"head-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
+    assert [r.output_tokens for r in with_a_head.generate(requests)] == expected
+    assert with_a_head.adaptive.totals.drafter_steps.get(HEAD_DRAFTER, 0) > 0, "head trees were verified"
+    assert not llm.cached_requests()
