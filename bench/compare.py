@@ -10,7 +10,9 @@
 (e) ``merged``: ours, the trees of two or more SSMs merged;
 (f) ``auto``: ours, adaptive speculation (the planner sizes each request's dynamic tree every
     step, or turns speculation off, from the measured step costs and the learned acceptance;
-    the cost model is calibrated once before the first timed row and shared by every row);
+    the cost model is calibrated once before the first timed row; each adaptive row starts from that
+    calibration with fresh adaptive state, as a fresh server would, so no row inherits what an earlier
+    one learned and the order of the rows does not matter);
 plus ``incremental``: ours with speculation off (the baseline of each batch size). Greedy and
 temperature 1; batch 1 and larger batches. Every row runs in one dtype (``--dtype``, transformers'
 rows included).
@@ -36,6 +38,7 @@ tokens (or after it started, for the first ones), each of the k tokens counts t 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -260,8 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = calibrate(llm, ssms, cases)
     priors = tuned_priors(args)
     batches_ours = {c.batch for c in cases if not c.method.startswith("hf-")}
-    engines = {
-        b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), costs) for b in batches_ours
+    engines = {  # the warm-up's and the static rows' (their adaptive state is never used)
+        b: SpeculativeEngine(llm, ssms, EngineConfig(max_batch=b, slot_priors=priors), copy.deepcopy(costs))
+        for b in batches_ours
     }
 
     warm_up(cases, prompts, hf_llm, hf_ssm, engines, args.seed)
@@ -272,7 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if case.method.startswith("hf-"):
                 runs.append(run_hf(case, prompts, args.new_tokens, hf_llm, hf_ssm, args.seed, progress))
             else:
-                runs.append(run_ours(case, prompts, args.new_tokens, engines[case.batch], args.seed, progress))
+                engine = engines[case.batch]
+                if case.method in ADAPTIVE_DRAFTERS:  # fresh adaptive state from the calibration (module docstring)
+                    config = EngineConfig(max_batch=case.batch, slot_priors=priors)
+                    engine = SpeculativeEngine(llm, ssms, config, copy.deepcopy(costs))
+                runs.append(run_ours(case, prompts, args.new_tokens, engine, args.seed, progress))
 
     write_results(args, summarise(runs), prompts, dtype)
     return 0
