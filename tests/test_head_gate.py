@@ -27,22 +27,24 @@ def test_buckets():
 def test_measures_on_then_off_then_keeps_the_faster_and_explores():
     cfg = HeadGateConfig(block=4, explore_every=5)
     gate = HeadGate(cfg)
-    arms = run(gate, 1, 4 * 12, rate_on=10.0, rate_off=5.0)
+    arms = run(gate, 1, 4 * 13, rate_on=10.0, rate_off=5.0)
     blocks = [arms[i] for i in range(0, len(arms), 4)]
     assert all(arms[i] == arms[i - i % 4] for i in range(len(arms)))  # an arm holds for its block
-    assert blocks[:2] == [True, False]  # measured first: on, then off
+    assert blocks[:3] == [True, True, False]  # measured first: on (two blocks at batch 1), then off
     # then on, except every 5th decided block, which explores off again
-    assert blocks[2:] == [True, True, True, True, False, True, True, True, True, False]
+    assert blocks[3:] == [True, True, True, True, False, True, True, True, True, False]
     on, off = gate.rates(1)
     assert on == pytest.approx(10.0) and off == pytest.approx(5.0)
 
 
 def test_switches_off_where_the_head_does_not_pay_and_per_bucket():
     gate = HeadGate(HeadGateConfig(block=4, explore_every=100))
-    big = run(gate, 16, 40, rate_on=30.0, rate_off=40.0)
-    assert big[8:] == [False] * 32
-    small = run(gate, 1, 40, rate_on=12.0, rate_off=8.0)  # another bucket: measured on its own
-    assert small[:8] == [True] * 4 + [False] * 4 and small[8:] == [True] * 32
+    big = run(gate, 16, 40, rate_on=30.0, rate_off=40.0)  # above first_on_max_batch: measured off first
+    assert big[:12] == [False] * 8 + [True] * 4 and big[12:] == [False] * 28
+    small = run(gate, 1, 40, rate_on=12.0, rate_off=8.0)  # another bucket, measured on its own: on first
+    assert small[:12] == [True] * 8 + [False] * 4 and small[12:] == [True] * 28
+    late = HeadGate(HeadGateConfig(block=4, explore_every=100))
+    assert run(late, 16, 40, rate_on=50.0, rate_off=40.0)[12:] == [True] * 28  # where the head pays at 16: on
 
 
 def test_a_blocks_first_step_is_not_scored():
@@ -59,9 +61,9 @@ def test_a_blocks_first_step_is_not_scored():
 def test_a_change_of_bucket_starts_a_block():
     gate = HeadGate(HeadGateConfig(block=4))
     run(gate, 1, 2, 10.0, 5.0)
-    assert gate.decide(8)  # a new bucket measures on first, from a fresh block
-    gate.observe(8, True, 1000, 1.0)  # its first step: not scored
-    assert gate.rates(8) == (0.0, 0.0)
+    assert gate.decide(4)  # a new bucket (at most first_on_max_batch: on first), from a fresh block
+    gate.observe(4, True, 1000, 1.0)  # its first step: not scored
+    assert gate.rates(4) == (0.0, 0.0)
 
 
 def test_measure_off_always_asks():
@@ -78,6 +80,8 @@ def test_invalid_config():
 
 def test_a_new_bucket_measures_first_what_the_nearest_smaller_bucket_prefers():
     gate = HeadGate(HeadGateConfig(block=4, explore_every=100))
-    run(gate, 4, 12, rate_on=10.0, rate_off=20.0)  # batch 3-4: off wins
-    assert run(gate, 16, 8, rate_on=10.0, rate_off=20.0) == [False] * 4 + [True] * 4  # batch 9-16: off first
-    assert run(gate, 1, 4, rate_on=10.0, rate_off=20.0) == [True] * 4  # batch 1: no smaller bucket, on first
+    run(gate, 1, 12, rate_on=20.0, rate_off=10.0)  # batch 1: the head wins
+    assert run(gate, 16, 12, rate_on=10.0, rate_off=20.0) == [True] * 8 + [False] * 4  # so 9-16 tries it first
+    gate = HeadGate(HeadGateConfig(block=4, explore_every=100))
+    run(gate, 2, 12, rate_on=10.0, rate_off=20.0)  # batch 2: the head loses
+    assert run(gate, 4, 8, rate_on=10.0, rate_off=20.0) == [False] * 8  # so 3-4 measures without it first

@@ -15,12 +15,13 @@ Terms.
 - A *block*: :attr:`HeadGateConfig.block` consecutive steps of one bucket on one arm. A step's tokens come
   from the trees drafted in the step before it, so the first step of a block is not scored: it still
   carries the other arm's trees.
-- A bucket measures both arms, then keeps the better, and every
+- A bucket measures the likelier arm for two blocks, then the other for one, then keeps the better, and every
   :attr:`HeadGateConfig.explore_every` blocks runs the other one for a block again (the text, the load and
-  the batch's mix change). It measures first the arm the nearest smaller bucket prefers (on where none has
-  measured both), so a short run at a large batch does not spend its first block on a head that smaller
-  batches found not to pay. Each arm's rate is a ratio of decayed sums (tokens / seconds), so a long step
-  weighs as long as it took and the last few dozen steps decide.
+  the batch's mix change). The likelier arm is the one the nearest smaller bucket prefers, or where none
+  has measured both, the head up to :attr:`HeadGateConfig.first_on_max_batch` requests and no head above,
+  so a short run at a large batch does not spend its first blocks on a head that does not pay there.
+  Each arm's rate is a ratio of decayed sums (tokens / seconds), so a long step weighs as long as it took
+  and the last few dozen steps decide.
 
 Pure state, no I/O: the engine core calls :meth:`HeadGate.decide` before a step's verification and
 :meth:`HeadGate.observe` after its commits, with the seconds it measured.
@@ -36,15 +37,20 @@ class HeadGateConfig:
     """``block``: steps an arm runs before the gate decides again (at least 2: the first is not scored);
     ``explore_every``: every this many decided blocks of a bucket, the losing arm runs one block;
     ``memory``: per scored step of an arm, the weight its earlier steps keep (0.95: about the last 20);
-    ``measure``: False asks the head every step (no measuring: tests that need its trees every step)."""
+    ``measure``: False asks the head every step (no measuring: tests that need its trees every step);
+    ``first_on_max_batch``: where no smaller batch size has measured both arms yet, batches of up to this
+    many requests measure the head first (two blocks), larger ones measure without it first. Only the
+    order: both arms are measured before the gate decides. On the 2-core AMX CPU with a 1B-shaped LLM the
+    head paid at batch 1-4 and cost more than it returned at 16 (BENCHMARKS.md, draft heads)."""
 
     block: int = 8
     explore_every: int = 16
     memory: float = 0.95
     measure: bool = True
+    first_on_max_batch: int = 4
 
     def __post_init__(self) -> None:
-        if self.block < 2 or self.explore_every < 2 or not 0.0 < self.memory <= 1.0:
+        if self.block < 2 or self.explore_every < 2 or not 0.0 < self.memory <= 1.0 or self.first_on_max_batch < 0:
             raise ValueError(f"invalid head gate config {self}")
 
 
@@ -69,6 +75,7 @@ class _Bucket:
     on: _Arm = field(default_factory=_Arm)
     off: _Arm = field(default_factory=_Arm)
     decided: int = 0  # blocks decided on measurements (not first measurements)
+    first: bool | None = None  # the arm measured first (None: not chosen yet)
 
 
 @dataclass
@@ -124,12 +131,13 @@ class HeadGate:
     def _choose(self, b: int) -> bool:
         state = self._buckets.setdefault(b, _Bucket())
         enough = self.config.block - 1  # one block's scored steps
-        if state.on.samples < enough and state.off.samples < enough:
-            return self._first_arm(b)
-        if state.on.samples < enough:
-            return True
-        if state.off.samples < enough:
-            return False
+        if state.first is None:
+            state.first = self._first_arm(b)
+        first, other = (state.on, state.off) if state.first else (state.off, state.on)
+        if first.samples < 2 * enough:  # two blocks of the likelier arm before the other is tried
+            return state.first
+        if other.samples < enough:
+            return not state.first
         state.decided += 1
         best = state.on.rate >= state.off.rate
         return not best if state.decided % self.config.explore_every == 0 else best
@@ -137,10 +145,11 @@ class HeadGate:
     def _first_arm(self, b: int) -> bool:
         """The arm a bucket measures first: the one the nearest smaller bucket that measured both prefers (what
         the head returns shrinks as the batch grows, so a head that does not pay at batch 4 is unlikely to at
-        8: a short run at 8 should not spend its first block on it), else asking the head."""
+        8: a short run at 8 should not spend its first blocks on it), else asking the head up to
+        :attr:`HeadGateConfig.first_on_max_batch` requests and not asking it above."""
         enough = self.config.block - 1
         for smaller in range(b - 1, -1, -1):
             state = self._buckets.get(smaller)
             if state is not None and state.on.samples >= enough and state.off.samples >= enough:
                 return state.on.rate >= state.off.rate
-        return True
+        return b <= bucket(self.config.first_on_max_batch)
