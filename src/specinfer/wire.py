@@ -24,7 +24,7 @@ from specinfer.core import (
 from specinfer.core.costs import CostTable
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import TreeBudget
-from specinfer.core.errors import check_token_ids
+from specinfer.core.errors import check_positions, check_token_ids
 from specinfer.core.iteration import DraftSpec, HeadDraft, VerifySpec
 from specinfer.core.kv_budget import KVBudget
 from specinfer.v1 import api_pb2, internal_pb2
@@ -300,16 +300,6 @@ def check_distinct_requests(updates: Sequence[ContextUpdate], field: str = "item
                 f"{field}[{i}].context.request_id", f"request {u.request_id!r} appears twice in one call"
             )
         seen.add(u.request_id)
-
-
-def check_positions(context_len: int, depth: int, max_positions: int, field: str) -> None:
-    """The deepest tree node sits at position ``context_len + depth``; the model has ``max_positions``."""
-    if context_len + depth >= max_positions:
-        raise InvalidArgument(
-            field,
-            f"context of {context_len} tokens plus a tree of depth {depth} "
-            f"exceeds the model's {max_positions} positions",
-        )
 
 
 def draft_job_from_proto(

@@ -49,3 +49,13 @@ def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> tuple[in
     if bad:
         raise InvalidArgument(field, f"token IDs must be in [0, {vocab_size}), got {bad[:5]}")
     return ids
+
+
+def check_positions(context_len: int, depth: int, max_positions: int, field: str) -> None:
+    """The deepest tree node sits at position ``context_len + depth``; the model has ``max_positions``."""
+    if context_len + depth >= max_positions:
+        raise InvalidArgument(
+            field,
+            f"context of {context_len} tokens plus a tree of depth {depth} "
+            f"exceeds the model's {max_positions} positions",
+        )
