@@ -211,9 +211,10 @@ class EngineCore:
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
+        shapes = [verify_shape(calls) for _, calls, _ in verified.timings]  # None: a call that prefilled a prompt
         if self._adaptive is not None:
-            for _, calls, seconds in verified.timings:
-                self._adaptive.observe_verify(verify_shape(calls), seconds)
+            for shape, (_, _, seconds) in zip(shapes, verified.timings, strict=True):
+                self._adaptive.observe_verify(shape, seconds)
         committed_tokens = 0
         for r, job in zip(batch, jobs, strict=True):
             verdict = verified.verdicts.get(r.request_id)
@@ -230,7 +231,7 @@ class EngineCore:
                 self._head_trees[r.request_id] = (committed, verdict.next_tree)
             committed_tokens += len(outcome.tokens)
             await commit(r, outcome)
-        if gate is not None and verified.timings and all(verify_shape(c) is not None for _, c, _ in verified.timings):
+        if gate is not None and shapes and None not in shapes:
             gate.observe(len(batch), head_on, committed_tokens, time.perf_counter() - started)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)

@@ -206,14 +206,14 @@ class HeadDrafter:
             state = self._states[item.request_id]
             attended.append(self._attend(state, rnd, q[at : at + n], k[at : at + n], v[at : at + n], anc))
             at += n
-        state = self.head.final_state(x, torch.cat(attended))  # [N, hidden]
-        predicted = self.head.out(state)  # [N, feature_dim]
+        final = self.head.final_state(x, torch.cat(attended))  # [N, hidden]
+        predicted = self.head.out(final)  # [N, feature_dim]
         at = 0
         for item, pos, anc in zip(batch, positions, parents_of, strict=True):
             n = len(item.tokens)
             self._remember(item, k[at : at + n], v[at : at + n], predicted[at : at + n], pos, anc)
             at += n
-        logits = self.logits(state)  # [N, vocab]
+        logits = self.logits(final)  # [N, vocab]
         return list(logits.split([len(item.tokens) for item in batch]))
 
     def _attend(
