@@ -205,7 +205,7 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
         DraftSpec(f"s{i}", list(p[:-1]), p[-1], ExpansionConfig((2, 2)), params[i % 3], 8, 100 + i, 0, draft_stream(0))
         for i, p in enumerate(prompts)
     ]
-    context = [wire.context_to_proto(j.request_id, j.context, 0) for j in jobs]
+    context = [wire.context_to_proto(j.request_id, j.context_tokens, 0) for j in jobs]
 
     async def serve():
         speculated = await worker.Speculate(
@@ -241,7 +241,11 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
             if a.q is not None:
                 assert np.array_equal(a.q.tokens, b.q.tokens) and np.allclose(a.q.probs, b.q.probs, rtol=1e-6)
     verdicts = verify_trees(
-        llm, [VerifySpec(j.request_id, j.context, d, j.sampling, j.seed, 0) for j, d in zip(jobs, drafts, strict=True)]
+        llm,
+        [
+            VerifySpec(j.request_id, j.context_tokens, d, j.sampling, j.seed, 0)
+            for j, d in zip(jobs, drafts, strict=True)
+        ],
     )
     assert [(list(v.accepted_tokens), v.bonus_token) for v in verdicts] == [
         (list(r.accepted_tokens), r.bonus_token) for r in verified.results

@@ -22,7 +22,7 @@ def test_draft_jobs_follow_each_requests_ssms_and_streams():
     a.commit(a.outcome(DraftTree(TokenTree.root_only(6)), (), 7, None))
     assert [s.request_id for s in draft_specs([a, b, c], 0)] == ["a", "b"]
     (job,) = draft_specs([a, b, c], 1)
-    assert (job.request_id, job.context, job.root_token, job.seed, job.step, job.stream) == (
+    assert (job.request_id, job.context_tokens, job.root_token, job.seed, job.step, job.stream) == (
         "b",
         [4, 5],
         6,
@@ -31,7 +31,7 @@ def test_draft_jobs_follow_each_requests_ssms_and_streams():
         draft_stream(1),
     )
     (first,) = draft_specs([a], 0)
-    assert (first.context, first.root_token, first.step, first.stream) == ([4, 5, 6], 7, 1, draft_stream(0))
+    assert (first.context_tokens, first.root_token, first.step, first.stream) == ([4, 5, 6], 7, 1, draft_stream(0))
     assert first.rng().random() == step_rng(5, 1, 1).random() == np.random.default_rng([5, 1, 1]).random()
     # two tokens to go: the bonus token comes on top of the tree, so it is one level deep
     (short,) = draft_specs([running("d", (0,), max_new_tokens=2)], 0)
@@ -43,7 +43,7 @@ def test_verify_jobs_merge_in_order_or_verify_the_root_alone():
     t0 = DraftTree(TokenTree((6, 1), (-1, 0)))
     t1 = DraftTree(TokenTree((6, 2), (-1, 0)))
     ja, jb = verify_specs([a, b], {"a": [t0, t1]})
-    assert ja.draft.tree.tokens == (6, 1, 2) and (ja.context, ja.seed, ja.step) == ([4, 5], 5, 0)
+    assert ja.draft.tree.tokens == (6, 1, 2) and (ja.context_tokens, ja.seed, ja.step) == ([4, 5], 5, 0)
     assert jb.draft.tree == TokenTree.root_only(6)
     assert ja.rng().random() == step_rng(5, 0, VERIFY_STREAM).random()
 

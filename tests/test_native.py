@@ -162,7 +162,7 @@ def _node_sequences(item: TreeForward) -> list[list[int]]:
         while u >= 0:
             path.append(item.tokens[u])
             u = item.parents[u]
-        seqs.append(list(item.context) + path[::-1])
+        seqs.append(list(item.context_tokens) + path[::-1])
     return seqs
 
 
@@ -205,7 +205,7 @@ def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm, kv_block_si
         for item, logits in zip(items, out, strict=True):
             assert _rel(logits, _hf_last_logits(hf, _node_sequences(item))) < TOL
         # accept node 3's path (root, 1, 3) + a bonus token: the next context adopts it
-        prompts = [list(item.context) + [item.tokens[0], item.tokens[1], item.tokens[3], 11] for item in items]
+        prompts = [list(item.context_tokens) + [item.tokens[0], item.tokens[1], item.tokens[3], 11] for item in items]
 
 
 def test_incremental_expansion_and_cache_rebuild(checkpoint):

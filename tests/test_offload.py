@@ -71,7 +71,7 @@ def _steps(backend: NativeBackend, vocab: int) -> list[torch.Tensor]:
             for i, p in enumerate(prompts)
         ]
         out += backend.forward_tree(items)
-        prompts = [list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[3], 11] for it in items]
+        prompts = [list(it.context_tokens) + [it.tokens[0], it.tokens[1], it.tokens[3], 11] for it in items]
     return out
 
 

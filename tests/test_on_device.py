@@ -213,7 +213,7 @@ def test_verify_trees_equals_the_reference_verdicts(one_tensor: bool):
             elif job.sampling.coupled:
                 target = lambda u, rows=rows, p=job.sampling: process_logits(rows[u], p)  # noqa: E731
                 want = verify_coupled(
-                    job.draft.tree, target, partial(position_noise, job.seed, vocab_size=vocab), len(job.context)
+                    job.draft.tree, target, partial(position_noise, job.seed, vocab_size=vocab), len(job.context_tokens)
                 )
                 checked["coupled"] += 1
             else:
@@ -266,7 +266,7 @@ def test_pass_tables_propose_what_the_reference_drafts():
             assert np.array_equal(got.q.tokens, q.tokens)
             np.testing.assert_allclose(got.q.probs, q.probs, rtol=1e-12)
             if job.sampling.coupled:  # Gumbel-top-k with the noise of the children's sequence index
-                assert list(got.tokens) == coupled_children(q, job.seed, len(job.context) + depth, width)
+                assert list(got.tokens) == coupled_children(q, job.seed, len(job.context_tokens) + depth, width)
             else:
                 assert list(got.tokens) == draw_without_replacement(q, width, job.rng())
 

@@ -191,7 +191,7 @@ def _steps(native: NativeBackend, vocab: int) -> list[torch.Tensor]:
         out += native.forward_tree(items)
         # accept root -> 1 -> 4 -> 6 (across block boundaries for small blocks), plus a bonus token
         prompts = {
-            it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
+            it.request_id: list(it.context_tokens) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
             for it in items
         }
     return out

@@ -223,7 +223,7 @@ def _shared_prefix_steps(native: NativeBackend, prompts: list[list[int]]) -> lis
     out += native.forward_tree(items[:1])
     out += native.forward_tree(items[1:])
     out += native.forward_tree(
-        [TreeForward(it.request_id, [*it.context, it.tokens[0], 3], [11, 12], [-1, 0]) for it in items]
+        [TreeForward(it.request_id, [*it.context_tokens, it.tokens[0], 3], [11, 12], [-1, 0]) for it in items]
     )
     return out
 

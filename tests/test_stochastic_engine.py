@@ -115,7 +115,7 @@ def marginal(probs: dict[tuple[int, ...], float], keep: int) -> dict[tuple[int, 
 def always_accept_verify(llm, jobs):
     """Deliberately wrong verification: accepts the first drafted child at every node."""
     logits = llm.forward_tree(
-        [TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
+        [TreeForward(j.request_id, j.context_tokens, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
     )
     results = []
     for job, node_logits in zip(jobs, logits, strict=True):

@@ -45,7 +45,7 @@ def steps(llm: CausalLM, vocab: int) -> list[list[torch.Tensor]]:
         out.append(llm.forward_tree(items))
         # accept root -> node 1 -> node 4 -> node 6, plus a bonus token
         prompts = {
-            it.request_id: list(it.context) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
+            it.request_id: list(it.context_tokens) + [it.tokens[0], it.tokens[1], it.tokens[4], it.tokens[6], step + 1]
             for it in items
         }
     return out

@@ -65,7 +65,7 @@ def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count
 
 def verify_item(job: VerifySpec, seed: int, step: int, offset: int = 0) -> internal_pb2.VerifyItem:
     return internal_pb2.VerifyItem(
-        context=wire.context_to_proto(job.request_id, job.context, offset),
+        context=wire.context_to_proto(job.request_id, job.context_tokens, offset),
         tree=wire.draft_to_proto(job.draft),
         sampling=wire.sampling_to_proto(job.sampling),
         seed=seed,
@@ -102,7 +102,7 @@ def test_verify_matches_verify_trees(services, local, model_pair, sampling):
         hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32).eval()
         for job, result in zip(jobs, response.results, strict=True):
             committed = [*result.accepted_tokens, result.bonus_token]
-            assert committed == greedy_continuation(hf, [*job.context, job.draft.tree.tokens[0]], len(committed))
+            assert committed == greedy_continuation(hf, [*job.context_tokens, job.draft.tree.tokens[0]], len(committed))
         assert any(r.accepted_tokens for r in response.results), "the trained SSM should get some token accepted"
     release(services.llm_stub, [j.request_id for j in jobs])
 
@@ -115,17 +115,17 @@ def test_verify_cache_miss_protocol(services, local, model_pair):
     (hit,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 0, 0, offset=0)]), timeout=30).results
     assert not hit.cache_miss
     # the next step sends only the newly committed tokens
-    committed = [*job.context, job.draft.tree.tokens[0], *hit.accepted_tokens]
+    committed = [*job.context_tokens, job.draft.tree.tokens[0], *hit.accepted_tokens]
     nxt = VerifySpec(
         job.request_id, committed, DraftTree(TokenTree.root_only(hit.bonus_token)), GREEDY, job.seed, job.step
     )
     (hit2,) = stub.Verify(
-        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context))]), timeout=30
+        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 1, offset=len(job.context_tokens))]), timeout=30
     ).results
     assert not hit2.cache_miss
     release(stub, [job.request_id])
     (miss,) = stub.Verify(
-        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context))]), timeout=30
+        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context_tokens))]), timeout=30
     ).results
     assert miss.cache_miss
 

@@ -134,8 +134,8 @@ def test_wire_adaptive_round_trips():
         (None, TreeBudget(9, 4, 3, 0.05, curve)),
     ):
         job = DraftSpec("r", [1, 2, 3], 4, expansion, SamplingParams(temperature=0.5, seed=3), 16, 11, 2, 1, budget)
-        item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context, 0))
-        back = wire.draft_job_from_proto(item, job.context, 100, 64, "items[0]")
+        item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context_tokens, 0))
+        back = wire.draft_job_from_proto(item, job.context_tokens, 100, 64, "items[0]")
         assert back == DraftSpec("r", [1, 2, 3], 4, expansion, job.sampling, 16, 11, 2, 1, budget)
     with pytest.raises(InvalidArgument) as err:  # the budget's tree must fit the model's positions
         wire.draft_job_from_proto(item, list(range(60)), 100, 64, "items[0]")

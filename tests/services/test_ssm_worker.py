@@ -164,7 +164,8 @@ def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
         for i, (p, b) in enumerate(zip(model_pair.prompts[:3], budgets, strict=True))
     ]
     request = internal_pb2.SpeculateRequest(
-        ssm="ssm", items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context, 0)) for j in jobs]
+        ssm="ssm",
+        items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context_tokens, 0)) for j in jobs],
     )
     response = services.ssm_stub.Speculate(request, timeout=60)
     passes: list[tuple[int, float]] = []

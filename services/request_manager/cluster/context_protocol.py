@@ -52,9 +52,9 @@ async def call_with_context(
     pending = list(calls)
     for attempt in range(2):
         contexts = [
-            tracker.message(c.request_id, c.context)
+            tracker.message(c.request_id, c.context_tokens)
             if attempt == 0
-            else wire.context_to_proto(c.request_id, c.context, 0)
+            else wire.context_to_proto(c.request_id, c.context_tokens, 0)
             for c in pending
         ]
         response = await send(pending, contexts)
@@ -64,7 +64,7 @@ async def call_with_context(
                 tracker.forget(call.request_id)
                 retry.append(call)
             else:
-                tracker.sent(call.request_id, len(call.context))
+                tracker.sent(call.request_id, len(call.context_tokens))
                 results[call.request_id] = result
         if not retry:
             return results

@@ -257,5 +257,5 @@ class Verifiers(ReplicaPool):
 
 def verify_rows(call: VerifySpec) -> StepRows:
     """The KV rows ``call`` takes on the replica that verifies it: its context and its tree."""
-    rows = len(call.context) + len(call.draft.tree.tokens)
+    rows = len(call.context_tokens) + len(call.draft.tree.tokens)
     return StepRows(rows, rows)

@@ -227,7 +227,7 @@ class EngineCore:
             )
             if verdict.next_tree is not None and outcome.finish_reason is None:
                 # valid while the request's committed tokens end where the head drafted from
-                committed = len(job.context) + 1 + len(verdict.accepted_tokens) + 1
+                committed = len(job.context_tokens) + 1 + len(verdict.accepted_tokens) + 1
                 self._head_trees[r.request_id] = (committed, verdict.next_tree)
             committed_tokens += len(outcome.tokens)
             await commit(r, outcome)

@@ -55,16 +55,16 @@ def request_seed(sampling: SamplingParams) -> int:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """One SSM draft job: grow a tree rooted at ``context``'s successor ``root_token``.
+    """One SSM draft job: grow a tree rooted at ``context_tokens``' successor ``root_token``.
 
-    ``context``: committed tokens without the root. ``draft_support``: most tokens in a sparse
+    ``context_tokens``: committed tokens without the root. ``draft_support``: most tokens in a sparse
     draft distribution under sampling. The tree is static (``expansion``) or grown best first
     within ``budget`` (:class:`~specinfer.core.dynamic_trees.BestFirstTreeBuilder`). The job draws from
     ``step_rng(seed, step, stream)``.
     """
 
     request_id: str
-    context: Sequence[int]
+    context_tokens: Sequence[int]
     root_token: int
     expansion: ExpansionConfig | None  # a static tree, or None with a ``budget``
     sampling: SamplingParams
@@ -96,12 +96,12 @@ class HeadDraft:
 
 @dataclass(frozen=True)
 class VerifySpec:
-    """One verify job: check ``draft`` (rooted at the last committed token) after ``context``
+    """One verify job: check ``draft`` (rooted at the last committed token) after ``context_tokens``
     (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``;
     ``head``: also draft the next step's tree with the verifier's draft head (None: not)."""
 
     request_id: str
-    context: Sequence[int]
+    context_tokens: Sequence[int]
     draft: DraftTree
     sampling: SamplingParams
     seed: int
@@ -330,7 +330,7 @@ def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
     if any(j.step == 0 for j in jobs):
         return None
     return VerifyShape(
-        sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context) + 1) for j in jobs)
+        sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
     )
 
 

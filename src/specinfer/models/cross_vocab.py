@@ -147,7 +147,7 @@ class CrossVocabularyLM:
         items, wanted = [], []
         for item in batch:
             sp = self._requests.setdefault(item.request_id, _Spelling())
-            if sp.sync(item.context, self.vmap, self._span) or (item.parents and item.parents[0] < 0):
+            if sp.sync(item.context_tokens, self.vmap, self._span) or (item.parents and item.parents[0] < 0):
                 sp.node_ends.clear()
                 sp.ssm_pending = 0
             tokens: list[int] = []

@@ -178,13 +178,13 @@ class HeadDrafter:
         inputs, positions, parents_of, rounds = [], [], [], []
         for item in batch:
             state = self._states[item.request_id]
-            if not self.can_draft(item.request_id, item.context):
+            if not self.can_draft(item.request_id, item.context_tokens):
                 raise ValueError(f"request {item.request_id!r}: the head has no feature at its last context token")
             first = item.parents[0] if item.parents else -1
             if first < 0:  # a new round: its root, on the true feature at the last context token
                 if len(item.parents) != 1:
                     raise ValueError("a round starts with its root alone (a child needs its parent's prediction)")
-                rnd, feats, pos, anc = None, state.last[None], [len(item.context) - 1], [[]]
+                rnd, feats, pos, anc = None, state.last[None], [len(item.context_tokens) - 1], [[]]
             else:  # children of nodes drafted in earlier calls of the round, on their parents' predictions
                 rnd = state.round
                 if rnd is None or min(item.parents) < 0 or max(item.parents) >= len(rnd.positions):

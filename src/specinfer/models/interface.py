@@ -38,7 +38,7 @@ class TreeForward:
     """
 
     request_id: str
-    context: Sequence[int]
+    context_tokens: Sequence[int]  # the committed tokens before the nodes (the whole context, every call)
     tokens: Sequence[int]
     parents: Sequence[int]
 

@@ -96,7 +96,7 @@ class ReferenceBackend:
                     BufferStorage(self._layers, self._kv_heads, self._head_dim, self._dtype, self._device)
                 )
                 self._caches[item.request_id] = cache
-            chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
+            chain = cache.sync(item.context_tokens, new_round=bool(item.parents) and item.parents[0] < 0)
             rows.append((item, cache, chain))
         q_max = max(len(chain) + len(item.tokens) for item, _, chain in rows)
         if q_max == 0:  # every cache already holds its context and no nodes came (a prefill that is up to date)
@@ -151,7 +151,7 @@ class ReferenceBackend:
         lc, lp = cache.context_len, cache.pending_len
         m, n = len(chain), len(item.tokens)
         off = q_max - m - n
-        ctx_len = lc + m  # == len(item.context)
+        ctx_len = lc + m  # == len(item.context_tokens)
         nodes = cache.node_parents(item.parents)  # pending nodes, then the new ones
         depths = torch.from_numpy(node_depths(nodes))  # [lp + n]
         ancestors = torch.from_numpy(ancestor_matrix(nodes)[lp:])  # [n, lp + n] bool

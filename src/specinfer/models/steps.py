@@ -119,7 +119,7 @@ def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generato
     top = table.probs[:k]
     q = SparseDist(table.tokens[:k], top / top.sum())
     if job.sampling.coupled:  # the root is the last committed token, at sequence index len(context)
-        tokens = coupled_children(q, job.seed, len(job.context) + depth, width)
+        tokens = coupled_children(q, job.seed, len(job.context_tokens) + depth, width)
     else:
         tokens = draw_without_replacement(q, width, rng)
     return Proposal(tuple(tokens), q, tuple(float(p) for p in q.probs[:width]))
@@ -150,7 +150,7 @@ def draft_trees(
             items.append(
                 TreeForward(
                     jobs[i].request_id,
-                    jobs[i].context,
+                    jobs[i].context_tokens,
                     builders[i].tokens_of(frontier),
                     builders[i].parents_of(frontier),
                 )
@@ -183,7 +183,7 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult
     drafts the next step's tree of each job that asks for one (:attr:`VerifySpec.head`): ``next_tree``."""
     if not jobs:
         return []
-    items = [TreeForward(j.request_id, j.context, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
+    items = [TreeForward(j.request_id, j.context_tokens, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
     if isinstance(llm, WithHead) and any(j.head is not None for j in jobs):
         logits, features = llm.llm.forward_tree_features(items)
         return head_drafts(llm.head, jobs, _verdicts(jobs, logits), features)
@@ -223,14 +223,14 @@ def head_drafts(
     from the bonus tokens, all jobs batched (:func:`draft_trees`)."""
     specs, where = [], []
     for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
-        committed = [*job.context, job.draft.tree.tokens[0], *result.accepted_tokens]
+        committed = [*job.context_tokens, job.draft.tree.tokens[0], *result.accepted_tokens]
         spec = job.head_spec(committed, result.bonus_token)
         if spec is None:
             continue
         chain = features[i].shape[0] - len(job.draft.tree)  # context tokens the LLM computed in this call
         rows = [*range(chain), chain, *(chain + u for u in result.accepted_nodes)]
         index = torch.tensor(rows, device=features[i].device)
-        head.absorb(job.request_id, committed, len(job.context) - chain, features[i].index_select(0, index))
+        head.absorb(job.request_id, committed, len(job.context_tokens) - chain, features[i].index_select(0, index))
         specs.append(spec)
         where.append(i)
     out = list(results)
@@ -257,7 +257,7 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
             # a node at depth d (the root: the last committed token, at index len(context)) is followed by index
             # len(context) + d + 1
             where.extend(range(len(index), len(index) + n))
-            meta.extend((job.seed, len(job.context) + int(d) + 1) for d in job.draft.tree.depths)
+            meta.extend((job.seed, len(job.context_tokens) + int(d) + 1) for d in job.draft.tree.depths)
             params.extend([job.sampling] * n)
         index.extend(range(start, start + n))
     # [Ng] (the argmax of every row, then these: no copy of rows)

@@ -326,7 +326,7 @@ class NativeBackend:
         requests, plans = [], []
         for item in batch:
             cache = self._cache(item.request_id)
-            chain = cache.sync(item.context, new_round=bool(item.parents) and item.parents[0] < 0)
+            chain = cache.sync(item.context_tokens, new_round=bool(item.parents) and item.parents[0] < 0)
             if (
                 chain or cache.reused
             ):  # the cache lacked context tokens: a prefix cache lookup (a hit, for cache.reused of them)
