@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,24 @@ def test_measure_times_each_shape_once_per_bucket():
     }
     assert calibrate(weights, torch.device("meta")) == GemmPlan()  # off the CPU: always linear
     assert ROW_BUCKETS[0] == 1
+
+
+def test_small_products_are_timed_over_many_calls():
+    """A product of a few microseconds is timed over many calls per timing (one call's time is mostly timer
+    and scheduling noise: the plan flipped from load to load); a slow one once per timing."""
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(2 * gemm.MIN_TIMING_SECONDS)
+
+    best = gemm._best_seconds([fast], repeats=3)
+    assert calls["fast"] >= 3 * 100 and best[0] < gemm.MIN_TIMING_SECONDS / 100
+    gemm._best_seconds([slow], repeats=3)
+    assert calls["slow"] == 1 + 1 + 3  # warm-up, the probe of its length, one call per timing
 
 
 CPUINFO_ZEN4 = (

@@ -95,17 +95,37 @@ def choose(timings: Mapping[tuple[int, int, int], tuple[float, ...]], margin: fl
     return GemmPlan(frozenset(transposed), frozenset(gemv))
 
 
+MIN_TIMING_SECONDS = 1e-3  # one timing lasts at least this: small products are timed over several calls
+
+
+def _calls_per_timing(fns) -> int:
+    """Calls per timing such that the fastest of ``fns`` takes about :data:`MIN_TIMING_SECONDS` (at most 256).
+
+    A product on a small model's weights takes ~10 us: timed one call at a time, the best of a few calls was
+    a fluke as often as not, and the plan flipped from load to load (three loads of a 256-wide fp32 model
+    chose three different plans, each with a form ~15 % slower than ``linear`` in steady state)."""
+    fastest = float("inf")
+    for fn in fns:
+        start = time.perf_counter()
+        fn()
+        fastest = min(fastest, time.perf_counter() - start)
+    return max(1, min(256, int(MIN_TIMING_SECONDS / max(fastest, 1e-7))))
+
+
 def _best_seconds(fns, repeats: int) -> list[float]:
-    """Best-of-``repeats`` time of each of ``fns``, calls interleaved so a slow spell of the machine
-    (another process, a page-cache flush) slows every form alike instead of one."""
+    """Best-of-``repeats`` time per call of each of ``fns``, each timing over enough calls to last about
+    :data:`MIN_TIMING_SECONDS`, timings interleaved so a slow spell of the machine (another process, a
+    page-cache flush) slows every form alike instead of one."""
     for fn in fns:
         fn()  # warm-up: first-call allocations and BLAS set-up
+    calls = _calls_per_timing(fns)
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - start) / calls)
     return best
 
 
