@@ -30,7 +30,7 @@ RUN pip install --no-cache-dir -r requirements/model-service.txt \
     && pip check
 # CUDA only: triton for the fused tree-attention kernel, pinned in requirements/kernels.txt (the version torch declares)
 RUN if [ "$VARIANT" = cuda ]; then pip install --no-cache-dir --no-deps -r requirements/kernels.txt; fi
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY src/ src/
 COPY kernels/ kernels/
 COPY services/ services/

@@ -19,7 +19,7 @@ WORKDIR /src
 COPY requirements/request-manager.txt requirements/
 RUN pip install --no-cache-dir -r requirements/request-manager.txt \
     && pip check
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY src/ src/
 COPY kernels/ kernels/
 COPY services/ services/

@@ -42,7 +42,7 @@ from .artifacts import (
 
 REQUIREMENTS = REPO / "requirements"
 BASE_IMAGE = re.compile(r"^python:3\.11\.\d+-slim-bookworm$")
-CONTEXT = {"pyproject.toml", "setup.py", "README.md", "src/", "kernels/", "services/", "requirements/"}
+CONTEXT = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "src/", "kernels/", "services/", "requirements/"}
 PIN = re.compile(r"^([A-Za-z0-9._-]+)==([A-Za-z0-9.+!-]+)$")
 TORCH_FREE = ("torch", "transformers", "safetensors", "triton")
 
