@@ -393,8 +393,6 @@ def connect(
     kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
     if cluster:
         if not url.startswith(("redis://", "rediss://")):
-            raise ValueError(
-                f"a Redis Cluster is reached over TCP: the URL must be redis:// or rediss://, got {url.split('://')[0]}://"
-            )
+            raise ValueError(f"a Redis Cluster needs a redis:// or rediss:// URL (TCP), got {url.split('://')[0]}://")
         return RedisCluster.from_url(url, password=password, username=username, decode_responses=False, **kwargs)
     return redis.asyncio.from_url(url, password=password, username=username, decode_responses=False, **kwargs)
