@@ -53,6 +53,11 @@ class HeadGateConfig:
         if self.block < 2 or self.explore_every < 2 or not 0.0 < self.memory <= 1.0 or self.first_on_max_batch < 0:
             raise ValueError(f"invalid head gate config {self}")
 
+    @property
+    def scored_steps(self) -> int:
+        """One block's scored steps (its first step is not scored)."""
+        return self.block - 1
+
 
 def bucket(batch_size: int) -> int:
     """The batch-size bucket: ceil(log2(batch_size)) (1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...)."""
@@ -130,7 +135,7 @@ class HeadGate:
 
     def _choose(self, b: int) -> bool:
         state = self._buckets.setdefault(b, _Bucket())
-        enough = self.config.block - 1  # one block's scored steps
+        enough = self.config.scored_steps
         if state.first is None:
             state.first = self._first_arm(b)
         first, other = (state.on, state.off) if state.first else (state.off, state.on)
@@ -147,7 +152,7 @@ class HeadGate:
         the head returns shrinks as the batch grows, so a head that does not pay at batch 4 is unlikely to at
         8: a short run at 8 should not spend its first blocks on it), else asking the head up to
         :attr:`HeadGateConfig.first_on_max_batch` requests and not asking it above."""
-        enough = self.config.block - 1
+        enough = self.config.scored_steps
         for smaller in range(b - 1, -1, -1):
             state = self._buckets.get(smaller)
             if state is not None and state.on.samples >= enough and state.off.samples >= enough:
