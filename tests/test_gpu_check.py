@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ STEPS = [
     "collect-gpu-tests",
     "kernel-tests",
     "native-vs-transformers",
+    "precision",
     "greedy-equivalence",
     "stack",
     "bench-tree-attention",
@@ -28,7 +30,7 @@ STEPS = [
     "offload",
     "kernel-tests-rest",
 ]
-CPU_STEPS = {"layout", "env", "collect-gpu-tests", "bench-tree-attention"}
+CPU_STEPS = {"layout", "env", "collect-gpu-tests", "precision", "bench-tree-attention"}
 
 
 def probe_wheel(folder: Path) -> None:
@@ -44,12 +46,13 @@ def probe_wheel(folder: Path) -> None:
         )
 
 
-def test_gpu_check_dry_run(tmp_path):
+def dry_run(tmp_path: Path, **env: str) -> tuple[Path, dict]:
+    """``gpu_check.sh --dry-run`` with ``env`` added; its output folder and summary."""
     gpu = tmp_path / "gpu"
     (gpu / "wheels").mkdir(parents=True)
     probe_wheel(gpu / "wheels")
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=sys.executable, SPECINFER_GPU_DIR=str(gpu), TMPDIR=str(tmp_path))
+    env = dict(os.environ, PYTHON=sys.executable, SPECINFER_GPU_DIR=str(gpu), TMPDIR=str(tmp_path), **env)
     done = subprocess.run(
         ["bash", str(REPO / "scripts/gpu_check.sh"), "--dry-run", str(out)],
         env=env,
@@ -58,7 +61,11 @@ def test_gpu_check_dry_run(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    return out, json.loads((out / "summary.json").read_text())
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out, summary = dry_run(tmp_path)
     status = {s["step"]: s["status"] for s in summary["steps"]}
     assert list(status) == STEPS
     assert {s: status[s] for s in CPU_STEPS} == dict.fromkeys(CPU_STEPS, "ok"), summary["steps"]
@@ -74,6 +81,20 @@ def test_gpu_check_dry_run(tmp_path):
         "test_stack_with_the_verifier_on_cuda_equals_transformers",
     ):
         assert test in collected
+    precision = (out / "precision.log").read_text()  # the CPU columns filled, the device's empty
+    number = r"\d\.\d\de-\d\d"
+    assert re.search(rf"^\| gemma2-capped \| {number} \| {number} \| - \| - \| - \|$", precision, re.M), precision
     assert "| 1 | 16 | 64 | sdpa |" in (out / "bench-tree-attention.log").read_text()
     assert "| kernel-tests | skipped (no CUDA) |" in (out / "summary.md").read_text()
     assert not list(tmp_path.glob("specinfer-gpu-check.*")), "the work folder is removed"
+
+
+def test_only_the_selected_steps_run(tmp_path):
+    """SPECINFER_GPU_CHECK_ONLY (a rerun of what failed): layout and env always, the named steps, no other."""
+    _, summary = dry_run(tmp_path, SPECINFER_GPU_CHECK_ONLY="precision stack")
+    status = {s["step"]: s["status"] for s in summary["steps"]}
+    assert list(status) == STEPS
+    assert status["layout"] == status["env"] == status["precision"] == "ok"
+    assert status["stack"] == "skipped (no CUDA)"
+    others = set(STEPS) - {"layout", "env", "precision", "stack"}
+    assert {status[s] for s in others} == {"skipped (not selected)"}, status
