@@ -20,6 +20,7 @@ from specinfer.core import (
     DraftTree,
     ExpansionConfig,
     SamplingParams,
+    SparseDist,
     TokenTree,
     TreeBuilder,
     VerifyResult,
@@ -49,6 +50,23 @@ def test_greedy_walks_the_matching_branch():
     assert verify_greedy(TokenTree.root_only(7), np.array([3])).new_tokens == (3,)
 
 
+@cache
+def synthetic_probs(seq: tuple[int, ...], salt: str, params: SamplingParams) -> np.ndarray:
+    """``process_logits`` of :func:`synthetic_logits`, cached as they are: the loops below ask for the same few
+    hundred sequences ~100k times a test. Read-only, so that no caller can change what the next one gets."""
+    probs = process_logits(synthetic_logits(seq, salt), params)
+    probs.flags.writeable = False
+    return probs
+
+
+@cache
+def synthetic_draft_dist(seq: tuple[int, ...], salt: str, params: SamplingParams, support: int) -> SparseDist:
+    """An SSM's draft distribution after ``seq``: :func:`synthetic_probs` cut to its ``support`` likeliest tokens."""
+    q = sparsify(synthetic_probs(seq, salt, params), support)
+    q.tokens.flags.writeable = q.probs.flags.writeable = False
+    return q
+
+
 def _draft(
     context: tuple[int, ...], widths: tuple[int, ...], salt: str, params: SamplingParams, rng, support: int
 ) -> DraftTree:
@@ -57,7 +75,7 @@ def _draft(
     while not builder.done:
         proposals = []
         for node in builder.frontier():
-            q = sparsify(process_logits(synthetic_logits(seqs[node], salt), params), support)
+            q = synthetic_draft_dist(seqs[node], salt, params, support)
             proposals.append((draw_without_replacement(q, builder.width(), rng), q))
         new = builder.expand(proposals)
         for n, parent, token in zip(new, builder.parents_of(new), builder.tokens_of(new), strict=True):
@@ -75,9 +93,7 @@ def _generate(verify, params, n_tokens, n_samples, salts, widths, seed, support=
             seqs = {0: context}
             for i in range(1, len(draft.tree)):
                 seqs[i] = seqs[draft.tree.parents[i]] + (draft.tree.tokens[i],)
-            res = verify(
-                draft, lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params), rng
-            )
+            res = verify(draft, lambda node, seqs=seqs: synthetic_probs(seqs[node], "llm", params), rng)
             context = context + res.new_tokens
         counts[context[1 : n_tokens + 1]] += 1
     return counts
