@@ -8,6 +8,7 @@ fixtures that use it. ``tests/test_torch_free.py`` runs those tests where ``impo
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -34,6 +35,14 @@ if torch is not None:
     # torch's thread pools do not spin against each other
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module is imported (torch, transformers, ...): their ~200k objects leave the garbage collector's
+    view (``gc.freeze``), so that its full collections, which the statistical tests' many small objects trigger,
+    stop rescanning them (~50 ms each), as the services do once they serve (``specinfer.serving.server``)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -225,3 +225,53 @@ def test_calls_are_counted_under_the_grpc_service_they_call():
         assert registry.get_sample_value("specinfer_grpc_server_handling_seconds_count", health) == 1.0
 
     asyncio.run(scenario())
+
+
+FREEZE_PROBE = """
+import asyncio, gc, os, signal, sys
+from specinfer.serving.server import ServerConfig, Service, run_service
+
+seen = {}
+kept = [[i] for i in range(50_000)]  # what start-up left: a model, modules
+
+
+async def start_up():
+    seen["during start-up"] = gc.get_freeze_count()
+
+
+def ready(port):
+    seen["port open"] = gc.get_freeze_count()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def main(with_start_up):
+    service = Service(ServerConfig("127.0.0.1", 0, 0.1), ["probe"], lambda server: None)
+    code = await run_service(service, ready=ready, start_up=start_up if with_start_up else None)
+    seen["after"] = gc.get_freeze_count()
+    print(code, seen["port open"], seen.get("during start-up", -1), seen["after"])
+
+
+asyncio.run(main(sys.argv[1] == "1"))
+"""
+
+
+@pytest.mark.parametrize("with_start_up", [False, True])
+def test_a_service_freezes_what_start_up_made_before_it_serves(with_start_up):
+    """``run_service`` moves start-up's objects out of the garbage collector's view (``gc.freeze``) once everything
+    is loaded: before the port opens, or after the start-up step (whose own objects it then covers too)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FREEZE_PROBE, "1" if with_start_up else "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    code, port_open, during, after = map(int, done.stdout.split())
+    assert code == 0
+    if with_start_up:  # the port opens before the start-up step; the freeze follows that step
+        assert port_open == 0 and during == 0 and after >= 50_000
+    else:
+        assert port_open >= 50_000 and after >= 50_000
