@@ -53,11 +53,17 @@ def binary_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> Toke
     return TokenTree(tuple(tokens), binary_tree_parents(nodes))
 
 
-def time_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: int, warmup: int, seed: int) -> list[float]:
+def time_steps(
+    model: CausalLM, batch: int, prefix: int, make_tree, steps: int, warmup: int, seed: int, step_done=None
+) -> list[float]:
+    """Seconds of each of ``steps`` verify steps (after a prefill and ``warmup`` steps); ``step_done()``, when given,
+    is called after the prefill and after every step (a profiler's ``step``)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.vocab_size
     contexts = [torch.randint(3, vocab, (prefix,), generator=gen).tolist() for _ in range(batch)]
     model.forward_tree([TreeForward(f"b{i}", c[:-1], [c[-1]], [-1]) for i, c in enumerate(contexts)])  # prefill
+    step_done = step_done or (lambda: None)
+    step_done()
     times = []
     for step in range(warmup + steps):
         items = []
@@ -73,9 +79,34 @@ def time_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: int, 
             torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+        step_done()
     for i in range(batch):
         model.release(f"b{i}")
     return times
+
+
+def profile_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: int, warmup: int, seed: int) -> dict:
+    """Where a step's time goes, from ``torch.profiler`` over ``steps`` steps (after the prefill and ``warmup``):
+    the host's operator calls per step, the device's kernel time per step (0 on a CPU), and the five operators
+    with the most host time (self, per step). A step whose wall time is far above its device time is bound by
+    the host launching work (what CUDA graphs remove), not by the device."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, schedule=schedule(wait=1 + warmup, warmup=0, active=steps)) as prof:
+        time_steps(model, batch, prefix, make_tree, steps, warmup, seed, step_done=prof.step)
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+    return {
+        "ops_per_step": sum(e.count for e in events) / steps,
+        "host_ms": sum(e.self_cpu_time_total for e in events) / steps / 1e3,
+        "device_ms": sum(device_us(e) for e in events) / steps / 1e3,
+        "top": [(e.key, e.count / steps, e.self_cpu_time_total / steps / 1e3) for e in top],
+    }
 
 
 def load(runtime: str, args: argparse.Namespace) -> CausalLM:
@@ -104,6 +135,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--kv-cache-bytes", type=float, default=4e9, help="native KV pool budget")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the smallest and largest tree of each configuration (torch.profiler): host operator "
+        "calls and time per step against the device's kernel time, and the costliest operators",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     runtimes = [r for r in args.runtimes.split(",") if r]
@@ -122,6 +159,7 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, args.device)
     configs = [(int(b), int(p)) for b in args.batch.split(",") for p in args.prefix.split(",")]
     ms: dict[tuple[str, int, int, str], float] = {}
+    profiles: dict[tuple[str, int, int, str], dict] = {}
     for (
         r
     ) in runtimes:  # one model in memory at a time: several 1B copies crowd this machine's memory and slow each other
@@ -137,6 +175,11 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+                if args.profile and label in (shapes[0][0], shapes[-1][0]):
+                    seed = batch * 1000 + prefix + nodes
+                    profiles[(r, batch, prefix, label)] = profile_steps(
+                        model, batch, prefix, make_tree, args.steps, args.warmup, seed
+                    )
         del model
         gc.collect()
     print(
@@ -154,6 +197,26 @@ def main() -> None:
                 for r in runtimes
             ]
             print(f"| {batch} | {prefix} | {label} | " + " | ".join(cells) + " |")
+    if profiles:
+        print_profiles(profiles, ms)
+
+
+def print_profiles(profiles: dict[tuple[str, int, int, str], dict], ms: dict[tuple[str, int, int, str], float]) -> None:
+    """:func:`profile_steps`' figures as a table, beside each step's unprofiled time."""
+    print()
+    print("Profiled (torch.profiler; per step; host ms: operators' own host time, under the profiler's overhead)")
+    print()
+    print(
+        "| runtime | batch | prefix | tree | step ms | operator calls (nested too) | host ms | device ms "
+        "| costliest on the host |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (r, batch, prefix, label), f in profiles.items():
+        top = ", ".join(f"{name} {calls:.0f}x {t:.2f} ms" for name, calls, t in f["top"])
+        print(
+            f"| {r} | {batch} | {prefix} | {label} | {ms[(r, batch, prefix, label)]:.1f} | {f['ops_per_step']:.0f} "
+            f"| {f['host_ms']:.1f} | {f['device_ms']:.1f} | {top} |"
+        )
 
 
 if __name__ == "__main__":

@@ -186,9 +186,9 @@ export -f inflate
 run_step inflate-7b 75 1 inflate
 have_7b() { [ -f "$LLM7B/config.json" ] || { echo "no 7B checkpoint (inflate-7b failed)" >&2; return 1; }; }
 verify_step() { have_7b && "$PY" bench/bench_step.py --llm "$LLM7B" --runtimes native --device cuda --dtype bfloat16 \
-    --batch 1 --prefix 512 --nodes 1,2,4,8,16,32,64,128 --steps 5 --warmup 2 --kv-cache-bytes 4e9; }
+    --batch 1 --prefix 512 --nodes 1,2,4,8,16,32,64,128 --steps 5 --warmup 2 --kv-cache-bytes 4e9 --profile; }
 export -f have_7b verify_step
-run_step verify-step-7b 25 1 verify_step
+run_step verify-step-7b 35 1 verify_step  # 18 s on the H100 before --profile
 compare() { have_7b && "$PY" bench/compare.py --llm "$LLM7B" --ssm "$PAIR/ssm" --prompts "$PAIR/prompts.jsonl" --count 8 \
     --new-tokens 16 --max-prompt-tokens 256 --batch 1,8 --temperatures 0 --trees "1,1,3,1,1,1,1,1;2,2,2,1" --no-sequence \
     --dtype bfloat16 --device cuda --threads 4 --out "$OUTDIR/compare"; }
