@@ -48,8 +48,9 @@ def expansion_tree(cfg: ExpansionConfig, root: int, vocab: int, gen: torch.Gener
 
 
 def binary_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
-    """A complete binary tree of ``nodes`` nodes (node i's parent is (i - 1) // 2) with random tokens."""
-    tokens = [root, *torch.randint(3, vocab, (nodes - 1,), generator=gen).tolist()]
+    """A complete binary tree of ``nodes`` nodes (node i's parent is (i - 1) // 2) with random distinct tokens
+    (siblings must differ: drawn with repeats, two of them eventually matched and the tree was refused)."""
+    tokens = [root, *(torch.randperm(vocab - 3, generator=gen)[: nodes - 1] + 3).tolist()]
     return TokenTree(tuple(tokens), binary_tree_parents(nodes))
 
 

@@ -91,6 +91,8 @@ class NativeModel:
             self._embed_extra = self._no_embed_extra
             self._layer = self._llama_layer
             self._final = self._llama_final
+        # without query/key norms, queries and keys are side by side in the qkv product: one RoPE over both
+        self._rope_qk_together = self._qk_norm == self._no_qk_norm
 
     def forward(
         self,
@@ -193,23 +195,26 @@ class NativeModel:
     def _rope(
         positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``(cos, signed_sin)``  # [T, 1, rotary_dim] each: ``signed_sin`` is sin with its first half
+        negated, so that :meth:`_rotate_all` needs no negation (the sign moves from x to sin: the same products)."""
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
-        cos = (emb.cos() * scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
-        sin = (emb.sin() * scale).to(dtype)[:, None, :]
-        return cos, sin
+        c, s = freqs.cos(), freqs.sin()
+        cos = (torch.cat([c, c], dim=-1) * scale).to(dtype)[:, None, :]  # [T, 1, rotary_dim]
+        signed_sin = (torch.cat([-s, s], dim=-1) * scale).to(dtype)[:, None, :]
+        return cos, signed_sin
 
     @staticmethod
-    def _rotate_all(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_all(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """RoPE as transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in four operations instead of five:
+        ``rotate_half(x) * sin`` is ``[-x2, x1] * [s1, s2]`` = ``[x2, x1] * [-s1, s2]``."""
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
 
     @staticmethod
-    def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the leading ``rotary_dim`` of each head (``partial_rotary_factor`` < 1), the rest unchanged."""
         rotary_dim = cos.shape[-1]
-        return torch.cat([NativeModel._rotate_all(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+        return torch.cat([NativeModel._rotate_all(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]], dim=-1)
 
     def _no_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
@@ -224,13 +229,20 @@ class NativeModel:
         t = x.shape[0]
         qkv = self.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (heads + 2 * kv_heads) * head_dim]
         q_size, kv_size = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-        q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)  # [T, heads, head_dim]
-        k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)  # [T, kv_heads, head_dim]
-        v = qkv[:, q_size + kv_size :].view(t, spec.kv_heads, spec.head_dim)
-        q, k = self._qk_norm(layer, q, k)
-        if rope is not None:
-            q = self._rotate(q, *rope)
-            k = self._rotate(k, *rope)
+        v = qkv[:, q_size + kv_size :].view(t, spec.kv_heads, spec.head_dim)  # [T, kv_heads, head_dim]
+        if self._rope_qk_together:
+            # queries and keys side by side in qkv: one RoPE over both (half the launches of one each, which a GPU
+            # step, bound by the host launching kernels, pays for)
+            qk = qkv[:, : q_size + kv_size].view(t, spec.heads + spec.kv_heads, spec.head_dim)
+            if rope is not None:
+                qk = self._rotate(qk, *rope)
+            q, k = qk[:, : spec.heads], qk[:, spec.heads :]  # [T, heads, head_dim], [T, kv_heads, head_dim]
+        else:
+            q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)
+            q, k = self._qk_norm(layer, q, k)
+            if rope is not None:
+                q, k = self._rotate(q, *rope), self._rotate(k, *rope)
         # rows of layer i: [capacity, kv_heads, head_dim], a paged pool's [num_blocks, block_size, ...]
         # flattened (a view, so the write lands in the pool); cache_rows index them in either layout
         pool.k[i].flatten(0, -3)[cache_rows] = k
