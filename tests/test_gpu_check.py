@@ -91,10 +91,10 @@ def test_gpu_check_dry_run(tmp_path):
 
 def test_only_the_selected_steps_run(tmp_path):
     """SPECINFER_GPU_CHECK_ONLY (a rerun of what failed): layout and env always, the named steps, no other."""
-    _, summary = dry_run(tmp_path, SPECINFER_GPU_CHECK_ONLY="precision stack")
+    _, summary = dry_run(tmp_path, SPECINFER_GPU_CHECK_ONLY="stack kernel-tests")
     status = {s["step"]: s["status"] for s in summary["steps"]}
     assert list(status) == STEPS
-    assert status["layout"] == status["env"] == status["precision"] == "ok"
-    assert status["stack"] == "skipped (no CUDA)"
-    others = set(STEPS) - {"layout", "env", "precision", "stack"}
+    assert status["layout"] == status["env"] == "ok"
+    assert status["stack"] == status["kernel-tests"] == "skipped (no CUDA)"
+    others = set(STEPS) - {"layout", "env", "stack", "kernel-tests"}
     assert {status[s] for s in others} == {"skipped (not selected)"}, status
