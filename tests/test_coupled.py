@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import gumbel_r, kstest
 from stats import chi_square_pvalue
-from test_verify import VOCAB, _exact, synthetic_logits  # tests/test_verify.py
+from test_verify import VOCAB, _exact, synthetic_draft_dist, synthetic_logits, synthetic_probs  # tests/test_verify.py
 
 from specinfer.core import SamplingParams, TokenTree, process_logits, sparsify
 from specinfer.core.coupled import coupled_children, coupled_token, noise_at, position_noise, verify_coupled
@@ -42,7 +42,7 @@ def _draft_tree(
     for depth, width in enumerate(widths, start=1):
         nxt = []
         for node in frontier:
-            q = sparsify(process_logits(synthetic_logits(seqs[node], salt), params), VOCAB)
+            q = synthetic_draft_dist(seqs[node], salt, params, VOCAB)
             for token in coupled_children(q, seed, len(context) - 1 + depth, width):
                 if rng.random() < keep:
                     tokens.append(token)
@@ -67,7 +67,7 @@ def _generate(
             seqs[i] = seqs[tree.parents[i]] + (tree.tokens[i],)
         res = verify_coupled(
             tree,
-            lambda node, seqs=seqs: process_logits(synthetic_logits(seqs[node], "llm"), params),
+            lambda node, seqs=seqs: synthetic_probs(seqs[node], "llm", params),
             noise,
             len(context) - 1,
         )
