@@ -20,26 +20,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny configurations of the native tests: one home for them
 
-from test_native import _tiny_configs  # noqa: E402
+from test_native import _rel, _tiny_configs, save_tiny_checkpoint, tiny_prompts  # noqa: E402
 
 from specinfer.models.interface import TreeForward  # noqa: E402
 from specinfer.models.native import NativeBackend, NativeOptions  # noqa: E402
 
 DEFAULT_MODELS = ("gemma2-capped", "gemma2", "llama-gqa", "qwen3", "gemma3")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double().cpu() - b).abs().max() / b.abs().max())
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)  # the prompts of test_prefill_and_tree_steps_match_transformers
-    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
 
 
 def _hf_logits(model, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
@@ -55,17 +45,10 @@ def _native_logits(path: Path, prompts: list[list[int]], device: str, attention:
 
 
 def measure(name: str, device: str | None, workdir: Path) -> dict[str, float | None]:
-    """The errors of one tiny model (built as the ``checkpoint`` fixture of tests/test_native.py builds it)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_tiny_configs()[name]).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("bias") or "norm" in pname:
-                p.add_(torch.randn_like(p) * 0.1)
+    """The errors of one tiny model (the ``checkpoint`` fixture's of tests/test_native.py, on its prompts)."""
     path = workdir / name
-    model.save_pretrained(path)
-    hf32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    prompts = _prompts()
+    hf32 = save_tiny_checkpoint(name, path)
+    prompts = tiny_prompts()
     oracle = _hf_logits(copy.deepcopy(hf32).double(), prompts, "cpu")
 
     def worst(outs: list[torch.Tensor]) -> float:

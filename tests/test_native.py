@@ -140,18 +140,29 @@ def _tiny_configs():
     }
 
 
+def save_tiny_checkpoint(name: str, path):
+    """The tiny random model ``name`` of :func:`_tiny_configs`, saved to ``path``; returns transformers' fp32 model
+    loaded back from it (the oracle). Also scripts/gpu_precision.py's models."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_configs()[name]).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a forgotten term shows
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def tiny_prompts() -> list[list[int]]:
+    """The prompts the prefill test (and scripts/gpu_precision.py) feed the tiny models."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
+
+
 @pytest.fixture(scope="module", params=list(_tiny_configs()))
 def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = _tiny_configs()[request.param]
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # non-trivial biases and norms, so a forgotten term shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return path, save_tiny_checkpoint(request.param, path)
 
 
 def _node_sequences(item: TreeForward) -> list[list[int]]:
@@ -184,8 +195,7 @@ def test_prefill_and_tree_steps_match_transformers(checkpoint, gemm, kv_block_si
             NativeOptions(kv_cache_bytes=1 << 24, attention="torch", gemm=gemm, kv_block_size=kv_block_size)
         ),
     )
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 9, 40, 23)]
+    prompts = tiny_prompts()
     # prefill: the whole prompt as a chain (context empty) -> logits after every token
     chains = native.forward_tree(
         [TreeForward(f"r{i}", [], p, list(range(-1, len(p) - 1))) for i, p in enumerate(prompts)]
