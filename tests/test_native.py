@@ -150,7 +150,9 @@ def save_tiny_checkpoint(name: str, path):
             if pname.endswith("bias") or "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # eager: the attention as the model defines it. transformers' SDPA attention drops Gemma 2's attention soft-cap,
+    # and releases before 5.23 (5.17 on the first GPU machine) chose it for Gemma 2: that was the 1.6e-4 gap on CUDA
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def tiny_prompts() -> list[list[int]]:
