@@ -6,7 +6,9 @@ prefix; each timed step commits the previous root, as a real decode loop does, s
 (i - 1) // 2: depth log2(n), like the wide trees speculation verifies); ``--expansion`` times one expansion
 tree instead. Runtimes (``--runtimes``):
 
-- ``native``: our runtime, each matrix product in the form measured fastest at load (``gemm auto``);
+- ``native``: our runtime, each matrix product in the form measured fastest at load (``gemm auto``); on a CUDA
+  device its steps replay CUDA graphs (``--cuda-graph-tokens``' default);
+- ``native-eager``: the same without CUDA graphs (on a CPU it is ``native``);
 - ``native-linear``: our runtime with every product through ``F.linear`` (the form before the measurement);
 - ``reference``: transformers' own forward with a tree attention mask (one token = its incremental step).
 
@@ -31,7 +33,7 @@ from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.loading import load_backend
 from specinfer.models.native import NativeBackend, NativeOptions
 
-RUNTIMES = ("native", "native-linear", "reference")
+RUNTIMES = ("native", "native-eager", "native-linear", "reference")
 
 
 def expansion_tree(cfg: ExpansionConfig, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
@@ -111,9 +113,13 @@ def profile_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: in
 
 
 def load(runtime: str, args: argparse.Namespace) -> CausalLM:
+    dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
     if runtime == "native-linear":
-        dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
         return NativeBackend.load(args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), gemm="linear"))
+    if runtime == "native-eager":
+        return NativeBackend.load(
+            args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), cuda_graph_tokens=0)
+        )
     backend = "native" if runtime == "native" else "reference"
     return load_backend(
         args.llm, "llm", args.dtype, args.device, backend=backend, kv_cache_bytes=int(args.kv_cache_bytes)
@@ -129,7 +135,7 @@ def main() -> None:
     ap.add_argument(
         "--expansion", default="", help=f"time this expansion tree instead of --nodes, e.g. {PAPER_EXPANSION}"
     )
-    ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    ap.add_argument("--runtimes", default="native,native-linear,reference", help=f"some of {', '.join(RUNTIMES)}")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -140,8 +140,11 @@ def pack_bits(mask: np.ndarray, num_words: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-def _to_device(arrays: Sequence[Sequence[int] | np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """int32 copies of ``arrays`` on ``device`` with one host-to-device transfer (views into one buffer).
+def _to_device(
+    arrays: Sequence[Sequence[int] | np.ndarray], device: torch.device | str, into: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """int32 copies of ``arrays`` on ``device`` with one host-to-device transfer (views into one buffer); ``into``:
+    that buffer, already on the device (a CUDA graph's static input), overwritten instead of a new one.
 
     Each array starts on a 16-byte boundary so the kernel's pointer arguments keep Triton's divisibility-16
     specialisation (an unaligned view would trigger another compilation of the kernel).
@@ -152,8 +155,146 @@ def _to_device(arrays: Sequence[Sequence[int] | np.ndarray], device: torch.devic
     buf = np.zeros(int(offsets[-1]), dtype=np.int32)
     for p, off in zip(parts, offsets, strict=False):
         buf[off : off + p.size] = p.ravel()
-    dev = torch.from_numpy(buf).to(device)
+    if into is None:
+        dev = torch.from_numpy(buf).to(device)
+    else:
+        if into.shape != buf.shape:
+            raise ValueError(f"the static metadata buffer holds {into.numel()} words, this step's needs {buf.size}")
+        dev = into
+        dev.copy_(torch.from_numpy(buf))
     return [dev[off : off + p.size].view(p.shape) for p, off in zip(parts, offsets, strict=False)]
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class MetadataShape:
+    """The sizes a step's metadata is padded to (:func:`pad_metadata`), so that steps of one shape share every tensor
+    shape, stride and launch parameter: what a CUDA graph captures once and replays (``models.native.graphs``).
+
+    ``batch``: segments (requests); ``queries``: rows of q; ``max_queries``: the launch grid's rows per segment;
+    ``words`` and ``bit_rows``: the ancestor bitmask's; ``table_width``: block-table entries per segment (paged; 0:
+    contiguous); ``max_prefix_len``: the prefix the split-KV heuristic plans for."""
+
+    batch: int
+    queries: int
+    max_queries: int
+    words: int
+    bit_rows: int
+    table_width: int
+    max_prefix_len: int
+
+    @staticmethod
+    def covering(meta: TreeAttentionMetadata, queries: int, min_prefix: int = 256) -> MetadataShape:
+        """The shape of ``meta`` with each size rounded up to a power of two (``queries``: q's rows, at least
+        ``meta.total_queries``; the prefix to at least ``min_prefix``), so few shapes cover many steps."""
+        if queries < meta.total_queries:
+            raise ValueError(f"{queries} query rows cannot hold the step's {meta.total_queries}")
+        return MetadataShape(
+            batch=next_power_of_two(meta.batch_size),
+            queries=queries,
+            max_queries=next_power_of_two(meta.max_queries),
+            words=next_power_of_two(meta.num_words),
+            bit_rows=next_power_of_two(meta.anc_bits.shape[0]),
+            table_width=next_power_of_two(meta.block_table.shape[1]) if meta.block_table is not None else 0,
+            max_prefix_len=next_power_of_two(max(meta.max_prefix_len, min_prefix)),
+        )
+
+    def holds(self, meta: TreeAttentionMetadata, queries: int) -> bool:
+        """Whether ``meta`` with ``queries`` rows of q fits this shape (:func:`pad_metadata` accepts it)."""
+        return (
+            meta.batch_size <= self.batch
+            and meta.total_queries <= queries == self.queries
+            and meta.max_queries <= self.max_queries
+            and meta.num_words <= self.words
+            and meta.anc_bits.shape[0] <= self.bit_rows
+            and (meta.block_table is None) == (self.table_width == 0)
+            and (meta.block_table is None or meta.block_table.shape[1] <= self.table_width)
+        )
+
+
+def pad_metadata(
+    meta: TreeAttentionMetadata,
+    shape: MetadataShape,
+    cache_len: int,
+    device: torch.device | str,
+    into: torch.Tensor | None = None,
+) -> TreeAttentionMetadata:
+    """``meta`` (any device; its tensors are read back on the host) padded to ``shape``: the same attention for its
+    segments, whose queries stay rows ``[0, meta.total_queries)`` of q, and nothing for the rest.
+
+    Padding adds segments without queries (``q_start`` repeats the last row, so every program of theirs exits at
+    once; each stands for a one-node chain without prefix), zero ancestor words and rows, -1 block-table entries,
+    and query rows ``[meta.total_queries, shape.queries)`` that belong to no segment: their output rows are left
+    unwritten (whatever the buffer held), which is harmless where every later operation works row by row and only
+    the real rows are read. ``cache_len``: the caches' first dimension (what the launch may address).
+    ``max_prefix_len`` is the shape's, so the split-KV count (:func:`specinfer.kernels.launch.choose_config`) is a
+    function of the shape alone. ``into``: the device buffer to overwrite (:func:`_to_device`)."""
+    if not shape.holds(meta, shape.queries):
+        raise ValueError(f"{shape} does not hold a step of {meta.batch_size} segments and {meta.total_queries} queries")
+    batch, pad = meta.batch_size, shape.batch - meta.batch_size
+    q_start = np.full(shape.batch + 1, meta.q_starts[-1], dtype=np.int32)
+    q_start[: batch + 1] = meta.q_starts
+    rows, words = meta.anc_bits.shape
+    anc_bits = np.zeros((shape.bit_rows, shape.words), dtype=np.int32)
+    anc_bits[:rows, :words] = meta.anc_bits.cpu().numpy()  # higher words of a row are zero: bits j // 32 stay put
+    node_depth = np.zeros(shape.bit_rows, dtype=np.int32)
+    node_depth[:rows] = meta.node_depth.cpu().numpy()
+    extra: list[np.ndarray] = []
+    if meta.block_table is not None:
+        table = np.full((shape.batch, shape.table_width), -1, dtype=np.int32)
+        table[:batch, : meta.block_table.shape[1]] = meta.block_table.cpu().numpy()
+        extra = [table]
+    arrays = [
+        q_start,
+        (*meta.kv_starts, *(0,) * pad),
+        (*meta.prefix_lens, *(0,) * pad),
+        (*meta.tree_lens, *(1,) * pad),
+        np.concatenate([meta.anc_row_start.cpu().numpy(), np.full(pad, -1, dtype=np.int32)]),
+        anc_bits,
+        node_depth,
+        *extra,
+    ]
+    q_start_t, kv_start, prefix_len, tree_len, anc_row_start, anc_bits_t, node_depth_t, *paged = _to_device(
+        arrays, device, into
+    )
+    return TreeAttentionMetadata(
+        q_start=q_start_t,
+        kv_start=kv_start,
+        prefix_len=prefix_len,
+        tree_len=tree_len,
+        anc_row_start=anc_row_start,
+        anc_bits=anc_bits_t,
+        node_depth=node_depth_t,
+        parents=(*meta.parents, *((-1,),) * pad),
+        q_starts=tuple(int(x) for x in q_start),
+        tree_lens=(*meta.tree_lens, *(1,) * pad),
+        prefix_lens=(*meta.prefix_lens, *(0,) * pad),
+        kv_starts=(*meta.kv_starts, *(0,) * pad),
+        is_chain=(*meta.is_chain, *(True,) * pad),
+        num_queries=(*meta.num_queries, *(0,) * pad),
+        batch_size=shape.batch,
+        total_nodes=meta.total_nodes + pad,
+        total_queries=shape.queries,
+        max_tree_len=meta.max_tree_len,
+        max_queries=shape.max_queries,
+        max_prefix_len=shape.max_prefix_len,
+        num_words=shape.words,
+        cache_len=cache_len,
+        block_size=meta.block_size,
+        block_table=paged[0] if paged else None,
+        block_tables=(*meta.block_tables, *((),) * pad) if meta.block_table is not None else (),
+    )
+
+
+def padded_buffer_words(shape: MetadataShape) -> int:
+    """int32 words of the device buffer holding a step of ``shape``'s padded metadata (:func:`pad_metadata`)."""
+    sizes = [shape.batch + 1, *(shape.batch,) * 4, shape.bit_rows * shape.words, shape.bit_rows]
+    if shape.table_width:
+        sizes.append(shape.batch * shape.table_width)
+    return sum(-(-n // 4) * 4 for n in sizes)
 
 
 def build_tree_metadata(

@@ -151,6 +151,8 @@ def tree_attention_ref(
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
+        if not meta.num_queries[b]:
+            continue  # a padding segment (metadata.pad_metadata)
         qb = q[meta.q_starts[b] : meta.q_starts[b + 1]]  # [nq, H, D]
         kb, vb = _request_kv_by_position(k_cache, v_cache, meta, b)  # [L, H_kv, D] each
         kb = kb.float().repeat_interleave(group, dim=1)  # [L, H, D]; query head h reads kv head h // group
@@ -199,6 +201,8 @@ def tree_attention_sdpa(
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     for b in range(meta.batch_size):
+        if not meta.num_queries[b]:
+            continue  # a padding segment (metadata.pad_metadata)
         qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
         # head-major copies: the token-major cache slices are strided, which CPU SDPA handles far slower
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]

@@ -154,6 +154,8 @@ if [ "$HAS_CUDA" != 1 ]; then # what the CUDA steps would run, collected: the la
         tests/test_native.py tests/test_model_families.py tests/test_greedy_equivalence.py
 fi
 pytest_step kernel-tests 60 1 cuda -m gpu tests/kernels
+# CUDA graphs (on by default on CUDA, so the steps below replay them too): captured steps against eager ones
+pytest_step graphs 60 1 cuda tests/test_graphs.py
 pytest_step native-vs-transformers 75 1 cuda tests/test_native.py tests/test_model_families.py \
     -k "transformers or incremental_expansion or packed_step_runs"
 # fp32 error of each path (transformers and ours, CPU and device, PyTorch attention and the kernel) against fp64
@@ -187,10 +189,11 @@ inflate() {
 export -f inflate
 run_step inflate-7b 75 1 inflate
 have_7b() { [ -f "$LLM7B/config.json" ] || { echo "no 7B checkpoint (inflate-7b failed)" >&2; return 1; }; }
-verify_step() { have_7b && "$PY" bench/bench_step.py --llm "$LLM7B" --runtimes native --device cuda --dtype bfloat16 \
+# native replays CUDA graphs, native-eager does not
+verify_step() { have_7b && "$PY" bench/bench_step.py --llm "$LLM7B" --runtimes native,native-eager --device cuda --dtype bfloat16 \
     --batch 1 --prefix 512 --nodes 1,2,4,8,16,32,64,128 --steps 5 --warmup 2 --kv-cache-bytes 4e9 --profile; }
 export -f have_7b verify_step
-run_step verify-step-7b 35 1 verify_step  # 18 s on the H100 before --profile
+run_step verify-step-7b 60 1 verify_step  # 32 s on the H200 for native alone, with --profile
 compare() { have_7b && "$PY" bench/compare.py --llm "$LLM7B" --ssm "$PAIR/ssm" --prompts "$PAIR/prompts.jsonl" --count 8 \
     --new-tokens 16 --max-prompt-tokens 256 --batch 1,8 --temperatures 0 --trees "1,1,3,1,1,1,1,1;2,2,2,1" --no-sequence \
     --dtype bfloat16 --device cuda --threads 4 --out "$OUTDIR/compare"; }

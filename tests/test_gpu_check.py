@@ -19,6 +19,7 @@ STEPS = [
     "env",
     "collect-gpu-tests",
     "kernel-tests",
+    "graphs",
     "native-vs-transformers",
     "precision",
     "greedy-equivalence",

@@ -94,6 +94,7 @@ class ModelRuntime:
     prefix_caching: bool = True
     offload: bool = False
     offload_reserve_bytes: int = 0
+    cuda_graph_tokens: int = 512  # on CUDA, steps up to this many tokens replay CUDA graphs (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))

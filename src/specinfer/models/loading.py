@@ -33,6 +33,7 @@ def load_backend(
     offload: bool = False,
     offload_reserve_bytes: int = 0,
     prefix_caching: bool = True,
+    cuda_graph_tokens: int = 512,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
     Qwen3, Phi-3, Gemma 2 / 3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
@@ -42,7 +43,8 @@ def load_backend(
     of a request, prompt and output (native backend; 0: the model's limit); ``offload``: decoder layers
     in host memory, streamed to the device layer by layer, within ``offload_reserve_bytes`` of device
     memory (0: no bound; native backend only, docs/offloading.md); ``prefix_caching``: with
-    a paged pool, requests share the KV blocks of common context prefixes (native backend)."""
+    a paged pool, requests share the KV blocks of common context prefixes (native backend); ``cuda_graph_tokens``:
+    on CUDA, steps of at most this many tokens replay CUDA graphs (native backend; 0: never)."""
     # every setting is checked before anything is logged or loaded: a bad one is the one line on stderr
     requested, dtype = dtype, resolve_dtype(dtype, device)
     if backend not in BACKENDS:
@@ -53,6 +55,8 @@ def load_backend(
         raise InvalidArgument("max-seq-len", f"must be >= 0, got {max_seq_len}")
     if offload_reserve_bytes < 0:
         raise InvalidArgument("offload-reserve-bytes", f"must be >= 0, got {offload_reserve_bytes}")
+    if cuda_graph_tokens < 0:
+        raise InvalidArgument("cuda-graph-tokens", f"must be >= 0, got {cuda_graph_tokens}")
     if offload_reserve_bytes and not offload:
         raise InvalidArgument("offload-reserve-bytes", "bounds offloading's device memory: it needs --offload")
     if offload and backend == "reference":
@@ -80,6 +84,7 @@ def load_backend(
                 offload=offload,
                 offload_reserve_bytes=offload_reserve_bytes,
                 prefix_caching=prefix_caching,
+                cuda_graph_tokens=cuda_graph_tokens,
             )
             check_kv_budget(spec, options)
             log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)

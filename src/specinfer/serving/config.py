@@ -284,6 +284,13 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(
         parser, "--attention", default="auto", help="tree attention of the native backend: auto, triton or torch"
     )
+    add_setting(
+        parser,
+        "--cuda-graph-tokens",
+        int,
+        512,
+        help="on a CUDA device, steps of at most this many tokens replay CUDA graphs (native backend; 0: never)",
+    )
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")
     add_setting(
         parser,

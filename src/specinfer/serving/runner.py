@@ -43,6 +43,7 @@ def load_model(
         offload,
         offload_reserve_bytes,
         settings.prefix_caching,
+        settings.cuda_graph_tokens,
     )
 
 
@@ -59,6 +60,7 @@ def model_identity(
         settings.prefix_caching,
         offload,
         offload_reserve_bytes,
+        settings.cuda_graph_tokens,
     )
     return ModelIdentity.of(path, runtime)
 

@@ -16,9 +16,11 @@ import torch
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
+from specinfer.kernels import HAS_TRITON
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
+from specinfer.models.native.graphs import GraphRunner
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel, RopeTables
 from specinfer.models.native.offload import offload_weights
@@ -28,6 +30,7 @@ from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, S
 from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
 
 GEMM_CHOICES = ("auto", "linear", "transposed")
+DEFAULT_GRAPH_TOKENS = 512  # a decode batch of 64 requests with trees of 8 nodes
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,9 @@ class NativeOptions:
     ``offload_reserve_bytes``: most device bytes offloading may use for staging and resident
     weights (0: no bound); ``prefix_caching``: with a paged pool, full blocks of committed context
     are cached and a request whose context starts with cached blocks takes them instead of
-    computing them (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share)."""
+    computing them (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share);
+    ``cuda_graph_tokens``: on a CUDA device, with the Triton attention and without offloading, steps of at most this
+    many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -57,8 +62,11 @@ class NativeOptions:
     offload: bool = False
     offload_reserve_bytes: int = 0
     prefix_caching: bool = True
+    cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_tokens < 0:
+            raise ValueError(f"cuda_graph_tokens must be >= 0, got {self.cuda_graph_tokens}")
         if self.offload_reserve_bytes < 0:
             raise ValueError(f"offload_reserve_bytes must be >= 0, got {self.offload_reserve_bytes}")
         if self.gemm not in GEMM_CHOICES:
@@ -165,6 +173,14 @@ def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> RopeTables
     return RopeTables(default_inv_freq(spec.rope_theta, spec.rotary_dim).to(device), 1.0, local)
 
 
+def uses_cuda_graphs(options: NativeOptions, device: torch.device) -> bool:
+    """Whether steps replay CUDA graphs (:mod:`.graphs`): a CUDA device, the Triton attention (the PyTorch path builds
+    masks on the host inside the step, which a capture cannot hold), no offloading (it streams layers with events
+    the host waits on) and ``cuda_graph_tokens`` > 0."""
+    triton = options.attention == "triton" or (options.attention == "auto" and HAS_TRITON)
+    return device.type == "cuda" and triton and not options.offload and options.cuda_graph_tokens > 0
+
+
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     """Unscaled RoPE inverse frequencies of ``dim`` rotary dimensions with base ``theta``.  # [dim / 2] float32"""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -231,7 +247,13 @@ class NativeBackend:
         model = NativeModel(
             spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers
         )
-        return cls(spec, LocalRunner(model, new_pool(spec, options, device, geometry), device), options)
+        pool = new_pool(spec, options, device, geometry)
+        runner = (
+            GraphRunner(model, pool, device, options.cuda_graph_tokens)
+            if uses_cuda_graphs(options, device)
+            else LocalRunner(model, pool, device)
+        )
+        return cls(spec, runner, options)
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)

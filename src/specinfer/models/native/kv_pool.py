@@ -24,7 +24,13 @@ class KVCacheFull(ResourceExhausted, RuntimeError):
 
 class PoolTensors:
     """The K and V tensors of a KV pool (``[layers, *row_shape, kv_heads, head_dim]``, where
-    ``row_shape`` addresses one token row) and what every layout does with them alike."""
+    ``row_shape`` addresses one token row) and what every layout does with them alike.
+
+    ``scratch_row``: a row of the pool flattened to ``[rows, kv_heads, head_dim]`` that no request owns (the layouts
+    allocate one beyond their requests' rows), where a padded step (:mod:`.graphs`) writes the K/V of its padding
+    tokens: they would otherwise overwrite a request's."""
+
+    scratch_row: int
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, row_shape: tuple[int, ...]) -> None:
         shape = (spec.layers, *row_shape, spec.kv_heads, spec.head_dim)
@@ -53,7 +59,9 @@ class KVPool(PoolTensors):
     ) -> None:
         if num_slots <= 0:
             raise ValueError("the KV budget does not hold a single slot; raise the budget or lower max_seq_len")
-        super().__init__(spec, dtype, device, (num_slots * slot_len,))  # k, v: [layers, capacity, kv_heads, head_dim]
+        # k, v: [layers, capacity + 1, kv_heads, head_dim]: the slots' rows, then the scratch row
+        super().__init__(spec, dtype, device, (num_slots * slot_len + 1,))
+        self.scratch_row = num_slots * slot_len
         self.slot_len = slot_len
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))

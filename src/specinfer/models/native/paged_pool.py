@@ -72,9 +72,10 @@ class PagedKVPool(PoolTensors):
             raise ValueError(f"kv_block_size must be >= 1 for a paged pool, got {block_size}")
         if num_blocks <= 0:
             raise ValueError(f"the KV budget does not hold a single KV block of {block_size} tokens; raise the budget")
-        super().__init__(
-            spec, dtype, device, (num_blocks, block_size)
-        )  # k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
+        # k, v: [layers, num_blocks + 1, block_size, kv_heads, head_dim]: the blocks, then one never handed out, whose
+        # first row is the scratch row
+        super().__init__(spec, dtype, device, (num_blocks + 1, block_size))
+        self.scratch_row = num_blocks * block_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
