@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -124,6 +125,11 @@ def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stay
                 rf"{name} SERVING again on {re.escape(address)} \(pid (\d+), restart 1,", 300, f"{name} serving again"
             )
             assert int(back[1]) != old_pid
+            # restarted with SIGINT and SIGTERM unblocked (the supervisor blocks them around the fork): it stops when
+            # asked to
+            status = Path(f"/proc/{back[1]}/status").read_text()
+            blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+            assert not blocked & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)), status
             assert check(address, timeout=5) == "SERVING", name
         # the restarted request manager serves
         after = prompts[:2]

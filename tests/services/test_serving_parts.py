@@ -275,3 +275,44 @@ def test_a_service_freezes_what_start_up_made_before_it_serves(with_start_up):
         assert port_open == 0 and during == 0 and after >= 50_000
     else:
         assert port_open >= 50_000 and after >= 50_000
+
+
+SIGNAL_PROBE = """
+import asyncio, sys
+from specinfer.serving.server import ServerConfig, Service, run_service
+
+
+async def main():
+    service = Service(ServerConfig("127.0.0.1", 0, 0.1), ["probe"], lambda server: None)
+    code = await run_service(service, ready=lambda port: print("ready", flush=True))
+    print("stopped", code, flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_service_started_with_the_stop_signals_blocked_still_stops_on_them():
+    """A signal mask survives fork and exec: ``specinfer up`` blocks SIGINT and SIGTERM around a member's restart (so
+    that Ctrl-C cannot orphan it mid-fork), and a member started then had them blocked for life, deaf to a graceful
+    stop (docker stop, systemd, the launcher's own). ``run_service`` unblocks them."""
+    import signal
+    import subprocess
+    import sys
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SIGNAL_PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert out.split() == ["stopped", "0"]
+    finally:
+        proc.kill()
+        proc.wait()

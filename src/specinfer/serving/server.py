@@ -196,6 +196,9 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # a signal mask survives fork and exec: a parent that started us with these blocked (specinfer up blocks them
+    # around a member's restart, so that Ctrl-C cannot orphan it mid-fork) would leave us deaf to a graceful stop
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     if start_up is None:  # everything is loaded: freeze before the port opens, so no call waits for the collection
         freeze_start_up_objects()
     await service.start(serving=start_up is None)
