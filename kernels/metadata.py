@@ -166,6 +166,7 @@ def _to_device(
 
 
 def next_power_of_two(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 

@@ -164,3 +164,22 @@ def test_cuda_graphs_only_where_they_can_run():
         NativeOptions(cuda_graph_tokens=-1)
     with pytest.raises(ValueError, match="CUDA device"):
         GraphRunner(None, None, torch.device("cpu"), 64, capture=True)
+
+
+def test_a_failed_capture_leaves_the_steps_eager(tmp_path):
+    """A capture that raises (an operation a graph cannot hold, say) is logged, recorded and ends capturing for the
+    runner's life; that step and every later one run eagerly with the eager logits."""
+    save_tiny_checkpoint("llama-gqa", tmp_path)
+    eager, graphs = _backends(tmp_path, "llama-gqa", 16, "torch")
+    runner = graphs.runner
+    runner.capture = True  # as on CUDA, with a capture that fails
+
+    def failing_capture(padded):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner._capture = failing_capture
+    for i, call in enumerate(_script(eager.vocab_size)[:3]):
+        for w, g in zip(eager.forward_tree(call), graphs.forward_tree(call), strict=True):
+            assert _rel(g, w.cpu()) < 1e-5, f"call {i}"
+    assert "operation not permitted" in runner.capture_error
+    assert runner.graphs == 0 and runner.max_graphs == 0 and runner.eager_steps == 3

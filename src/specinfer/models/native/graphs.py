@@ -2,7 +2,8 @@
 
 On a GPU a verify step of a 7B model launches about a thousand kernels, and the host, not the device, sets its
 pace (BENCHMARKS.md, "First run on a GPU": 15.9 ms a 1-node step against a ~4.6 ms weight-streaming floor). A CUDA
-graph records those launches once and replays them with one call, from fixed device addresses and shapes.
+graph records those launches once and replays them with one call, from fixed device addresses and shapes. On an
+H200 that step went from 39.2 ms to 6.3 ms (BENCHMARKS.md, "CUDA graphs on an H200"), bound by the device now.
 
 Steps vary (how many requests, tokens, tree nodes, KV blocks), so each one is *padded* to a :class:`StepShape`:
 every size rounded up to a power of two. The step's inputs are copied into that shape's static buffers (two
@@ -19,8 +20,9 @@ in bf16 the last bits can differ from an eager step of the exact size, as they d
 
 A shape's graph is captured on its first step (after one eager warm-up that compiles the Triton variants), up to
 ``max_graphs`` shapes; steps of more than ``max_tokens`` tokens (prefill) or of a shape past that bound run eagerly,
-as do steps that want features (draft heads). Without CUDA the same padded path runs eagerly (``capture=False``):
-that is how the padding is tested on a CPU (``tests/test_graphs.py``).
+as do steps that want features (draft heads). A capture that fails (logged once, :attr:`GraphRunner.capture_error`)
+turns graphs off for the runner's life: the steps run eagerly, the requests are served. Without CUDA the same
+padded path runs eagerly (``capture=False``): that is how the padding is tested on a CPU (``tests/test_graphs.py``).
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ class GraphRunner(LocalRunner):
                     self.capture_error = repr(exc)
                     self.max_graphs = 0
                     del self._steps[shape]
-                    torch.cuda.synchronize(self.device)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # what the failed capture queued, done first
                     self.eager_steps += 1
                     return super().run(step)
         else:
