@@ -38,6 +38,7 @@ class GenerateConfig:
     # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
     calibration_cache: str = ""
     head: Path | None = None  # a draft head of the LLM (specinfer train-head): adaptive trees also draft with it
+    device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,12 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float16", "bfloat16"],
         help="auto (default): bfloat16 where the device computes in it natively, "
         "else float16 on a GPU, float32 on a CPU",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the LLM and the SSMs: cpu (default), cuda or cuda:N (on CUDA the native runtime "
+        "replays its steps as CUDA graphs)",
     )
     p.add_argument(
         "--backend",
@@ -149,6 +156,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         offload_reserve_bytes=args.offload_reserve_bytes,
         calibration_cache=args.calibration_cache,
         head=Path(args.head) if args.head else None,
+        device=args.device,
     )
 
 
@@ -161,7 +169,9 @@ def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
         reserve = cfg.offload_reserve_bytes if offload else 0
         return ModelIdentity.of(
             path,
-            ModelRuntime(cfg.dtype, "cpu", cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve),
+            ModelRuntime(
+                cfg.dtype, cfg.device, cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve
+            ),
         )
 
     cache = CalibrationCache.from_setting(cfg.calibration_cache, os.environ)
@@ -179,6 +189,7 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
         cfg.llm,
         "llm",
         cfg.dtype,
+        cfg.device,
         backend=cfg.backend,
         attention=cfg.attention,
         offload=cfg.offload,
@@ -192,7 +203,7 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
         vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, backend=cfg.backend, attention=cfg.attention)
+        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, cfg.device, backend=cfg.backend, attention=cfg.attention)
         if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
             print(
                 f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "

@@ -95,6 +95,14 @@ def taken_port() -> Iterator[int]:
             {},
             "--max-new-tokens: invalid int value: 'many'; e.g. --max-new-tokens 128",
         ),
+        (
+            CLI,
+            ["generate", "--llm", LLM, "--device", "tpu", "x"],
+            {},
+            "--device: must be cpu, cuda or cuda:N, got 'tpu'",
+        ),
+        # no such device: none at all on a CPU machine ("sees no CUDA device here, e.g. cpu"), or too few
+        (VERIFIER, ["--llm", LLM], {"SPECINFER_DEVICE": "cuda:9"}, "--device: 'cuda:9': "),
     ],
 )
 def test_bad_flag_or_environment_value(module, argv, env, expected):

@@ -42,9 +42,29 @@ def _this_cpu_flags() -> frozenset[str]:
     return cpu_flags(path.read_text()) if path.is_file() else frozenset()
 
 
+def check_device(device: str) -> str:
+    """``device`` when this machine has it (``cpu``, ``cuda``, ``cuda:N``); else :class:`InvalidArgument` naming the
+    ``device`` field and a device that is there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument("device", f"must be cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgument("device", f"must be cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidArgument("device", f"{device!r}: torch {torch.__version__} sees no CUDA device here, e.g. cpu")
+        if dev.index is not None and dev.index >= count:
+            raise InvalidArgument("device", f"{device!r}: this machine has {count} CUDA device(s), e.g. cuda:0")
+    return device
+
+
 def resolve_dtype(name: str, device: str) -> str:
     """``name`` (one of :data:`DTYPE_CHOICES`) as a concrete dtype name for ``device``; raises
-    :class:`InvalidArgument` naming the ``dtype`` field for anything else."""
+    :class:`InvalidArgument` naming the ``dtype`` field for anything else, or the ``device`` field for a device this
+    machine lacks (:func:`check_device`)."""
+    check_device(device)
     if name in DTYPES:
         return name
     if name != "auto":
