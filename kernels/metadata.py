@@ -140,6 +140,12 @@ def pack_bits(mask: np.ndarray, num_words: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
+def _aligned_offsets(sizes: Sequence[int]) -> np.ndarray:
+    """Where arrays of ``sizes`` int32 words start in :func:`_to_device`'s buffer, each on a 16-byte boundary, and
+    (last) the buffer's length.  # [len(sizes) + 1]"""
+    return np.concatenate([[0], np.cumsum([-(-n // 4) * 4 for n in sizes])])
+
+
 def _to_device(
     arrays: Sequence[Sequence[int] | np.ndarray], device: torch.device | str, into: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
@@ -150,8 +156,7 @@ def _to_device(
     specialisation (an unaligned view would trigger another compilation of the kernel).
     """
     parts = [np.asarray(a, dtype=np.int32) for a in arrays]
-    sizes = [p.size for p in parts]
-    offsets = np.concatenate([[0], np.cumsum([-(-n // 4) * 4 for n in sizes])])
+    offsets = _aligned_offsets([p.size for p in parts])
     buf = np.zeros(int(offsets[-1]), dtype=np.int32)
     for p, off in zip(parts, offsets, strict=False):
         buf[off : off + p.size] = p.ravel()
@@ -203,11 +208,11 @@ class MetadataShape:
             max_prefix_len=next_power_of_two(max(meta.max_prefix_len, min_prefix)),
         )
 
-    def holds(self, meta: TreeAttentionMetadata, queries: int) -> bool:
-        """Whether ``meta`` with ``queries`` rows of q fits this shape (:func:`pad_metadata` accepts it)."""
+    def holds(self, meta: TreeAttentionMetadata) -> bool:
+        """Whether ``meta`` fits this shape (:func:`pad_metadata` accepts it)."""
         return (
             meta.batch_size <= self.batch
-            and meta.total_queries <= queries == self.queries
+            and meta.total_queries <= self.queries
             and meta.max_queries <= self.max_queries
             and meta.num_words <= self.words
             and meta.anc_bits.shape[0] <= self.bit_rows
@@ -233,7 +238,7 @@ def pad_metadata(
     the real rows are read. ``cache_len``: the caches' first dimension (what the launch may address).
     ``max_prefix_len`` is the shape's, so the split-KV count (:func:`specinfer.kernels.launch.choose_config`) is a
     function of the shape alone. ``into``: the device buffer to overwrite (:func:`_to_device`)."""
-    if not shape.holds(meta, shape.queries):
+    if not shape.holds(meta):
         raise ValueError(f"{shape} does not hold a step of {meta.batch_size} segments and {meta.total_queries} queries")
     batch, pad = meta.batch_size, shape.batch - meta.batch_size
     q_start = np.full(shape.batch + 1, meta.q_starts[-1], dtype=np.int32)
@@ -295,7 +300,7 @@ def padded_buffer_words(shape: MetadataShape) -> int:
     sizes = [shape.batch + 1, *(shape.batch,) * 4, shape.bit_rows * shape.words, shape.bit_rows]
     if shape.table_width:
         sizes.append(shape.batch * shape.table_width)
-    return sum(-(-n // 4) * 4 for n in sizes)
+    return int(_aligned_offsets(sizes)[-1])
 
 
 def build_tree_metadata(

@@ -18,6 +18,14 @@ Impl = Literal["auto", "triton", "torch", "ref"]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def resolve_impl(impl: Impl, on_cuda: bool) -> Impl:
+    """What ``impl`` runs for tensors on CUDA (``on_cuda``) or not: ``auto`` is the Triton kernel on CUDA where Triton
+    is installed, the PyTorch path otherwise; any other choice is itself."""
+    if impl != "auto":
+        return impl
+    return "triton" if on_cuda and HAS_TRITON else "torch"
+
+
 def tree_attention(
     q: torch.Tensor,  # [total_queries, num_heads, head_dim] (total_nodes unless num_queries was given)
     k_cache: torch.Tensor,  # [capacity, num_kv_heads, head_dim], or paged
@@ -45,8 +53,7 @@ def tree_attention(
     :func:`~specinfer.kernels.metadata.build_paged_tree_metadata` (KV blocks through block tables); every ``impl``
     takes both, and a mismatch raises ValueError.
     """
-    if impl == "auto":
-        impl = "triton" if q.is_cuda and HAS_TRITON else "torch"
+    impl = resolve_impl(impl, q.is_cuda)
     if impl == "triton":
         # Imported here, not at module load: @triton.jit reads TRITON_INTERPRET when the kernel module is imported.
         from .tree_attention_triton import tree_attention_triton

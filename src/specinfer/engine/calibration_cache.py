@@ -41,6 +41,7 @@ import torch
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.engine.calibrate import ProbeConfig
 from specinfer.models.dtypes import resolve_dtype
+from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
 
 log = logging.getLogger("specinfer.calibrate")
 
@@ -94,7 +95,7 @@ class ModelRuntime:
     prefix_caching: bool = True
     offload: bool = False
     offload_reserve_bytes: int = 0
-    cuda_graph_tokens: int = 512  # on CUDA, steps up to this many tokens replay CUDA graphs (0: none)
+    cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS  # on CUDA, steps up to this many tokens replay CUDA graphs (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))

@@ -48,8 +48,8 @@ def check_device(device: str) -> str:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise InvalidArgument("device", f"must be cpu, cuda or cuda:N, got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
+        dev = None  # not a device name at all
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise InvalidArgument("device", f"must be cpu, cuda or cuda:N, got {device!r}")
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

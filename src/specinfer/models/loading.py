@@ -12,6 +12,7 @@ from specinfer.checkpoint import check_checkpoint, eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
+from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def load_backend(
     offload: bool = False,
     offload_reserve_bytes: int = 0,
     prefix_caching: bool = True,
-    cuda_graph_tokens: int = 512,
+    cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
     Qwen3, Phi-3, Gemma 2 / 3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or

@@ -251,6 +251,9 @@ def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> Server
 
 def add_model_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the services that run models (see :func:`specinfer.models.loading.load_backend`)."""
+    # here, not at the top: the request manager reads this module and runs no model (no torch)
+    from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
+
     add_setting(parser, "--backend", default="auto", help="auto, native or reference")
     add_setting(
         parser,
@@ -288,7 +291,7 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
         parser,
         "--cuda-graph-tokens",
         int,
-        512,
+        DEFAULT_GRAPH_TOKENS,
         help="on a CUDA device, steps of at most this many tokens replay CUDA graphs (native backend; 0: never)",
     )
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")

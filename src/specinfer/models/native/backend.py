@@ -16,7 +16,7 @@ import torch
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
-from specinfer.kernels import HAS_TRITON
+from specinfer.kernels.tree_attention import resolve_impl
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
@@ -177,7 +177,7 @@ def uses_cuda_graphs(options: NativeOptions, device: torch.device) -> bool:
     """Whether steps replay CUDA graphs (:mod:`.graphs`): a CUDA device, the Triton attention (the PyTorch path builds
     masks on the host inside the step, which a capture cannot hold), no offloading (it streams layers with events
     the host waits on) and ``cuda_graph_tokens`` > 0."""
-    triton = options.attention == "triton" or (options.attention == "auto" and HAS_TRITON)
+    triton = resolve_impl(options.attention, device.type == "cuda") == "triton"
     return device.type == "cuda" and triton and not options.offload and options.cuda_graph_tokens > 0
 
 

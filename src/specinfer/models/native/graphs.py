@@ -58,7 +58,7 @@ class StepShape:
     @staticmethod
     def covering(step: PackedStep, meta: TreeAttentionMetadata) -> StepShape:
         tokens = next_power_of_two(len(step.tokens))
-        return StepShape(tokens, next_power_of_two(max(1, len(step.logit_rows))), MetadataShape.covering(meta, tokens))
+        return StepShape(tokens, next_power_of_two(len(step.logit_rows)), MetadataShape.covering(meta, tokens))
 
 
 class _PaddedStep:
@@ -75,7 +75,7 @@ class _PaddedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [N_pad, vocab] float32, the graph's output
 
-    def fill(self, step: PackedStep, meta: TreeAttentionMetadata, pool: AnyKVPool, device: torch.device) -> None:
+    def fill(self, step: PackedStep, meta: TreeAttentionMetadata, pool: AnyKVPool) -> None:
         """Copy ``step`` (with ``meta``, its metadata on the host) into the static buffers, padded to the shape."""
         t, n = len(step.tokens), len(step.logit_rows)
         ids = np.zeros(3 * self.shape.tokens + self.shape.logits, dtype=np.int64)
@@ -89,7 +89,7 @@ class _PaddedStep:
         rows[t:] = pool.scratch_row
         self.ids.copy_(torch.from_numpy(ids))
         cache_len = pool.k.shape[1]  # rows (contiguous) or KV blocks (paged) the launch may address
-        self.meta = pad_metadata(meta, self.shape.meta, cache_len, device, self.meta_words)
+        self.meta = pad_metadata(meta, self.shape.meta, cache_len, self.meta_words.device, self.meta_words)
 
     def forward(self, model: NativeModel, pool: AnyKVPool) -> torch.Tensor:  # [N_pad, vocab] float32
         assert self.meta is not None
@@ -140,7 +140,7 @@ class GraphRunner(LocalRunner):
                 self.eager_steps += 1
                 return super().run(step)
             padded = self._steps[shape] = _PaddedStep(shape, self.device)
-            padded.fill(step, meta, self._pool, self.device)
+            padded.fill(step, meta, self._pool)
             if self.capture:
                 try:
                     self._capture(padded)
@@ -154,7 +154,7 @@ class GraphRunner(LocalRunner):
                     self.eager_steps += 1
                     return super().run(step)
         else:
-            padded.fill(step, meta, self._pool, self.device)
+            padded.fill(step, meta, self._pool)
         if padded.graph is None:
             logits = padded.forward(self.model, self._pool)
         else:
