@@ -130,13 +130,6 @@ def say(line: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
-def unblock_stop_signals() -> None:
-    """SIGINT and SIGTERM unblocked, in a child between fork and exec: a signal mask survives exec, and the supervisor
-    blocks them around a restart's fork (so that Ctrl-C cannot orphan the child before it is recorded), which left
-    a restarted member, and the Redis server it starts, deaf to a graceful stop."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-
 @dataclass
 class Stack:
     """Running processes of a local stack; use as a context manager. ``workdir`` holds each
@@ -174,7 +167,7 @@ class Stack:
         cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
         proc = Process(
             name,
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=unblock_stop_signals),
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
             port_file,
             address,
             args=tuple(args),

@@ -316,3 +316,23 @@ def test_a_service_started_with_the_stop_signals_blocked_still_stops_on_them():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_no_process_is_started_with_a_preexec_fn():
+    """A ``preexec_fn`` makes ``subprocess`` fork() where it would vfork(), and a fork from a process whose gRPC
+    threads are busy aborts the child (SIGABRT) a few times in a hundred, before it execs: CI lost a fault campaign
+    to a restarted SSM worker that died so (exit -6). The launcher, the fault campaign and the request manager all
+    start processes while gRPC runs; what a child must do before it runs (unblock signals, ask for PDEATHSIG) is done
+    in the child itself (``run_service``; the Redis trampoline)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in ("src", "services", "bench", "scripts", "kernels", "training")
+        if (root / folder).is_dir()
+        for path in sorted((root / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "preexec_fn=" in line.replace(" ", "")
+    ]
+    assert offenders == []

@@ -20,7 +20,6 @@ text fields themselves.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import importlib.util
 import logging
@@ -59,10 +58,18 @@ class StateDirInUse(RuntimeError):
     """Another live process owns the state dir (and its Redis)."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies, however it dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+# Run as `python -I -S -c _DIE_WITH_PARENT <owner pid> <redis-server> <args...>`: the child asks for SIGTERM when its
+# parent dies (however it dies), then becomes redis-server (the request survives exec, and the pid stays the same).
+# This is done in a new interpreter rather than in a preexec_fn: the owner is a gRPC service, a preexec_fn makes
+# Python fork() where it would vfork(), and a fork from a process whose gRPC threads are busy aborts the child
+# (SIGABRT) a few times in a hundred. An owner that died before the prctl is caught by the parent pid check.
+_DIE_WITH_PARENT = f"""
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("redis-server not started: its owner exited")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 class RedisStartError(RuntimeError):
@@ -183,15 +190,11 @@ class EmbeddedRedis:
         self._write_config()
         with self.log_path.open("ab") as log:
             # The server logs to its logfile; stdout/stderr only catch what it prints before opening it.
+            cmd = [str(self.executable), str(self.config_path)]
+            if self.die_with_parent:  # the request manager starts it from its main thread
+                cmd = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
             self._process = subprocess.Popen(
-                [str(self.executable), str(self.config_path)],
-                cwd=self.state_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent
-                if self.die_with_parent
-                else None,  # the request manager starts it from its main thread
+                cmd, cwd=self.state_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
         self.pid_path.write_text(f"{self._process.pid}\n")
         try:
