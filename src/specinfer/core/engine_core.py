@@ -47,6 +47,7 @@ from specinfer.core.iteration import (
 )
 from specinfer.core.kv_budget import Schedule
 from specinfer.core.planner import PlannerConfig
+from specinfer.core.requests import TokenLogprob
 from specinfer.core.suffix import SuffixConfig, TokenHistory
 
 # Suffix drafts: matches of at least two tokens (a lone repeated token proposes too much that the LLM
@@ -60,12 +61,14 @@ R = TypeVar("R", bound=Running)
 class Verdict:
     """What verification decided for one request: accepted tree tokens and the bonus token;
     ``prefix_hits``: context tokens the LLM's forward took from its prefix cache; ``next_tree``: the
-    verifier's draft head's tree for the next step (rooted at the bonus token), if the job asked for one."""
+    verifier's draft head's tree for the next step (rooted at the bonus token), if the job asked for one;
+    ``logprobs``: those of the accepted tokens and the bonus token, if the job asked for them."""
 
     accepted_tokens: tuple[int, ...]
     bonus_token: int
     prefix_hits: int = 0
     next_tree: DraftTree | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,12 @@ class EngineCore:
             if self._adaptive is not None and drafted[r.request_id]:
                 self._adaptive.observe_step(r.request_id, dict(drafted[r.request_id]), verdict.accepted_tokens)
             outcome = r.outcome(
-                job.draft, verdict.accepted_tokens, verdict.bonus_token, self.eos_token_id, verdict.prefix_hits
+                job.draft,
+                verdict.accepted_tokens,
+                verdict.bonus_token,
+                self.eos_token_id,
+                verdict.prefix_hits,
+                verdict.logprobs,
             )
             if verdict.next_tree is not None and outcome.finish_reason is None:
                 # valid while the request's committed tokens end where the head drafted from

@@ -31,7 +31,7 @@ from specinfer.core.costs import VerifyShape
 from specinfer.core.drafts import DraftTree, ExpansionConfig, merged_tree_nodes
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.merge import combine_drafts
-from specinfer.core.requests import GenerationRequest, StepStats
+from specinfer.core.requests import GenerationRequest, StepStats, TokenLogprob
 from specinfer.core.sampling import SamplingParams
 
 VERIFY_STREAM = 0  # the verifier's stream; SSM i drafts on draft_stream(i)
@@ -107,6 +107,7 @@ class VerifySpec:
     seed: int
     step: int
     head: HeadDraft | None = None
+    logprobs: int | None = None  # report the committed tokens' logprobs with this many alternatives (None: not)
 
     def rng(self) -> np.random.Generator:
         return step_rng(self.seed, self.step, VERIFY_STREAM)
@@ -156,10 +157,12 @@ class StepOutcome:
     tokens: tuple[int, ...]
     finish_reason: str | None
     stats: StepStats
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked
 
     def stopped_at(self, count: int) -> StepOutcome:
         """The step cut after ``count`` tokens by a stop condition the core does not see (a stop string)."""
-        return StepOutcome(self.tokens[:count], "stop", replace(self.stats, committed=count))
+        logprobs = self.logprobs[:count] if self.logprobs is not None else None
+        return StepOutcome(self.tokens[:count], "stop", replace(self.stats, committed=count), logprobs)
 
 
 @dataclass(eq=False)
@@ -202,10 +205,12 @@ class Running:
         bonus_token: int,
         eos_token_id: int | None,
         prefix_hits: int = 0,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> StepOutcome:
         """The step that verified ``draft`` (accepting ``accepted_tokens``, then ``bonus_token``);
         ``eos_token_id`` ends the request unless it ignores EOS; ``prefix_hits``: context tokens the
-        LLM's forward took from its prefix cache (:meth:`specinfer.models.interface.CausalLM.prefix_hits`).
+        LLM's forward took from its prefix cache (:meth:`specinfer.models.interface.CausalLM.prefix_hits`);
+        ``logprobs``: those of ``accepted_tokens`` and ``bonus_token`` (kept for the committed ones).
         Only the first step's count as cached prompt tokens: a later step reuses blocks only when it
         rebuilds a cache (after a preemption), whose context holds output too."""
         req = self.request
@@ -220,6 +225,7 @@ class Running:
             StepStats(
                 accepted=len(accepted_tokens), tree_size=len(draft.tree), committed=len(tokens), cached_prompt=cached
             ),
+            tuple(logprobs[: len(tokens)]) if logprobs is not None else None,
         )
 
     def commit(self, outcome: StepOutcome) -> None:
@@ -341,5 +347,15 @@ def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftT
     for r in batch:
         context = r.committed
         draft = combine_drafts(context[-1], drafted.get(r.request_id, ()))
-        specs.append(VerifySpec(r.request_id, context[:-1], draft, r.request.sampling, r.seed, r.stats.llm_steps))
+        specs.append(
+            VerifySpec(
+                r.request_id,
+                context[:-1],
+                draft,
+                r.request.sampling,
+                r.seed,
+                r.stats.llm_steps,
+                logprobs=r.request.logprobs,
+            )
+        )
     return specs

@@ -62,9 +62,25 @@ class SpeculationConfig:
         return ExpansionConfig(self.expansion.widths[:depth])
 
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for at each token (OpenAI's top_logprobs bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The LLM's log-probability of one committed ``token``, and the ``top`` alternatives at its position as
+    (token, logprob) pairs, most likely first. Log-probabilities are the LLM's raw distribution at that position
+    (log-softmax of its logits: temperature 1, before top-k and top-p), whatever the request samples with, as
+    vLLM reports by default; greedy and sampled requests alike."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation. ``speculation=None`` decodes incrementally (a tree of just the root)."""
+    """One generation. ``speculation=None`` decodes incrementally (a tree of just the root). ``logprobs``: report
+    each output token's :class:`TokenLogprob` with this many alternatives (0: the token's own alone; None: none)."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -73,12 +89,20 @@ class GenerationRequest:
     speculation: SpeculationConfig | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_tokens) == 0:
             raise InvalidArgument("prompt", "must not be empty")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {self.max_new_tokens}")
+        check_logprobs(self.logprobs)
+
+
+def check_logprobs(top: int | None, field_name: str = "logprobs") -> None:
+    """InvalidArgument naming ``field_name`` unless ``top`` is None or a count of alternatives we report."""
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
+        raise InvalidArgument(field_name, f"must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,7 @@ class GenerationResult:
     output_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length" | "eos" | "stop"
     steps: list[StepStats] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when the request asked
 
     @property
     def llm_steps(self) -> int:

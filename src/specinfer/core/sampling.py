@@ -165,3 +165,13 @@ def top_k_tokens(logits: np.ndarray, k: int) -> list[int]:
     k = min(k, x.size)
     top = np.argpartition(-x, k - 1)[:k]
     return [int(t) for t in top[np.lexsort((top, -x[top]))]]
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of ``token`` under the raw distribution of ``logits`` (log-softmax: temperature 1, no
+    truncation), and the ``top`` most likely tokens with theirs, best first (ties: lowest index). The reference
+    of :func:`specinfer.models.on_device.token_logprobs`."""
+    x = np.asarray(logits, dtype=np.float64)
+    logp = x - x.max()
+    logp = logp - math.log(np.exp(logp).sum())
+    return float(logp[token]), tuple((t, float(logp[t])) for t in top_k_tokens(logp, top)) if top else ()

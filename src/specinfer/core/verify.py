@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specinfer.core.drafts import DraftTree
+from specinfer.core.requests import TokenLogprob
 from specinfer.core.sampling import SparseDist, sample
 from specinfer.core.tree import TokenTree
 
@@ -30,12 +31,14 @@ from specinfer.core.tree import TokenTree
 class VerifyResult:
     """``accepted_nodes``: the accepted path without the root; ``bonus_token``: the LLM's own
     token after it. The tokens to commit are ``accepted_tokens + (bonus_token,)``. ``next_tree``: the
-    verifier's draft head's tree for the next step, rooted at the bonus token (None: none asked, or no head)."""
+    verifier's draft head's tree for the next step, rooted at the bonus token (None: none asked, or no head).
+    ``logprobs``: each of ``new_tokens``' :class:`~specinfer.core.requests.TokenLogprob`, when the job asked."""
 
     accepted_nodes: tuple[int, ...]
     accepted_tokens: tuple[int, ...]
     bonus_token: int
     next_tree: DraftTree | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def num_accepted(self) -> int:

@@ -232,6 +232,8 @@ class SpeculativeEngine:
     async def _commit(self, finished: list[GenerationResult], state: _Active, outcome: StepOutcome) -> None:
         state.commit(outcome)
         state.result.steps.append(outcome.stats)
+        if outcome.logprobs is not None:
+            state.result.logprobs.extend(outcome.logprobs)
         state.result.finish_reason = outcome.finish_reason
         if outcome.finish_reason is not None:
             finished.append(state.result)

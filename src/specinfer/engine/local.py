@@ -39,7 +39,9 @@ class LocalExecutor:
         results = verify_trees(self.llm, jobs)
         seconds = time.perf_counter() - started
         verdicts = {
-            j.request_id: Verdict(r.accepted_tokens, r.bonus_token, self.llm.prefix_hits(j.request_id), r.next_tree)
+            j.request_id: Verdict(
+                r.accepted_tokens, r.bonus_token, self.llm.prefix_hits(j.request_id), r.next_tree, r.logprobs
+            )
             for j, r in zip(jobs, results, strict=True)
         }
         return VerifyRound(verdicts, timings=(("local", tuple(jobs), seconds),))

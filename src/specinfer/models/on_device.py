@@ -5,8 +5,9 @@ A backend's ``forward_tree`` returns logits on the model's device (see
 every row of a step: argmax, top-k, logit processing (temperature, top-k, top-p), the greedy accept
 walk, and the few numbers multi-step speculative sampling (MSS) looks up. The small results are
 packed into one float64 tensor that crosses to the host through :func:`to_host`: once per LLM verify
-step and once per SSM pass, for all requests together. Nothing else converts a model output
-(``tests/test_device_boundary.py`` holds the engine and the servicers to that).
+step and once per SSM pass, for all requests together (and once more for a verify step whose requests ask
+for the log-probabilities of the tokens they commit, which are known only after the walks). Nothing else
+converts a model output (``tests/test_device_boundary.py`` holds the engine and the servicers to that).
 
 Terms. A *row* is one tree node's logits; the rows of all requests of a call are stacked in request
 order (``[N, V]``). A *packed* result is one flat float64 tensor of several parts; token IDs travel in
@@ -77,6 +78,18 @@ def ranked_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values = values.gather(-1, by_index)
     values, order = values.sort(dim=-1, descending=True, stable=True)  # stable: equal values stay in index order
     return indices.gather(-1, order), values
+
+
+def token_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int) -> list[torch.Tensor]:
+    """Each row's log-probability of its token in ``tokens`` under the row's raw distribution (log-softmax of the
+    logits in fp32: temperature 1, no truncation), then the ``top`` most likely tokens of each row and theirs, best
+    first (:func:`specinfer.core.sampling.token_logprob`).  # [R], [R, top], [R, top]"""
+    logp = torch.log_softmax(rows.float(), dim=-1)  # [R, V]
+    chosen = logp.gather(-1, tokens[:, None])[:, 0]  # [R]
+    if top == 0:
+        return [chosen]
+    ids, values = ranked_top_k(logp, top)  # [R, top]
+    return [chosen, ids, values]
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

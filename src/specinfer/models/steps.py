@@ -34,6 +34,7 @@ from specinfer.core import (
 )
 from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core.requests import TokenLogprob
 from specinfer.core.sampling import SparseDist
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
 from specinfer.models.head_drafter import HeadDrafter, WithHead
@@ -47,6 +48,7 @@ from specinfer.models.on_device import (
     ranked_top_k,
     stack_rows,
     to_host,
+    token_logprobs,
 )
 
 
@@ -211,7 +213,39 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     if mss is not None:
         for i, result in zip(sampled, mss.results(host[2 * len(greedy) :]), strict=True):
             results[i] = result
-    return [results[i] for i in range(len(jobs))]
+    out = [results[i] for i in range(len(jobs))]
+    return _with_logprobs(rows, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
+
+
+def _with_logprobs(
+    rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int], results: Sequence[VerifyResult]
+) -> list[VerifyResult]:
+    """``results`` with the logprobs of their new tokens where the job asks for them: token k (accepted, then the
+    bonus) was chosen at the k-th node of the accepted path (the root first), so its row is that node's. One
+    device pass over those rows, one more copy to the host."""
+    asking = [i for i, j in enumerate(jobs) if j.logprobs is not None]
+    index, tokens = [], []
+    for i in asking:
+        index.extend(starts[i] + u for u in (0, *results[i].accepted_nodes))
+        tokens.extend(results[i].new_tokens)
+    top = max(jobs[i].logprobs or 0 for i in asking)
+    device = rows.device
+    parts = token_logprobs(_select(rows, index), torch.tensor(tokens, dtype=torch.long, device=device), top)
+    host = to_host(pack(parts))
+    n = len(index)
+    chosen = host[:n]
+    ids = host[n : n + n * top].reshape(n, top).astype(np.int64)
+    values = host[n + n * top :].reshape(n, top)
+    out, at = list(results), 0
+    for i in asking:
+        k = jobs[i].logprobs or 0
+        logprobs = []
+        for token in results[i].new_tokens:
+            alternatives = tuple((int(t), float(v)) for t, v in zip(ids[at, :k], values[at, :k], strict=True))
+            logprobs.append(TokenLogprob(int(token), float(chosen[at]), alternatives))
+            at += 1
+        out[i] = replace(results[i], logprobs=tuple(logprobs))
+    return out
 
 
 def head_drafts(
