@@ -82,3 +82,12 @@ def serving(config: StackConfig) -> Iterator[Stack]:
     finally:
         codes = stack.stop()
     assert codes == dict.fromkeys(codes, 0), f"unclean shutdown on SIGTERM: {codes}"
+
+
+def hf_logprobs(llm: Path, prompt: Sequence[int], output: Sequence[int]):
+    """transformers' fp32 log-softmax before each output token, from one forward over prompt and output
+    ``[len(output), V]`` (float64)."""
+    model = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([[*prompt, *output]])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.double(), dim=-1)

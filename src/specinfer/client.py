@@ -26,12 +26,13 @@ from specinfer.v1 import api_pb2, api_pb2_grpc
 class Completion:
     """A whole generation, collected from the stream: its ``token_ids`` and ``text`` (the output,
     not the prompt) and the final message's ``finished`` (reason and usage: tokens, LLM steps,
-    tokens per step)."""
+    tokens per step); ``logprobs``: one per token, when the request asked for them."""
 
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finished: api_pb2.Finished | None = None
+    logprobs: list[api_pb2.TokenLogprob] = field(default_factory=list)
 
 
 class Client:
@@ -77,6 +78,7 @@ class Client:
         skip_special_tokens: bool = True,
         suffix: bool | None = None,
         head: bool | None = None,
+        logprobs: int | None = None,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
@@ -91,7 +93,8 @@ class Client:
         the request's own text on or off (None: on), ``head`` drafts with the verifier's draft head on or off
         (None: on, where it has one), ``speculation=False`` decodes with the LLM alone.
         ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
-        server picks one)."""
+        server picks one). ``logprobs``: each response also carries its tokens' log-probabilities under the LLM,
+        with this many most likely alternatives at each (0-20; None: no logprobs)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -113,6 +116,8 @@ class Client:
         )
         if seed is not None:
             msg.sampling.seed = seed
+        if logprobs is not None:
+            msg.logprobs = logprobs
         if isinstance(prompt, str):
             msg.text = prompt
         else:
@@ -144,6 +149,7 @@ class Client:
             out.request_id = msg.request_id
             out.token_ids.extend(msg.token_ids)
             out.text += msg.text
+            out.logprobs.extend(msg.logprobs)
             if msg.HasField("finished"):
                 out.finished = msg.finished
         return out

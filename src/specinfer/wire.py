@@ -27,6 +27,7 @@ from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.errors import check_positions, check_token_ids
 from specinfer.core.iteration import DraftSpec, HeadDraft, VerifySpec
 from specinfer.core.kv_budget import KVBudget
+from specinfer.core.requests import TokenLogprob, check_logprobs
 from specinfer.v1 import api_pb2, internal_pb2
 
 
@@ -177,7 +178,40 @@ def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> inter
     if job.head is not None:
         _budget_to_proto(job.head.budget, item.head)
         item.head.draft_support = job.head.draft_support
+    if job.logprobs is not None:
+        item.logprobs = job.logprobs
     return item
+
+
+def logprobs_from_proto(msg: api_pb2.GenerateRequest | internal_pb2.VerifyItem, field: str) -> int | None:
+    """How many alternatives a request or verify item asks at each token (None: no logprobs)."""
+    if not msg.HasField("logprobs"):
+        return None
+    check_logprobs(int(msg.logprobs), field)
+    return int(msg.logprobs)
+
+
+def token_logprobs_to_proto(logprobs: Sequence[TokenLogprob]) -> list[api_pb2.TokenLogprob]:
+    return [
+        api_pb2.TokenLogprob(
+            token_id=lp.token,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def token_logprobs_from_proto(messages: Sequence[api_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            int(m.token_id),
+            float(m.logprob),
+            tuple(zip(map(int, m.top_token_ids), map(float, m.top_logprobs), strict=True)),
+        )
+        for m in messages
+    )
 
 
 def head_draft_from_proto(item: internal_pb2.VerifyItem, field: str) -> HeadDraft | None:
@@ -360,7 +394,16 @@ def verify_job_from_proto(
     _check_draft(draft, sampling.greedy, vocab_size, f"{field}.tree")
     check_positions(len(context), int(draft.tree.depths.max()), max_positions, f"{field}.context.tokens")
     head = head_draft_from_proto(item, field)
-    return VerifySpec(item.context.request_id, list(context), draft, sampling, int(item.seed), int(item.step), head)
+    return VerifySpec(
+        item.context.request_id,
+        list(context),
+        draft,
+        sampling,
+        int(item.seed),
+        int(item.step),
+        head,
+        logprobs_from_proto(item, f"{field}.logprobs"),
+    )
 
 
 def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> internal_pb2.SpeculateResult:
@@ -384,6 +427,8 @@ def verify_result_to_proto(request_id: str, result: tuple[VerifyResult, int] | N
     )
     if verdict.next_tree is not None:
         message.next_tree.CopyFrom(draft_to_proto(verdict.next_tree))
+    if verdict.logprobs is not None:
+        message.logprobs.extend(token_logprobs_to_proto(verdict.logprobs))
     return message
 
 

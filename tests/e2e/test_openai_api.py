@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from oracles import hf_seeded_sampling, serving  # tests/oracles.py
+from oracles import hf_logprobs, hf_seeded_sampling, serving  # tests/oracles.py
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -300,7 +300,8 @@ def test_streaming_with_usage(stack, model_pair, greedy_text):
         ({"prompt": "x", "speculation": {"expansion": [2, 0]}}, 400, "speculation"),
         ({"prompt": "x", "speculation": {"ssms": ["nope"]}}, 400, "speculation"),
         ({"prompt": "x", "speculation": {"adaptive": True, "suffix": "yes"}}, 400, "speculation"),
-        ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": 30}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": 3, "echo": True}, 400, "logprobs"),
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ],
@@ -543,6 +544,52 @@ def test_openai_client_chat(stack, llm_with_template, greedy_text):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_with_the_openai_client(stack, model_pair, llm_with_template, greedy_text):
+    """Completions' ``logprobs`` and chat's ``logprobs``/``top_logprobs``, whole and streamed, as OpenAI lays them
+    out: the tokens' texts spell the output, the values are transformers' log-softmax at each position (fp32)."""
+    oa = client(stack)
+    tok = load_tokenizer(model_pair.llm)
+    prompt = list(model_pair.prompts[7])
+    ids, expected = greedy_text(prompt, NEW_TOKENS)
+    oracle = hf_logprobs(model_pair.llm, prompt, ids)
+    common = {"model": stack.config.llm.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+    done = oa.completions.create(**common, logprobs=3, extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == expected and len(lp.tokens) == NEW_TOKENS
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs == pytest.approx([oracle[k, t].item() for k, t in enumerate(ids)], abs=2e-4)
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(NEW_TOKENS)]
+    for k, top in enumerate(lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and top[lp.tokens[k]] == pytest.approx(lp.token_logprobs[k])
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(oracle[k].topk(3).values.tolist(), abs=2e-4)
+    chunks = list(oa.completions.create(**common, logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    # the same up to rounding: a step's tree, hence its batch shape, may differ between the two runs
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=2e-4)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert oa.completions.create(**common).choices[0].logprobs is None  # not asked: none
+
+    chat_ids, chat_text = greedy_text(chat_prompt(llm_with_template, MESSAGES), NEW_TOKENS)
+    chat_oracle = hf_logprobs(model_pair.llm, chat_prompt(llm_with_template, MESSAGES), chat_ids)
+    asked = {"model": llm_with_template.name, "messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
+    chat = oa.chat.completions.create(**asked, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == chat_text and len(content) == NEW_TOKENS
+    for k, (entry, token) in enumerate(zip(content, chat_ids, strict=True)):
+        assert entry.token == tok.decode([token], skip_special_tokens=False)
+        assert bytes(entry.bytes) == entry.token.encode()
+        assert entry.logprob == pytest.approx(chat_oracle[k, token].item(), abs=2e-4)
+        top = chat_oracle[k].topk(2).values.tolist()
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(top, abs=2e-4)
+    chunks = list(oa.chat.completions.create(**asked, logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content] and all(e.top_logprobs == [] for e in streamed)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(**asked, top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
 
 
 def test_openai_client_errors(stack):

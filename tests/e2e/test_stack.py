@@ -18,7 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from oracles import hf_greedy, hf_seeded_sampling, serving  # tests/oracles.py
+from oracles import hf_greedy, hf_logprobs, hf_seeded_sampling, serving  # tests/oracles.py
 from prometheus_client.parser import text_string_to_metric_families
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM
@@ -123,6 +123,37 @@ def test_seeded_sampling_equals_plain_decoding_whatever_the_speculation(stack, m
         results = list(pool.map(client.generate, requests))
     assert [r.token_ids for r in results[:8]] == oracle
     assert [r.token_ids for r in results[8:]] == expected[:4]
+
+
+def test_logprobs_through_the_services_are_the_llms_own(stack, model_pair, expected):
+    """Logprobs asked over gRPC come with every token, streamed, resumed from an offset and read back from
+    GetRequest, equal to transformers' log-softmax at each position (fp32), whatever the speculation and sampling;
+    a request that asks none gets none, and the outputs stay exact."""
+    prompts = model_pair.prompts[:4]
+    requests = [
+        Client.request(prompts[0], NEW_TOKENS, adaptive=True, logprobs=3, request_id="lp-adaptive"),
+        Client.request(prompts[1], NEW_TOKENS, expansion=(2, 2, 1), logprobs=0, request_id="lp-static"),
+        Client.request(prompts[2], NEW_TOKENS, temperature=0.9, seed=5, logprobs=2, request_id="lp-seeded"),
+        Client.request(prompts[3], NEW_TOKENS, request_id="lp-none"),
+    ]
+    with Client(stack.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(client.generate, requests))
+        resumed = [m for m in client.resume("lp-adaptive", 5)]
+        state = client.get_request("lp-seeded")
+    assert [r.token_ids for r in (results[0], results[1], results[3])] == [expected[0], expected[1], expected[3]]
+    assert results[3].logprobs == []
+    for request, result in zip(requests[:3], results[:3], strict=True):
+        assert [lp.token_id for lp in result.logprobs] == list(result.token_ids)
+        oracle = hf_logprobs(model_pair.llm, request.token_ids.ids, result.token_ids)
+        for k, lp in enumerate(result.logprobs):
+            assert lp.logprob == pytest.approx(oracle[k, lp.token_id].item(), abs=2e-4)
+            assert len(lp.top_token_ids) == len(lp.top_logprobs) == request.logprobs
+            assert list(lp.top_logprobs) == pytest.approx(oracle[k].topk(request.logprobs).values.tolist(), abs=2e-4)
+    assert [lp for m in resumed for lp in m.logprobs] == list(results[0].logprobs[5:])
+    assert list(state.output_logprobs) == list(results[2].logprobs)
+    with Client(stack.address, timeout=60) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(Client.request(prompts[0], 4, logprobs=21))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("logprobs")
 
 
 def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expected):

@@ -108,7 +108,9 @@ def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_re
         concurrent.futures.ThreadPoolExecutor(2) as pool,
     ):
         direct = pool.submit(
-            lambda: list(owner.stream(Client.request(prompt, NEW_TOKENS, request_id="follow", ignore_eos=True)))
+            lambda: list(
+                owner.stream(Client.request(prompt, NEW_TOKENS, request_id="follow", ignore_eos=True, logprobs=2))
+            )
         )
         wait_until(lambda: progress(owner, "follow") > 0, 120, "the request committing")
         assert _owner(stack, "follow") == "rm-0"
@@ -117,12 +119,19 @@ def test_reattach_status_and_cancel_through_the_replica_that_does_not_run_the_re
         assert followed[0].offset == 0
         assert tokens_of(followed) == tokens_of(direct.result(timeout=300)) == greedy(prompt, NEW_TOKENS)
         assert followed[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH
+        # the logprobs come along, from Redis as live: the same values (float32 both ways)
+        logprobs = [lp for m in direct.result() for lp in m.logprobs]
+        assert [lp.token_id for lp in logprobs] == greedy(prompt, NEW_TOKENS)
+        assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+        assert [lp for m in followed for lp in m.logprobs] == logprobs
         late = list(other.resume("follow", 10))  # finished: one message with the rest and the final state
         assert len(late) == 1 and late[0].offset == 10 and list(late[0].token_ids) == greedy(prompt, NEW_TOKENS)[10:]
+        assert list(late[0].logprobs) == logprobs[10:]
         state = other.get_request("follow")
         assert state.status == api_pb2.REQUEST_STATUS_FINISHED and list(state.output_token_ids) == greedy(
             prompt, NEW_TOKENS
         )
+        assert list(state.output_logprobs) == logprobs
 
         # cancel through the replica that does not run it: the owner stops it at its next commit
         stream = pool.submit(
@@ -198,7 +207,8 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
         messages = []
         with Client(address, timeout=600) as client:
             try:
-                for m in client.stream(Client.request(prompt, KILL_NEW_TOKENS, request_id=rid, ignore_eos=True)):
+                request = Client.request(prompt, KILL_NEW_TOKENS, request_id=rid, ignore_eos=True, logprobs=1)
+                for m in client.stream(request):
                     messages.append(m)
             except grpc.RpcError as exc:
                 assert rid in on_doomed and exc.code() == grpc.StatusCode.UNAVAILABLE, exc
@@ -247,6 +257,8 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
                 for m in messages:
                     assert m.offset == len(seen[rid]) + len(rest), f"{rid}: gap or duplicate after reattaching"
                     rest.extend(m.token_ids)
+                    # logprobs follow the tokens through the adoption (read from Redis, then from the adopter)
+                    assert [lp.token_id for lp in m.logprobs] == list(m.token_ids), rid
                 assert seen[rid] + rest == greedy(prompt, KILL_NEW_TOKENS), rid
             else:
                 messages = streams[rid].result(timeout=600)

@@ -12,6 +12,7 @@ import redis.exceptions
 from hypothesis import given
 from hypothesis import strategies as st
 
+from specinfer.core.requests import TokenLogprob
 from specinfer.request_manager.state.records import (
     INT32_MAX,
     INT32_MIN,
@@ -58,6 +59,30 @@ def record(rid: str, owner: str = "rm-0", prompt: tuple[int, ...] = (1, 2, 3)) -
 
 
 # -- round trip ---------------------------------------------------------------------------------
+
+
+def test_logprobs_are_stored_with_their_tokens(open_store):
+    """A request that asks logprobs keeps one record per output token beside its output: appended in the same
+    atomic step (a retried append adds none twice), read by get and by tail from any offset, expiring with it."""
+    lp = [TokenLogprob(t, -0.25 * t, ((t, -0.25 * t), (9, -4.0))) for t in (1, 2, 3, 4)]
+
+    async def body() -> None:
+        async with open_store(finished_ttl_s=120) as store:
+            await store.create(RequestRecord("r1", (1, 2, 3), {**PARAMS, "logprobs": 2}, "rm-0"))
+            await store.append_tokens("r1", [1, 2], offset=0, logprobs=lp[:2], top_logprobs=2)
+            await store.append_tokens("r1", [1, 2], offset=0, logprobs=lp[:2], top_logprobs=2)  # a retry
+            await store.append_tokens("r1", [3, 4], offset=2, logprobs=lp[2:], top_logprobs=2)
+            assert (await store.get("r1")).output_logprobs == tuple(lp)
+            for offset in range(5):
+                tail = await store.tail("r1", offset, 2)
+                assert tail.tokens == (1, 2, 3, 4)[offset:] and tail.logprobs == tuple(lp[offset:])
+            assert (await store.tail("r1", 1)).logprobs == ()  # a reader that asks none gets none
+            assert await store.finish("r1", "length")
+            assert 0 < await store.client.pttl(store.keys.logprobs("r1")) <= 120_000
+            with pytest.raises(ValueError, match="alternatives"):
+                await store.append_tokens("r1", [5], logprobs=lp[:1], top_logprobs=3)
+
+    run(body)
 
 
 def test_create_append_get_finish_round_trip(open_store):
@@ -113,13 +138,13 @@ def test_finish_is_idempotent_and_sets_ttl(open_store, key_prefix):
         async with open_store(finished_ttl_s=120) as store:
             await store.create(record("r1"))
             await store.append_tokens("r1", [1])
-            for key in store.keys.request("r1"):
+            for key in store.keys.request("r1")[:2]:  # no logprobs key: the request asks none
                 assert await store.client.pttl(key) == -1  # running requests never expire
 
             assert await store.finish("r1", "length")
             assert not await store.finish("r1", "cancelled")  # already finished: first reason stays
             assert (await store.get("r1")).finish_reason is FinishReason.LENGTH
-            for key in store.keys.request("r1"):
+            for key in store.keys.request("r1")[:2]:
                 assert key.startswith(key_prefix)
                 assert 0 < await store.client.pttl(key) <= 120_000
 

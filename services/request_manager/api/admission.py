@@ -209,6 +209,7 @@ def build_live(
         speculation=speculation(msg.speculation, limits),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logprobs=wire.logprobs_from_proto(msg, "logprobs"),
     )
     check_kv_fit(request, limits)
     seed = request_seed(sampling)

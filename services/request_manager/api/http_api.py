@@ -198,12 +198,23 @@ class HttpApi:
         prompt_tokens = [len(lives[p * params.n].request.prompt_tokens) for p in range(len(params.prompts))]
         streams = await self._start(lives)
         created = oo.now()
+        logprobs = oo.Logprobs(self._token_text) if params.logprobs is not None else None
         if params.stream:
-            chunks = self._chunks(streams, params, echo, prompt_tokens, response_id, model, created, started, chat)
+            chunks = self._chunks(
+                streams, params, echo, prompt_tokens, response_id, model, created, started, chat, logprobs
+            )
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
         build = oo.chat_object if chat else oo.completion_object
-        return JSONResponse(build(response_id, model, created, choices, prompt_tokens))
+        return JSONResponse(build(response_id, model, created, choices, prompt_tokens, logprobs))
+
+    def _token_text(self, token: int) -> str:
+        """One token's text in a logprobs object: the tokenizer's decoding of it alone (special tokens too), or
+        ``token_id:N`` without a tokenizer (as vLLM spells it)."""
+        tokenizer = self.servicer.requests.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token}"
+        return tokenizer.decode([token], skip_special_tokens=False)
 
     def _echo_text(self, prompt: str | Sequence[int]) -> str:
         if isinstance(prompt, str):
@@ -267,17 +278,20 @@ class HttpApi:
                     self.metrics.itl.observe(per_token)
         choice.text += event.text
         choice.token_ids += len(event.tokens)
+        choice.logprobs.extend(event.logprobs)
         if event.finished is not None:
             choice.finish_reason = oo.FINISH_REASONS[event.finished.reason]
             choice.usage = _usage_proto(event)
         return now if event.tokens else last
 
     async def _chunks(
-        self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool
+        self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool, logprobs
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per event of any choice as it comes (chat: a first chunk
         with the role, content deltas, then an empty delta with the finish reason), a usage chunk
-        when asked, then ``[DONE]``. Starlette cancels this generator when the client disconnects;
+        when asked, then ``[DONE]``. With ``logprobs`` (:class:`.openai_objects.Logprobs`), each chunk carries
+        its tokens' (a chunk comes for new tokens even while their text is held back). Starlette cancels this
+        generator when the client disconnects;
         the event streams close with it, which cancels the requests."""
         choices = [oo.Choice(i) for i in range(len(streams))]
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException]] = asyncio.Queue()
@@ -294,13 +308,24 @@ class HttpApi:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         last = [started] * len(streams)
+        offsets = [0] * len(streams)  # each choice's text_offset so far (logprobs come without echo)
 
-        def chunk(i: int, text: str, finish_reason: str | None) -> str:
+        def chunk(i: int, event: StreamEvent, finish_reason: str | None) -> str:
+            text, lp = event.text, None
+            if logprobs is not None and not chat:
+                lp = logprobs.completion(event.logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in lp["tokens"])
+            elif logprobs is not None:
+                lp = logprobs.chat(event.logprobs)
             if not chat:
-                return sse(oo.completion_chunk(response_id, model, created, i, text, finish_reason))
+                return sse(oo.completion_chunk(response_id, model, created, i, text, finish_reason, lp))
             if finish_reason is None:
-                return sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None))
-            head = sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None)) if text else ""
+                return sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None, lp))
+            head = (
+                sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None, lp))
+                if text or event.logprobs
+                else ""
+            )
             return head + sse(oo.chat_chunk(response_id, model, created, i, {}, finish_reason))
 
         try:
@@ -318,8 +343,8 @@ class HttpApi:
                     open_choices -= 1
                     continue
                 last[i] = self._observe(choices[i], item, started, last[i])
-                if item.text or item.finished is not None:
-                    yield chunk(i, item.text, choices[i].finish_reason)
+                if item.text or item.finished is not None or (logprobs is not None and item.logprobs):
+                    yield chunk(i, item, choices[i].finish_reason)
                 if item.finished is not None:
                     open_choices -= 1
             if params.include_usage:

@@ -4,11 +4,13 @@ list and error bodies (the request side is :mod:`.openai_wire`; its module doc d
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from specinfer.core.requests import TokenLogprob
 from specinfer.v1 import api_pb2
 
 # finish reasons of the core -> OpenAI's (a cancelled request ends as vLLM's "abort")
@@ -25,6 +27,50 @@ class Choice:
     token_ids: int = 0
     finish_reason: str | None = None
     usage: api_pb2.Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens', when the request asked
+
+
+LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; vLLM's floor too)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """How a response spells its tokens' logprobs (None: the request asked none): each token as its text
+    (``token_text``: the tokenizer's decoding of that token alone, or ``token_id:N`` without a tokenizer)."""
+
+    token_text: Callable[[int], str]
+
+    def completion(self, logprobs: Sequence[TokenLogprob], start: int) -> dict[str, Any]:
+        """A ``text_completion`` choice's ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+        alternatives and the chosen token, by text) and ``text_offset`` (each token's, from ``start``, the length
+        of the choice's text before these tokens)."""
+        tokens = [self.token_text(lp.token) for lp in logprobs]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [
+                {self.token_text(t): _finite(v) for t, v in (*lp.top, (lp.token, lp.logprob))} for lp in logprobs
+            ],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else [],
+        }
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """A ``chat.completion`` choice's ``logprobs``: ``content``, one entry per token with its text, logprob,
+        UTF-8 bytes and ``top_logprobs``."""
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs
+            ]
+        }
+
+
+def _finite(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
 
 
 def usage_object(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
@@ -72,12 +118,23 @@ def _envelope(response_id: str, model: str, created: int) -> dict[str, Any]:
 
 
 def completion_object(
-    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+    response_id: str,
+    model: str,
+    created: int,
+    choices: Sequence[Choice],
+    prompt_tokens: Sequence[int],
+    logprobs: Logprobs | None = None,
 ) -> dict[str, Any]:
     return {
         **_envelope(response_id, model, created),
         "choices": [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for c in choices
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": logprobs.completion(c.logprobs, 0) if logprobs is not None else None,  # no echo with them
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
         ],
         "usage": usage_object(choices, prompt_tokens),
         "speculation": speculation_object(choices),
@@ -85,11 +142,17 @@ def completion_object(
 
 
 def completion_chunk(
-    response_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None
+    response_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         **_envelope(response_id, model, created),
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
@@ -101,7 +164,12 @@ def usage_chunk(
 
 
 def chat_object(
-    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
+    response_id: str,
+    model: str,
+    created: int,
+    choices: Sequence[Choice],
+    prompt_tokens: Sequence[int],
+    logprobs: Logprobs | None = None,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -112,7 +180,7 @@ def chat_object(
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": logprobs.chat(c.logprobs) if logprobs is not None else None,
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -123,7 +191,13 @@ def chat_object(
 
 
 def chat_chunk(
-    response_id: str, model: str, created: int, index: int, delta: dict[str, str], finish_reason: str | None
+    response_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}``."""
     return {
@@ -131,7 +205,7 @@ def chat_chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

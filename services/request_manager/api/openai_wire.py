@@ -16,6 +16,8 @@ true: EOS and the other special tokens are left out of the text), ``speculation`
 ``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool, "head": bool}``) and
 ``verification`` (``"auto"``, ``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With
 ``n > 1`` and a ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
+``logprobs`` (completions: a count, 0-20; chat: ``logprobs: true`` with ``top_logprobs`` 0-20) reports the output
+tokens' log-probabilities under the LLM's raw distribution (``GenerateRequest.logprobs``); not with ``echo``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specinfer.core import InvalidArgument
+from specinfer.core.requests import MAX_LOGPROBS
 from specinfer.v1 import api_pb2
 
 MAX_N = 16  # most choices per prompt
@@ -161,6 +164,7 @@ class CompletionParams:
     include_usage: bool
     echo: bool
     model: str | None
+    logprobs: int | None = None  # alternatives reported at each token (None: no logprobs)
 
 
 def completion_params(body: Mapping[str, Any]) -> CompletionParams:
@@ -178,13 +182,19 @@ def completion_params(body: Mapping[str, Any]) -> CompletionParams:
         raise InvalidArgument("model", "must be a string")
     n = _integer(body, "n", 1, 1, MAX_N)
     assert n is not None
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = _flag(body, "echo")
+    if echo and logprobs is not None:
+        # the prompt's logprobs would need the LLM's logits at every prompt position, which its prefill keeps none of
+        raise InvalidArgument("logprobs", "is not supported with echo (the prompt's logprobs are not computed)")
     return CompletionParams(
         tuple(p if isinstance(p, str) else tuple(p) for p in prompts(body)),
         n,
         stream,
         include_usage,
-        _flag(body, "echo"),
+        echo,
         model,
+        logprobs,
     )
 
 
@@ -193,12 +203,8 @@ def generate_requests(
 ) -> list[api_pb2.GenerateRequest]:
     """One GenerateRequest per choice (see the module doc); types and ranges checked here, the
     rest (vocabulary, lengths, stop limits, SSM names) by admission, as for gRPC."""
-    if (
-        body.get("logprobs") not in (None, 0, False)
-        or body.get("best_of") not in (None, 1)
-        or body.get("suffix") is not None
-    ):
-        unsupported = next(k for k in ("logprobs", "best_of", "suffix") if body.get(k) not in (None, 0, False, 1))
+    if body.get("best_of") not in (None, 1) or body.get("suffix") is not None:
+        unsupported = next(k for k in ("best_of", "suffix") if body.get(k) not in (None, 1))
         raise InvalidArgument(unsupported, "is not supported by this server")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
@@ -240,6 +246,8 @@ def generate_requests(
             )
             if seed is not None:
                 msg.sampling.seed = seed + i
+            if params.logprobs is not None:
+                msg.logprobs = params.logprobs
             if isinstance(prompt, str):
                 msg.text = prompt
             else:
@@ -256,8 +264,15 @@ def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[s
     for name in ("tools", "tool_choice", "response_format", "logit_bias"):
         if body.get(name) not in (None, "none", {}, []):
             raise InvalidArgument(name, "is not supported by this server")
-    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "add_generation_prompt")}
+    dropped = ("messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs")
+    out = {k: v for k, v in body.items() if k not in dropped}
     if body.get("max_completion_tokens") is not None:
         out["max_tokens"] = body["max_completion_tokens"]
+    # chat's logprobs (a flag) and top_logprobs (a count) as the completions' logprobs count
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if _flag(body, "logprobs"):
+        out["logprobs"] = top or 0
+    elif top is not None:
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
     out["prompt"] = list(prompt)
     return out

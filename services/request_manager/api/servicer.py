@@ -16,6 +16,7 @@ from contextlib import aclosing
 import grpc
 from tokenizers import Tokenizer
 
+from specinfer import wire
 from specinfer.core.errors import Unavailable
 from specinfer.request_manager.api.admission import build_live, check_request_id, resume_request_id
 from specinfer.request_manager.scheduling.live import Finish, StreamEvent
@@ -46,7 +47,13 @@ def finish_to_proto(finish: Finish) -> api_pb2.Finished:
 
 
 def event_to_proto(request_id: str, event: StreamEvent) -> api_pb2.GenerateResponse:
-    msg = api_pb2.GenerateResponse(request_id=request_id, offset=event.offset, token_ids=event.tokens, text=event.text)
+    msg = api_pb2.GenerateResponse(
+        request_id=request_id,
+        offset=event.offset,
+        token_ids=event.tokens,
+        text=event.text,
+        logprobs=wire.token_logprobs_to_proto(event.logprobs),
+    )
     if event.finished is not None:
         msg.finished.CopyFrom(finish_to_proto(event.finished))
     return msg
@@ -59,6 +66,7 @@ def state_to_proto(state: RequestState, tokenizer: Tokenizer | None) -> api_pb2.
         status=STATUSES[state.status],
         prompt_token_ids=snapshot.prompt_tokens,
         output_token_ids=snapshot.output_tokens,
+        output_logprobs=wire.token_logprobs_to_proto(snapshot.output_logprobs),
     )
     if tokenizer is not None:
         msg.text = snapshot_text(snapshot, tokenizer)

@@ -208,6 +208,7 @@ class Verifiers(ReplicaPool):
                 int(r.bonus_token),
                 int(r.prefix_hit_tokens),
                 wire.next_tree_from_proto(r, "results"),
+                wire.token_logprobs_from_proto(r.logprobs) if r.logprobs else None,
             )
             for rid, r in results.items()
         }

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from specinfer.core.iteration import Running
-from specinfer.core.requests import StepStats
+from specinfer.core.iteration import Running, StepOutcome
+from specinfer.core.requests import StepStats, TokenLogprob
 from specinfer.request_manager.api.text import TextStream
 
 
@@ -49,12 +49,14 @@ class Finish:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """New committed tokens of a request (``offset``: index of the first in its output)."""
+    """New committed tokens of a request (``offset``: index of the first in its output); ``logprobs``: theirs, one
+    per token, where the request asks for them."""
 
     offset: int
     tokens: tuple[int, ...]
     text: str
     finished: Finish | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Moved:
@@ -77,6 +79,12 @@ class Live(Running):
     finished: Finish | None = None
     final: StreamEvent | None = None  # the finishing event, published once Redis recorded the finish
     moved: bool = False  # another replica took it over; dropped here (its subscribers got MOVED)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when the request asks
+
+    def commit(self, outcome: StepOutcome) -> None:
+        super().commit(outcome)
+        if outcome.logprobs is not None:
+            self.logprobs.extend(outcome.logprobs)
 
     def usage(self) -> Usage:
         return Usage.of(len(self.request.prompt_tokens), len(self.output), self.stats)

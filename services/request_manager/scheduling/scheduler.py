@@ -280,6 +280,14 @@ class Scheduler:
                 outcome = outcome.stopped_at(live.text.stop_cut(live.output, outcome.tokens))
         tokens, stats = outcome.tokens, outcome.stats
         offset = len(live.output)
+        top = live.request.logprobs
+        if top is not None and (outcome.logprobs is None or len(outcome.logprobs) != len(tokens)):
+            # a verifier that does not know the field (an older release): the request cannot have what it asked
+            if live.text is not None:
+                live.text.text = released
+            await self._finish(live, "error", error="the LLM verifier returned no logprobs (is it older?)")
+            return
+        logprobs = outcome.logprobs or ()
         # durable before anyone sees it; the offset makes a retried append idempotent
         try:
             appended = await self.store.append_tokens(
@@ -289,6 +297,8 @@ class Scheduler:
                 owner=self.config.owner,
                 offset=offset,
                 lease_token=self.config.lease_token,
+                logprobs=logprobs,
+                top_logprobs=top or 0,
             )
         except NOT_OURS as exc:
             self._lose(live, exc)
@@ -308,9 +318,9 @@ class Scheduler:
         m.accepted_tokens.observe(stats.accepted)
         m.tree_size.observe(stats.tree_size)
         if outcome.finish_reason is None:
-            live.publish(StreamEvent(offset, tokens, delta))
+            live.publish(StreamEvent(offset, tokens, delta, logprobs=logprobs))
         else:
-            await self._finish(live, outcome.finish_reason, StreamEvent(offset, tokens, delta))
+            await self._finish(live, outcome.finish_reason, StreamEvent(offset, tokens, delta, logprobs=logprobs))
 
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         """End ``live`` with ``reason``; ``last``: its final step's tokens, published with the finish. When
@@ -325,7 +335,11 @@ class Scheduler:
                 live.text.flush(live.output) if live.text is not None and reason != "stop" else ""
             )
             live.final = StreamEvent(
-                last.offset if last else len(live.output), last.tokens if last else (), text, live.finished
+                last.offset if last else len(live.output),
+                last.tokens if last else (),
+                text,
+                live.finished,
+                last.logprobs if last else (),
             )
         try:
             await self.store.finish(

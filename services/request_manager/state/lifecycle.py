@@ -86,7 +86,9 @@ class Requests:
         except RequestExistsError as exc:
             raise AlreadyExists("request_id", str(exc)) from None
         try:
-            async with contextlib.aclosing(self._stream(rid, 0, live, queue, live.text)) as events:
+            async with contextlib.aclosing(
+                self._stream(rid, 0, live.request.logprobs, live, queue, live.text)
+            ) as events:
                 async for event in events:
                     yield event
         finally:
@@ -106,20 +108,22 @@ class Requests:
         if live is not None and live.finished is None:
             queue = asyncio.Queue()
             live.subscribers.append(queue)  # subscribe first, then send the backlog: nothing is lost in between
-            backlog = tuple(live.output[offset:])
+            backlog, logprobs = tuple(live.output[offset:]), tuple(live.logprobs[offset:])
+            top = live.request.logprobs
         else:
             snapshot = await self._snapshot(request_id)
-            backlog = snapshot.output_tokens[offset:]
+            backlog, logprobs = snapshot.output_tokens[offset:], snapshot.output_logprobs[offset:]
+            top = snapshot.params.get("logprobs")
             if snapshot.is_finished:
-                yield StreamEvent(offset, backlog, "", snapshot_finish(snapshot))
+                yield StreamEvent(offset, backlog, "", snapshot_finish(snapshot), logprobs)
                 return
         try:
-            yield StreamEvent(offset, backlog, "")
+            yield StreamEvent(offset, backlog, "", logprobs=logprobs)
         except BaseException:
             if queue is not None:
                 live.subscribers.remove(queue)
             raise
-        async with contextlib.aclosing(self._stream(request_id, offset + len(backlog), live, queue)) as events:
+        async with contextlib.aclosing(self._stream(request_id, offset + len(backlog), top, live, queue)) as events:
             async for event in events:
                 yield event
 
@@ -127,6 +131,7 @@ class Requests:
         self,
         request_id: str,
         sent: int,
+        top: int | None,
         live: Live | None = None,
         queue: asyncio.Queue | None = None,
         text: TextStream | None = None,
@@ -135,7 +140,8 @@ class Requests:
         no token comes twice: from the scheduler while this replica runs the request (``queue``: a
         subscription to ``live`` already taken), else from its record in Redis, polled every
         FOLLOW_POLL_SECONDS; it switches as the request moves between replicas (adopted here, or taken
-        over by another). ``text``: decodes the followed tokens into text deltas (as the scheduler does)."""
+        over by another). ``text``: decodes the followed tokens into text deltas (as the scheduler does); ``top``:
+        the alternatives the request asks at each token's logprobs (None: no logprobs)."""
         output: list[int] = []  # the output up to ``sent``, kept while following with ``text`` only
         while True:
             backlog: tuple[int, ...] = ()
@@ -149,7 +155,7 @@ class Requests:
                 assert live is not None
                 try:
                     if backlog:
-                        yield StreamEvent(sent, backlog, "")
+                        yield StreamEvent(sent, backlog, "", logprobs=tuple(live.logprobs[sent:]))
                         sent += len(backlog)
                     while (event := await queue.get()) is not MOVED:
                         yield StreamEvent(
@@ -157,6 +163,7 @@ class Requests:
                             event.tokens[max(0, sent - event.offset) :],
                             event.text,
                             event.finished,
+                            event.logprobs[max(0, sent - event.offset) :],
                         )
                         if event.finished is not None:
                             return
@@ -167,13 +174,13 @@ class Requests:
                 output = list(live.output[:sent]) if text is not None else []
                 queue = None
                 continue
-            tail = await self.store.tail(request_id, sent)
+            tail = await self.store.tail(request_id, sent, top)
             if tail is None:
                 raise NotFound("request_id", f"no request {request_id!r}")
             finish = None
             if tail.finished:  # its last tokens and final state, read together
                 snapshot = await self._snapshot(request_id)
-                tail = Tail(snapshot.output_tokens[sent:], True)
+                tail = Tail(snapshot.output_tokens[sent:], True, snapshot.output_logprobs[sent:])
                 finish = snapshot_finish(snapshot)
             delta = ""
             if text is not None:
@@ -182,7 +189,7 @@ class Requests:
                     text.flush(output) if finish is not None and finish.reason != "stop" else ""
                 )
             if tail.tokens or finish is not None:
-                yield StreamEvent(sent, tail.tokens, delta, finish)
+                yield StreamEvent(sent, tail.tokens, delta, finish, tail.logprobs)
                 sent += len(tail.tokens)
             if finish is not None:
                 return

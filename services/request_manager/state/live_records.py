@@ -37,6 +37,7 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "stop": list(live.stop_strings),
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": live.text.skip_special_tokens if live.text is not None else True,
+        "logprobs": req.logprobs,
         "speculation": None
         if spec is None
         else {
@@ -79,12 +80,14 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
         speculation=spec,
         stop_token_ids=tuple(params["stop_token_ids"]),
         ignore_eos=bool(params["ignore_eos"]),
+        logprobs=params.get("logprobs"),  # records written before logprobs: none
     )
     check_kv_fit(request, limits)  # the KV caches may be smaller than before the restart
     stop = tuple(params["stop"])
     text = TextStream(tokenizer, stop, skip_special_tokens(params)) if tokenizer is not None else None
     live = Live(request, int(params["seed"]), stop, text)
     live.output = list(snapshot.output_tokens)
+    live.logprobs = list(snapshot.output_logprobs)
     if text is not None:
         text.update(live.output)  # already streamed before the restart
     live.stats = snapshot.stats

@@ -23,11 +23,11 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specinfer.core.requests import StepStats
+from specinfer.core.requests import StepStats, TokenLogprob
 
 TOKEN_BYTES = 4
 """Bytes per stored token ID (little-endian int32)."""
@@ -94,6 +94,7 @@ class RequestSnapshot:
     stats: StepStats
     created: float
     updated: float
+    output_logprobs: tuple[TokenLogprob, ...] = ()  # one per output token, when params' logprobs is set
 
     @property
     def is_finished(self) -> bool:
@@ -140,3 +141,33 @@ def unpack_tokens(data: bytes | None) -> tuple[int, ...]:
         # Only a torn write outside the store could do this; never guess at a partial token.
         raise ValueError(f"packed token data of {len(data)} bytes is not a multiple of {TOKEN_BYTES}")
     return struct.unpack(f"<{len(data) // TOKEN_BYTES}i", data)
+
+
+def logprobs_record_bytes(top: int | None) -> int:
+    """Bytes of one token's logprobs record for a request that asks ``top`` alternatives (0: it asks none)."""
+    return 0 if top is None else 4 + 8 * top
+
+
+def pack_logprobs(logprobs: Sequence[TokenLogprob], top: int) -> bytes:
+    """Each token's record: its logprob (float32), then ``top`` (token ID int32, logprob float32) pairs, little-endian
+    (a fixed size, so a record is found by the token's offset)."""
+    out = bytearray()
+    for lp in logprobs:
+        if len(lp.top) != top:
+            raise ValueError(f"a logprobs record holds {top} alternatives, got {len(lp.top)}")
+        out += struct.pack(f"<f{'if' * top}", lp.logprob, *(x for pair in lp.top for x in pair))
+    return bytes(out)
+
+
+def unpack_logprobs(data: bytes | None, tokens: Sequence[int], top: int | None) -> tuple[TokenLogprob, ...]:
+    """The inverse of :func:`pack_logprobs` for the records of ``tokens`` (none when ``top`` is None)."""
+    if top is None or not data:
+        return ()
+    size = logprobs_record_bytes(top)
+    if len(data) != size * len(tokens):
+        raise ValueError(f"{len(data)} bytes of logprobs for {len(tokens)} tokens of {size} bytes each")
+    out = []
+    for k, token in enumerate(tokens):
+        values = struct.unpack_from(f"<f{'if' * top}", data, k * size)
+        out.append(TokenLogprob(token, values[0], tuple(zip(values[1::2], values[2::2], strict=True))))
+    return tuple(out)

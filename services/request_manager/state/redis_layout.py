@@ -6,11 +6,13 @@ Key layout (``P`` is the store's prefix, ``specinfer`` by default)::
                                        llm_steps, accepted_tokens, tree_nodes, cached_prompt_tokens,
                                        created, updated, owner, lease_token, cancel_requested
     P:{<request_id>}:out       string  output token IDs, packed little-endian int32, grown by APPEND
+    P:{<request_id>}:logprobs  string  with params' logprobs N set: one record per output token, grown with it
+                                       (:func:`.records.pack_logprobs`: float32 logprob, N x (int32, float32))
     P:owner:{<owner>}:active   set     IDs of the owner's unfinished requests (an index, see below)
     P:owner:{<owner>}:lease    string  the owner's lease: the token of the process holding it, with a TTL
     P:owners                   set     owners that may hold requests (where adopters look, see below)
 
-The braces are Redis Cluster hash tags: both keys of a request hash to the same slot, so every
+The braces are Redis Cluster hash tags: the keys of a request hash to the same slot, so every
 operation on one request is a single Lua script over ``KEYS`` of one slot, which Redis runs atomically
 (standalone or cluster); an owner's index and lease share a slot too. Terms (committed tokens, owner,
 ...) are defined in :mod:`.records`.
@@ -42,7 +44,7 @@ import json
 from dataclasses import dataclass
 from enum import IntEnum
 
-from .records import FinishReason, RequestSnapshot, RequestStatus, StepStats, unpack_tokens
+from .records import FinishReason, RequestSnapshot, RequestStatus, StepStats, unpack_logprobs, unpack_tokens
 
 
 class ScriptCode(IntEnum):
@@ -91,7 +93,7 @@ if m[1] and m[1] ~= 'finished' then
   end
   return {-5, m[2]}
 end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'prompt', ARGV[2], 'owner', ARGV[3], 'lease_token', ARGV[5], \
 'status', 'queued',
   'llm_steps', 0, 'accepted_tokens', 0, 'tree_nodes', 0, 'cached_prompt_tokens', 0, \
@@ -100,8 +102,8 @@ return {1, ARGV[3]}
 """
 )
 
-# KEYS: meta, out. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1: any),
-# cached_prompt_tokens, lease token.
+# KEYS: meta, out, logprobs. ARGV: packed tokens, llm_steps, accepted_tokens, tree_nodes, now, owner, offset (-1:
+# any), cached_prompt_tokens, lease token, packed logprobs of the tokens (empty: none asked).
 # Reply {code, output length in tokens, owner, cancel_requested}. With an offset, an append whose tokens
 # already end the output at that offset is a retry of an applied append: reported as UNCHANGED, not
 # applied twice (touched).
@@ -120,6 +122,7 @@ if offset >= 0 and len ~= offset * 4 then
   return {-4, len / 4, m[2], m[4]}
 end
 if #ARGV[1] > 0 then len = redis.call('APPEND', KEYS[2], ARGV[1]) end
+if #ARGV[10] > 0 then redis.call('APPEND', KEYS[3], ARGV[10]) end
 redis.call('HINCRBY', KEYS[1], 'llm_steps', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'accepted_tokens', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'tree_nodes', ARGV[4])
@@ -129,7 +132,7 @@ return {1, len / 4, m[2], m[4]}
 """
 )
 
-# KEYS: meta, out. ARGV: reason, error, now, ttl in ms, owner, lease token. Reply {code, owner}; an
+# KEYS: meta, out, logprobs. ARGV: reason, error, now, ttl in ms, owner, lease token. Reply {code, owner}; an
 # already finished request is UNCHANGED (touched).
 FINISH = (
     _CHECK
@@ -143,19 +146,24 @@ if code < 0 then return {code, m[2]} end
 redis.call('HSET', KEYS[1], 'status', 'finished', 'reason', ARGV[1], 'error', ARGV[2], 'updated', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return {1, m[2]}
 """
 )
 
-# KEYS: meta, out. Reply {meta as a flat field/value list, packed output or nil}.
+# KEYS: meta, out, logprobs. Reply {meta as a flat field/value list, packed output or nil, packed logprobs or nil}.
 GET = """
-return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2])}
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('GET', KEYS[3])}
 """
 
-# KEYS: meta, out. ARGV: offset in tokens. Reply {status or nil, packed output from the offset on}: what
-# a follower of the request polls (a few bytes while nothing new was committed).
+# KEYS: meta, out, logprobs. ARGV: offset in tokens, bytes of a logprobs record (0: none asked). Reply {status or
+# nil, packed output from the offset on, packed logprobs from the offset on}: what a follower of the request polls
+# (a few bytes while nothing new was committed).
 TAIL = """
-return {redis.call('HGET', KEYS[1], 'status'), redis.call('GETRANGE', KEYS[2], tonumber(ARGV[1]) * 4, -1)}
+local offset, record = tonumber(ARGV[1]), tonumber(ARGV[2])
+local logprobs = ''
+if record > 0 then logprobs = redis.call('GETRANGE', KEYS[3], offset * record, -1) end
+return {redis.call('HGET', KEYS[1], 'status'), redis.call('GETRANGE', KEYS[2], offset * 4, -1), logprobs}
 """
 
 # KEYS: meta. ARGV: the owner it must have, the new owner, the new lease token. Reply {code, owner}.
@@ -228,9 +236,12 @@ class KeySpace:
     def out(self, request_id: str) -> str:
         return f"{self.prefix}:{{{request_id}}}:out"
 
+    def logprobs(self, request_id: str) -> str:
+        return f"{self.prefix}:{{{request_id}}}:logprobs"
+
     def request(self, request_id: str) -> list[str]:
-        """Both keys of a request, in the order the scripts take them (meta, out)."""
-        return [self.meta(request_id), self.out(request_id)]
+        """The keys of a request, in the order the scripts take them (meta, out, logprobs)."""
+        return [self.meta(request_id), self.out(request_id), self.logprobs(request_id)]
 
     def active(self, owner: str) -> str:
         return f"{self.prefix}:owner:{{{owner}}}:active"
@@ -246,8 +257,10 @@ class KeySpace:
         return f"{self.prefix}:owners"
 
 
-def decode_snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | None) -> RequestSnapshot:
-    """A request's snapshot from its ``meta`` hash and packed output, as laid out above."""
+def decode_snapshot(
+    request_id: str, meta: dict[bytes, bytes], packed: bytes | None, packed_logprobs: bytes | None = None
+) -> RequestSnapshot:
+    """A request's snapshot from its ``meta`` hash, packed output and packed logprobs, as laid out above."""
 
     def text(field: str) -> str | None:
         value = meta.get(field.encode())
@@ -258,11 +271,12 @@ def decode_snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | N
 
     reason = text("reason")
     output = unpack_tokens(packed)
+    params = json.loads(meta.get(b"params", b"{}"))
     return RequestSnapshot(
         request_id=request_id,
         owner=text("owner") or "",
         status=RequestStatus(text("status")),
-        params=json.loads(meta.get(b"params", b"{}")),
+        params=params,
         prompt_tokens=unpack_tokens(meta.get(b"prompt")),
         output_tokens=output,
         finish_reason=FinishReason(reason) if reason else None,
@@ -276,4 +290,5 @@ def decode_snapshot(request_id: str, meta: dict[bytes, bytes], packed: bytes | N
         ),
         created=float(text("created") or 0),
         updated=float(text("updated") or 0),
+        output_logprobs=unpack_logprobs(packed_logprobs, output, params.get("logprobs")),
     )

@@ -32,8 +32,12 @@ from .records import (
     RequestRecord,
     RequestSnapshot,
     StepStats,
+    TokenLogprob,
+    logprobs_record_bytes,
+    pack_logprobs,
     pack_tokens,
     params_json,
+    unpack_logprobs,
     unpack_tokens,
 )
 from .redis_failover import retrying, write_acked
@@ -65,6 +69,7 @@ class Tail:
 
     tokens: tuple[int, ...]
     finished: bool
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens', when the request asked
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,11 @@ class RequestStore:
         owner: str | None = None,
         offset: int | None = None,
         lease_token: str | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        top_logprobs: int = 0,
     ) -> Appended:
-        """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step.
+        """Append committed tokens and add ``step_stats`` (default: one LLM step) in one atomic step; ``logprobs``,
+        the tokens' (each with ``top_logprobs`` alternatives), go with them where the request asked for them.
 
         Its ``llm_steps``, ``accepted``, ``tree_size`` and ``cached_prompt`` are added (a snapshot's ``committed`` is
         its output's length). Returns the output length after the append and the request's cancel mark. A queued
@@ -181,6 +189,7 @@ class RequestStore:
             -1 if offset is None else offset,
             stats.cached_prompt,
             lease_token or "",
+            pack_logprobs(logprobs, top_logprobs) if logprobs else b"",
         ]
         code, length, actual, cancel = await self._run(self._append, self.keys.request(request_id), args)
         if code == ScriptCode.OFFSET_CONFLICT:
@@ -317,11 +326,11 @@ class RequestStore:
     async def get(self, request_id: str) -> RequestSnapshot | None:
         """The request's state (meta and output read atomically together), None when it does not exist."""
         keys = self.keys.request(request_id)
-        flat, packed = await self._retrying(lambda: self._get(keys=keys))
+        flat, packed, packed_logprobs = await self._retrying(lambda: self._get(keys=keys))
         if not flat:
             return None
         meta = dict(zip(flat[::2], flat[1::2], strict=True))
-        return decode_snapshot(request_id, meta, packed)
+        return decode_snapshot(request_id, meta, packed, packed_logprobs)
 
     async def active(self, owner: str) -> list[str]:
         """IDs of the owner's unfinished requests, oldest first (what a restarted replica resumes).
@@ -330,14 +339,18 @@ class RequestStore:
         """
         return (await self.index(owner))[0]
 
-    async def tail(self, request_id: str, offset: int) -> Tail | None:
+    async def tail(self, request_id: str, offset: int, top_logprobs: int | None = None) -> Tail | None:
         """The request's output from ``offset`` on and whether it finished (None: no such request): what
-        a replica that does not run the request polls to stream it."""
+        a replica that does not run the request polls to stream it; with the tokens' logprobs where the request
+        asks ``top_logprobs`` alternatives."""
         keys = self.keys.request(request_id)
-        status, packed = await self._retrying(lambda: self._tail(keys=keys, args=[offset]))
+        args = [offset, logprobs_record_bytes(top_logprobs)]
+        status, packed, packed_logprobs = await self._retrying(lambda: self._tail(keys=keys, args=args))
         if status is None:
             return None
-        return Tail(unpack_tokens(packed), status == b"finished")
+        tokens = unpack_tokens(packed)
+        logprobs = unpack_logprobs(packed_logprobs[: len(tokens) * args[1]], tokens, top_logprobs)
+        return Tail(tokens, status == b"finished", logprobs)
 
     # -- helpers ----------------------------------------------------------------------------------
 

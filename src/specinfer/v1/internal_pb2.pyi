@@ -154,20 +154,22 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("context", "tree", "sampling", "seed", "step", "head")
+    __slots__ = ("context", "tree", "sampling", "seed", "step", "head", "logprobs")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     context: Context
     tree: DraftTree
     sampling: _api_pb2.SamplingParams
     seed: int
     step: int
     head: HeadDraft
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class HeadDraft(_message.Message):
     __slots__ = ("budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "draft_support")
@@ -192,20 +194,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token", "prefix_hit_tokens", "next_tree")
+    __slots__ = ("request_id", "cache_miss", "accepted_tokens", "bonus_token", "prefix_hit_tokens", "next_tree", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TREE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cache_miss: bool
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     prefix_hit_tokens: int
     next_tree: DraftTree
-    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., next_tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., cache_miss: _Optional[bool] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., next_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "kv_blocks_free")
