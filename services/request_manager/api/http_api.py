@@ -197,16 +197,14 @@ class HttpApi:
         echo = [self._echo_text(p) if params.echo else "" for p in params.prompts]
         prompt_tokens = [len(lives[p * params.n].request.prompt_tokens) for p in range(len(params.prompts))]
         streams = await self._start(lives)
-        created = oo.now()
+        env = oo.Envelope(response_id, model, oo.now())
         logprobs = oo.Logprobs(self._token_text) if params.logprobs is not None else None
         if params.stream:
-            chunks = self._chunks(
-                streams, params, echo, prompt_tokens, response_id, model, created, started, chat, logprobs
-            )
+            chunks = self._chunks(streams, params, echo, prompt_tokens, env, started, chat, logprobs)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
         build = oo.chat_object if chat else oo.completion_object
-        return JSONResponse(build(response_id, model, created, choices, prompt_tokens, logprobs))
+        return JSONResponse(build(env, choices, prompt_tokens, logprobs))
 
     def _token_text(self, token: int) -> str:
         """One token's text in a logprobs object: the tokenizer's decoding of it alone (special tokens too), or
@@ -285,7 +283,7 @@ class HttpApi:
         return now if event.tokens else last
 
     async def _chunks(
-        self, streams, params, echo, prompt_tokens, response_id, model, created, started, chat: bool, logprobs
+        self, streams, params, echo, prompt_tokens, env, started, chat: bool, logprobs
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per event of any choice as it comes (chat: a first chunk
         with the role, content deltas, then an empty delta with the finish reason), a usage chunk
@@ -318,22 +316,18 @@ class HttpApi:
             elif logprobs is not None:
                 lp = logprobs.chat(event.logprobs)
             if not chat:
-                return sse(oo.completion_chunk(response_id, model, created, i, text, finish_reason, lp))
+                return sse(oo.completion_chunk(env, i, text, finish_reason, lp))
             if finish_reason is None:
-                return sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None, lp))
-            head = (
-                sse(oo.chat_chunk(response_id, model, created, i, {"content": text}, None, lp))
-                if text or event.logprobs
-                else ""
-            )
-            return head + sse(oo.chat_chunk(response_id, model, created, i, {}, finish_reason))
+                return sse(oo.chat_chunk(env, i, {"content": text}, None, lp))
+            head = sse(oo.chat_chunk(env, i, {"content": text}, None, lp)) if text or event.logprobs else ""
+            return head + sse(oo.chat_chunk(env, i, {}, finish_reason))
 
         try:
             for i in range(len(streams)):
                 if chat:
-                    yield sse(oo.chat_chunk(response_id, model, created, i, {"role": "assistant", "content": ""}, None))
+                    yield sse(oo.chat_chunk(env, i, {"role": "assistant", "content": ""}, None))
                 elif echo[i // params.n]:
-                    yield sse(oo.completion_chunk(response_id, model, created, i, echo[i // params.n], None))
+                    yield sse(oo.completion_chunk(env, i, echo[i // params.n], None))
             open_choices = len(streams)
             while open_choices:
                 i, item = await queue.get()
@@ -349,7 +343,7 @@ class HttpApi:
                     open_choices -= 1
             if params.include_usage:
                 usage = oo.chat_usage_chunk if chat else oo.usage_chunk
-                yield sse(usage(response_id, model, created, choices, prompt_tokens))
+                yield sse(usage(env, choices, prompt_tokens))
             yield "data: [DONE]\n\n"
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:

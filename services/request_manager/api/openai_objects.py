@@ -113,20 +113,27 @@ def speculation_object(choices: Sequence[Choice]) -> dict[str, Any]:
     }
 
 
-def _envelope(response_id: str, model: str, created: int) -> dict[str, Any]:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model}
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one response carries: its ``id``, the ``model`` and when it was ``created``."""
+
+    response_id: str
+    model: str
+    created: int
+
+    def of(self, kind: str) -> dict[str, Any]:
+        """The object's envelope fields, for its ``kind`` (``text_completion``, ``chat.completion`` ...)."""
+        return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model}
 
 
 def completion_object(
-    response_id: str,
-    model: str,
-    created: int,
+    env: Envelope,
     choices: Sequence[Choice],
     prompt_tokens: Sequence[int],
     logprobs: Logprobs | None = None,
 ) -> dict[str, Any]:
     return {
-        **_envelope(response_id, model, created),
+        **env.of("text_completion"),
         "choices": [
             {
                 "index": c.index,
@@ -142,40 +149,31 @@ def completion_object(
 
 
 def completion_chunk(
-    response_id: str,
-    model: str,
-    created: int,
+    env: Envelope,
     index: int,
     text: str,
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
-        **_envelope(response_id, model, created),
+        **env.of("text_completion"),
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
-def usage_chunk(
-    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
-) -> dict[str, Any]:
+def usage_chunk(env: Envelope, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
-    return {**completion_object(response_id, model, created, choices, prompt_tokens), "choices": []}
+    return {**completion_object(env, choices, prompt_tokens), "choices": []}
 
 
 def chat_object(
-    response_id: str,
-    model: str,
-    created: int,
+    env: Envelope,
     choices: Sequence[Choice],
     prompt_tokens: Sequence[int],
     logprobs: Logprobs | None = None,
 ) -> dict[str, Any]:
     return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
+        **env.of("chat.completion"),
         "choices": [
             {
                 "index": c.index,
@@ -191,9 +189,7 @@ def chat_object(
 
 
 def chat_chunk(
-    response_id: str,
-    model: str,
-    created: int,
+    env: Envelope,
     index: int,
     delta: dict[str, str],
     finish_reason: str | None,
@@ -201,19 +197,14 @@ def chat_chunk(
 ) -> dict[str, Any]:
     """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}``."""
     return {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
+        **env.of("chat.completion.chunk"),
         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
-def chat_usage_chunk(
-    response_id: str, model: str, created: int, choices: Sequence[Choice], prompt_tokens: Sequence[int]
-) -> dict[str, Any]:
+def chat_usage_chunk(env: Envelope, choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
     return {
-        **chat_object(response_id, model, created, choices, prompt_tokens),
+        **chat_object(env, choices, prompt_tokens),
         "object": "chat.completion.chunk",
         "choices": [],
     }
