@@ -79,6 +79,9 @@ class Client:
         suffix: bool | None = None,
         head: bool | None = None,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
@@ -94,12 +97,19 @@ class Client:
         (None: on, where it has one), ``speculation=False`` decodes with the LLM alone.
         ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
         server picks one). ``logprobs``: each response also carries its tokens' log-probabilities under the LLM,
-        with this many most likely alternatives at each (0-20; None: no logprobs)."""
+        with this many most likely alternatives at each (0-20; None: no logprobs). ``presence_penalty``,
+        ``frequency_penalty`` (0: off) and ``repetition_penalty`` (1: off) penalize the tokens seen already."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
             sampling=api_pb2.SamplingParams(
-                temperature=temperature, top_p=top_p, top_k=top_k, verification=verification
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                verification=verification,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
             ),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),

@@ -51,6 +51,9 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
             top_p=float(top_p),
             seed=seed,
             verification=verification,
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
         ),
     )
 
@@ -61,7 +64,15 @@ def skip_special_tokens_from_proto(msg: api_pb2.GenerateRequest) -> bool:
 
 
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingParams:
-    msg = api_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    msg = api_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     if params.verification != "auto":
         msg.verification = params.verification
     if params.seed is not None:
@@ -174,6 +185,7 @@ def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> inter
         sampling=sampling_to_proto(job.sampling),
         seed=job.seed,
         step=job.step,
+        output_start=job.output_start,
     )
     if job.head is not None:
         _budget_to_proto(job.head.budget, item.head)
@@ -403,7 +415,15 @@ def verify_job_from_proto(
         int(item.step),
         head,
         logprobs_from_proto(item, f"{field}.logprobs"),
+        _output_start(item, len(context), field),
     )
+
+
+def _output_start(item: internal_pb2.VerifyItem, context_tokens: int, field: str) -> int:
+    """Where the item's output begins (its context and the root hold ``context_tokens + 1`` tokens)."""
+    if item.output_start > context_tokens + 1:
+        raise InvalidArgument(f"{field}.output_start", f"{item.output_start} is past the {context_tokens + 1} tokens")
+    return int(item.output_start)
 
 
 def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> internal_pb2.SpeculateResult:

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from oracles import hf_logprobs, hf_seeded_sampling, serving  # tests/oracles.py
+from oracles import hf_logprobs, hf_plain_decoding, hf_seeded_sampling, serving  # tests/oracles.py
 from services.harness import wait_until  # tests/services/harness.py
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -590,6 +590,29 @@ def test_logprobs_with_the_openai_client(stack, model_pair, llm_with_template, g
     with pytest.raises(openai.BadRequestError) as err:
         oa.chat.completions.create(**asked, top_logprobs=2)
     assert err.value.body["param"] == "top_logprobs"
+
+
+def test_penalties_with_the_openai_client(stack, model_pair):
+    """``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``, greedy and seeded, through the server's
+    default speculation: the text of decoding without speculation under the same penalties."""
+    oa = client(stack)
+    tok = load_tokenizer(model_pair.llm)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
+    prompt = list(model_pair.prompts[8])
+    penalties = {"presence_penalty": 1.0, "frequency_penalty": 0.5}
+    body = {"model": stack.config.llm.name, "prompt": prompt, "max_tokens": NEW_TOKENS, **penalties}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.2}
+    for temperature, seed in ((0.0, None), (0.8, 3)):
+        params = SamplingParams(temperature=temperature, seed=seed, repetition_penalty=1.2, **penalties)
+        want = tok.decode(hf_plain_decoding(hf, prompt, params, seed, NEW_TOKENS), skip_special_tokens=True)
+        done = oa.completions.create(**body, temperature=temperature, seed=seed, extra_body=extra)
+        assert done.choices[0].text == want, (temperature, seed)
+    unpenalized = {**body, **dict.fromkeys(penalties, 0.0)}
+    plain = oa.completions.create(**unpenalized, temperature=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != tok.decode(
+        hf_plain_decoding(hf, prompt, SamplingParams(repetition_penalty=1.2, **penalties), None, NEW_TOKENS),
+        skip_special_tokens=True,
+    ), "the penalties changed nothing: the test would not see them"
 
 
 def test_openai_client_errors(stack):

@@ -123,7 +123,10 @@ def test_speculation_field(spec, expected):
         ({"logprobs": True}, "logprobs"),
         ({"logprobs": 2, "echo": True}, "logprobs"),
         ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "high"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"model": 3}, "model"),
     ],
 )

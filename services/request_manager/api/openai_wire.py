@@ -10,9 +10,10 @@ gRPC calls; it turns the events back into ``text_completion`` objects with :mod:
 - *param*: the name of an OpenAI request field, which error objects name (``max_tokens``, not
   the gRPC field ``max_new_tokens``).
 
-Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1. Extra fields,
-as vLLM takes them: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default
-true: EOS and the other special tokens are left out of the text), ``speculation`` (``"auto"``,
+Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1, ``presence_penalty`` and
+``frequency_penalty`` 0. Extra fields, as vLLM takes them: ``top_k``, ``repetition_penalty`` (1: off),
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default true: EOS and the other special tokens are
+left out of the text), ``speculation`` (``"auto"``,
 ``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool, "head": bool}``) and
 ``verification`` (``"auto"``, ``"coupled"`` or ``"mss"``: the public API's ``SamplingParams.verification``). With
 ``n > 1`` and a ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
@@ -47,6 +48,9 @@ PARAMS = {
     "sampling.top_k": "top_k",
     "sampling.seed": "seed",
     "sampling.verification": "verification",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "request_id": "user",
@@ -206,9 +210,11 @@ def generate_requests(
     if body.get("best_of") not in (None, 1) or body.get("suffix") is not None:
         unsupported = next(k for k in ("best_of", "suffix") if body.get(k) not in (None, 1))
         raise InvalidArgument(unsupported, "is not supported by this server")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise InvalidArgument(name, "is not supported by this server (only 0)")
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, math.inf)
+    if repetition == 0.0:
+        raise InvalidArgument("repetition_penalty", "must be > 0")
     max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 30)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -236,7 +242,13 @@ def generate_requests(
                 request_id=f"{id_prefix}-{p * params.n + i}",
                 max_new_tokens=max_tokens,
                 sampling=api_pb2.SamplingParams(
-                    temperature=temperature, top_p=top_p, top_k=max(0, top_k or 0), verification=verification
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=max(0, top_k or 0),
+                    verification=verification,
+                    presence_penalty=presence,
+                    frequency_penalty=frequency,
+                    repetition_penalty=repetition,
                 ),
                 stop=stops,
                 stop_token_ids=stop_token_ids,

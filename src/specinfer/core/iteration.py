@@ -108,6 +108,7 @@ class VerifySpec:
     step: int
     head: HeadDraft | None = None
     logprobs: int | None = None  # report the committed tokens' logprobs with this many alternatives (None: not)
+    output_start: int = 0  # where the output begins in the committed tokens (context and root): the penalties' count
 
     def rng(self) -> np.random.Generator:
         return step_rng(self.seed, self.step, VERIFY_STREAM)
@@ -356,6 +357,7 @@ def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftT
                 r.seed,
                 r.stats.llm_steps,
                 logprobs=r.request.logprobs,
+                output_start=len(r.request.prompt_tokens),
             )
         )
     return specs

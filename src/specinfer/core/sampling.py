@@ -13,6 +13,7 @@ distribution that is sent, which keeps verification exact whatever the truncatio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,10 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0`` and ``top_p == 1``
     disable those filters. ``seed`` fixes the request's random stream (None: fresh entropy).
-    ``verification``: one of :data:`VERIFICATIONS`, see there.
+    ``verification``: one of :data:`VERIFICATIONS`, see there. Penalties change the logits before all that
+    (:func:`penalize`, as vLLM applies them): ``repetition_penalty`` (1: off) divides the positive logits and
+    multiplies the negative ones of every token of the prompt and the output; ``frequency_penalty`` is subtracted
+    once per occurrence of a token in the output, ``presence_penalty`` once if it occurs at all (0: off).
     """
 
     temperature: float = 0.0
@@ -40,6 +44,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     verification: str = "auto"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -52,6 +59,17 @@ class SamplingParams:
             raise InvalidArgument(
                 "verification", f"must be one of {', '.join(VERIFICATIONS)}, got {self.verification!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidArgument(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise InvalidArgument("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (:func:`penalize`)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +106,20 @@ class SparseDist:
         out = np.zeros(vocab_size, dtype=np.float64)
         out[self.tokens] = self.probs
         return out
+
+
+def penalize(logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """The logits of the next token after ``prompt`` and ``output`` with the request's penalties (see
+    :class:`SamplingParams`; none: unchanged). The reference of the verifier's device code.  # [V] float64"""
+    x = np.array(logits, dtype=np.float64)
+    if params.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray([*prompt, *output], dtype=np.int64))
+        r = params.repetition_penalty
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    if output:
+        counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=x.size)[: x.size].astype(np.float64)
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return x
 
 
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

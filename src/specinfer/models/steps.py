@@ -194,8 +194,9 @@ def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult
 
 def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> list[VerifyResult]:
     """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device)."""
-    rows = stack_rows(logits)  # [N, V] every tree's nodes, job after job
+    raw = stack_rows(logits)  # [N, V] every tree's nodes, job after job
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
+    rows = _penalized(raw, jobs, starts) if any(j.sampling.penalized for j in jobs) else raw
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
     sampled = [i for i, j in enumerate(jobs) if not j.sampling.prunable]  # multi-step speculative sampling
     parts: list[torch.Tensor] = []
@@ -214,7 +215,49 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
         for i, result in zip(sampled, mss.results(host[2 * len(greedy) :]), strict=True):
             results[i] = result
     out = [results[i] for i in range(len(jobs))]
-    return _with_logprobs(rows, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
+    return _with_logprobs(raw, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
+
+
+def _penalized(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
+    """``rows`` in fp32 with the penalties of the jobs that have any (:func:`specinfer.core.sampling.penalize`): the
+    row of node u continues the committed tokens and the path down to u, so its counts are the output's plus the
+    path's tokens below the root.  # [N, V]"""
+    out = rows.float()
+    if out is rows:
+        out = rows.clone()
+    vocab = rows.shape[1]
+    for job, start in zip(jobs, starts, strict=True):
+        params = job.sampling
+        if not params.penalized:
+            continue
+        tree = job.draft.tree
+        n = len(tree)
+        committed = [*job.context_tokens, tree.tokens[0]]
+        nodes, tokens = [], []  # (node, token) for every token on each node's path below the root
+        for u in range(1, n):
+            v = u
+            while v > 0:
+                nodes.append(u)
+                tokens.append(tree.tokens[v])
+                v = tree.parents[v]
+        output = committed[job.output_start :]
+        # one host-to-device copy: the output, the path entries, then (repetition) every committed token
+        seen = committed if params.repetition_penalty != 1.0 else []
+        packed = torch.tensor([*output, *nodes, *tokens, *seen], dtype=torch.long).to(rows.device)
+        sizes = [len(output), len(nodes), len(tokens), len(seen)]
+        out_tokens, path_nodes, path_tokens, seen_tokens = packed.split(sizes)
+        x = out[start : start + n]  # [n, V] a view: penalized in place
+        counts = torch.bincount(out_tokens, minlength=vocab)[:vocab].to(x.dtype).expand(n, vocab).clone()  # [n, V]
+        counts.index_put_((path_nodes, path_tokens), torch.ones_like(path_tokens, dtype=x.dtype), accumulate=True)
+        if params.repetition_penalty != 1.0:
+            hist = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+            hist[seen_tokens] = True
+            hist = hist.expand(n, vocab).clone()  # [n, V]
+            hist[path_nodes, path_tokens] = True
+            r = params.repetition_penalty
+            x.copy_(torch.where(hist, torch.where(x > 0, x / r, x * r), x))
+        x.sub_(params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype))
+    return out
 
 
 def _with_logprobs(
