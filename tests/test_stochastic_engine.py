@@ -27,6 +27,7 @@ from specinfer.core import BestFirstTreeBuilder, ExpansionConfig, Proposal, Samp
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.coupled import noise_bits
 from specinfer.core.planner import PlannerConfig
+from specinfer.core.sampling import penalize
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import local as local_module
@@ -75,7 +76,7 @@ def exact_joint(llm, params: SamplingParams) -> dict[tuple[int, ...], float]:
             logits = llm(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].numpy()
         nxt = {}
         for prefix, row in zip(prefixes, logits, strict=True):
-            dist = process_logits(row, params)
+            dist = process_logits(penalize(row, PROMPT, prefix, params), params)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = probs[prefix] * dist[t]
         probs = nxt
@@ -144,6 +145,13 @@ CASES = {
         SamplingParams(temperature=1.0, verification="coupled"),
         SpeculationConfig(ExpansionConfig((2, 2)), ssms=(0, 1)),
     ),
+    # penalties differ from node to node of a tree (each counts its own path): the drafts know none of them
+    "mss-penalized": (
+        SamplingParams(
+            temperature=1.0, verification="mss", presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=1.5
+        ),
+        SpeculationConfig(ExpansionConfig((3, 2)), ssms=(0,)),
+    ),
 }
 
 
@@ -162,6 +170,17 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
     assert sum(counts.values()) == SAMPLES
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert pvalue > 0.001, f"p-value {pvalue}"
+
+
+@pytest.mark.slow
+def test_penalties_blind_to_the_tree_path_fail(models, monkeypatch):
+    """The negative control of "mss-penalized": penalties that count the output alone, not each node's path."""
+    monkeypatch.setattr(steps_module, "_path_entries", lambda tree: ([], []))
+    params, spec = CASES["mss-penalized"]
+    # the first two tokens: the second is drawn at a depth-1 node whenever the first was accepted from the tree
+    counts = sample_engine(_engine(models), params, spec, samples=CONTROL_SAMPLES, keep=2)
+    pvalue = chi_square_pvalue(counts, marginal(exact_joint(models[0], params), 2))
+    assert pvalue < 1e-6, f"p-value {pvalue}: the test cannot tell path-blind penalties apart"
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from specinfer.core import (
     BestFirstTreeBuilder,
     DraftTree,
     Proposal,
+    TokenTree,
     TreeBuilder,
     VerifyResult,
     draw_without_replacement,
@@ -218,6 +219,18 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     return _with_logprobs(raw, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
 
 
+def _path_entries(tree: TokenTree) -> tuple[list[int], list[int]]:
+    """(node, token) for every token on each node's path below the root, as two lists."""
+    nodes, tokens = [], []
+    for u in range(1, len(tree)):
+        v = u
+        while v > 0:
+            nodes.append(u)
+            tokens.append(tree.tokens[v])
+            v = tree.parents[v]
+    return nodes, tokens
+
+
 def _penalized(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
     """``rows`` in fp32 with the penalties of the jobs that have any (:func:`specinfer.core.sampling.penalize`): the
     row of node u continues the committed tokens and the path down to u, so its counts are the output's plus the
@@ -233,13 +246,7 @@ def _penalized(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[
         tree = job.draft.tree
         n = len(tree)
         committed = [*job.context_tokens, tree.tokens[0]]
-        nodes, tokens = [], []  # (node, token) for every token on each node's path below the root
-        for u in range(1, n):
-            v = u
-            while v > 0:
-                nodes.append(u)
-                tokens.append(tree.tokens[v])
-                v = tree.parents[v]
+        nodes, tokens = _path_entries(tree)
         output = committed[job.output_start :]
         # one host-to-device copy: the output, the path entries, then (repetition) every committed token
         seen = committed if params.repetition_penalty != 1.0 else []
