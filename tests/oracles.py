@@ -95,19 +95,19 @@ def hf_logprobs(llm: Path, prompt: Sequence[int], output: Sequence[int]):
 
 def hf_plain_decoding(hf, prompt: Sequence[int], params, seed: int | None, new_tokens: int) -> list[int]:
     """Decoding without speculation or cache with the transformers model ``hf``, one token at a time from the whole
-    sequence's logits, penalized by the reference (:func:`specinfer.core.sampling.penalize`): the argmax (greedy)
+    sequence's logits, penalized by the reference (:func:`specinfer.core.sampling.adjust_logits`): the argmax (greedy)
     or the coupled Gumbel-max draw of the seed (as :func:`hf_seeded_sampling`); exactly ``new_tokens``."""
     import numpy as np
 
     from specinfer.core import process_logits
     from specinfer.core.coupled import coupled_token, position_noise
-    from specinfer.core.sampling import penalize
+    from specinfer.core.sampling import adjust_logits
 
     seq = list(prompt)
     with torch.inference_mode():
         while len(seq) - len(prompt) < new_tokens:
             logits = hf(torch.tensor([seq])).logits[0, -1].double().numpy()
-            x = penalize(logits, prompt, seq[len(prompt) :], params)
+            x = adjust_logits(logits, prompt, seq[len(prompt) :], params)
             if params.greedy:
                 seq.append(int(np.argmax(x)))
             else:

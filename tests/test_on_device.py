@@ -45,6 +45,8 @@ PARAMS = [
         temperature=1.0, verification="coupled"
     ),  # coupled verification (the draw fixed by seed and position)
     SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=5),  # a seed alone: coupled too
+    SamplingParams(temperature=1.0, min_p=0.3),
+    SamplingParams(temperature=0.6, min_p=0.1, top_k=7, top_p=0.9),
 ]
 
 

@@ -27,7 +27,7 @@ from specinfer.core import BestFirstTreeBuilder, ExpansionConfig, Proposal, Samp
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.coupled import noise_bits
 from specinfer.core.planner import PlannerConfig
-from specinfer.core.sampling import penalize
+from specinfer.core.sampling import adjust_logits
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import local as local_module
@@ -76,7 +76,7 @@ def exact_joint(llm, params: SamplingParams) -> dict[tuple[int, ...], float]:
             logits = llm(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].numpy()
         nxt = {}
         for prefix, row in zip(prefixes, logits, strict=True):
-            dist = process_logits(penalize(row, PROMPT, prefix, params), params)
+            dist = process_logits(adjust_logits(row, PROMPT, prefix, params), params)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = probs[prefix] * dist[t]
         probs = nxt
@@ -145,10 +145,17 @@ CASES = {
         SamplingParams(temperature=1.0, verification="coupled"),
         SpeculationConfig(ExpansionConfig((2, 2)), ssms=(0, 1)),
     ),
-    # penalties differ from node to node of a tree (each counts its own path): the drafts know none of them
+    # penalties differ from node to node of a tree (each counts its own path): the drafts know none of them (nor
+    # the biases); min-p cuts the LLM's distribution and the drafts' alike
     "mss-penalized": (
         SamplingParams(
-            temperature=1.0, verification="mss", presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=1.5
+            temperature=1.0,
+            verification="mss",
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+            repetition_penalty=1.5,
+            logit_bias=((4, 1.5), (9, -2.0)),
+            min_p=0.1,
         ),
         SpeculationConfig(ExpansionConfig((3, 2)), ssms=(0,)),
     ),

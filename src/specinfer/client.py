@@ -15,7 +15,7 @@ takes either such a request or a prompt alone (then with :meth:`Client.request`'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specinfer.serving.security import ClientAuth
@@ -82,6 +82,8 @@ class Client:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> api_pb2.GenerateRequest:
         """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
         Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
@@ -98,7 +100,9 @@ class Client:
         ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
         server picks one). ``logprobs``: each response also carries its tokens' log-probabilities under the LLM,
         with this many most likely alternatives at each (0-20; None: no logprobs). ``presence_penalty``,
-        ``frequency_penalty`` (0: off) and ``repetition_penalty`` (1: off) penalize the tokens seen already."""
+        ``frequency_penalty`` (0: off) and ``repetition_penalty`` (1: off) penalize the tokens seen already,
+        ``logit_bias`` adds to given tokens' logits (-100 to 100), ``min_p`` (0: off) drops the tokens less than
+        ``min_p`` times as likely as the best."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -110,6 +114,8 @@ class Client:
                 presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty,
+                min_p=min_p,
+                logit_bias=dict(logit_bias or {}),
             ),
             stop=list(stop),
             stop_token_ids=list(stop_token_ids),

@@ -54,6 +54,8 @@ def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") ->
             presence_penalty=float(msg.presence_penalty),
             frequency_penalty=float(msg.frequency_penalty),
             repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
+            min_p=float(msg.min_p),
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
         ),
     )
 
@@ -70,6 +72,8 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingParams:
         top_k=params.top_k,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
     )
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
@@ -403,6 +407,7 @@ def verify_job_from_proto(
     stream of the step; the tree must fit the model's positions."""
     draft = draft_from_proto(item.tree, f"{field}.tree")
     sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
+    check_token_ids(f"{field}.sampling.logit_bias", [t for t, _ in sampling.logit_bias], vocab_size)
     _check_draft(draft, sampling.greedy, vocab_size, f"{field}.tree")
     check_positions(len(context), int(draft.tree.depths.max()), max_positions, f"{field}.context.tokens")
     head = head_draft_from_proto(item, field)

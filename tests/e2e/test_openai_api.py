@@ -592,27 +592,36 @@ def test_logprobs_with_the_openai_client(stack, model_pair, llm_with_template, g
     assert err.value.body["param"] == "top_logprobs"
 
 
-def test_penalties_with_the_openai_client(stack, model_pair):
-    """``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty``, greedy and seeded, through the server's
-    default speculation: the text of decoding without speculation under the same penalties."""
+def test_penalties_bias_and_min_p_with_the_openai_client(stack, model_pair):
+    """``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's ``repetition_penalty`` and ``min_p``,
+    greedy and seeded, through the server's default speculation: the text of decoding without speculation under
+    the same settings."""
     oa = client(stack)
     tok = load_tokenizer(model_pair.llm)
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
     prompt = list(model_pair.prompts[8])
     penalties = {"presence_penalty": 1.0, "frequency_penalty": 0.5}
+    plain = hf_plain_decoding(hf, prompt, SamplingParams(), None, NEW_TOKENS)
+    banned = plain[0]  # the token the LLM would start with
     body = {"model": stack.config.llm.name, "prompt": prompt, "max_tokens": NEW_TOKENS, **penalties}
-    extra = {"ignore_eos": True, "repetition_penalty": 1.2}
+    body["logit_bias"] = {str(banned): -100}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.2, "min_p": 0.05}
     for temperature, seed in ((0.0, None), (0.8, 3)):
-        params = SamplingParams(temperature=temperature, seed=seed, repetition_penalty=1.2, **penalties)
-        want = tok.decode(hf_plain_decoding(hf, prompt, params, seed, NEW_TOKENS), skip_special_tokens=True)
+        params = SamplingParams(
+            temperature=temperature,
+            seed=seed,
+            repetition_penalty=1.2,
+            min_p=0.05,
+            logit_bias=((banned, -100.0),),
+            **penalties,
+        )
+        want = hf_plain_decoding(hf, prompt, params, seed, NEW_TOKENS)
+        assert banned not in want and want != plain
         done = oa.completions.create(**body, temperature=temperature, seed=seed, extra_body=extra)
-        assert done.choices[0].text == want, (temperature, seed)
-    unpenalized = {**body, **dict.fromkeys(penalties, 0.0)}
-    plain = oa.completions.create(**unpenalized, temperature=0, extra_body={"ignore_eos": True})
-    assert plain.choices[0].text != tok.decode(
-        hf_plain_decoding(hf, prompt, SamplingParams(repetition_penalty=1.2, **penalties), None, NEW_TOKENS),
-        skip_special_tokens=True,
-    ), "the penalties changed nothing: the test would not see them"
+        assert done.choices[0].text == tok.decode(want, skip_special_tokens=True), (temperature, seed)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.completions.create(**{**body, "logit_bias": {"99999999": 1}}, extra_body=extra)
+    assert err.value.body["param"] == "logit_bias"
 
 
 def test_openai_client_errors(stack):

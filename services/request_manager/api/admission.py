@@ -201,6 +201,7 @@ def build_live(
     prompt = prompt_tokens(msg, limits, tokenizer)
     _check_length(prompt, msg.max_new_tokens, limits)
     sampling = wire.sampling_from_proto(msg.sampling)
+    check_token_ids("sampling.logit_bias", [t for t, _ in sampling.logit_bias], limits.vocab_size)
     request = GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt,

@@ -11,7 +11,8 @@ gRPC calls; it turns the events back into ``text_completion`` objects with :mod:
   the gRPC field ``max_new_tokens``).
 
 Defaults follow OpenAI's: ``max_tokens`` 16, ``temperature`` 1, ``top_p`` 1, ``n`` 1, ``presence_penalty`` and
-``frequency_penalty`` 0. Extra fields, as vLLM takes them: ``top_k``, ``repetition_penalty`` (1: off),
+``frequency_penalty`` 0, no ``logit_bias``. Extra fields, as vLLM takes them: ``top_k``, ``min_p``,
+``repetition_penalty`` (1: off),
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` (default true: EOS and the other special tokens are
 left out of the text), ``speculation`` (``"auto"``,
 ``"disabled"``, or ``{"expansion": [widths], "ssms": [names], "adaptive": bool, "suffix": bool, "head": bool}``) and
@@ -51,6 +52,8 @@ PARAMS = {
     "sampling.presence_penalty": "presence_penalty",
     "sampling.frequency_penalty": "frequency_penalty",
     "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.min_p": "min_p",
+    "sampling.logit_bias": "logit_bias",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "request_id": "user",
@@ -215,6 +218,8 @@ def generate_requests(
     repetition = _number(body, "repetition_penalty", 1.0, 0.0, math.inf)
     if repetition == 0.0:
         raise InvalidArgument("repetition_penalty", "must be > 0")
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    logit_bias = _logit_bias(body)
     max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 30)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -249,6 +254,8 @@ def generate_requests(
                     presence_penalty=presence,
                     frequency_penalty=frequency,
                     repetition_penalty=repetition,
+                    min_p=min_p,
+                    logit_bias=logit_bias,
                 ),
                 stop=stops,
                 stop_token_ids=stop_token_ids,
@@ -268,12 +275,31 @@ def generate_requests(
     return out
 
 
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token IDs (as JSON object keys, strings) to biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgument("logit_bias", "must be an object of token IDs to biases")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidArgument("logit_bias", f"keys must be token IDs, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not (-100 <= bias <= 100):
+            raise InvalidArgument("logit_bias", f"the bias of token {key} must be a number in [-100, 100]")
+        out[token] = float(bias)
+    return out
+
+
 def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[str, Any]:
     """A chat body as the completions body it stands for, the rendered and tokenized ``prompt`` in
     place of ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
     if body.get("echo"):
         raise InvalidArgument("echo", "is not a chat completions field")
-    for name in ("tools", "tool_choice", "response_format", "logit_bias"):
+    for name in ("tools", "tool_choice", "response_format"):
         if body.get(name) not in (None, "none", {}, []):
             raise InvalidArgument(name, "is not supported by this server")
     dropped = ("messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs")

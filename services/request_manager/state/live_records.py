@@ -33,6 +33,8 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
             "presence_penalty": req.sampling.presence_penalty,
             "frequency_penalty": req.sampling.frequency_penalty,
             "repetition_penalty": req.sampling.repetition_penalty,
+            "min_p": req.sampling.min_p,
+            "logit_bias": [list(pair) for pair in req.sampling.logit_bias],
         },
         "seed": live.seed,
         "max_new_tokens": req.max_new_tokens,
@@ -79,7 +81,9 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
         request_id=snapshot.request_id,
         prompt_tokens=tuple(snapshot.prompt_tokens),
         max_new_tokens=int(params["max_new_tokens"]),
-        sampling=SamplingParams(**params["sampling"]),
+        sampling=SamplingParams(
+            **{**params["sampling"], "logit_bias": tuple(map(tuple, params["sampling"].get("logit_bias", ())))}
+        ),
         speculation=spec,
         stop_token_ids=tuple(params["stop_token_ids"]),
         ignore_eos=bool(params["ignore_eos"]),

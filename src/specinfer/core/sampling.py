@@ -25,6 +25,7 @@ from specinfer.core.errors import InvalidArgument
 # fixed by the seed (:mod:`specinfer.core.coupled`); "auto", coupled for a request with a seed (so
 # that the seed fixes its output), MSS for the others.
 VERIFICATIONS = ("auto", "coupled", "mss")
+MAX_LOGIT_BIAS = 1024  # most tokens a request biases
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,13 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0`` and ``top_p == 1``
     disable those filters. ``seed`` fixes the request's random stream (None: fresh entropy).
-    ``verification``: one of :data:`VERIFICATIONS`, see there. Penalties change the logits before all that
-    (:func:`penalize`, as vLLM applies them): ``repetition_penalty`` (1: off) divides the positive logits and
-    multiplies the negative ones of every token of the prompt and the output; ``frequency_penalty`` is subtracted
-    once per occurrence of a token in the output, ``presence_penalty`` once if it occurs at all (0: off).
+    ``verification``: one of :data:`VERIFICATIONS`, see there. ``min_p`` (0: off) keeps, after the
+    temperature and before top-k, the tokens at least ``min_p`` times as likely as the most likely one.
+    Biases and penalties change the logits before all that (:func:`adjust_logits`, in vLLM's order):
+    ``logit_bias`` adds its (token, bias) pairs' biases (OpenAI's); ``repetition_penalty`` (1: off) divides the
+    positive logits and multiplies the negative ones of every token of the prompt and the output;
+    ``frequency_penalty`` is subtracted once per occurrence of a token in the output, ``presence_penalty`` once
+    if it occurs at all (0: off).
     """
 
     temperature: float = 0.0
@@ -47,6 +51,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -65,11 +71,27 @@ class SamplingParams:
                 raise InvalidArgument(name, f"must be in [-2, 2], got {value}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
             raise InvalidArgument("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidArgument("min_p", f"must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument("logit_bias", f"{len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidArgument("logit_bias", f"keys must be token IDs, got {token!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidArgument("logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidArgument("logit_bias", "names a token twice")
 
     @property
-    def penalized(self) -> bool:
-        """Whether a penalty changes the logits (:func:`penalize`)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes the logits (:func:`adjust_logits`)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -108,10 +130,14 @@ class SparseDist:
         return out
 
 
-def penalize(logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """The logits of the next token after ``prompt`` and ``output`` with the request's penalties (see
-    :class:`SamplingParams`; none: unchanged). The reference of the verifier's device code.  # [V] float64"""
+def adjust_logits(
+    logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], params: SamplingParams
+) -> np.ndarray:
+    """The logits of the next token after ``prompt`` and ``output`` with the request's biases, then its penalties
+    (see :class:`SamplingParams`; none: unchanged). The reference of the verifier's device code.  # [V] float64"""
     x = np.array(logits, dtype=np.float64)
+    for token, bias in params.logit_bias:
+        x[token] += bias
     if params.repetition_penalty != 1.0:
         seen = np.unique(np.asarray([*prompt, *output], dtype=np.int64))
         r = params.repetition_penalty
@@ -123,7 +149,7 @@ def penalize(logits: np.ndarray, prompt: Sequence[int], output: Sequence[int], p
 
 
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Probabilities after temperature, top-k and top-p, in that order.  # [..., V] float64
+    """Probabilities after temperature, min-p, top-k and top-p, in that order.  # [..., V] float64
 
     Greedy parameters give a one-hot distribution on the argmax (ties: lowest index), so
     greedy decoding is the temperature -> 0 limit of the same function.
@@ -135,6 +161,8 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return out
     x = x / params.temperature
     vocab = x.shape[-1]
+    if params.min_p > 0.0:  # p >= min_p * max p, in logits: x - max x >= log(min_p)
+        x = np.where(x - np.max(x, axis=-1, keepdims=True) < math.log(params.min_p), -np.inf, x)
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
         x = np.where(x < kth, -np.inf, x)

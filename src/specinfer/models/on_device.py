@@ -17,6 +17,7 @@ float64, which holds integers below 2**53 exactly. Each function here has its Nu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,7 +95,7 @@ def token_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """:func:`specinfer.core.sampling.process_logits` of each row with its own (non-greedy)
-    parameters: temperature, then top-k, then top-p, in float64.  # [R, V]"""
+    parameters: temperature, then min-p, then top-k, then top-p, in float64.  # [R, V]"""
     if any(p.greedy for p in params):
         raise ValueError("processed_probs takes sampling rows; greedy rows need only their argmax")
     device = logits.device
@@ -103,6 +104,11 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         / torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)[:, None]
     )  # [R, V]
     vocab = x.shape[-1]
+    if any(p.min_p > 0.0 for p in params):  # p >= min_p * max p, in logits: x - max x >= log(min_p)
+        floor = torch.tensor(
+            [[math.log(p.min_p) if p.min_p > 0.0 else -math.inf] for p in params], dtype=torch.float64, device=device
+        )  # [R, 1]
+        x = torch.where(x - x.max(dim=-1, keepdim=True).values < floor, float("-inf"), x)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: no top-k filter on that row
     if any(ks):
         ranked = torch.topk(x, max(ks), dim=-1).values  # [R, max k], best first

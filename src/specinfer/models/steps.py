@@ -197,7 +197,7 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device)."""
     raw = stack_rows(logits)  # [N, V] every tree's nodes, job after job
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
-    rows = _penalized(raw, jobs, starts) if any(j.sampling.penalized for j in jobs) else raw
+    rows = _adjusted(raw, jobs, starts) if any(j.sampling.adjusts_logits for j in jobs) else raw
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
     sampled = [i for i, j in enumerate(jobs) if not j.sampling.prunable]  # multi-step speculative sampling
     parts: list[torch.Tensor] = []
@@ -231,29 +231,32 @@ def _path_entries(tree: TokenTree) -> tuple[list[int], list[int]]:
     return nodes, tokens
 
 
-def _penalized(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
-    """``rows`` in fp32 with the penalties of the jobs that have any (:func:`specinfer.core.sampling.penalize`): the
-    row of node u continues the committed tokens and the path down to u, so its counts are the output's plus the
-    path's tokens below the root.  # [N, V]"""
+def _adjusted(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
+    """``rows`` in fp32 with the biases and penalties of the jobs that have any
+    (:func:`specinfer.core.sampling.adjust_logits`): the row of node u continues the committed tokens and the path
+    down to u, so its counts are the output's plus the path's tokens below the root.  # [N, V]"""
     out = rows.float()
     if out is rows:
         out = rows.clone()
     vocab = rows.shape[1]
     for job, start in zip(jobs, starts, strict=True):
         params = job.sampling
-        if not params.penalized:
+        if not params.adjusts_logits:
             continue
         tree = job.draft.tree
         n = len(tree)
         committed = [*job.context_tokens, tree.tokens[0]]
         nodes, tokens = _path_entries(tree)
         output = committed[job.output_start :]
-        # one host-to-device copy: the output, the path entries, then (repetition) every committed token
+        # one host-to-device copy: the output, the path entries, (repetition) every committed token, biased tokens
         seen = committed if params.repetition_penalty != 1.0 else []
-        packed = torch.tensor([*output, *nodes, *tokens, *seen], dtype=torch.long).to(rows.device)
-        sizes = [len(output), len(nodes), len(tokens), len(seen)]
-        out_tokens, path_nodes, path_tokens, seen_tokens = packed.split(sizes)
-        x = out[start : start + n]  # [n, V] a view: penalized in place
+        biased = [t for t, _ in params.logit_bias]
+        packed = torch.tensor([*output, *nodes, *tokens, *seen, *biased], dtype=torch.long).to(rows.device)
+        sizes = [len(output), len(nodes), len(tokens), len(seen), len(biased)]
+        out_tokens, path_nodes, path_tokens, seen_tokens, bias_tokens = packed.split(sizes)
+        x = out[start : start + n]  # [n, V] a view: adjusted in place
+        if biased:  # first, as vLLM: the penalties see the biased logits
+            x[:, bias_tokens] += torch.tensor([b for _, b in params.logit_bias], dtype=x.dtype).to(x.device)
         counts = torch.bincount(out_tokens, minlength=vocab)[:vocab].to(x.dtype).expand(n, vocab).clone()  # [n, V]
         counts.index_put_((path_nodes, path_tokens), torch.ones_like(path_tokens, dtype=x.dtype), accumulate=True)
         if params.repetition_penalty != 1.0:
