@@ -182,7 +182,7 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
 @pytest.mark.slow
 def test_penalties_blind_to_the_tree_path_fail(models, monkeypatch):
     """The negative control of "mss-penalized": penalties that count the output alone, not each node's path."""
-    monkeypatch.setattr(steps_module, "_path_entries", lambda tree: ([], []))
+    monkeypatch.setattr(steps_module, "_paths", lambda tree: [[] for _ in range(len(tree))])
     params, spec = CASES["mss-penalized"]
     # the first two tokens: the second is drawn at a depth-1 node whenever the first was accepted from the tree
     counts = sample_engine(_engine(models), params, spec, samples=CONTROL_SAMPLES, keep=2)

@@ -163,6 +163,7 @@ def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> interna
         seed=job.seed,
         step=job.step,
         stream=job.stream,
+        output_start=job.output_start,
     )
     if job.expansion is not None:
         item.expansion.extend(job.expansion.widths)
@@ -378,6 +379,7 @@ def draft_job_from_proto(
         int(item.step),
         int(item.stream),
         budget,
+        _output_start(item, len(context), field),
     )
 
 
@@ -424,7 +426,7 @@ def verify_job_from_proto(
     )
 
 
-def _output_start(item: internal_pb2.VerifyItem, context_tokens: int, field: str) -> int:
+def _output_start(item: internal_pb2.VerifyItem | internal_pb2.SpeculateItem, context_tokens: int, field: str) -> int:
     """Where the item's output begins (its context and the root hold ``context_tokens + 1`` tokens)."""
     if item.output_start > context_tokens + 1:
         raise InvalidArgument(f"{field}.output_start", f"{item.output_start} is past the {context_tokens + 1} tokens")

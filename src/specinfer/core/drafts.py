@@ -152,6 +152,14 @@ class TreeBuilder:
     def parents_of(self, nodes: Sequence[int]) -> list[int]:
         return [self._parents[i] for i in nodes]
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens of ``node``'s path below the root, its own last (the root's: none)."""
+        path = []
+        while self._parents[node] >= 0:
+            path.append(self._tokens[node])
+            node = self._parents[node]
+        return path[::-1]
+
     def expand(self, proposals: Sequence[tuple[Sequence[int], SparseDist | None]]) -> list[int]:
         """Add children: ``proposals[j]`` = (tokens in draw order, their q) for frontier node j."""
         if self.done:

@@ -180,6 +180,14 @@ class BestFirstTreeBuilder:
         (only expanded slots are sent, so slot numbers differ)."""
         return [-1 if self._parents[i] < 0 else self._sent[self._parents[i]] for i in slots]
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens of ``node``'s path below the root, its own last (the root's: none)."""
+        path = []
+        while self._parents[node] >= 0:
+            path.append(self._tokens[node])
+            node = self._parents[node]
+        return path[::-1]
+
     def expand(self, proposals: Sequence[Proposal]) -> None:
         """Add each frontier slot's proposal (one per frontier slot, in order), then re-select."""
         if self.done:

@@ -73,6 +73,7 @@ class DraftSpec:
     step: int
     stream: int
     budget: TreeBudget | None = None  # a dynamic tree's budget (adaptive speculation)
+    output_start: int = 0  # where the output begins in the committed tokens (context and root): for penalties
 
     def __post_init__(self) -> None:
         if (self.expansion is None) == (self.budget is None):
@@ -129,6 +130,7 @@ class VerifySpec:
             self.step + 1,
             HEAD_STREAM,
             self.head.budget,
+            self.output_start,
         )
 
 
@@ -263,6 +265,7 @@ def draft_specs(
                     step,
                     draft_stream(ssm_index),
                     budget,
+                    len(r.request.prompt_tokens),
                 )
             )
     return specs

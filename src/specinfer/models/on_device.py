@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -91,6 +92,54 @@ def token_logprobs(rows: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
         return [chosen]
     ids, values = ranked_top_k(logp, top)  # [R, top]
     return [chosen, ids, values]
+
+
+@dataclass(frozen=True)
+class RowHistory:
+    """What rows ``start .. start + len(paths) - 1`` of one job continue, for their biases and penalties: the
+    ``committed`` tokens (prompt and output; the root, the last committed token, last), the output beginning at
+    ``output_start``, then each row's ``paths`` entry (its node's path below the root, the node's own token last)."""
+
+    start: int
+    params: SamplingParams
+    committed: Sequence[int]
+    output_start: int
+    paths: Sequence[Sequence[int]]
+
+
+def adjusted_rows(rows: torch.Tensor, histories: Sequence[RowHistory]) -> torch.Tensor:
+    """``rows`` in fp32 with each history's biases and penalties applied to its rows
+    (:func:`specinfer.core.sampling.adjust_logits` of the tokens each row continues: the output's counts plus its
+    path's). Tokens outside the rows' vocabulary are left out (a draft model's may be smaller).  # [N, V]"""
+    out = rows.float()
+    if out is rows:
+        out = rows.clone()
+    vocab = rows.shape[1]
+    for h in histories:
+        params, n = h.params, len(h.paths)
+        nodes = [u for u, path in enumerate(h.paths) for t in path if t < vocab]
+        tokens = [t for path in h.paths for t in path if t < vocab]
+        output = [t for t in h.committed[h.output_start :] if t < vocab]
+        seen = [t for t in h.committed if t < vocab] if params.repetition_penalty != 1.0 else []
+        bias = [(t, b) for t, b in params.logit_bias if t < vocab]
+        # one host-to-device copy: the output, the path entries, (repetition) every committed token, biased tokens
+        packed = torch.tensor([*output, *nodes, *tokens, *seen, *(t for t, _ in bias)], dtype=torch.long)
+        sizes = [len(output), len(nodes), len(tokens), len(seen), len(bias)]
+        out_tokens, path_nodes, path_tokens, seen_tokens, bias_tokens = packed.to(rows.device).split(sizes)
+        x = out[h.start : h.start + n]  # [n, V] a view: adjusted in place
+        if bias:  # first, as vLLM: the penalties see the biased logits
+            x[:, bias_tokens] += torch.tensor([b for _, b in bias], dtype=x.dtype).to(x.device)
+        counts = torch.bincount(out_tokens, minlength=vocab)[:vocab].to(x.dtype).expand(n, vocab).clone()  # [n, V]
+        counts.index_put_((path_nodes, path_tokens), torch.ones_like(path_tokens, dtype=x.dtype), accumulate=True)
+        if params.repetition_penalty != 1.0:
+            hist = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+            hist[seen_tokens] = True
+            hist = hist.expand(n, vocab).clone()  # [n, V]
+            hist[path_nodes, path_tokens] = True
+            r = params.repetition_penalty
+            x.copy_(torch.where(hist, torch.where(x > 0, x / r, x * r), x))
+        x.sub_(params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype))
+    return out
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

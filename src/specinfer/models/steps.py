@@ -41,6 +41,8 @@ from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
 from specinfer.models.head_drafter import HeadDrafter, WithHead
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.on_device import (
+    RowHistory,
+    adjusted_rows,
     coupled_targets,
     greedy_accept,
     mss_tables,
@@ -160,7 +162,12 @@ def draft_trees(
             )
         logits = ssm.forward_tree(items)
         owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
-        tables = pass_tables(stack_rows(logits), [jobs[i] for i in owners], [builders[i].width() for i in owners])
+        rows = stack_rows(logits)
+        if any(jobs[i].sampling.adjusts_logits for i in order):
+            # the request's biases and penalties on the draft's rows too, as verification will apply them to the
+            # LLM's: drafts that follow them are accepted (verification is exact either way)
+            rows = adjusted_rows(rows, _draft_histories(jobs, builders, order, items))
+        tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners])
         at = 0
         for i, item in zip(order, items, strict=True):
             b = builders[i]
@@ -179,6 +186,19 @@ def draft_trees(
         if on_pass is not None:
             on_pass(sum(len(it.tokens) for it in items), time.perf_counter() - started)
     return [out[i] for i in range(len(jobs))]
+
+
+def _draft_histories(jobs, builders, order, items) -> list[RowHistory]:
+    """The :class:`RowHistory` of each job of one SSM pass that adjusts its logits: its frontier nodes' paths."""
+    out, start = [], 0
+    for i, item in zip(order, items, strict=True):
+        job = jobs[i]
+        if job.sampling.adjusts_logits:
+            paths = [builders[i].path_tokens(node) for node in builders[i].frontier()]
+            committed = [*job.context_tokens, job.root_token]
+            out.append(RowHistory(start, job.sampling, committed, job.output_start, paths))
+        start += len(item.tokens)
+    return out
 
 
 def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
@@ -219,55 +239,30 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     return _with_logprobs(raw, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
 
 
-def _path_entries(tree: TokenTree) -> tuple[list[int], list[int]]:
-    """(node, token) for every token on each node's path below the root, as two lists."""
-    nodes, tokens = [], []
+def _paths(tree: TokenTree) -> list[list[int]]:
+    """Each node's path below the root, its own token last (the root's: empty)."""
+    paths: list[list[int]] = [[]]
     for u in range(1, len(tree)):
-        v = u
-        while v > 0:
-            nodes.append(u)
-            tokens.append(tree.tokens[v])
-            v = tree.parents[v]
-    return nodes, tokens
+        paths.append([*paths[tree.parents[u]], tree.tokens[u]])  # a parent comes before its children
+    return paths
 
 
 def _adjusted(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
-    """``rows`` in fp32 with the biases and penalties of the jobs that have any
-    (:func:`specinfer.core.sampling.adjust_logits`): the row of node u continues the committed tokens and the path
-    down to u, so its counts are the output's plus the path's tokens below the root.  # [N, V]"""
-    out = rows.float()
-    if out is rows:
-        out = rows.clone()
-    vocab = rows.shape[1]
-    for job, start in zip(jobs, starts, strict=True):
-        params = job.sampling
-        if not params.adjusts_logits:
-            continue
-        tree = job.draft.tree
-        n = len(tree)
-        committed = [*job.context_tokens, tree.tokens[0]]
-        nodes, tokens = _path_entries(tree)
-        output = committed[job.output_start :]
-        # one host-to-device copy: the output, the path entries, (repetition) every committed token, biased tokens
-        seen = committed if params.repetition_penalty != 1.0 else []
-        biased = [t for t, _ in params.logit_bias]
-        packed = torch.tensor([*output, *nodes, *tokens, *seen, *biased], dtype=torch.long).to(rows.device)
-        sizes = [len(output), len(nodes), len(tokens), len(seen), len(biased)]
-        out_tokens, path_nodes, path_tokens, seen_tokens, bias_tokens = packed.split(sizes)
-        x = out[start : start + n]  # [n, V] a view: adjusted in place
-        if biased:  # first, as vLLM: the penalties see the biased logits
-            x[:, bias_tokens] += torch.tensor([b for _, b in params.logit_bias], dtype=x.dtype).to(x.device)
-        counts = torch.bincount(out_tokens, minlength=vocab)[:vocab].to(x.dtype).expand(n, vocab).clone()  # [n, V]
-        counts.index_put_((path_nodes, path_tokens), torch.ones_like(path_tokens, dtype=x.dtype), accumulate=True)
-        if params.repetition_penalty != 1.0:
-            hist = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-            hist[seen_tokens] = True
-            hist = hist.expand(n, vocab).clone()  # [n, V]
-            hist[path_nodes, path_tokens] = True
-            r = params.repetition_penalty
-            x.copy_(torch.where(hist, torch.where(x > 0, x / r, x * r), x))
-        x.sub_(params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype))
-    return out
+    """``rows`` with the biases and penalties of the jobs that have any (:func:`adjusted_rows`).  # [N, V]"""
+    return adjusted_rows(
+        rows,
+        [
+            RowHistory(
+                start,
+                job.sampling,
+                [*job.context_tokens, job.draft.tree.tokens[0]],
+                job.output_start,
+                _paths(job.draft.tree),
+            )
+            for job, start in zip(jobs, starts, strict=True)
+            if job.sampling.adjusts_logits
+        ],
+    )
 
 
 def _with_logprobs(

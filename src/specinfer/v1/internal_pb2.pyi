@@ -18,7 +18,7 @@ class Context(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
-    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream", "budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve")
+    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream", "budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "output_start")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SpeculateItem(_message.Message):
     BUDGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_EDGE_CURVE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     context: Context
     root_token: int
     expansion: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +46,8 @@ class SpeculateItem(_message.Message):
     budget_width: int
     budget_min_score: float
     budget_edge_curve: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ...) -> None: ...
+    output_start: int
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("ssm", "items")
