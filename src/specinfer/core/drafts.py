@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
-from specinfer.core.tree import TokenTree
+from specinfer.core.tree import TokenTree, path_below_root
 
 # the paper's static tree (21 nodes): the default expansion where no tuning is installed
 PAPER_EXPANSION = "1,1,3,1,1,1,1,1"
@@ -154,11 +154,7 @@ class TreeBuilder:
 
     def path_tokens(self, node: int) -> list[int]:
         """The tokens of ``node``'s path below the root, its own last (the root's: none)."""
-        path = []
-        while self._parents[node] >= 0:
-            path.append(self._tokens[node])
-            node = self._parents[node]
-        return path[::-1]
+        return path_below_root(self._tokens, self._parents, node)
 
     def expand(self, proposals: Sequence[tuple[Sequence[int], SparseDist | None]]) -> list[int]:
         """Add children: ``proposals[j]`` = (tokens in draw order, their q) for frontier node j."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from specinfer.core.drafts import DraftGroup, DraftTree
 from specinfer.core.sampling import SparseDist
-from specinfer.core.tree import TokenTree
+from specinfer.core.tree import TokenTree, path_below_root
 
 # A path score below the smallest normal float counts as 0 (the slot is never chosen): in the
 # subnormal range a score has too few significant bits for tree_values to recover a child's slot
@@ -182,11 +182,7 @@ class BestFirstTreeBuilder:
 
     def path_tokens(self, node: int) -> list[int]:
         """The tokens of ``node``'s path below the root, its own last (the root's: none)."""
-        path = []
-        while self._parents[node] >= 0:
-            path.append(self._tokens[node])
-            node = self._parents[node]
-        return path[::-1]
+        return path_below_root(self._tokens, self._parents, node)
 
     def expand(self, proposals: Sequence[Proposal]) -> None:
         """Add each frontier slot's proposal (one per frontier slot, in order), then re-select."""

@@ -37,6 +37,16 @@ def validate_parents(parents: Sequence[int]) -> None:
             raise ValueError(f"parents[{i}] = {parents[i]} must be in [0, {i})")
 
 
+def path_below_root(tokens: Sequence[int], parents: Sequence[int], node: int) -> list[int]:
+    """The tokens of ``node``'s path below the root (the node whose parent is -1), ``node``'s own last; the
+    root's: none. What a node's row continues beyond the committed tokens."""
+    path = []
+    while parents[node] >= 0:
+        path.append(int(tokens[node]))
+        node = parents[node]
+    return path[::-1]
+
+
 def node_depths(parents: Sequence[int]) -> np.ndarray:
     """``depths[i]``: edges from node i up to a node whose parent is -1 (a root).  # [n] int64
 

@@ -37,6 +37,7 @@ from specinfer.core.coupled import coupled_children
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.requests import TokenLogprob
 from specinfer.core.sampling import SparseDist
+from specinfer.core.tree import path_below_root
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
 from specinfer.models.head_drafter import HeadDrafter, WithHead
 from specinfer.models.interface import CausalLM, TreeForward
@@ -241,10 +242,7 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
 
 def _paths(tree: TokenTree) -> list[list[int]]:
     """Each node's path below the root, its own token last (the root's: empty)."""
-    paths: list[list[int]] = [[]]
-    for u in range(1, len(tree)):
-        paths.append([*paths[tree.parents[u]], tree.tokens[u]])  # a parent comes before its children
-    return paths
+    return [path_below_root(tree.tokens, tree.parents, u) for u in range(len(tree))]
 
 
 def _adjusted(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
