@@ -63,13 +63,16 @@ def drafted_jobs(local, model_pair, sampling: SamplingParams, prefix: str, count
     return jobs
 
 
-def verify_item(job: VerifySpec, seed: int, step: int, offset: int = 0) -> internal_pb2.VerifyItem:
+def verify_item(
+    job: VerifySpec, seed: int, step: int, offset: int = 0, output_start: int = 0
+) -> internal_pb2.VerifyItem:
     return internal_pb2.VerifyItem(
         context=wire.context_to_proto(job.request_id, job.context_tokens, offset),
         tree=wire.draft_to_proto(job.draft),
         sampling=wire.sampling_to_proto(job.sampling),
         seed=seed,
         step=step,
+        output_start=output_start,
     )
 
 
@@ -110,7 +113,11 @@ def test_verify_matches_verify_trees(services, local, model_pair, sampling):
 def test_verify_cache_miss_protocol(services, local, model_pair):
     stub = services.llm_stub
     (job,) = drafted_jobs(local, model_pair, GREEDY, "vmiss", count=1)
-    (miss,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 0, 0, offset=2)]), timeout=30).results
+    # a miss is a miss, whatever the item says of its output (the context is checked only once the verifier has it:
+    # an output start past the few tokens a delta carries was refused, and the request manager retried forever)
+    prompt = len(job.context_tokens) + 1
+    miss_item = verify_item(job, 0, 0, offset=2, output_start=prompt)
+    (miss,) = stub.Verify(internal_pb2.VerifyRequest(items=[miss_item]), timeout=30).results
     assert miss.cache_miss and not miss.accepted_tokens
     (hit,) = stub.Verify(internal_pb2.VerifyRequest(items=[verify_item(job, 0, 0, offset=0)]), timeout=30).results
     assert not hit.cache_miss
@@ -125,7 +132,8 @@ def test_verify_cache_miss_protocol(services, local, model_pair):
     assert not hit2.cache_miss
     release(stub, [job.request_id])
     (miss,) = stub.Verify(
-        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context_tokens))]), timeout=30
+        internal_pb2.VerifyRequest(items=[verify_item(nxt, 0, 2, offset=len(nxt.context_tokens), output_start=prompt)]),
+        timeout=30,
     ).results
     assert miss.cache_miss
 
