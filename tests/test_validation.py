@@ -98,7 +98,9 @@ def test_ssm_with_another_vocabulary():
 
 def test_cli_reports_bad_input_without_a_traceback(model_pair, capsys):
     assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--top-p", "2", "x"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p: must be in (0, 1]" in capsys.readouterr().err  # the field named as its flag
+    assert main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--min-p", "2", "x"]) == 2
+    assert "--min-p: must be in [0, 1]" in capsys.readouterr().err
     assert (
         main(["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--expansion", "1,0", "x"]) == 2
     )
@@ -127,6 +129,22 @@ def test_cli_generates(model_pair, capsys):
     )
     out = capsys.readouterr().out
     assert "tokens per LLM step" in out and "12 tokens" in out
+
+
+def test_cli_generates_with_penalties_and_prints_logprobs(model_pair, capsys):
+    """The sampling flags reach the engine (a repetition penalty changes the greedy text), and --logprobs N prints
+    one line per output token with N alternatives."""
+    base = ["generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--max-new-tokens", "12"]
+    assert main([*base, "--dtype", "float32", "def f(x):\n"]) == 0
+    plain = capsys.readouterr().out
+    flags = ["--dtype", "float32", "--repetition-penalty", "3", "--presence-penalty", "1.5", "--logprobs", "2"]
+    assert main([*base, *flags, "def f(x):\n"]) == 0
+    out = capsys.readouterr().out
+    text = out.split("--- generated")[1].split("--- logprobs")[0]
+    assert text != plain.split("--- generated")[1].split("--- LLM steps")[0]
+    lines = out.split("--- logprobs (position, token, logprob, alternatives)\n")[1].split("--- LLM steps")[0]
+    rows = lines.strip().splitlines()
+    assert len(rows) == 12 and all(row.split()[0] == str(k) for k, row in enumerate(rows))
 
 
 def _limits(default_adaptive: bool = False, default_expansion: tuple[int, ...] = ()):

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ class GenerateConfig:
     calibration_cache: str = ""
     head: Path | None = None  # a draft head of the LLM (specinfer train-head): adaptive trees also draft with it
     device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
+    logprobs: int | None = None  # print each output token's logprob and this many alternatives (None: not)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,24 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "coupled", "mss"],
         help="how sampled trees are verified: coupled (a seed fixes the output, equal to --no-speculation's), "
         "mss (multi-step speculative sampling); auto: coupled when --seed is given",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="after the temperature, keep the tokens at least this times as likely as the best (0: off)",
+    )
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2: on every token the output holds")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2: per occurrence in the output")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 0 (1: off): on the prompt's and output's tokens"
+    )
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the text, each output token's log-probability under the LLM and its N most likely alternatives",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
     p.add_argument(
@@ -146,6 +165,10 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
             top_p=args.top_p,
             seed=args.seed,
             verification=args.verification,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            min_p=args.min_p,
         ),
         max_new_tokens=args.max_new_tokens,
         dtype=args.dtype,
@@ -157,6 +180,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         calibration_cache=args.calibration_cache,
         head=Path(args.head) if args.head else None,
         device=args.device,
+        logprobs=args.logprobs,
     )
 
 
@@ -242,8 +266,9 @@ def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
     for i, text in enumerate(cfg.prompts):
         if not text:
             raise InvalidArgument("prompt", "must not be empty")
+        prompt = tuple(tokenizer.encode(text).ids)
         requests.append(
-            GenerationRequest(f"cli-{i}", tuple(tokenizer.encode(text).ids), cfg.max_new_tokens, cfg.sampling, spec)
+            GenerationRequest(f"cli-{i}", prompt, cfg.max_new_tokens, cfg.sampling, spec, logprobs=cfg.logprobs)
         )
     return requests
 
@@ -276,6 +301,9 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
         print(
             tokenizer.decode(res.output_tokens, skip_special_tokens=True), file=out
         )  # no "</s>" in the text, as the servers do
+        if cfg.logprobs is not None:
+            spell = lambda t: repr(tokenizer.decode([t]))  # noqa: E731
+            print_logprobs([(lp.token, lp.logprob, lp.top) for lp in res.logprobs], spell, out)
         sizes = [s.tree_size for s in res.steps]
         print(
             f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
@@ -323,6 +351,17 @@ def generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_logprobs(
+    logprobs: Sequence[tuple[int, float, Sequence[tuple[int, float]]]], spell: Callable[[int], str], out=None
+) -> None:
+    """One line per output token: its position, ``spell`` of it (its text, or its ID), log-probability, then its
+    alternatives'."""
+    print("--- logprobs (position, token, logprob, alternatives)", file=out, flush=True)
+    for k, (token, logprob, top) in enumerate(logprobs):
+        alternatives = "  ".join(f"{spell(t)} {v:.4f}" for t, v in top)
+        print(f"{k:5d} {spell(token):>16} {logprob:9.4f}  {alternatives}".rstrip(), file=out, flush=True)
+
+
 def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> None:
     """The ``--- prompt`` header and the prompt, before each generation's text: in-process and
     streamed output look alike (``tokens``: the prompt's length, where known before generating)."""
@@ -352,13 +391,22 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
         else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),
         suffix=False if args.no_suffix else None,
+        logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
     )
     print_prompt_header(prompt)
     print("--- generated (streamed)", flush=True)
+    logprobs = []
     with Client(address, auth=auth) as client:
         try:
             for msg in client.stream(request):
                 print(msg.text, end="", flush=True)
+                for lp in msg.logprobs:
+                    top = tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
+                    logprobs.append((lp.token_id, lp.logprob, top))
                 if msg.HasField("finished"):
                     u = msg.finished.usage
                     print(
@@ -370,6 +418,8 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
         except grpc.RpcError as exc:
             print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
+    if args.logprobs is not None:  # no tokenizer here: tokens by ID
+        print_logprobs(logprobs, lambda t: f"#{t}")
     return 0
 
 

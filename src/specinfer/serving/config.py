@@ -121,11 +121,12 @@ class SettingsParser(argparse.ArgumentParser):
 
     def _flag(self, field: str) -> str:
         """``field`` as a flag when it names one of this parser's (or a subcommand's) options, e.g. ``--llm``
-        for ``llm`` and ``--ssm (ssm.a)`` for ``ssm.a`` (the SSM named a); else as it is."""
+        for ``llm``, ``--min-p`` for ``min_p`` and ``--ssm (ssm.a)`` for ``ssm.a`` (the SSM named a); else as it is."""
         base = re.split(r"[.\[]", field, maxsplit=1)[0]
-        if not self._has_option(f"--{base}"):
+        flag = "--" + base.replace("_", "-")
+        if not self._has_option(flag):
             return field
-        return f"--{base}" if base == field else f"--{base} ({field})"
+        return flag if base == field else f"{flag} ({field})"
 
     def _has_option(self, flag: str) -> bool:
         if flag in self._option_string_actions:
