@@ -164,7 +164,9 @@ class Stack:
         env.update(self.config.extra_env)
         log = open(self.log_path(name), "ab")  # noqa: SIM115 (lives as long as the process; a respawn appends)
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port-file", str(port_file)]
-        cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file), *args]
+        cmd += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file)]
+        # a member stops once we are gone, however we die: no orphans serving on
+        cmd += ["--parent-pid", str(os.getpid()), *args]
         proc = Process(
             name,
             subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),

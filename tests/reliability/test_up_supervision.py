@@ -8,6 +8,7 @@ stack instead, with its last log lines."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -178,3 +179,41 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     assert str(empty) in tail and "config.json" in tail, f"the verifier's error is not among the lines shown:\n{out}"
     assert "ssm-worker" not in out  # nothing after the verifier was started
     assert processes_naming(str(tmp_path)) == [], "processes left after specinfer up stopped"
+
+
+def test_a_killed_launcher_leaves_no_process_behind(model_pair, tmp_path):
+    """kill -9 of ``specinfer up`` itself: nothing stops its processes, so each one notices that its launcher is
+    gone (``--parent-pid``) and stops gracefully, the embedded Redis too (it dies with its parent)."""
+    up = SpecinferUp(
+        [
+            "--llm",
+            str(model_pair.llm),
+            "--ssm",
+            str(model_pair.ssm),
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        up_env(),
+    )
+    try:
+        up.wait_serving()
+        members = up.members()
+        assert len(members) >= 3 and processes_naming(str(tmp_path)), up.output
+        up.popen.kill()
+        up.popen.wait(30)
+        wait_until(lambda: processes_naming(str(tmp_path)) == [], 60, "every process of the killed stack to stop")
+    finally:
+        up.stop()
+        for pid in (pid for _, pid in up.members().values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for name in members:
+        log = (tmp_path / "state").rglob(f"{name}.log")
+        text = "".join(p.read_text(errors="replace") for p in log)
+        assert "the launcher that started us is gone; stopping" in text and '"msg": "stopped"' in text, name

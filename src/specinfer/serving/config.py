@@ -184,6 +184,13 @@ def add_server_settings(parser: argparse.ArgumentParser, default_port: int = 0) 
     add_setting(parser, "--grace-seconds", float, 10.0, help="on SIGTERM, how long in-flight calls may finish")
     add_setting(
         parser,
+        "--parent-pid",
+        int,
+        0,
+        help="stop gracefully once this process, the launcher that started us, is gone (0: never; launchers)",
+    )
+    add_setting(
+        parser,
         "--metrics-port",
         int,
         -1,

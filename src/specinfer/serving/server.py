@@ -70,6 +70,7 @@ class ServerConfig:
     grace_seconds: float = 10.0
     metrics_port: int | None = None
     metrics_port_file: str | None = None
+    parent_pid: int = 0  # the launcher: when our parent is another process, it died and we stop (0: never)
 
     def check_ports_free(self) -> None:
         """:class:`InvalidArgument` naming ``port`` or ``metrics-port`` when another process holds it
@@ -82,7 +83,9 @@ class ServerConfig:
     def from_args(args) -> ServerConfig:
         """From the settings of :func:`specinfer.serving.config.add_server_settings`."""
         metrics_port = args.metrics_port if args.metrics_port >= 0 else None
-        return ServerConfig(args.host, args.port, args.grace_seconds, metrics_port, args.metrics_port_file)
+        return ServerConfig(
+            args.host, args.port, args.grace_seconds, metrics_port, args.metrics_port_file, args.parent_pid
+        )
 
 
 Register = Callable[[grpc.aio.Server], None]
@@ -178,6 +181,9 @@ def freeze_start_up_objects() -> None:
     gc.freeze()
 
 
+ORPHAN_POLL_SECONDS = 0.5  # how often a launched service checks that its launcher lives (--parent-pid)
+
+
 async def run_service(
     service: Service,
     on_stop: Callable[[], Awaitable[None]] | None = None,
@@ -196,6 +202,11 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    orphan_watch = (
+        asyncio.ensure_future(_stop_when_orphaned(service.config.parent_pid, stop, log))
+        if service.config.parent_pid
+        else None
+    )
     # a signal mask survives fork and exec: a parent that started us with these blocked (specinfer up blocks them
     # around a member's restart, so that Ctrl-C cannot orphan it mid-fork) would leave us deaf to a graceful stop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
@@ -248,7 +259,19 @@ async def run_service(
     if on_stop is not None:
         await on_stop()
     log.info("stopped", extra={"seconds": round(time.monotonic() - started, 3)})
+    if orphan_watch is not None:
+        orphan_watch.cancel()
     return 0
+
+
+async def _stop_when_orphaned(parent_pid: int, stop: asyncio.Event, log: logging.Logger) -> None:
+    """Set ``stop`` once our parent is not ``parent_pid`` any more: the launcher died without stopping us (kill -9,
+    a test killed at its timeout), and the system re-parented us. A graceful stop then, as on SIGTERM, which
+    also stops what we started (our Redis), instead of serving on as an orphan nobody will stop."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(ORPHAN_POLL_SECONDS)
+    log.warning("the launcher that started us is gone; stopping", extra={"launcher_pid": parent_pid})
+    stop.set()
 
 
 def write_port_file(path: str | os.PathLike, port: int) -> None:
