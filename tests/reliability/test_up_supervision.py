@@ -41,6 +41,15 @@ def up_env() -> dict[str, str]:
     }
 
 
+def up_args(llm: Path, ssm: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """``specinfer up``'s arguments: these models, free ports, a state folder in ``tmp_path``, then ``extra``."""
+    return [
+        *("--llm", str(llm), "--ssm", str(ssm)),
+        *("--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state")),
+        *extra,
+    ]
+
+
 def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2.GenerateResponse]:
     """Stream ``rid`` through ``addresses[0]``; when that request manager goes away (UNAVAILABLE),
     reattach through the next one from the tokens received so far, as a client does."""
@@ -64,30 +73,19 @@ def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2
 
 def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stays_exact(model_pair, greedy, tmp_path):
     up = SpecinferUp(
-        [
-            *(
-                "--llm",
-                str(model_pair.llm),
-                "--ssm",
-                str(model_pair.ssm),
-                "--verifiers",
-                "2",
-                "--request-managers",
-                "2",
-            ),
-            *(
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--expansion",
-                PAPER_EXPANSION,
-                "--verifier-threads",
-                "1",
-            ),
-        ],
+        up_args(
+            model_pair.llm,
+            model_pair.ssm,
+            tmp_path,
+            "--verifiers",
+            "2",
+            "--request-managers",
+            "2",
+            "--expansion",
+            PAPER_EXPANSION,
+            "--verifier-threads",
+            "1",
+        ),
         up_env(),
     )
     try:
@@ -147,21 +145,7 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     stops with exit code 1 and the verifier's last log lines, and nothing is left running."""
     empty = tmp_path / "no-model"
     empty.mkdir()
-    up = SpecinferUp(
-        [
-            "--llm",
-            str(empty),
-            "--ssm",
-            str(model_pair.ssm),
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--state-dir",
-            str(tmp_path / "state"),
-        ],
-        up_env(),
-    )
+    up = SpecinferUp(up_args(empty, model_pair.ssm, tmp_path), up_env())
     try:
         code = up.popen.wait(300)
     finally:
@@ -184,23 +168,7 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
 def test_a_killed_launcher_leaves_no_process_behind(model_pair, tmp_path):
     """kill -9 of ``specinfer up`` itself: nothing stops its processes, so each one notices that its launcher is
     gone (``--parent-pid``) and stops gracefully, the embedded Redis too (it dies with its parent)."""
-    up = SpecinferUp(
-        [
-            "--llm",
-            str(model_pair.llm),
-            "--ssm",
-            str(model_pair.ssm),
-            "--workers",
-            "1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--state-dir",
-            str(tmp_path / "state"),
-        ],
-        up_env(),
-    )
+    up = SpecinferUp(up_args(model_pair.llm, model_pair.ssm, tmp_path, "--workers", "1"), up_env())
     try:
         up.wait_serving()
         members = up.members()
