@@ -131,3 +131,18 @@ def test_device_logprobs_equal_the_reference():
         assert values[r].tolist() == pytest.approx([v for _, v in top], abs=1e-5)
     assert ids[3, :2].tolist() == [10, 11]
     assert len(token_logprobs(torch.from_numpy(rows), torch.from_numpy(tokens), 0)) == 1
+
+
+def test_a_vocabulary_smaller_than_the_count_gives_all_its_tokens():
+    """20 alternatives asked of a 12-token vocabulary: the 12, most likely first."""
+    from specinfer.models.reference import ReferenceBackend
+    from specinfer.models.tiny import tiny_llama
+
+    llm = ReferenceBackend(tiny_llama(12, 32, 1, 2, 2, seed=3))
+    engine = SpeculativeEngine(llm, [ReferenceBackend(tiny_llama(12, 32, 1, 2, 2, seed=4))], EngineConfig())
+    spec = SpeculationConfig(ExpansionConfig.parse("2,1"))
+    (result,) = engine.generate([GenerationRequest("tiny", (1, 2, 3), 6, speculation=spec, logprobs=MAX_LOGPROBS)])
+    assert [lp.token for lp in result.logprobs] == result.output_tokens
+    for lp in result.logprobs:
+        assert sorted(t for t, _ in lp.top) == list(range(12))
+        assert sum(np.exp(v) for _, v in lp.top) == pytest.approx(1.0, abs=1e-5)

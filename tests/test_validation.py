@@ -292,3 +292,16 @@ def test_admission_refuses_a_request_no_kv_budget_holds_alone():
     )  # 272 rows
     assert _field(lambda: build_live(request(20, adaptive=True), drafting, None, None)) == "max_new_tokens"
     assert build_live(request(20, adaptive=False), drafting, None, None).request.max_new_tokens == 20
+
+
+def test_admission_refuses_more_logprobs_alternatives_than_the_vocabulary_holds():
+    """A logprobs record holds as many alternatives as the request asks: a vocabulary with fewer tokens could not
+    fill it, so the request is refused naming ``logprobs`` (the in-process engine reports the whole vocabulary)."""
+    import dataclasses
+
+    from specinfer.client import Client
+    from specinfer.request_manager.api.admission import build_live
+
+    limits = dataclasses.replace(_limits(), vocab_size=10)
+    assert build_live(Client.request([1, 2, 3], 4, logprobs=10), limits, None, None).request.logprobs == 10
+    assert _field(lambda: build_live(Client.request([1, 2, 3], 4, logprobs=11), limits, None, None)) == "logprobs"

@@ -212,6 +212,9 @@ def build_live(
         ignore_eos=msg.ignore_eos,
         logprobs=wire.logprobs_from_proto(msg, "logprobs"),
     )
+    if request.logprobs is not None and request.logprobs > limits.vocab_size:  # each record holds that many
+        vocabulary = f"a {limits.vocab_size}-token vocabulary"
+        raise InvalidArgument("logprobs", f"asks {request.logprobs} alternatives of {vocabulary}")
     check_kv_fit(request, limits)
     seed = request_seed(sampling)
     text = (

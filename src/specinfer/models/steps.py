@@ -274,7 +274,7 @@ def _with_logprobs(
     for i in asking:
         index.extend(starts[i] + u for u in (0, *results[i].accepted_nodes))
         tokens.extend(results[i].new_tokens)
-    top = max(jobs[i].logprobs or 0 for i in asking)
+    top = min(max(jobs[i].logprobs or 0 for i in asking), rows.shape[1])  # a vocabulary may hold fewer tokens
     device = rows.device
     parts = token_logprobs(_select(rows, index), torch.tensor(tokens, dtype=torch.long, device=device), top)
     host = to_host(pack(parts))
@@ -284,7 +284,7 @@ def _with_logprobs(
     values = host[n + n * top :].reshape(n, top)
     out, at = list(results), 0
     for i in asking:
-        k = jobs[i].logprobs or 0
+        k = min(jobs[i].logprobs or 0, top)
         logprobs = []
         for token in results[i].new_tokens:
             alternatives = tuple((int(t), float(v)) for t, v in zip(ids[at, :k], values[at, :k], strict=True))
