@@ -15,6 +15,7 @@ from pathlib import Path
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.core.requests import TokenLogprob
 from specinfer.tuning import resolve_expansion, slot_prior
 
 
@@ -303,7 +304,7 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
         )  # no "</s>" in the text, as the servers do
         if cfg.logprobs is not None:
             spell = lambda t: repr(tokenizer.decode([t]))  # noqa: E731
-            print_logprobs([(lp.token, lp.logprob, lp.top) for lp in res.logprobs], spell, out)
+            print_logprobs(res.logprobs, spell, out)
         sizes = [s.tree_size for s in res.steps]
         print(
             f"--- LLM steps {res.llm_steps}, tokens per LLM step {res.tokens_per_step:.2f}, "
@@ -351,15 +352,13 @@ def generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_logprobs(
-    logprobs: Sequence[tuple[int, float, Sequence[tuple[int, float]]]], spell: Callable[[int], str], out=None
-) -> None:
+def print_logprobs(logprobs: Sequence[TokenLogprob], spell: Callable[[int], str], out=None) -> None:
     """One line per output token: its position, ``spell`` of it (its text, or its ID), log-probability, then its
     alternatives'."""
     print("--- logprobs (position, token, logprob, alternatives)", file=out, flush=True)
-    for k, (token, logprob, top) in enumerate(logprobs):
-        alternatives = "  ".join(f"{spell(t)} {v:.4f}" for t, v in top)
-        print(f"{k:5d} {spell(token):>16} {logprob:9.4f}  {alternatives}".rstrip(), file=out, flush=True)
+    for k, lp in enumerate(logprobs):
+        alternatives = "  ".join(f"{spell(t)} {v:.4f}" for t, v in lp.top)
+        print(f"{k:5d} {spell(lp.token):>16} {lp.logprob:9.4f}  {alternatives}".rstrip(), file=out, flush=True)
 
 
 def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> None:
@@ -374,6 +373,7 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
     """Stream one generation's text to stdout; 0 on success, 2 on an RPC error."""
     import grpc
 
+    from specinfer import wire
     from specinfer.client import Client
 
     keyword = args.expansion.strip().lower()
@@ -399,14 +399,12 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
     )
     print_prompt_header(prompt)
     print("--- generated (streamed)", flush=True)
-    logprobs = []
+    logprobs: list[TokenLogprob] = []
     with Client(address, auth=auth) as client:
         try:
             for msg in client.stream(request):
                 print(msg.text, end="", flush=True)
-                for lp in msg.logprobs:
-                    top = tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
-                    logprobs.append((lp.token_id, lp.logprob, top))
+                logprobs += wire.token_logprobs_from_proto(msg.logprobs)
                 if msg.HasField("finished"):
                     u = msg.finished.usage
                     print(

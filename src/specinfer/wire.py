@@ -38,11 +38,16 @@ def _prefixed(field: str, fn):
         raise InvalidArgument(f"{field}.{exc.field}", exc.message) from exc
 
 
-def sampling_from_proto(msg: api_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Unset ``top_p`` (0) means 1: proto3 cannot tell 0 from unset, and 0 is invalid anyway."""
+def sampling_from_proto(
+    msg: api_pb2.SamplingParams, field: str = "sampling", vocab_size: int | None = None
+) -> SamplingParams:
+    """Unset ``top_p`` (0) means 1: proto3 cannot tell 0 from unset, and 0 is invalid anyway. With ``vocab_size``,
+    ``logit_bias`` must name tokens of that vocabulary (a draft model's may be smaller: it ignores the others)."""
     seed = msg.seed if msg.HasField("seed") else None
     top_p = msg.top_p if msg.top_p != 0 else 1.0
     verification = msg.verification or "auto"
+    if vocab_size is not None:
+        check_token_ids(f"{field}.logit_bias", list(msg.logit_bias), vocab_size)
     return _prefixed(
         field,
         lambda: SamplingParams(
@@ -408,8 +413,7 @@ def verify_job_from_proto(
     """A :class:`VerifySpec` on ``context`` (resolved by the caller) with the verifier's random
     stream of the step; the tree must fit the model's positions."""
     draft = draft_from_proto(item.tree, f"{field}.tree")
-    sampling = sampling_from_proto(item.sampling, f"{field}.sampling")
-    check_token_ids(f"{field}.sampling.logit_bias", [t for t, _ in sampling.logit_bias], vocab_size)
+    sampling = sampling_from_proto(item.sampling, f"{field}.sampling", vocab_size)
     _check_draft(draft, sampling.greedy, vocab_size, f"{field}.tree")
     check_positions(len(context), int(draft.tree.depths.max()), max_positions, f"{field}.context.tokens")
     head = head_draft_from_proto(item, field)

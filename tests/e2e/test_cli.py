@@ -90,6 +90,17 @@ def test_generate_prints_the_same_headers_through_a_server_as_in_process(up_with
             assert re.search(rf"^--- prompt.*\n{re.escape(prompt)}--- generated", out, re.M), out
 
 
+def test_generate_prints_logprobs_through_a_server(up_with_ssms):
+    """--logprobs N with --server: after the text, one line per output token (by ID: no tokenizer here), each with
+    N alternatives."""
+    address, _ = up_with_ssms
+    remote = specinfer("generate", "--server", address, "--max-new-tokens", "6", "--logprobs", "2", PROMPTS[0])
+    assert remote.returncode == 0, remote.stderr
+    rows = remote.stdout.split("--- logprobs (position, token, logprob, alternatives)\n")[1].strip().splitlines()
+    assert [row.split()[0] for row in rows] == [str(k) for k in range(6)], remote.stdout
+    assert all(len(re.findall(r"#\d+ -?\d+\.\d{4}", row)) == 2 for row in rows), remote.stdout
+
+
 def test_two_ssm_folders_of_one_name_are_an_error_saying_how_to_name_them(tmp_path):
     a, b = tmp_path / "a/ssm", tmp_path / "b/ssm"
     for args in (

@@ -200,8 +200,7 @@ def build_live(
     _check_stops(msg, limits, tokenizer)  # bounded before the prompt is tokenized
     prompt = prompt_tokens(msg, limits, tokenizer)
     _check_length(prompt, msg.max_new_tokens, limits)
-    sampling = wire.sampling_from_proto(msg.sampling)
-    check_token_ids("sampling.logit_bias", [t for t, _ in sampling.logit_bias], limits.vocab_size)
+    sampling = wire.sampling_from_proto(msg.sampling, vocab_size=limits.vocab_size)
     request = GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt,

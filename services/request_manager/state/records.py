@@ -143,19 +143,24 @@ def unpack_tokens(data: bytes | None) -> tuple[int, ...]:
     return struct.unpack(f"<{len(data) // TOKEN_BYTES}i", data)
 
 
+def _logprobs_record(top: int) -> str:
+    """The struct format of one token's logprobs record: its logprob (float32), then ``top`` (token ID int32,
+    logprob float32) pairs, little-endian (a fixed size, so a record is found by the token's offset)."""
+    return f"<f{'if' * top}"
+
+
 def logprobs_record_bytes(top: int | None) -> int:
     """Bytes of one token's logprobs record for a request that asks ``top`` alternatives (0: it asks none)."""
-    return 0 if top is None else 4 + 8 * top
+    return 0 if top is None else struct.calcsize(_logprobs_record(top))
 
 
 def pack_logprobs(logprobs: Sequence[TokenLogprob], top: int) -> bytes:
-    """Each token's record: its logprob (float32), then ``top`` (token ID int32, logprob float32) pairs, little-endian
-    (a fixed size, so a record is found by the token's offset)."""
+    """Each token's record (:func:`_logprobs_record`), one after the other."""
     out = bytearray()
     for lp in logprobs:
         if len(lp.top) != top:
             raise ValueError(f"a logprobs record holds {top} alternatives, got {len(lp.top)}")
-        out += struct.pack(f"<f{'if' * top}", lp.logprob, *(x for pair in lp.top for x in pair))
+        out += struct.pack(_logprobs_record(top), lp.logprob, *(x for pair in lp.top for x in pair))
     return bytes(out)
 
 
@@ -168,6 +173,6 @@ def unpack_logprobs(data: bytes | None, tokens: Sequence[int], top: int | None) 
         raise ValueError(f"{len(data)} bytes of logprobs for {len(tokens)} tokens of {size} bytes each")
     out = []
     for k, token in enumerate(tokens):
-        values = struct.unpack_from(f"<f{'if' * top}", data, k * size)
+        values = struct.unpack_from(_logprobs_record(top), data, k * size)
         out.append(TokenLogprob(token, values[0], tuple(zip(values[1::2], values[2::2], strict=True))))
     return tuple(out)
