@@ -4,13 +4,18 @@ the owners registry, cancel marks and the tail a follower polls (services/reques
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import secrets
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
-from specinfer.request_manager.state.ownership import Lease
+from specinfer.request_manager.state.ownership import Lease, holder_is_gone, new_token
 from specinfer.request_manager.state.records import RequestRecord
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import OwnershipError
@@ -33,10 +38,56 @@ async def members(store: RequestStore, key: str) -> set[str]:
 # -- leases -------------------------------------------------------------------------------------
 
 
+def elsewhere() -> str:
+    """The lease token of a process of another host (only the lease's lapse says it stopped)."""
+    return f"other-{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(8)}"
+
+
+def stopped_pid() -> int:
+    """The pid of a process of this host that has stopped (and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_holder_is_gone_only_for_a_stopped_process_of_this_host():
+    host = socket.gethostname()
+    ours = new_token()
+    assert holder_is_gone(f"{host}/{stopped_pid()}/00", ours)
+    assert holder_is_gone(f"{host}/{os.getpid()}/00", ours)  # our pid, another token: a restarted container's
+    assert not holder_is_gone(f"{host}/{os.getppid()}/00", ours)  # runs
+    assert not holder_is_gone(ours, ours)
+    assert not holder_is_gone(f"other-{host}/{stopped_pid()}/00", ours)  # another host's: its lease must lapse
+    for odd in ("", "x", f"{host}/abc/00", f"{host}/12/00/extra"):
+        assert not holder_is_gone(odd, ours), odd
+
+
+def test_a_restart_takes_the_lease_of_its_stopped_predecessor_at_once(open_store):
+    """kill -9 of a request manager leaves its lease in Redis for its TTL; the process started after it on the
+    same host (``specinfer up``'s restart) takes it at once instead of waiting it out, and a live holder of
+    another host still makes it wait."""
+
+    async def body() -> None:
+        async with open_store() as a, open_store() as b:
+            dead = Lease(a, "rm-a", 30.0, token=f"{socket.gethostname()}/{stopped_pid()}/00")
+            await dead.acquire()
+            start = time.monotonic()
+            restarted = Lease(b, "rm-a", 30.0)
+            await asyncio.wait_for(restarted.acquire(), 5)
+            assert restarted.held and time.monotonic() - start < 2
+            assert (await dead.hold()).holder == restarted.token
+            live = Lease(a, "rm-b", 30.0, token=elsewhere())
+            await live.acquire()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(Lease(b, "rm-b", 30.0).acquire(), 1.5)
+
+    run(body)
+
+
 def test_lease_is_held_by_one_process_renewed_and_released(open_store):
     async def body() -> None:
         async with open_store() as a, open_store() as b:
-            first, second = Lease(a, "rm-a", 5.0), Lease(b, "rm-a", 5.0)
+            first, second = Lease(a, "rm-a", 5.0, token=elsewhere()), Lease(b, "rm-a", 5.0)
             assert first.token != second.token and not first.held
             await first.acquire()
             assert first.held
@@ -63,7 +114,7 @@ def test_a_second_process_with_the_same_owner_waits_until_the_first_stops_renewi
 
     async def body() -> None:
         async with open_store() as a, open_store() as b:
-            first, second = Lease(a, "rm-a", lease_s), Lease(b, "rm-a", lease_s)
+            first, second = Lease(a, "rm-a", lease_s, token=elsewhere()), Lease(b, "rm-a", lease_s)
             await first.acquire()
             waiting = asyncio.ensure_future(second.acquire())
             for _ in range(4):  # the first keeps renewing: the second keeps waiting

@@ -21,6 +21,9 @@ calls); docs/request-managers.md has the measured times.
 
 Two processes with the same ``--owner``: the second waits (its health NOT_SERVING, logging who holds
 the lease) until the first stops or its lease lapses, then claims the owner's requests for itself. A
+restart needs no wait: a lease token names its process (host and pid), so a process that finds its
+owner's lease held by a process of its own host that no longer runs (``specinfer up`` or a container
+runtime restarting a killed request manager) releases that lease and takes it at once. A
 process that finds its lease taken by another incarnation (it stalled for longer than L) stops serving
 new requests, and the scheduler drops each request the other claimed at its next commit (the fence
 refuses it), without publishing anything; it serves again once it holds the lease again. A clean
@@ -36,6 +39,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis.exceptions
@@ -56,6 +60,27 @@ def new_token() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(8)}"
 
 
+def holder_is_gone(holder: str, token: str) -> bool:
+    """Whether the process whose lease token is ``holder`` has stopped, as seen by the process holding ``token``
+    (another one): it ran on this host and its pid is ours (a restarted container's first process has the pid its
+    predecessor had) or runs no process (or a zombie). Tokens of other hosts, or not of :func:`new_token`'s form,
+    are never judged gone: only their lease's lapse says so. A host name shared by two hosts that reach the same
+    Redis could take over a live lease; the fence (:mod:`.store`) still keeps every request's commits to one."""
+    parts, ours = holder.split("/"), token.split("/")
+    if len(parts) != 3 or not parts[1].isdigit() or holder == token or parts[0] != ours[0]:
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc to read: only the lease's lapse tells
+        return False
+    return state in ("Z", "X")
+
+
 class Lease:
     """The lease of this process (``token``) over ``owner``, with a TTL of ``seconds``.
 
@@ -65,7 +90,12 @@ class Lease:
     """
 
     def __init__(
-        self, store: RequestStore, owner: str, seconds: float, clock: Callable[[], float] = time.monotonic
+        self,
+        store: RequestStore,
+        owner: str,
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        token: str | None = None,
     ) -> None:
         validate_id(owner, "owner")
         if not seconds > 0:
@@ -73,7 +103,7 @@ class Lease:
         self.store = store
         self.owner = owner
         self.seconds = seconds
-        self.token = new_token()
+        self.token = token or new_token()  # ``token``: another process's, in tests
         self._clock = clock
         self._valid_until = float("-inf")
 
@@ -110,6 +140,12 @@ class Lease:
                 if said > float("-inf"):
                     log.info("ownership lease taken after waiting", extra={"owner": self.owner})
                 return
+            if (
+                reply is not None
+                and holder_is_gone(reply.holder, self.token)
+                and await self._release_gone(reply.holder)
+            ):
+                continue  # a restart: our predecessor's lease would only lapse after its TTL
             if reply is not None and self._clock() - said >= WAIT_LOG_SECONDS:
                 said = self._clock()
                 log.warning(
@@ -118,6 +154,20 @@ class Lease:
                     extra={"owner": self.owner, "holder": reply.holder, "lease_seconds": self.seconds},
                 )
             await asyncio.sleep(self.seconds / 3)
+
+    async def _release_gone(self, holder: str) -> bool:
+        """Release the lease of ``holder``, a stopped process (:func:`holder_is_gone`); False if Redis failed."""
+        try:
+            released = await self.store.release_lease(self.owner, holder)
+        except redis.exceptions.RedisError as exc:
+            log.warning("cannot release a stopped process's lease", extra={"owner": self.owner, "error": repr(exc)})
+            return False
+        if released:
+            log.info(
+                "ownership lease of a stopped process of this host released",
+                extra={"owner": self.owner, "holder": holder},
+            )
+        return True
 
     async def release(self) -> None:
         """Give the lease up (on a clean shutdown), if this process still holds it."""
