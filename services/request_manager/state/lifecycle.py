@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -26,7 +26,13 @@ from specinfer.request_manager.api.admission import ApiLimits
 from specinfer.request_manager.api.text import TextStream
 from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, StreamEvent
 from specinfer.request_manager.scheduling.scheduler import Scheduler
-from specinfer.request_manager.state.live_records import live_from_snapshot, live_record, snapshot_finish
+from specinfer.request_manager.state.live_records import (
+    live_from_snapshot,
+    live_record,
+    resumed_text,
+    snapshot_finish,
+    snapshot_text_stream,
+)
 from specinfer.request_manager.state.ownership import Lease
 from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
 from specinfer.request_manager.state.store import RequestStore, Tail
@@ -101,29 +107,38 @@ class Requests:
         """Reattach to a request from output offset ``offset`` on: one event with the tokens committed
         already (possibly none), then its new ones up to the finishing event, no token twice and none
         left out, wherever it runs: live from the scheduler while this replica runs it, else followed in
-        Redis (those events carry tokens, no text). A finished request: one event with its stored tokens
-        and final state."""
+        Redis. Their text continues the text the request's stream released for its first ``offset`` tokens,
+        so a client that reattaches where it stopped receives the same text as if nothing had happened. A
+        finished request: one event with its stored tokens and final state."""
         live = self.scheduler.get(request_id)
         queue = None
         if live is not None and live.finished is None:
             queue = asyncio.Queue()
             live.subscribers.append(queue)  # subscribe first, then send the backlog: nothing is lost in between
-            backlog, logprobs = tuple(live.output[offset:]), tuple(live.logprobs[offset:])
-            top = live.request.logprobs
+            output, logprobs = tuple(live.output), tuple(live.logprobs[offset:])
+            top, finish = live.request.logprobs, None
+            text = live.text.fresh() if live.text is not None else None
         else:
             snapshot = await self._snapshot(request_id)
-            backlog, logprobs = snapshot.output_tokens[offset:], snapshot.output_logprobs[offset:]
-            top = snapshot.params.get("logprobs")
-            if snapshot.is_finished:
-                yield StreamEvent(offset, backlog, "", snapshot_finish(snapshot), logprobs)
-                return
+            output, logprobs = snapshot.output_tokens, snapshot.output_logprobs[offset:]
+            top, finish = snapshot.params.get("logprobs"), snapshot_finish(snapshot)
+            text = snapshot_text_stream(snapshot, self.tokenizer) if self.tokenizer is not None else None
+        backlog, delta = tuple(output[offset:]), resumed_text(text, output, offset, finish)
         try:
-            yield StreamEvent(offset, backlog, "", logprobs=logprobs)
+            yield StreamEvent(offset, backlog, delta, finish, logprobs)
         except BaseException:
             if queue is not None:
                 live.subscribers.remove(queue)
             raise
-        async with contextlib.aclosing(self._stream(request_id, offset + len(backlog), top, live, queue)) as events:
+        if finish is not None:
+            return
+        # while this replica runs it, the scheduler's own text stream goes on from the end of ``output``
+        events = (
+            self._stream(request_id, offset + len(backlog), top, live, queue, live.text)
+            if queue is not None
+            else self._stream(request_id, offset + len(backlog), top, text=text, output=output)
+        )
+        async with contextlib.aclosing(events):
             async for event in events:
                 yield event
 
@@ -135,14 +150,16 @@ class Requests:
         live: Live | None = None,
         queue: asyncio.Queue | None = None,
         text: TextStream | None = None,
+        output: Sequence[int] = (),
     ) -> AsyncIterator[StreamEvent]:
         """The events of ``request_id`` after output offset ``sent``, up to the finishing one, trimmed so that
         no token comes twice: from the scheduler while this replica runs the request (``queue``: a
         subscription to ``live`` already taken), else from its record in Redis, polled every
         FOLLOW_POLL_SECONDS; it switches as the request moves between replicas (adopted here, or taken
-        over by another). ``text``: decodes the followed tokens into text deltas (as the scheduler does); ``top``:
+        over by another). ``text``: decodes the followed tokens into text deltas (as the scheduler does), having
+        released the text of ``output`` (the output up to ``sent``, when following from the start); ``top``:
         the alternatives the request asks at each token's logprobs (None: no logprobs)."""
-        output: list[int] = []  # the output up to ``sent``, kept while following with ``text`` only
+        output = list(output) if text is not None else []  # the output up to ``sent``, kept while following with text
         while True:
             backlog: tuple[int, ...] = ()
             if queue is None:

@@ -6,6 +6,7 @@ record back into a request to resume, ``snapshot_finish`` reads a record's final
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -104,6 +105,21 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
 def skip_special_tokens(params: dict[str, Any]) -> bool:
     """The record's special-token rule (:mod:`.api.text`); records written before it was kept skip them, the default."""
     return bool(params.get("skip_special_tokens", True))
+
+
+def snapshot_text_stream(snapshot: RequestSnapshot, tokenizer: Tokenizer) -> TextStream:
+    """A text stream with a stored request's rules (stop strings, special tokens) that has released nothing."""
+    return TextStream(tokenizer, tuple(snapshot.params.get("stop", ())), skip_special_tokens(snapshot.params))
+
+
+def resumed_text(text: TextStream | None, output: Sequence[int], offset: int, finish: Finish | None) -> str:
+    """The text of ``output[offset:]`` as the request's stream releases it after its first ``offset`` tokens;
+    ``text``: a stream of its rules that has released nothing (left at the end of ``output``; None: no text)."""
+    if text is None:
+        return ""
+    text.update(output[:offset])
+    delta = text.update(output)[0]
+    return delta + (text.flush(output) if finish is not None and finish.reason != "stop" else "")
 
 
 def snapshot_text(snapshot: RequestSnapshot, tokenizer: Tokenizer) -> str:
