@@ -45,7 +45,8 @@ def run_client(address: str, request: api_pb2.GenerateRequest, deadline: float, 
     submit = True
     while time.monotonic() < deadline:
         try:
-            with Client(address, timeout=max(1.0, deadline - time.monotonic())) as client:
+            # failover_seconds=0: this loop reattaches itself, counting retries and resubmissions
+            with Client(address, timeout=max(1.0, deadline - time.monotonic()), failover_seconds=0) as client:
                 stream = client.stream(request) if submit else client.resume(request.request_id, len(out.tokens))
                 for msg in stream:
                     submit = False  # it exists: from now on reattach

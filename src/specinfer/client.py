@@ -11,12 +11,26 @@ Stream a generation's text from a running stack (``specinfer up``)::
 A *request* is an ``api_pb2.GenerateRequest``; :meth:`Client.request` is the one place that builds
 it from plain arguments (sampling, speculation, stop conditions). Every method that generates
 takes either such a request or a prompt alone (then with :meth:`Client.request`'s defaults).
+
+*Failover*: a client may name several request managers of one stack (``Client("a:50051,b:50052")`` or a
+list; every manager serves, reattaches to and cancels any request, docs/request-managers.md). A call
+goes to the current one; when it answers UNAVAILABLE (it went away, or it does not hold its lease), the
+client moves to the next and calls again. A stream that broke after it started reattaches from the last
+token received (``resume_from``), so its tokens and text continue exactly where they stopped, none twice;
+one that broke before its first message sends the request again under the same ID (the client picks an
+ID when the request has none, so that it can reattach), or reattaches if the first manager had stored
+it. A stream keeps trying, round after round over the managers, for ``failover_seconds`` without
+progress; a call that reached no manager at all fails at once, as with one address.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import grpc
 
 from specinfer.serving.security import ClientAuth
 from specinfer.v1 import api_pb2, api_pb2_grpc
@@ -35,22 +49,98 @@ class Completion:
     logprobs: list[api_pb2.TokenLogprob] = field(default_factory=list)
 
 
-class Client:
-    """Blocking client of one request manager; use as a context manager (it closes the channel).
-    ``address`` is ``host:port``; ``timeout``: seconds each call may take (None: no limit; a
-    stream counts as one call); ``auth``: TLS files and the bearer token (``--auth-token`` of the
-    request manager) to send, when the server requires them."""
+@dataclass(frozen=True)
+class Failover:
+    """One move of a call to another request manager: the request (empty for a call that is not a stream),
+    the tokens its stream had received, the address that failed and why, and the one tried next."""
 
-    def __init__(self, address: str, timeout: float | None = None, auth: ClientAuth | None = None) -> None:
+    request_id: str
+    received: int
+    failed: str
+    error: str
+    next: str
+
+
+GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")  # targets gRPC itself resolves
+
+
+def parse_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
+    """The request managers ``address`` names: ``host:port``, several separated by commas, or a list of them. A
+    gRPC target URI (``dns:///name:port``, ``ipv4:a:p,b:p``) is one entry: gRPC resolves it and connects to the
+    first of its addresses that answers."""
+    parts = [address] if isinstance(address, str) and address.startswith(GRPC_SCHEMES) else None
+    if parts is None:
+        parts = address.split(",") if isinstance(address, str) else list(address)
+    out = tuple(p.strip() for p in parts if p.strip())
+    if not out:
+        raise ValueError(f"no request manager address in {address!r}")
+    return out
+
+
+class Client:
+    """Blocking client of a request manager, or of several of one stack with failover (module docstring);
+    use as a context manager (it closes the channels). ``address``: ``host:port``, several separated by
+    commas, or a list; ``timeout``: seconds each call may take (None: no limit; a stream counts as one
+    call); ``auth``: TLS files and the bearer token (``--auth-token`` of the request manager) to send, when
+    the server requires them; ``failover_seconds``: how long a broken stream keeps trying to reattach
+    without progress (0: it raises at once); ``on_failover``: called at each move to another manager."""
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        timeout: float | None = None,
+        auth: ClientAuth | None = None,
+        failover_seconds: float = 30.0,
+        on_failover: Callable[[Failover], object] | None = None,
+    ) -> None:
+        self.addresses = parse_addresses(address)
         self.auth = auth or ClientAuth()
-        self.channel = self.auth.channel(address)
-        self.stub = api_pb2_grpc.SpecInferStub(self.channel)
         self.timeout = timeout
         self.metadata = self.auth.metadata
+        self.failover_seconds = failover_seconds
+        self.on_failover = on_failover
+        self.current = 0  # index of the request manager calls go to first
+        self._channels: dict[int, grpc.Channel] = {}
+
+    @property
+    def address(self) -> str:
+        """The request manager calls go to now."""
+        return self.addresses[self.current]
+
+    @property
+    def stub(self) -> api_pb2_grpc.SpecInferStub:
+        """The generated stub of the current request manager (no failover: the methods below add it)."""
+        if self.current not in self._channels:
+            self._channels[self.current] = self.auth.channel(self.address)
+        return api_pb2_grpc.SpecInferStub(self._channels[self.current])
 
     def close(self) -> None:
-        """Close the channel (a ``with`` block does it)."""
-        self.channel.close()
+        """Close the channels (a ``with`` block does it)."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def _move_on(self, exc: grpc.RpcError, request_id: str, received: int) -> None:
+        """After UNAVAILABLE from the current manager: a fresh channel to it next time (a channel's reconnect
+        backoff would outlast a restart), and the next manager becomes the current one."""
+        failed = self.address
+        if (channel := self._channels.pop(self.current, None)) is not None:
+            channel.close()
+        self.current = (self.current + 1) % len(self.addresses)
+        if self.on_failover is not None:
+            error = str(exc.details() or exc.code().name)
+            self.on_failover(Failover(request_id, received, failed, error, self.address))
+
+    def _unary(self, method: str, request):
+        """One call, moved to the next manager on UNAVAILABLE until each was tried once."""
+        for tries_left in range(len(self.addresses) - 1, -1, -1):
+            try:
+                return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not tries_left:
+                    raise
+                self._move_on(exc, "", 0)
+        raise AssertionError("unreachable")
 
     def __enter__(self) -> Client:
         return self
@@ -147,10 +237,48 @@ class Client:
     def stream(self, request: api_pb2.GenerateRequest | str) -> Iterator[api_pb2.GenerateResponse]:
         """The response messages of a generation as they come: each carries new ``token_ids`` from
         ``offset`` and their ``text``; the last one also ``finished``. ``request``: a request
-        (:meth:`request`) or a prompt. Raises ``grpc.RpcError`` (e.g. INVALID_ARGUMENT naming the field)."""
+        (:meth:`request`) or a prompt. Fails over between the request managers (module docstring); raises
+        ``grpc.RpcError`` (e.g. INVALID_ARGUMENT naming the field, or UNAVAILABLE once failover gave up).
+        Closing the iterator early cancels the call, and with it the request."""
         if isinstance(request, str):
             request = self.request(request)
-        return self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
+        if not request.request_id:  # an ID of our own, to reattach with
+            request = api_pb2.GenerateRequest.FromString(request.SerializeToString())
+            request.request_id = uuid.uuid4().hex
+        return self._stream(request)
+
+    def _stream(self, request: api_pb2.GenerateRequest) -> Iterator[api_pb2.GenerateResponse]:
+        rid = request.request_id
+        start = request.resume_from if request.HasField("resume_from") else 0
+        received = 0  # tokens received, from ``start``
+        opened = request.HasField("resume_from")  # the server has the request: reattach from now on
+        stalled_since: float | None = None  # the first failure since the last message
+        failures = 0  # calls in a row that failed
+        while True:
+            ask = api_pb2.GenerateRequest(request_id=rid, resume_from=start + received) if opened else request
+            call = self.stub.Generate(ask, timeout=self.timeout, metadata=self.metadata)
+            try:
+                for msg in call:
+                    opened, stalled_since, failures = True, None, 0
+                    received += len(msg.token_ids)
+                    yield msg
+                return
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS and failures and not opened:
+                    opened = True  # the manager that failed had stored it: reattach from its first token
+                    continue
+                now = time.monotonic()
+                stalled_since = now if stalled_since is None else stalled_since
+                failures += 1
+                reached_none = not opened and failures >= len(self.addresses)  # fail fast, as with one address
+                if code != grpc.StatusCode.UNAVAILABLE or reached_none or now - stalled_since >= self.failover_seconds:
+                    raise
+                self._move_on(exc, rid, received)
+                if failures >= len(self.addresses):  # every manager tried since the last message: wait a little
+                    time.sleep(min(2.0, 0.1 * 2 ** (failures // len(self.addresses))))
+            finally:
+                call.cancel()  # a no-op once it ended; else the request is cancelled with the call
 
     def stream_text(self, request: api_pb2.GenerateRequest | str) -> Iterator[str]:
         """The generated text, piece by piece as it streams (see :meth:`stream`)."""
@@ -172,16 +300,12 @@ class Client:
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request (its stream ends with reason CANCELLED); False if it was not running."""
-        return self.stub.Cancel(
-            api_pb2.CancelRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
-        ).cancelled
+        return self._unary("Cancel", api_pb2.CancelRequest(request_id=request_id)).cancelled
 
     def get_request(self, request_id: str) -> api_pb2.RequestState:
         """A request's status and the tokens it has committed so far (NOT_FOUND if unknown)."""
-        return self.stub.GetRequest(
-            api_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout, metadata=self.metadata
-        )
+        return self._unary("GetRequest", api_pb2.GetRequestRequest(request_id=request_id))
 
     def model_info(self) -> api_pb2.ModelInfo:
         """What the server serves: the LLM's and the SSMs' names, vocabulary, limits, default speculation."""
-        return self.stub.GetModelInfo(api_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
+        return self._unary("GetModelInfo", api_pb2.GetModelInfoRequest())

@@ -1,6 +1,6 @@
 """The ``specinfer generate`` command: its flags, its :class:`GenerateConfig`, generation in this
 process (:func:`run_generate`: load the models, generate the prompts as one batch) and streamed from a
-running request manager (:func:`generate_remote`); ``specinfer demo`` runs it too."""
+running request manager (:mod:`specinfer.remote_cmd`); ``specinfer demo`` runs it too."""
 
 from __future__ import annotations
 
@@ -45,11 +45,20 @@ class GenerateConfig:
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """The speculation, sampling and model flags ``specinfer generate`` and ``specinfer demo`` share."""
-    p.add_argument(
+    _add_speculation_flags(p)
+    _add_sampling_flags(p)
+    _add_runtime_flags(p)
+
+
+def _add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    from specinfer.serving.config import add_setting
+
+    add_setting(
+        p,
         "--expansion",
         default="auto",
         help=(
-            "auto (default): adaptive speculation, the planner sizes each step's tree; "
+            "auto: adaptive speculation, the planner sizes each step's tree; "
             "tuned: the SSM's installed tuning, else the paper's tree; "
             f"widths per depth, e.g. {PAPER_EXPANSION}; @FILE: a `specinfer tune` result; none: no speculation"
         ),
@@ -65,7 +74,10 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft head of the LLM (a folder from specinfer train-head): adaptive trees also draft with it",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument(
         "--top-p",
         type=float,
@@ -100,6 +112,9 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
         help="after the text, each output token's log-probability under the LLM and its N most likely alternatives",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
@@ -148,6 +163,9 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
     """The in-process run of ``prompts`` on ``llm`` and ``ssms`` that the generation flags ask for."""
     keyword = args.expansion.strip().lower()
+    static = (
+        None if keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion, ssms))
+    )
     speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
     adaptive = speculate and keyword == "auto"
     if args.head and not args.no_speculation and keyword == "auto":  # a head alone drafts adaptive trees
@@ -155,9 +173,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
     return GenerateConfig(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
-        expansion=ExpansionConfig.parse(resolve_expansion(args.expansion, ssms))
-        if speculate and not adaptive
-        else None,
+        expansion=static if speculate and not adaptive else None,
         adaptive=adaptive,
         suffix=not args.no_suffix,
         sampling=SamplingParams(
@@ -328,30 +344,6 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
     )
 
 
-def client_auth(args: argparse.Namespace):
-    """TLS and the bearer token of a request manager, from the client security flags (bad files: InvalidArgument)."""
-    from specinfer.serving.security import ClientAuth, ClientTls, read_token
-
-    try:
-        auth = ClientAuth(
-            ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key),
-            read_token(args.auth_token, args.auth_token_file, "auth-token"),
-        )
-        auth.tls.credentials()
-    except ValueError as exc:
-        raise InvalidArgument("tls", str(exc)) from None
-    return auth
-
-
-def generate_remote(args: argparse.Namespace) -> int:
-    """Stream each prompt's text from a running request manager."""
-    auth = client_auth(args)
-    for prompt in args.prompt:
-        if stream(args.server, args, prompt, auth) != 0:
-            return 2
-    return 0
-
-
 def print_logprobs(logprobs: Sequence[TokenLogprob], spell: Callable[[int], str], out=None) -> None:
     """One line per output token: its position, ``spell`` of it (its text, or its ID), log-probability, then its
     alternatives'."""
@@ -367,61 +359,3 @@ def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> Non
     out = out or sys.stdout
     print("--- prompt" + (f" ({tokens} tokens)" if tokens is not None else ""), file=out, flush=True)
     print(prompt, end="" if prompt.endswith("\n") else "\n", file=out, flush=True)
-
-
-def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> int:
-    """Stream one generation's text to stdout; 0 on success, 2 on an RPC error."""
-    import grpc
-
-    from specinfer import wire
-    from specinfer.client import Client
-
-    keyword = args.expansion.strip().lower()
-    request = Client.request(
-        prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        verification="" if args.verification == "auto" else args.verification,
-        # auto: the server's default (adaptive speculation unless the server runs otherwise)
-        expansion=()
-        if args.no_speculation or keyword in ("auto", "none", "off")
-        else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
-        speculation=not args.no_speculation and keyword not in ("none", "off"),
-        suffix=False if args.no_suffix else None,
-        logprobs=args.logprobs,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        min_p=args.min_p,
-    )
-    print_prompt_header(prompt)
-    print("--- generated (streamed)", flush=True)
-    logprobs: list[TokenLogprob] = []
-    with Client(address, auth=auth) as client:
-        try:
-            for msg in client.stream(request):
-                print(msg.text, end="", flush=True)
-                logprobs += wire.token_logprobs_from_proto(msg.logprobs)
-                if msg.HasField("finished"):
-                    u = msg.finished.usage
-                    print(
-                        f"\n--- {u.completion_tokens} tokens in {u.llm_steps} LLM steps "
-                        f"({u.tokens_per_step:.2f} tokens per LLM step, "
-                        f"mean tree size {u.mean_tree_size:.1f}), finish: {api_reason(msg.finished.reason)}",
-                        flush=True,
-                    )
-        except grpc.RpcError as exc:
-            print(f"specinfer: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
-    if args.logprobs is not None:  # no tokenizer here: tokens by ID
-        print_logprobs(logprobs, lambda t: f"#{t}")
-    return 0
-
-
-def api_reason(reason: int) -> str:
-    from specinfer.v1 import api_pb2
-
-    return api_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()

@@ -78,7 +78,7 @@ class StackConfig:
     redis_url: str = ""  # the request manager's --redis-url (empty: its embedded Redis under state_dir)
     redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (--redis-cluster)
     # request-manager replicas: more than one share a Redis the launcher starts (under state_dir/redis), each with
-    # its own --owner rm-<i> and state dir; the first has ``port`` and ``http_port``, the others free ports
+    # its own --owner rm-<i> and state dir; manager i listens on ``port`` + i (0: free ports), the first on http_port
     request_managers: int = 1
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     head: Path | None = None  # a draft head of the LLM (specinfer train-head), which every verifier drafts with
@@ -275,7 +275,7 @@ class Stack:
                 state, shared = c.state_dir / f"rm-{i}", [*shared, "--owner", f"rm-{i}"]
             return [
                 "--port",
-                str(c.port if i == 0 else 0),
+                str(c.port + i if c.port else 0),  # request manager i on --port + i
                 "--verifier",
                 self.verifier_addresses,
                 "--ssm-workers",

@@ -205,7 +205,7 @@ def test_kill_one_of_two_request_managers_the_other_adopts_and_clients_reattach(
 
     def consume(address: str, prompt, rid: str) -> list[api_pb2.GenerateResponse]:
         messages = []
-        with Client(address, timeout=600) as client:
+        with Client(address, timeout=600, failover_seconds=0) as client:  # reattach() below does it by hand
             try:
                 request = Client.request(prompt, KILL_NEW_TOKENS, request_id=rid, ignore_eos=True, logprobs=1)
                 for m in client.stream(request):

@@ -14,7 +14,6 @@ import re
 import signal
 from pathlib import Path
 
-import grpc
 import pytest
 from services.harness import SpecinferUp, processes_naming, wait_until  # tests/services/harness.py
 
@@ -51,24 +50,10 @@ def up_args(llm: Path, ssm: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 
 def stream_with_failover(addresses: list[str], prompt, rid: str) -> list[api_pb2.GenerateResponse]:
-    """Stream ``rid`` through ``addresses[0]``; when that request manager goes away (UNAVAILABLE),
-    reattach through the next one from the tokens received so far, as a client does."""
-    messages: list[api_pb2.GenerateResponse] = []
-    for i, address in enumerate(addresses):
-        have = sum(len(m.token_ids) for m in messages)
-        with Client(address, timeout=600) as client:
-            stream = (
-                client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True))
-                if i == 0
-                else client.resume(rid, have)
-            )
-            try:
-                messages.extend(stream)
-                return messages
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(addresses) - 1:
-                    raise
-    return messages
+    """Stream ``rid`` through ``addresses[0]``; when that request manager goes away (UNAVAILABLE), the client
+    reattaches through the next one from the tokens received so far (specinfer.client's failover)."""
+    with Client(addresses, timeout=600) as client:
+        return list(client.stream(Client.request(prompt, NEW_TOKENS, request_id=rid, ignore_eos=True)))
 
 
 def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stays_exact(model_pair, greedy, tmp_path):
