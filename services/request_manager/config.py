@@ -18,7 +18,7 @@ from typing import Any
 
 from specinfer.checkpoint import check_checkpoint, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
-from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
+from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, DEFAULT_MAX_TREE_NODES
 from specinfer.request_manager.state.records import validate_id
 from specinfer.request_manager.state.redis_server import SOCKET_TIMEOUT_S
 from specinfer.serving.config import (
@@ -158,7 +158,9 @@ class RequestManagerConfig:
     result_ttl_seconds: float = setting(3600.0, "how long finished requests stay in Redis")
     rpc_timeout_seconds: float = setting(60.0, "timeout of calls to workers and verifier")
     max_prompt_tokens: int = setting(8192, "most prompt tokens of a request (more: INVALID_ARGUMENT)")
-    max_tree_nodes: int = setting(64, "most nodes of a request's token tree (more: INVALID_ARGUMENT)")
+    max_tree_nodes: int = setting(
+        DEFAULT_MAX_TREE_NODES, "most nodes of a request's token tree (more: INVALID_ARGUMENT)"
+    )
     ssm_failure_seconds: float = setting(
         10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy"
     )

@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from specinfer.checkpoint import check_checkpoint
 from specinfer.core import InvalidArgument
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
 from specinfer.models.interface import CausalLM
@@ -68,6 +69,7 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
     ssms: dict[str, CausalLM] = {}
     methods = {}
     for name, path in paths.items():
+        check_checkpoint(path, f"ssm.{name}")  # before the LLM's vocabulary is compared with its own
         vmap = draft_vocabulary(args.llm_dir, path, f"ssm.{name}") if args.llm_dir else None
         model = load_model(path, f"ssm.{name}", args)
         ssms[name] = in_llm_ids(model, vmap)

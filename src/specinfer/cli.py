@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from specinfer.core import InvalidArgument
-from specinfer.generate_cmd import add_generation_flags, build_config, generate_remote, run_generate, stream
+from specinfer.generate_cmd import add_generation_flags, build_config, run_generate
+from specinfer.remote_cmd import generate_remote, stream
 from specinfer.training.run import add_training_parsers, training_main
 from specinfer.tuning import resolve_expansion
 from specinfer.tuning.run import add_tune_parser, tune_main
@@ -91,9 +93,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     says its own, and never a secret's value, which may come from the environment)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if "default" in (action.help or "") or action.required:  # a required flag has no default to show
+        if SAYS_DEFAULT.search(action.help or "") or action.required:  # a required flag has no default to show
             return action.help
         return super()._get_help_string(action)
+
+
+# a help text that gives its flag's default itself: "(default: ...)", "auto (default)", a setting's "[env X; default Y]"
+SAYS_DEFAULT = re.compile(r"\(default\b|\bdefault[:)]|; default ")
 
 
 DESCRIPTION = """Tree-based speculative inference (SpecInfer): small speculative models (SSMs) draft token
@@ -123,7 +129,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser(
         "generate", help="speculative generation: through a running server (--server) or in this process (--llm)"
     )
-    gen.add_argument("--server", help="address of a running request manager (host:port); streams the text")
+    gen.add_argument(
+        "--server",
+        help="address of a running request manager (host:port), or several of one stack, comma-separated "
+        "(A,B: when one fails, the stream reattaches through another where it stopped); streams the text",
+    )
     gen.add_argument("--llm", help="Hugging Face checkpoint folder of the LLM (in-process generation)")
     gen.add_argument(
         "--ssm",
@@ -163,7 +173,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         "--request-managers",
         type=int,
         default=1,
-        help="request-manager processes (more than one share a Redis the launcher starts)",
+        help="request-manager processes (more than one share a Redis the launcher starts; manager i on --port + i)",
     )
     up.add_argument("--port", type=int, default=50051, help="public API port")
     up.add_argument(
@@ -177,10 +187,17 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "native", "reference"],
         help="model runtime (auto: native where supported)",
     )
-    up.add_argument(
+    add_setting(
+        up,
         "--expansion",
         default="auto",
-        help="default speculation of the request manager: auto (adaptive), tuned, widths, @FILE, none",
+        help="how requests speculate unless they say: auto (adaptive), tuned, widths per depth, @FILE, none",
+    )
+    up.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=0,
+        help="most nodes of a request's merged token tree (0: 64, or the --expansion tree's own size when larger)",
     )
     up.add_argument(
         "--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (0: off)"
@@ -270,6 +287,9 @@ def _run_up(args: argparse.Namespace) -> int:
     demo_llm, demo_ssms, _ = (None, (), "") if args.llm else _demo_models()
     llm = Path(args.llm) if args.llm else demo_llm
     ssm_paths = tuple(Path(p) for p in named.values()) if args.ssm else demo_ssms
+    head = Path(args.head) if args.head else None if args.llm else _demo_head(llm)
+    expansion = resolve_expansion(args.expansion, ssm_paths)
+    tree_nodes = check_up_settings(args, llm, ssm_paths, head, expansion)
     cfg = StackConfig(
         llm,
         tuple(f"{n}={p}" for n, p in named.items()) if args.ssm else ssm_paths,
@@ -277,18 +297,52 @@ def _run_up(args: argparse.Namespace) -> int:
         args.port,
         Path(args.state_dir),
         args.backend,
-        resolve_expansion(args.expansion, ssm_paths),
+        expansion,
         threads=args.verifier_threads,
         ssm_threads=args.ssm_threads,
         security=_stack_security(args),
         http_port=args.http_port,
         verifiers=args.verifiers,
         request_managers=args.request_managers,
-        head=Path(args.head) if args.head else None if args.llm else _demo_head(llm),
+        head=head,
+        rm_args=("--max-tree-nodes", str(tree_nodes)),
     )
-    if cfg.verifiers < 1:
-        raise InvalidArgument("verifiers", f"must be at least 1, got {cfg.verifiers}")
     return run_up(cfg)
+
+
+def check_up_settings(
+    args: argparse.Namespace, llm: Path, ssms: Sequence[Path], head: Path | None, expansion: str
+) -> int:
+    """What ``specinfer up`` can check before it starts anything (raises InvalidArgument naming the flag, as
+    ``generate`` does, instead of a member failing at start-up three times): the counts, the checkpoint folders,
+    the default speculation; returns the request managers' --max-tree-nodes."""
+    from specinfer.checkpoint import check_checkpoint
+    from specinfer.core import ExpansionConfig
+    from specinfer.core.drafts import DEFAULT_MAX_TREE_NODES, merged_tree_nodes
+
+    for flag in ("verifiers", "request-managers"):
+        if getattr(args, flag.replace("-", "_")) < 1:
+            raise InvalidArgument(flag, f"must be at least 1, got {getattr(args, flag.replace('-', '_'))}")
+    check_checkpoint(llm, "llm")
+    for path in ssms:
+        check_checkpoint(path, "ssm")
+    if head is not None:
+        check_checkpoint(head, "head")
+    keyword = expansion.strip().lower()
+    nodes = 0  # the default static tree's, merged over every SSM
+    if keyword not in ("auto", "none", "off") and ssms:
+        nodes = merged_tree_nodes(ExpansionConfig.parse(expansion), len(ssms))
+    elif keyword not in ("auto", "none", "off"):
+        ExpansionConfig.parse(expansion)  # no SSM to draft it, but a bad value is still an error
+    if args.max_tree_nodes < 0:
+        raise InvalidArgument("max-tree-nodes", f"must be at least 0, got {args.max_tree_nodes}")
+    if args.max_tree_nodes and nodes > args.max_tree_nodes:
+        raise InvalidArgument(
+            "max-tree-nodes",
+            f"the default tree (--expansion {expansion} with {len(ssms)} SSMs) has up to {nodes} nodes, "
+            f"over --max-tree-nodes {args.max_tree_nodes}",
+        )
+    return args.max_tree_nodes or max(DEFAULT_MAX_TREE_NODES, nodes)
 
 
 def _demo_stack(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: list[str]) -> int:

@@ -10,12 +10,13 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from services.harness import SPECINFER, SpecinferUp, processes_naming  # tests/services/harness.py
 
-from specinfer.cli import _HelpFormatter, build_parser
+from specinfer.cli import SAYS_DEFAULT, _HelpFormatter, build_parser
 from specinfer.client import Client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,8 +139,9 @@ def test_every_subcommand_documents_its_flags_and_defaults():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"specinfer {name} {action.option_strings[0]} has no help"
-                assert action.required or "default" in formatter._get_help_string(action), (
-                    f"specinfer {name} {action.option_strings[0]} does not show its default"
+                shown = formatter._get_help_string(action)
+                assert action.required or SAYS_DEFAULT.search(shown) or "%(default)s" in shown, (
+                    f"specinfer {name} {action.option_strings[0]} does not show its default: {shown!r}"
                 )
     up = " ".join(specinfer("up", "--help", timeout=120).stdout.split())
     for flag, default in (
@@ -147,9 +149,106 @@ def test_every_subcommand_documents_its_flags_and_defaults():
         ("--port", "50051"),
         ("--http-port", "8000"),
         ("--state-dir", "./specinfer-state"),
+        ("--verifier-threads", "0"),
+        ("--ssm-threads", "1"),
+        ("--max-tree-nodes", "0"),
     ):
         assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", up), (flag, up)
     gen = " ".join(specinfer("generate", "--help", timeout=120).stdout.split())
     assert "(default: 128)" in gen
+    assert re.search(r"--expansion EXPANSION .*\[env SPECINFER_EXPANSION; default 'auto'\]", up), up
     tune = " ".join(specinfer("tune", "--help", timeout=120).stdout.split())
+    assert re.search(r"--threads THREADS .*\(default: 0\)", tune), tune
     assert re.search(r"--out OUT where the result .*\(default: specinfer-tuning\.json\)", tune), tune
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["up", "--llm", "/nonexistent"],
+            "--llm: '/nonexistent' is not a Hugging Face checkpoint folder (no such folder)",
+        ),
+        (["up", "--ssm", "/nonexistent/ssm"], "--ssm: '/nonexistent/ssm' is not a Hugging Face checkpoint folder"),
+        (["up", "--expansion", "1,x"], "--expansion: expected comma-separated integers, got '1,x'"),
+        (
+            ["up", "--expansion", "2,2,2,1", "--max-tree-nodes", "60"],
+            "--max-tree-nodes: the default tree (--expansion 2,2,2,1 with 3 SSMs) has up to 67 nodes, "
+            "over --max-tree-nodes 60",
+        ),
+        (["up", "--request-managers", "0"], "--request-managers: must be at least 1, got 0"),
+        (
+            ["generate", "--llm", str(DEMO / "llm"), "--expansion", "1,x", "x"],
+            "--expansion: expected comma-separated integers, got '1,x'",
+        ),
+        (
+            ["tune", "--llm", str(DEMO / "llm"), "--ssm", str(DEMO / "ssm"), "--prompts", "/missing.jsonl"],
+            "--prompts: cannot read '/missing.jsonl': No such file or directory",
+        ),
+    ],
+)
+def test_a_bad_setting_is_one_line_and_exit_2_before_anything_starts(args, line, tmp_path):
+    """``up`` checks its folders, names and trees before it starts a process (it used to restart a member three
+    times and print its traceback), ``generate`` its --expansion without SSMs, ``tune`` its prompts file."""
+    extra = ["--state-dir", str(tmp_path / "state")] if args[0] == "up" else []
+    out = specinfer(*args[:1], *extra, *args[1:], timeout=120)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out
+    assert out.stderr.startswith(f"specinfer: error: {line}"), out.stderr
+    assert not (tmp_path / "state").exists()  # nothing started: no logs
+
+
+def test_an_ssm_worker_refuses_a_missing_ssm_folder_in_one_line(tmp_path):
+    """The SSM worker given --llm-dir (as ``up`` starts it) names the flag: no traceback from the vocabulary check."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specinfer.ssm_worker", "--ssm", str(tmp_path / "ssm"), "--llm-dir", str(DEMO / "llm")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out
+    assert "--ssm (ssm.ssm)" in out.stderr and "is not a Hugging Face checkpoint folder" in out.stderr, out
+
+
+def test_the_expansion_variable_chooses_generate_s_speculation(tmp_path):
+    """``SPECINFER_EXPANSION`` is ``generate``'s --expansion default, as README says (it ran adaptive trees)."""
+    (tmp_path / "tuning.json").write_text(json.dumps({"pick": {"expansion": "2,2,1"}}))
+    env = {k: v for k, v in os.environ.items() if k != "SPECINFER_DEMO_MODELS"}
+    env["SPECINFER_EXPANSION"] = f"@{tmp_path / 'tuning.json'}"
+    args = ["generate", "--llm", str(DEMO / "llm"), "--ssm", str(DEMO / "ssm"), "--max-new-tokens", "4", "x"]
+    out = subprocess.run(
+        [str(SPECINFER), *args, "--dtype", "float32"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tree <2,2,1> x 1 SSM(s)" in out.stdout, out.stdout
+
+
+def _rss_gb(pid: int) -> float:
+    kb = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)[1]
+    return int(kb) / 1e6
+
+
+def test_the_readme_memory_figures_are_what_the_demo_stack_uses(tmp_path):
+    """README.md's RSS figures of ``specinfer up`` on the demo models, measured after a generation: each within
+    0.7x-1.4x of what the processes use here (they were 2x too high once)."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    said = re.search(
+        r"verifier (\d\.\d+) GB, SSM worker with three SSMs (\d\.\d+) GB, request manager (\d\.\d+) GB.*?"
+        r"plus (\d\.\d+) GB for the `specinfer up` process",
+        readme,
+    )
+    assert said, "README.md's memory figures moved: update this test"
+    env = {k: v for k, v in os.environ.items() if k != "SPECINFER_DEMO_MODELS"}
+    up = SpecinferUp(["--port", "0", "--http-port", "0", "--state-dir", str(tmp_path / "state")], env)
+    try:
+        address = up.wait_serving()
+        with Client(address, timeout=300) as client:
+            client.generate(Client.request(PROMPTS[0], 64))
+        members = up.members()
+        used = [_rss_gb(members[n][1]) for n in ("llm-verifier", "ssm-worker-0", "request-manager")]
+        used.append(_rss_gb(up.popen.pid))
+    finally:
+        assert up.stop() == 0, up.output
+    for name, figure, measured in zip(
+        ("verifier", "SSM worker", "request manager", "up"), said.groups(), used, strict=True
+    ):
+        assert 0.7 <= measured / float(figure) <= 1.4, f"{name}: README says {figure} GB, it uses {measured:.2f} GB"

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument
-from specinfer.core.drafts import merged_tree_nodes
+from specinfer.core.drafts import DEFAULT_MAX_TREE_NODES, merged_tree_nodes
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
 from specinfer.core.kv_budget import KVBudget, check_fits_alone
@@ -47,7 +47,7 @@ class ApiLimits:
     llm_name: str
     eos_token_id: int | None
     max_prompt_tokens: int = 8192
-    max_tree_nodes: int = 64  # of the merged tree, root included
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES  # of the merged tree, root included
     default_adaptive: bool = False  # requests that set nothing speculate adaptively (``--expansion auto``)
     # those the scheduler admits by (SchedulerConfig.kv_budgets): a request must fit each alone
     kv_budgets: tuple[KVBudget, ...] = ()

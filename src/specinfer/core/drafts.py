@@ -113,6 +113,9 @@ class ExpansionConfig:
         return total
 
 
+DEFAULT_MAX_TREE_NODES = 64  # most nodes of a request's merged tree the request manager accepts, unless configured
+
+
 def merged_tree_nodes(expansion: ExpansionConfig, num_ssms: int) -> int:
     """Most nodes of the tree merged from ``num_ssms`` SSMs' drafts of ``expansion``: the drafts share at least the
     root."""

@@ -49,9 +49,21 @@ def _prompts(cfg: TuneConfig) -> list[tuple[int, ...]]:
     from specinfer.checkpoint import load_tokenizer
 
     tok = load_tokenizer(cfg.llm)
-    lines = cfg.prompts.read_text().splitlines()
-    chosen = lines[cfg.offset : cfg.offset + cfg.count] or lines[: cfg.count]
-    return [tuple(tok.encode(json.loads(line)["text"]).ids) for line in chosen]
+    if tok is None:
+        raise InvalidArgument("llm", f"{str(cfg.llm)!r} has no tokenizer.json, so the prompts cannot be encoded")
+    try:
+        lines = cfg.prompts.read_text().splitlines()
+        chosen = lines[cfg.offset : cfg.offset + cfg.count] or lines[: cfg.count]
+        texts = [json.loads(line)["text"] for line in chosen if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument("prompts", f"cannot read {str(cfg.prompts)!r}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise InvalidArgument(
+            "prompts", f"{str(cfg.prompts)!r} is not JSON lines with a 'text' field: {exc!r}"
+        ) from None
+    if not texts:
+        raise InvalidArgument("prompts", f"{str(cfg.prompts)!r} holds no prompt")
+    return [tuple(tok.encode(t).ids) for t in texts]
 
 
 def run_tune(cfg: TuneConfig, log=None) -> dict:
@@ -63,6 +75,11 @@ def run_tune(cfg: TuneConfig, log=None) -> dict:
     from specinfer.tuning.measure import cost_model, greedy_continuations, ssm_ranks
 
     cfg.validate()
+    from specinfer.checkpoint import check_checkpoint
+
+    for path, flag in ((cfg.llm, "llm"), (cfg.ssm, "ssm"), (cfg.acceptance_llm, "acceptance-llm")):
+        if path is not None:
+            check_checkpoint(path, flag)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     prompts = _prompts(cfg)
@@ -148,7 +165,7 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--max-width", type=int, default=4, help="most children per node searched")
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree searched (nodes, the root included)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per measured size")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, torch's own choice)")
     p.add_argument(
         "--out",
         default="specinfer-tuning.json",
