@@ -132,3 +132,25 @@ def test_the_python_client_fails_over_between_managers_and_resumes_the_stream(st
     assert len(tokens) == NEW_TOKENS and messages[-1].finished.reason == api_pb2.FINISH_REASON_LENGTH
     assert [(m.failed, m.next) for m in moves] == [tuple(order)] and moves[0].received >= 16, moves
     assert restart_s < LEASE_SECONDS / 3, f"the restarted request manager served {restart_s:.1f} s after the kill"
+
+
+def test_one_target_of_several_addresses_fails_over_inside_grpc(stack):
+    """A target that resolves to several addresses (a DNS name with several records; here gRPC's ``ipv4:`` list
+    of both managers) is one entry: after a kill, the client's fresh channel connects to the first address that
+    answers and the stream reattaches there."""
+    up, _ = stack
+    members = up.members()
+    main = members["request-manager"][0]
+    request = Client.request(PROMPT, NEW_TOKENS, ignore_eos=True)
+    target = f"ipv4:{main},{members['request-manager-1'][0]}"
+    moves: list[Failover] = []
+    with Client(target, timeout=300, on_failover=moves.append) as client:
+        calm = client.generate(request)
+        stream = client.stream(request)
+        messages = [next(stream)]
+        restarted = re.findall(rf"request-manager SERVING again on {re.escape(main)} \(pid (\d+),", up.output)
+        os.kill(int(restarted[-1]) if restarted else members["request-manager"][1], signal.SIGKILL)
+        messages += list(stream)
+    assert [t for m in messages for t in m.token_ids] == calm.token_ids
+    assert "".join(m.text for m in messages) == calm.text
+    assert [(m.failed, m.next) for m in moves] == [(target, target)] and moves[0].received < NEW_TOKENS, moves
