@@ -24,11 +24,12 @@ CORPUS = stdlib_dir() / "json"  # a few small stdlib files, present in every CPy
 OPTIONS = NativeOptions(dtype=torch.float32, kv_cache_bytes=16 << 20, max_seq_len=64)
 
 
-def _train(out: Path, steps: int) -> int:
+def _train(out: Path, steps: int, *extra: str, corpus: Path = CORPUS) -> int:
     return main(
-        ["train-head", "--llm", str(DEMO_LLM), "--corpus", str(CORPUS), "--out", str(out), "--steps", str(steps),
+        ["train-head", "--llm", str(DEMO_LLM), "--corpus", str(corpus), "--out", str(out), "--steps", str(steps),
          "--batch-size", "2", "--seq-len", "48", "--log-every", "2", "--heldout-windows", "2", "--threads", "2",
-         "--warmup", "2", "--checkpoint-every", "2", "--hidden", "64", "--unroll", "2", "--save-dtype", "float16"]
+         "--warmup", "2", "--checkpoint-every", "2", "--hidden", "64", "--unroll", "2", "--save-dtype", "float16",
+         *extra]
     )  # fmt: skip
 
 
@@ -47,6 +48,19 @@ def test_train_head_from_the_cli_then_resume(tmp_path, capsys):
     assert _train(out, 5) == 0  # the checkpoint of step 3 is picked up: two more steps
     record = json.loads((out / "training.json").read_text())
     assert record["resumed_from_step"] == 3 and record["trained_steps"] == 5 and len(record["losses"]) == 5
+
+
+@pytest.mark.skipif(not (DEMO_LLM / "config.json").is_file(), reason="no demo LLM")
+def test_train_head_in_bfloat16_from_a_corpus_of_links(tmp_path):
+    """--dtype bfloat16 (the LLM's LM head in bfloat16, the head's features in float32: F.linear refused the mix)
+    on a --corpus folder whose subfolders are symbolic links, one of them back up the tree ("no text found")."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "json").symlink_to(CORPUS, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    assert _train(tmp_path / "head", 2, "--dtype", "bfloat16", corpus=corpus) == 0
+    record = json.loads((tmp_path / "head/training.json").read_text())
+    assert record["trained_steps"] == 2 and all(math.isfinite(x) for x in record["losses"])
 
 
 def test_train_head_without_the_llm_folder_is_a_bad_setting(tmp_path, capsys):

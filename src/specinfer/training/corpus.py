@@ -28,20 +28,27 @@ def source_files(paths: Iterable[str | Path], suffixes: Sequence[str] = (".py",)
     """Files under ``paths`` (files are taken as given; folders are walked for ``suffixes``),
     sorted, so the same paths give the same corpus. ``tests``: walk only test folders
     (``test``/``tests``/...) instead of leaving them out."""
-    out: set[Path] = set()
+    out: dict[Path, Path] = {}  # by the file's real path: one reached through two links is read once
     for p in map(Path, paths):
         if p.is_file():
-            out.add(p)
+            out.setdefault(p.resolve(), p)
             continue
         if not p.is_dir():
             raise FileNotFoundError(f"corpus path {p} does not exist")
-        for root, dirs, files in os.walk(p):
+        walked: set[Path] = set()  # real folders: a link back up the tree is walked once, not forever
+        for root, dirs, files in os.walk(p, followlinks=True):  # corpora are often folders of links
+            if Path(root).resolve() in walked:
+                dirs[:] = []
+                continue
+            walked.add(Path(root).resolve())
             dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith((".", "config-")))
             in_tests = any(part in TEST_DIRS for part in Path(root).relative_to(p).parts)
             if not tests:
                 dirs[:] = [d for d in dirs if d not in TEST_DIRS]
-            out.update(Path(root) / f for f in files if f.endswith(tuple(suffixes)) and (in_tests or not tests))
-    return sorted(out)
+            for f in files:
+                if f.endswith(tuple(suffixes)) and (in_tests or not tests) and (Path(root) / f).is_file():
+                    out.setdefault((Path(root) / f).resolve(), Path(root) / f)
+    return sorted(out.values())
 
 
 def read_texts(files: Sequence[Path], max_bytes: int = 0) -> list[str]:

@@ -132,7 +132,10 @@ class Teacher:
         return rows.clone().view(*tokens.shape, -1)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:  # [..., feature_dim] -> [..., vocab] float32
-        return self.llm.lm_logits(features.reshape(-1, features.shape[-1])).view(*features.shape[:-1], -1)
+        # the head trains in float32; the LLM's LM head is in its own dtype (bfloat16 with --dtype bfloat16), and
+        # the cast keeps the gradient of the distillation term flowing back into the head's features
+        rows = features.reshape(-1, features.shape[-1]).to(self.llm.options.dtype)
+        return self.llm.lm_logits(rows).float().view(*features.shape[:-1], -1)
 
 
 def predict(head: DraftHead, feats: torch.Tensor, embeds: torch.Tensor, unroll: int) -> list[torch.Tensor]:
