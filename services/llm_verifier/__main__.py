@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from specinfer.checkpoint import model_folder
 from specinfer.core import InvalidArgument
 from specinfer.llm_verifier.ranks import (
     Launch,
@@ -123,7 +124,7 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
     if len(paths) != 1:
         raise InvalidArgument("llm", f"name exactly one checkpoint, got {len(paths)}")
     ((name, path),) = paths.items()
-    return name, path
+    return name, str(model_folder(path, "llm"))
 
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:

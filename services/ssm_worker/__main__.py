@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from specinfer.checkpoint import check_checkpoint
+from specinfer.checkpoint import check_checkpoint, model_folder
 from specinfer.core import InvalidArgument
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
 from specinfer.models.interface import CausalLM
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerServicer:
-    paths = parse_named_paths(args.ssm, "ssm")
+    paths = {name: str(model_folder(path, f"ssm.{name}")) for name, path in parse_named_paths(args.ssm, "ssm").items()}
     ssms: dict[str, CausalLM] = {}
     methods = {}
     for name, path in paths.items():

@@ -12,6 +12,15 @@ from specinfer.core.errors import InvalidArgument
 from specinfer.core.vocab_map import TokenTable
 
 
+def model_folder(path: str | Path, field: str) -> Path:
+    """The checkpoint folder ``path`` names: the folder itself, or for a GGUF file (``*.gguf``) the folder it is
+    converted into once (:mod:`specinfer.models.gguf`, cached). The commands convert at their entry, so that
+    everything after them reads folders."""
+    from specinfer.models.gguf import gguf_folder, is_gguf
+
+    return gguf_folder(path, field) if is_gguf(path) else Path(path)
+
+
 def check_checkpoint(path: str | Path, field: str) -> Path:
     """A folder whose ``config.json`` is a JSON object; raises :class:`InvalidArgument` naming ``field`` (the
     setting that names the folder) when it is missing, not a folder, or its config.json is missing or unreadable."""

@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from specinfer.checkpoint import model_folder
 from specinfer.core import InvalidArgument
 from specinfer.generate_cmd import add_generation_flags, build_config, run_generate
 from specinfer.remote_cmd import generate_remote, stream
@@ -258,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if not args.llm:
                 raise InvalidArgument("llm", "give --llm (in-process) or --server (a running stack)")
-            run_generate(build_config(args, args.llm, list(named_paths(args.ssm, "ssm").values()), args.prompt))
+            ssms = [model_folder(p, "ssm") for p in named_paths(args.ssm, "ssm").values()]
+            run_generate(build_config(args, model_folder(args.llm, "llm"), ssms, args.prompt))
         else:
             llm, ssms, what = _demo_models()
             ssms = ssms[:1] if args.one_ssm else ssms
@@ -283,9 +285,10 @@ def _run_up(args: argparse.Namespace) -> int:
 
     # flags the user gave are served as given; the demo models fill in what is missing (an LLM
     # of one's own has no demo SSMs: without --ssm it runs alone)
-    named = named_paths(args.ssm, "ssm")
+    # GGUF files are converted here, once: the members read the folders
+    named = {name: str(model_folder(path, "ssm")) for name, path in named_paths(args.ssm, "ssm").items()}
     demo_llm, demo_ssms, _ = (None, (), "") if args.llm else _demo_models()
-    llm = Path(args.llm) if args.llm else demo_llm
+    llm = model_folder(args.llm, "llm") if args.llm else demo_llm
     ssm_paths = tuple(Path(p) for p in named.values()) if args.ssm else demo_ssms
     head = Path(args.head) if args.head else None if args.llm else _demo_head(llm)
     expansion = resolve_expansion(args.expansion, ssm_paths)

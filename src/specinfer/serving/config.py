@@ -315,8 +315,9 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
 
 def model_name(path: str | os.PathLike) -> str:
     """The name a checkpoint ``PATH`` is served under when none is given: its folder's name
-    (``models/demo/ssm-1`` -> ``ssm-1``)."""
-    return os.path.basename(os.path.normpath(path))
+    (``models/demo/ssm-1`` -> ``ssm-1``), or a GGUF file's without the suffix (``q/small.gguf`` -> ``small``)."""
+    base = os.path.basename(os.path.normpath(path))
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") and len(base) > len(".gguf") else base
 
 
 def named_paths(specs: Iterable[str | os.PathLike], field: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specinfer.checkpoint import model_folder
 from specinfer.training.demo import add_demo_parser, demo_config, run_demo
 from specinfer.training.distill import TrainSettings
 from specinfer.training.jobs import BoostConfig, TrainSsmConfig, run_boost, run_train_ssm
@@ -164,7 +165,7 @@ def _head_main(args: argparse.Namespace) -> int:
         return 0
     shape = HeadShape(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate)
     cfg = TrainHeadConfig(
-        Path(args.llm),
+        model_folder(args.llm, "llm"),
         tuple(Path(c) for c in args.corpus),
         Path(args.out),
         settings_from(args),
@@ -189,7 +190,11 @@ def training_main(args: argparse.Namespace) -> int:
     if args.command in ("train-head", "map-head"):
         return _head_main(args)
     source = StudentSource(
-        Path(args.llm), tuple(Path(c) for c in args.corpus), args.init, args.config, args.max_corpus_bytes
+        model_folder(args.llm, "llm"),
+        tuple(Path(c) for c in args.corpus),
+        args.init,
+        args.config,
+        args.max_corpus_bytes,
     )
     if args.command == "train-ssm":
         run_train_ssm(TrainSsmConfig(source, Path(args.out), settings_from(args)))

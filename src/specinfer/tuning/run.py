@@ -179,11 +179,13 @@ def add_tune_parser(sub) -> None:
 
 
 def tune_main(args: argparse.Namespace) -> int:
+    from specinfer.checkpoint import model_folder
+
     cfg = TuneConfig(
-        llm=Path(args.llm),
-        ssm=Path(args.ssm),
+        llm=model_folder(args.llm, "llm"),
+        ssm=model_folder(args.ssm, "ssm"),
         prompts=Path(args.prompts),
-        acceptance_llm=Path(args.acceptance_llm) if args.acceptance_llm else None,
+        acceptance_llm=model_folder(args.acceptance_llm, "acceptance-llm") if args.acceptance_llm else None,
         count=args.count,
         offset=args.offset,
         new_tokens=args.new_tokens,
