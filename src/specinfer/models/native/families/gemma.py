@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -58,7 +58,8 @@ class GemmaFamily:
     """One model_type of the Gemma family; its fields say how it differs from the others."""
 
     model_type: str
-    defaults: Mapping[str, object]  # transformers' value of each field a config may leave out
+    # transformers' value of each field a config may leave out (not compared: a mapping has no hash)
+    defaults: Mapping[str, object] = field(compare=False)
     window_pattern: int  # every n-th layer is global when a config lists no layer_types
     gemma3: bool  # Gemma 3: query/key norms, a RoPE base of the local layers' own, no attention soft-cap
     text_config: bool = False  # the text model's config is the config's text_config (the multimodal gemma3)
