@@ -37,7 +37,9 @@ from specinfer.models.head_drafter import with_head
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import eos_token_id, load_backend
 from specinfer.models.native import ModelSpec, NativeBackend, NativeOptions, UnsupportedModel
+from specinfer.models.native.families.registry import FAMILIES, family_of
 
+MODELS_DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 VOCAB = 128
 NEW_TOKENS = 16
 TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -364,3 +366,32 @@ def test_head_drafts_equal_transformers(family, tmp_path):
     assert [r.output_tokens for r in with_a_head.generate(requests)] == expected
     assert with_a_head.adaptive.totals.drafter_steps.get(HEAD_DRAFTER, 0) > 0, "head trees were verified"
     assert not llm.cached_requests()
+
+
+def _documented_model_types() -> set[str]:
+    """The model_types of docs/models.md's table of the families the native runtime runs."""
+    table = MODELS_DOC.read_text().split("## Families", 1)[1].split("\n\n", 2)[1]
+    return {row.split("|")[1].strip().strip("`") for row in table.splitlines()[2:]}
+
+
+def test_the_registry_holds_every_family_the_runtime_supports():
+    """Every model_type docs/models.md lists has its family in the registry and nothing else does; each reads
+    transformers' default config of its model_type into a spec of that type and answers every question the
+    runtime asks of a family."""
+    assert set(FAMILIES) == _documented_model_types()
+    for model_type, family in FAMILIES.items():
+        spec = ModelSpec.from_config(AutoConfig.for_model(model_type).to_dict())
+        assert (spec.arch, family.model_type) == (model_type, model_type)
+        assert spec.family is family is family_of(model_type)
+        assert isinstance(family.rope, bool) and isinstance(family.gated_mlp, bool)
+        assert callable(family.weights) and callable(family.blocks)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", None])
+def test_an_unknown_model_type_is_refused_naming_it(model_type):
+    """A checkpoint no family runs is refused by the registry with its model_type in the message (the reference
+    backend runs it)."""
+    with pytest.raises(UnsupportedModel, match=f"model_type {model_type!r} is not one of"):
+        ModelSpec.from_config({"model_type": model_type, "vocab_size": VOCAB})
+    with pytest.raises(UnsupportedModel, match=repr(model_type)):
+        family_of(model_type)

@@ -151,8 +151,9 @@ def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
 
 
 def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> RopeTables | None:
-    """RoPE tables on ``device`` of the checkpoint at ``path``; None for OPT (learned positions)."""
-    if spec.arch == "opt":
+    """RoPE tables on ``device`` of the checkpoint at ``path``; None for a family without RoPE (OPT: learned
+    positions)."""
+    if not spec.family.rope:
         return None
     local = (
         None if spec.local_rope_theta is None else default_inv_freq(spec.local_rope_theta, spec.rotary_dim).to(device)

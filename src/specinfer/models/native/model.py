@@ -1,5 +1,5 @@
-"""Our own Llama-family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and OPT forward pass over packed
-tokens.
+"""Our own forward pass over packed tokens, for every family (:mod:`specinfer.models.native.families`: Llama 1/2/3,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 / 3, OPT), whose blocks it runs.
 
 Every token of every request of a batch is one row of the packed activations; attention reads
 and writes the KV pool (either layout) through the tree-attention kernel, whose per-step metadata is
@@ -21,8 +21,6 @@ from specinfer.models.native.offload import OffloadedLayers, ResidentLayers
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.weights import ModelWeights
 
-OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
-
 
 @dataclass(frozen=True)
 class RopeTables:
@@ -35,8 +33,10 @@ class RopeTables:
 
 
 class NativeModel:
-    """The forward pass. The architecture's blocks (embedding extras, decoder layer, final norm)
-    are picked once here, so the per-layer path runs no architecture branch."""
+    """The forward pass. The family's blocks (embedding extras, decoder layer, final norm, query/key
+    norms: :class:`specinfer.models.native.families.base.Blocks`) are picked once here, so the
+    per-layer path runs no family branch; they call back :meth:`linear`, :meth:`attention` and
+    :meth:`reduce`, the pieces every family shares."""
 
     def __init__(
         self,
@@ -56,8 +56,8 @@ class NativeModel:
         self.linear = (gemm or GemmPlan()).linear  # x @ w.T (+ b) in the form measured fastest for the shape
         self.rope = rope
         self.attention_impl = attention_impl
-        self._dims = (spec.hidden_size,)  # normalized shape of every norm
-        self._head_dims = (spec.head_dim,)  # normalized shape of Qwen3's query and key norms
+        self.hidden_shape = (spec.hidden_size,)  # normalized shape of every norm over hidden states
+        self.head_shape = (spec.head_dim,)  # normalized shape of the query and key norms
         self._rotate = self._rotate_all if spec.rotary_dim == spec.head_dim else self._rotate_leading
         # per layer: its sliding window, and which of the step's RoPE tables it uses (1: the local one)
         self._windows = spec.layer_windows
@@ -66,33 +66,9 @@ class NativeModel:
         self._sm_scale = (
             None if spec.query_pre_attn_scalar is None else spec.query_pre_attn_scalar**-0.5
         )  # None: head_dim ** -0.5
-        if spec.gemma:
-            self._qk_norm = self._gemma_qk_norm if spec.qk_norm else self._no_qk_norm
-            # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (55.4256 -> 55.5 in bf16 for 3072)
-            self._embed_scale = float(torch.tensor(spec.hidden_size**0.5, dtype=weights.embed.dtype))
-            self._embed_extra = self._gemma_embed_extra
-            self._layer = self._gemma_layer
-            self._final = self._gemma_final
-        elif spec.arch == "opt":
-            # transformers, which knows every activation name, takes seconds to import: only
-            # for an unusual one
-            if spec.activation == "relu":
-                self.act = F.relu
-            else:
-                from transformers.activations import ACT2FN
-
-                self.act = ACT2FN[spec.activation]
-            self._qk_norm = self._no_qk_norm
-            self._embed_extra = self._opt_embed_extra
-            self._layer = self._opt_pre_norm_layer if spec.layer_norm_before else self._opt_post_norm_layer
-            self._final = self._opt_final
-        else:
-            self._qk_norm = self._rms_qk_norm if spec.qk_norm else self._no_qk_norm
-            self._embed_extra = self._no_embed_extra
-            self._layer = self._llama_layer
-            self._final = self._llama_final
+        self.blocks = spec.family.blocks(spec, weights.embed.dtype)
         # without query/key norms, queries and keys are side by side in the qkv product: one RoPE over both
-        self._rope_qk_together = self._qk_norm == self._no_qk_norm
+        self._rope_qk_together = self.blocks.qk_norm is None
 
     def forward(
         self,
@@ -109,7 +85,7 @@ class NativeModel:
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         """Token (and for OPT, position) embeddings of the packed tokens."""
-        return self._embed_extra(self._embed_tokens(tokens), positions)
+        return self.blocks.embed(self, self._embed_tokens(tokens), positions)
 
     def run_layers(
         self,
@@ -121,8 +97,9 @@ class NativeModel:
     ) -> torch.Tensor:
         """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
         ropes = self._ropes(positions, h.dtype)  # once per step, shared by every layer
+        layer = self.blocks.layer
         for i in range(len(self.layers)):
-            h = self._layer(i, self.layers.acquire(i), h, ropes[self._rope_index[i]], cache_rows, meta, pool)
+            h = layer(self, i, self.layers.acquire(i), h, ropes[self._rope_index[i]], cache_rows, meta, pool)
             self.layers.release()  # after the layer's last kernel: its staging buffer may be refilled
         return h
 
@@ -139,7 +116,7 @@ class NativeModel:
         norm, which the LM head reads (what a draft head, :mod:`specinfer.models.draft_head`, drafts from).
         # [N, vocab] float32, [T, lm_head_dim]"""
         h = self.run_layers(self.embed(tokens, positions), positions, cache_rows, meta, pool)
-        features = self._final(h)  # [T, lm_head_dim]
+        features = self.blocks.final(self, h)  # [T, lm_head_dim]
         return self.logits(features[logit_rows]), features
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
@@ -163,7 +140,7 @@ class NativeModel:
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]; Gemma 2 soft-caps the logits
         (in fp32, where transformers does it in the model's dtype: the same in the fp32 tests, finer otherwise)."""
-        return soft_cap(self._lm_head(self._final(h[logit_rows])).float(), self.spec.final_softcap)
+        return soft_cap(self._lm_head(self.blocks.final(self, h[logit_rows])).float(), self.spec.final_softcap)
 
     # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the
     # whole vocabulary and full-width row-parallel layers, so nothing is communicated.
@@ -174,7 +151,7 @@ class NativeModel:
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
         return self.linear(h, self.w.lm_head)
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""
         return x
 
@@ -216,15 +193,10 @@ class NativeModel:
         rotary_dim = cos.shape[-1]
         return torch.cat([NativeModel._rotate_all(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]], dim=-1)
 
-    def _no_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
-
-    def _rms_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3: each query and key head RMS-normalized over head_dim, one weight for all heads."""
-        eps = self.spec.norm_eps
-        return F.rms_norm(q, self._head_dims, layer.q_norm_w, eps), F.rms_norm(k, self._head_dims, layer.k_norm_w, eps)
-
-    def _attention(self, i, layer, x, rope, cache_rows, meta, pool) -> torch.Tensor:
+    def attention(self, i, layer, x, rope, cache_rows, meta, pool) -> torch.Tensor:
+        """Attention of layer ``i`` (its weights ``layer``) over ``x``  # [T, hidden], normed as its family norms
+        it: q/k/v, the family's query/key norms, RoPE, K/V into ``pool``, tree attention, o_proj (reduced).
+        # [T, hidden]"""
         spec = self.spec
         t = x.shape[0]
         qkv = self.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (heads + 2 * kv_heads) * head_dim]
@@ -240,7 +212,7 @@ class NativeModel:
         else:
             q = qkv[:, :q_size].view(t, spec.heads, spec.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, spec.kv_heads, spec.head_dim)
-            q, k = self._qk_norm(layer, q, k)
+            q, k = self.blocks.qk_norm(self, layer, q, k)
             if rope is not None:
                 q, k = self._rotate(q, *rope), self._rotate(k, *rope)
         # rows of layer i: [capacity, kv_heads, head_dim], a paged pool's [num_blocks, block_size, ...]
@@ -257,75 +229,4 @@ class NativeModel:
             spec.attn_softcap,
             self._windows[i],
         )  # [T, heads, head_dim]
-        return self._reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))
-
-    # Llama family: RoPE, RMSNorm before each sublayer (Qwen3: and on query/key heads), SwiGLU MLP.
-
-    def _no_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return h
-
-    def _llama_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        eps = self.spec.norm_eps
-        h = h + self._attention(i, layer, F.rms_norm(h, self._dims, layer.norm1_w, eps), rope, cache_rows, meta, pool)
-        gate_up = self.linear(F.rms_norm(h, self._dims, layer.norm2_w, eps), layer.up_w)  # [T, 2 * intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._reduce(self.linear(F.silu(gate) * up, layer.down_w))
-
-    def _llama_final(self, h: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(h, self._dims, self.w.final_norm_w, self.spec.norm_eps)
-
-    # Gemma 2 / 3: embeddings scaled by sqrt(hidden), Gemma RMSNorms (fp32, 1 + w; folded into the
-    # weights at load) before and after each sublayer (Gemma 3: and on query/key heads), GeGLU MLP.
-
-    def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dimension in fp32, times ``weight`` (the fp32 ``1 + w``), back in x's dtype."""
-        return F.rms_norm(x.float(), weight.shape, weight, self.spec.norm_eps).to(x.dtype)
-
-    def _gemma_qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._gemma_norm(q, layer.q_norm_w), self._gemma_norm(k, layer.k_norm_w)
-
-    def _gemma_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return h * self._embed_scale
-
-    def _gemma_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        attn = self._attention(
-            i, layer, self._gemma_norm(h, layer.norm1_w), rope, cache_rows, meta, pool
-        )  # [T, hidden], reduced
-        h = h + self._gemma_norm(attn, layer.post_attn_norm_w)
-        gate_up = self.linear(self._gemma_norm(h, layer.norm2_w), layer.up_w)  # [T, 2 * intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        mlp = self._reduce(self.linear(F.gelu(gate, approximate="tanh") * up, layer.down_w))  # [T, hidden]
-        return h + self._gemma_norm(mlp, layer.post_mlp_norm_w)
-
-    def _gemma_final(self, h: torch.Tensor) -> torch.Tensor:
-        return self._gemma_norm(h, self.w.final_norm_w)
-
-    # OPT: learned positions, LayerNorm before (most sizes) or after (opt-350m) each sublayer, fc1/act/fc2 MLP.
-
-    def _opt_embed_extra(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        if self.w.project_in is not None:
-            h = self.linear(h, self.w.project_in)
-        return h + F.embedding(positions + OPT_POSITION_OFFSET, self.w.positions)
-
-    def _layer_norm(self, h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.layer_norm(h, self._dims, weight, bias, self.spec.norm_eps)
-
-    def _opt_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.linear(self.act(self.linear(x, layer.up_w, layer.up_b)), layer.down_w, layer.down_b))
-
-    def _opt_pre_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        h = h + self._attention(
-            i, layer, self._layer_norm(h, layer.norm1_w, layer.norm1_b), rope, cache_rows, meta, pool
-        )
-        return h + self._opt_mlp(layer, self._layer_norm(h, layer.norm2_w, layer.norm2_b))
-
-    def _opt_post_norm_layer(self, i, layer, h, rope, cache_rows, meta, pool) -> torch.Tensor:
-        h = self._layer_norm(
-            h + self._attention(i, layer, h, rope, cache_rows, meta, pool), layer.norm1_w, layer.norm1_b
-        )
-        return self._layer_norm(h + self._opt_mlp(layer, h), layer.norm2_w, layer.norm2_b)
-
-    def _opt_final(self, h: torch.Tensor) -> torch.Tensor:
-        if self.w.final_norm_w is not None or self.w.final_norm_b is not None:
-            h = self._layer_norm(h, self.w.final_norm_w, self.w.final_norm_b)
-        return h if self.w.project_out is None else self.linear(h, self.w.project_out)
+        return self.reduce(self.linear(out.reshape(t, q_size), layer.o_w, layer.o_b))

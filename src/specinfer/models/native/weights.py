@@ -1,4 +1,6 @@
-"""Reading a checkpoint's safetensors into plain tensors, fused for fewer matmuls."""
+"""Reading a checkpoint's safetensors into plain tensors, fused for fewer matmuls: the tensors every family fills
+(:class:`ModelWeights`) and the naming helpers the families share; which names a family reads is its own
+(:mod:`specinfer.models.native.families`)."""
 
 from __future__ import annotations
 
@@ -71,7 +73,27 @@ class ModelWeights:
         return [*per_layer, self.lm_head, *(w for w in (self.project_in, self.project_out) if w is not None)]
 
 
-def _strip(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Placement:
+    """Where built weights go: each tensor, copied to ``dtype`` on ``device``, contiguous (None stays None)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def __call__(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def build_weights(
+    spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    """``spec``'s weights from its checkpoint's ``state`` (:func:`read_state_dict`), named as its family names them
+    (:mod:`specinfer.models.native.families`), in ``dtype`` on ``device``."""
+    return spec.family.weights(spec, state, Placement(dtype, device))
+
+
+def strip(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``state`` with each name's first matching prefix of ``prefixes`` (tried in order) removed."""
     out = {}
     for k, v in state.items():
         for p in prefixes:
@@ -82,66 +104,7 @@ def _strip(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[st
     return out
 
 
-def build_weights(
-    spec: ModelSpec, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> ModelWeights:
-    def t(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device=device, dtype=dtype).contiguous()
-
-    if spec.arch == "opt":
-        return _opt_weights(spec, _strip(state, ("model.decoder.", "decoder.")), t)
-    if spec.gemma:
-        # Gemma norms multiply by 1 + w, in fp32 (transformers: ``norm(x.float()) * (1.0 + w.float())``)
-        def norm(x: torch.Tensor) -> torch.Tensor:
-            return (1.0 + x.float()).to(device).contiguous()
-
-        # gemma3 (multimodal) nests the text model: language_model.model.* on the hub, model.language_model.* in
-        # transformers 5
-        s = _strip(state, ("language_model.model.", "model.language_model.", "model."))
-        head = state.get("lm_head.weight", state.get("language_model.lm_head.weight"))
-    else:
-        norm = t
-        s = _strip(state, ("model.",))
-        head = state.get("lm_head.weight")
-    # Llama's post_attention_layernorm comes before the MLP; Gemma's is on the attention's output
-    mlp_norm = "pre_feedforward_layernorm" if spec.gemma else "post_attention_layernorm"
-    layers = []
-    for i in range(spec.layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        qkv_w, qkv_b = _fused(s, a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        up_w, _ = _fused(s, p + "mlp.", "gate_up_proj", ("gate_proj", "up_proj"))
-        layers.append(
-            LayerWeights(
-                qkv_w=t(qkv_w),
-                qkv_b=t(qkv_b),
-                o_w=t(s[a + "o_proj.weight"]),
-                o_b=t(s.get(a + "o_proj.bias")),
-                norm1_w=norm(s[p + "input_layernorm.weight"]),
-                norm1_b=None,
-                norm2_w=norm(s[p + mlp_norm + ".weight"]),
-                norm2_b=None,
-                up_w=t(up_w),
-                up_b=None,
-                down_w=t(s[p + "mlp.down_proj.weight"]),
-                down_b=None,
-                q_norm_w=norm(s[a + "q_norm.weight"]) if spec.qk_norm else None,
-                k_norm_w=norm(s[a + "k_norm.weight"]) if spec.qk_norm else None,
-                post_attn_norm_w=norm(s[p + "post_attention_layernorm.weight"]) if spec.gemma else None,
-                post_mlp_norm_w=norm(s[p + "post_feedforward_layernorm.weight"]) if spec.gemma else None,
-            )
-        )
-    embed = t(s["embed_tokens.weight"])
-    return ModelWeights(
-        embed=embed,
-        layers=layers,
-        final_norm_w=norm(s["norm.weight"]),
-        final_norm_b=None,
-        lm_head=embed if head is None or spec.tie_embeddings else t(head),
-    )
-
-
-def _fused(
+def fused_projection(
     s: dict[str, torch.Tensor], prefix: str, fused: str, parts: tuple[str, ...]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias (None when any part lacks one) of the projection ``prefix + fused``, stored
@@ -152,41 +115,3 @@ def _fused(
     bias = [s.get(f"{prefix}{part}.bias") for part in parts]
     weight = torch.cat([s[f"{prefix}{part}.weight"] for part in parts])
     return weight, torch.cat(bias) if all(b is not None for b in bias) else None
-
-
-def _opt_weights(spec: ModelSpec, s: dict[str, torch.Tensor], t) -> ModelWeights:
-    layers = []
-    for i in range(spec.layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        has_bias = a + "q_proj.bias" in s
-        layers.append(
-            LayerWeights(
-                qkv_w=t(torch.cat([s[a + "q_proj.weight"], s[a + "k_proj.weight"], s[a + "v_proj.weight"]])),
-                qkv_b=t(torch.cat([s[a + "q_proj.bias"], s[a + "k_proj.bias"], s[a + "v_proj.bias"]]))
-                if has_bias
-                else None,
-                o_w=t(s[a + "out_proj.weight"]),
-                o_b=t(s.get(a + "out_proj.bias")),
-                norm1_w=t(s.get(p + "self_attn_layer_norm.weight")),
-                norm1_b=t(s.get(p + "self_attn_layer_norm.bias")),
-                norm2_w=t(s.get(p + "final_layer_norm.weight")),
-                norm2_b=t(s.get(p + "final_layer_norm.bias")),
-                up_w=t(s[p + "fc1.weight"]),
-                up_b=t(s.get(p + "fc1.bias")),
-                down_w=t(s[p + "fc2.weight"]),
-                down_b=t(s.get(p + "fc2.bias")),
-            )
-        )
-    embed = t(s["embed_tokens.weight"])
-    head = s.get("lm_head.weight")
-    return ModelWeights(
-        embed=embed,
-        layers=layers,
-        final_norm_w=t(s.get("final_layer_norm.weight")) if spec.final_layer_norm else None,
-        final_norm_b=t(s.get("final_layer_norm.bias")) if spec.final_layer_norm else None,
-        lm_head=embed if head is None or spec.tie_embeddings else t(head),
-        positions=t(s["embed_positions.weight"]),
-        project_in=t(s.get("project_in.weight")),
-        project_out=t(s.get("project_out.weight")),
-    )

@@ -46,11 +46,11 @@ def _shard_layer(spec: ModelSpec, layer: LayerWeights, layout: ParallelLayout) -
     qkv = _qkv_rows(spec, layout).to(layer.qkv_w.device)
     width = spec.heads // tp * spec.head_dim  # attention columns of o_proj on this rank
     ffn = spec.intermediate_size // tp
-    if spec.arch == "opt":
-        up_w, up_b = _rows(layer.up_w, r * ffn, (r + 1) * ffn), _rows(layer.up_b, r * ffn, (r + 1) * ffn)
-    else:
+    if spec.family.gated_mlp:
         gate, up = layer.up_w.chunk(2, dim=0)  # [intermediate, hidden] each
         up_w, up_b = torch.cat([gate[r * ffn : (r + 1) * ffn], up[r * ffn : (r + 1) * ffn]]).contiguous(), None
+    else:  # OPT's fc1
+        up_w, up_b = _rows(layer.up_w, r * ffn, (r + 1) * ffn), _rows(layer.up_b, r * ffn, (r + 1) * ffn)
     keep_bias = r == 0
     return dataclasses.replace(  # the norms stay whole on every rank
         layer,

@@ -57,7 +57,7 @@ class StageModel(NativeModel):
             )
         else:  # more ranks than vocabulary blocks: this one owns no row
             h = self.w.embed.new_zeros(tokens.shape[0], self.w.embed.shape[1])
-        return self._reduce(h)
+        return self.reduce(h)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
         if self.groups.tensor is None:
@@ -69,7 +69,7 @@ class StageModel(NativeModel):
         dist.all_gather(parts, part, group=self.groups.tensor)
         return torch.cat(parts, dim=-1)[:, : self.vocab_size].contiguous()
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.groups.tensor is not None:
             dist.all_reduce(x, group=self.groups.tensor)
         return x
