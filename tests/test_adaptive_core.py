@@ -25,8 +25,9 @@ from specinfer.core.acceptance import (
     slot_prior_from_agreement,
     step_outcomes,
 )
-from specinfer.core.adaptive import HEAD_DRAFTER, KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
+from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
 from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
+from specinfer.core.drafters.head import head_budget
 from specinfer.core.dynamic_trees import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
 
@@ -878,18 +879,22 @@ def test_the_head_outdrafts_the_ssms_only_once_both_are_measured_and_it_is_ahead
         _costs(per_token=1e-4, draft=1e-4), PlannerConfig(max_nodes=16, max_depth=6), {0: (0.5,)}
     )
     t = adaptive.totals
-    assert not adaptive.head_outdrafts_ssms()
-    t.drafter_steps[HEAD_DRAFTER], t.drafter_accepted[HEAD_DRAFTER] = 10, 30
-    assert not adaptive.head_outdrafts_ssms(), "the SSM is not measured yet"
+    assert not adaptive.outdrafts_ssms("head")
+    t.drafter_steps["head"], t.drafter_accepted["head"] = 10, 30
+    assert not adaptive.outdrafts_ssms("head"), "the SSM is not measured yet"
     t.drafter_steps[0], t.drafter_accepted[0] = 10, 35
-    assert not adaptive.head_outdrafts_ssms(), "the SSM is ahead"
+    assert not adaptive.outdrafts_ssms("head"), "the SSM is ahead"
     t.drafter_accepted[0] = 30
-    assert adaptive.head_outdrafts_ssms()
-    assert adaptive.head_budget(2) is None
-    budget = adaptive.head_budget(5)
+    assert adaptive.outdrafts_ssms("head")
+
+    def budget_of(remaining: int, kept: tuple[int, int] | None = None) -> TreeBudget | None:
+        return head_budget(adaptive.config, adaptive.edge("head").knot_values(), remaining, kept)
+
+    assert budget_of(2) is None
+    budget = budget_of(5)
     assert budget.depth == 3 and budget.nodes == 16 and budget.max_width <= MAX_SLOTS
     # sized by what the last cut kept: twice its nodes, two depths more, within the limits; a head cut to its
     # root still drafts a small tree (it may earn more again)
-    assert (adaptive.head_budget(50, (5, 2)).nodes, adaptive.head_budget(50, (5, 2)).depth) == (12, 4)
-    assert (adaptive.head_budget(50, (1, 0)).nodes, adaptive.head_budget(50, (1, 0)).depth) == (4, 2)
-    assert (adaptive.head_budget(50, (16, 6)).nodes, adaptive.head_budget(50, (16, 6)).depth) == (16, 6)
+    assert (budget_of(50, (5, 2)).nodes, budget_of(50, (5, 2)).depth) == (12, 4)
+    assert (budget_of(50, (1, 0)).nodes, budget_of(50, (1, 0)).depth) == (4, 2)
+    assert (budget_of(50, (16, 6)).nodes, budget_of(50, (16, 6)).depth) == (16, 6)

@@ -15,7 +15,6 @@ from oracles import hf_greedy, hf_seeded_sampling  # noqa: E402  tests/oracles.p
 from test_stochastic_engine import free_speculation  # noqa: E402  tests/test_stochastic_engine.py
 
 from specinfer.core import SamplingParams  # noqa: E402
-from specinfer.core.adaptive import HEAD_DRAFTER  # noqa: E402
 from specinfer.core.errors import InvalidArgument  # noqa: E402
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine  # noqa: E402
 from specinfer.models.draft_head import DraftHead, HeadConfig, save_head  # noqa: E402
@@ -117,7 +116,7 @@ def test_greedy_output_with_head_trees_is_transformers(model_pair, head_engine, 
         for i, p in enumerate(prompts)
     ]
     assert [list(r.output_tokens) for r in head_engine.generate(requests)] == expected
-    assert head_engine.adaptive.totals.drafter_steps.get(HEAD_DRAFTER, 0) > 0, "head trees were verified"
+    assert head_engine.adaptive.totals.drafter_steps.get("head", 0) > 0, "head trees were verified"
 
 
 def test_seeded_sampling_with_head_trees_is_plain_decodings(model_pair, head_engine):

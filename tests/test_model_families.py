@@ -28,7 +28,6 @@ from transformers import (
 )
 
 from specinfer.core import ExpansionConfig
-from specinfer.core.adaptive import HEAD_DRAFTER
 from specinfer.core.head_gate import HeadGateConfig
 from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -364,7 +363,7 @@ def test_head_drafts_equal_transformers(family, tmp_path):
     spec = SpeculationConfig(None, ssms=(), suffix=False, head=True)
     requests = [GenerationRequest(f"head-{i}", tuple(p), NEW_TOKENS, speculation=spec) for i, p in enumerate(prompts)]
     assert [r.output_tokens for r in with_a_head.generate(requests)] == expected
-    assert with_a_head.adaptive.totals.drafter_steps.get(HEAD_DRAFTER, 0) > 0, "head trees were verified"
+    assert with_a_head.adaptive.totals.drafter_steps.get("head", 0) > 0, "head trees were verified"
     assert not llm.cached_requests()
 
 

@@ -13,7 +13,6 @@ from oracles import hf_greedy, hf_seeded_sampling  # tests/oracles.py
 from test_stochastic_engine import free_speculation  # tests/test_stochastic_engine.py
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
-from specinfer.core.adaptive import SUFFIX_DRAFTER
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.loading import eos_token_id, load_backend
 
@@ -55,7 +54,7 @@ def test_greedy_output_is_transformers_with_suffix_trees(setup, name):
 
 def test_suffix_trees_are_drafted_and_accepted_only_where_allowed(setup):
     _, prompts, _, engine = setup
-    edges = engine.adaptive.edges[SUFFIX_DRAFTER]
+    edges = engine.adaptive.edges["suffix"]
     before = edges.drafted.sum(), edges.accepted.sum()
     engine.generate([GenerationRequest("off", prompts[0], NEW_TOKENS, speculation=SPECS["ssm-alone"], ignore_eos=True)])
     assert (edges.drafted.sum(), edges.accepted.sum()) == pytest.approx(
@@ -66,8 +65,8 @@ def test_suffix_trees_are_drafted_and_accepted_only_where_allowed(setup):
     )
     assert edges.accepted.sum() > before[1] + 5, "the suffix drafter's nodes were verified and accepted"
     totals = engine.adaptive.totals
-    assert 0 < totals.drafter_accepted[SUFFIX_DRAFTER] <= totals.drafter_proposed[SUFFIX_DRAFTER]
-    assert totals.drafter_steps[SUFFIX_DRAFTER] > 0
+    assert 0 < totals.drafter_accepted["suffix"] <= totals.drafter_proposed["suffix"]
+    assert totals.drafter_steps["suffix"] > 0
 
 
 def test_seeded_sampling_with_suffix_trees_is_plain_decodings(setup):

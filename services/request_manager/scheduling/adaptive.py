@@ -25,8 +25,9 @@ import numpy as np
 from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.adaptive import HEAD_DRAFTER, SUFFIX_DRAFTER, AdaptiveSpeculation
+from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.costs import BUCKETS, CostTable, StepCosts
+from specinfer.core.drafter import DrafterKey
 from specinfer.core.engine_core import StepReport
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.planner import PlannerConfig
@@ -145,7 +146,7 @@ class PlannerMetrics:
         self.ssm_names = tuple(ssm_names)
         self._source: AdaptiveSpeculation | None = None  # whose totals _published counts
         self._published = (0.0, 0, 0, np.zeros(0))  # totals already counted in the metrics
-        self._drafters: dict[str, dict[int, int]] = {}  # per-drafter totals already counted, by counter
+        self._drafters: dict[str, dict[DrafterKey, int]] = {}  # per-drafter totals already counted, by counter
 
     def step(self, adaptive: AdaptiveSpeculation, report: StepReport) -> None:
         """One engine-core step's planned tree sizes, then :meth:`publish`."""
@@ -186,11 +187,10 @@ class PlannerMetrics:
             for tokens, seconds in table.items():
                 m.cost_draft_seconds.labels(self._name(ssm), str(tokens)).set(seconds)
 
-    def _name(self, drafter: int) -> str:
-        if drafter == SUFFIX_DRAFTER:
-            return "suffix"
-        if drafter == HEAD_DRAFTER:
-            return "head"
+    def _name(self, drafter: DrafterKey) -> str:
+        """A drafter's metrics label: its name, or an SSM's (by its index)."""
+        if isinstance(drafter, str):
+            return drafter
         return self.ssm_names[drafter] if 0 <= drafter < len(self.ssm_names) else str(drafter)
 
 

@@ -1,7 +1,8 @@
 """Adaptive speculation (``speculation: auto``): the state both drivers keep between iterations.
 
 :class:`AdaptiveSpeculation` owns the cost model (:mod:`specinfer.core.costs`), one acceptance
-model per SSM and per request (:mod:`specinfer.core.acceptance`) and the previous plan. Each
+model per SSM and per request (:mod:`specinfer.core.acceptance`), an edge calibration per drafter
+(:mod:`specinfer.core.drafter`: an SSM by its index, another kind by its name) and the previous plan. Each
 iteration a driver asks it for a plan (:meth:`AdaptiveSpeculation.plan`, which calls the pure
 :func:`~specinfer.core.planner.plan_batch`), drafts the dynamic trees the plan names, lets it cut
 the greedy requests' trees to the nodes worth verifying (:meth:`AdaptiveSpeculation.select`, which
@@ -28,6 +29,7 @@ from specinfer.core.acceptance import (
     step_outcomes,
 )
 from specinfer.core.costs import NO_TOKENS, StepCosts, VerifyShape
+from specinfer.core.drafter import DrafterKey
 from specinfer.core.drafts import DraftTree
 from specinfer.core.dynamic_trees import TreeBudget, tree_values
 from specinfer.core.merge import merge_with_maps
@@ -63,25 +65,21 @@ class Totals:
     drafted: int = 0
     cut: int = 0
     position_accepted: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
-    # per drafter (an SSM's index or SUFFIX_DRAFTER): draft tokens verified, accepted tokens that were on its
-    # tree, verify steps it proposed in (its tokens per step there: 1 + accepted / steps)
-    drafter_proposed: dict[int, int] = field(default_factory=dict)
-    drafter_accepted: dict[int, int] = field(default_factory=dict)
-    drafter_steps: dict[int, int] = field(default_factory=dict)
-
-
-SUFFIX_DRAFTER = -1  # the drafter index of model-free suffix drafting (core.suffix) beside SSMs 0, 1, ...
-HEAD_DRAFTER = -2  # the drafter index of the verifier's draft head (models.head_drafter)
+    # per drafter key (an SSM's index or a drafter's name): draft tokens verified, accepted tokens that were on
+    # its tree, verify steps it proposed in (its tokens per step there: 1 + accepted / steps)
+    drafter_proposed: dict[DrafterKey, int] = field(default_factory=dict)
+    drafter_accepted: dict[DrafterKey, int] = field(default_factory=dict)
+    drafter_steps: dict[DrafterKey, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Drafted:
     """A request whose drafted trees may be cut before verification: committed length ``context_len`` and
-    its trees by drafter (an SSM's index, or :data:`SUFFIX_DRAFTER`), which verification merges."""
+    its trees by drafter key (:data:`~specinfer.core.drafter.DrafterKey`), which verification merges."""
 
     request_id: str
     context_len: int
-    drafts: tuple[tuple[int, DraftTree], ...]
+    drafts: tuple[tuple[DrafterKey, DraftTree], ...]
 
 
 @dataclass(frozen=True)
@@ -118,8 +116,9 @@ class AdaptiveSpeculation:
         self.costs = costs
         self.config = config
         self.ssm_slots = {s: SlotAcceptance(p, prior_weight=32.0, decay=0.999) for s, p in slot_priors.items()}
-        # suffix drafts are scored like an SSM's trees (core.suffix): their edge curve is learned the same way
-        self.edges = {s: EdgeCalibration() for s in (*slot_priors, SUFFIX_DRAFTER, HEAD_DRAFTER)}
+        # every drafter's trees are scored like an SSM's: their edge curve is learned the same way (another
+        # drafter's calibration starts with its first tree: edge())
+        self.edges: dict[DrafterKey, EdgeCalibration] = {s: EdgeCalibration() for s in slot_priors}
         self._requests: dict[tuple[str, int], SlotAcceptance] = {}
         self._predicted: dict[str, float] = {}
         self.kept_share = {s: 1.0 for s in slot_priors}
@@ -170,9 +169,15 @@ class AdaptiveSpeculation:
                 self.kept_share[s] = share + KEPT_SHARE_RECOVERY * (1.0 - share)
         return choices
 
-    def _edge_curves(self) -> dict[int, tuple[float, ...]]:
-        """Each SSM's edge curve, fitted once per call of :meth:`plan` or :meth:`select`, not per request."""
+    def _edge_curves(self) -> dict[DrafterKey, tuple[float, ...]]:
+        """Each drafter's edge curve, fitted once per call of :meth:`plan` or :meth:`select`, not per request."""
         return {s: edges.knot_values() for s, edges in self.edges.items()}
+
+    def edge(self, drafter: DrafterKey) -> EdgeCalibration:
+        """The edge calibration of ``drafter``'s trees (a new one, uncalibrated, for a drafter not seen yet)."""
+        if drafter not in self.edges:
+            self.edges[drafter] = EdgeCalibration()
+        return self.edges[drafter]
 
     def _budget(self, rp: RequestPlan, min_value: float, remaining: int, edge_curve: tuple[float, ...]) -> TreeBudget:
         # one depth of slack: a confident step may grow a chain deeper than the average plan, but
@@ -180,36 +185,18 @@ class AdaptiveSpeculation:
         depth = min(self.config.max_depth, rp.depth + 1, remaining - 1)
         return TreeBudget(rp.nodes, max(1, depth), min(MAX_SLOTS, rp.nodes - 1), min_value, edge_curve)
 
-    def head_outdrafts_ssms(self, min_steps: int = 8) -> bool:
-        """Whether the draft head's trees have had as many tokens accepted per step as every SSM's (each
-        measured over at least ``min_steps`` steps; an SSM not yet measured keeps drafting, so it is)."""
+    def outdrafts_ssms(self, drafter: DrafterKey, min_steps: int = 8) -> bool:
+        """Whether ``drafter``'s trees have had as many tokens accepted per step as every SSM's (each measured
+        over at least ``min_steps`` steps; an SSM not yet measured keeps drafting, so it is)."""
         t = self.totals
 
-        def per_step(drafter: int) -> float | None:
-            steps = t.drafter_steps.get(drafter, 0)
-            return t.drafter_accepted.get(drafter, 0) / steps if steps >= min_steps else None
+        def per_step(key: DrafterKey) -> float | None:
+            steps = t.drafter_steps.get(key, 0)
+            return t.drafter_accepted.get(key, 0) / steps if steps >= min_steps else None
 
-        head = per_step(HEAD_DRAFTER)
+        mine = per_step(drafter)
         ssms = [per_step(s) for s in self.ssm_slots]
-        return head is not None and all(v is not None and head >= v for v in ssms)
-
-    def head_budget(self, remaining: int, kept: tuple[int, int] | None = None) -> TreeBudget | None:
-        """The budget of a draft head's next tree for a request with ``remaining`` tokens to go before this
-        step; None when no tree fits. Its depth stops short of the tokens left after this step commits at
-        least one. ``kept``: (nodes, depth) of the request's last head tree after the cut before verification
-        (:meth:`select`), which sizes the next: twice its nodes and two depths more, within the planner's
-        limits (the cut keeps what pays; drafting far more than it keeps costs a head pass per depth for
-        nothing, which at large batches outweighs what the head adds). None: the planner's limits."""
-        cfg = self.config
-        nodes, depth = cfg.max_nodes, cfg.max_depth
-        if kept is not None:
-            nodes = min(nodes, max(4, 2 * kept[0] + 2))
-            depth = min(depth, max(2, kept[1] + 2))
-        depth = min(depth, remaining - 2)
-        if depth <= 0 or nodes < 2:
-            return None
-        curve = self.edges[HEAD_DRAFTER].knot_values()
-        return TreeBudget(nodes, depth, min(MAX_SLOTS, nodes - 1), 0.0, curve)
+        return mine is not None and all(v is not None and mine >= v for v in ssms)
 
     def select(
         self,
@@ -217,13 +204,16 @@ class AdaptiveSpeculation:
         fixed: VerifyShape = NO_TOKENS,
         fixed_committed: float = 0.0,
         spent_seconds: float = 0.0,
-    ) -> dict[str, list[tuple[int, DraftTree]]]:
+    ) -> dict[str, list[tuple[DrafterKey, DraftTree]]]:
         """Each request's trees cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`,
         whose arguments these are), by request ID, as (drafter, tree) pairs. The cut is made on the trees
         merged: a node's predicted acceptance is its value under its drafter's edge acceptance
         (:func:`~specinfer.core.dynamic_trees.tree_values`), the likelier one where two drafters proposed it; each
         drafter's tree then keeps its nodes the cut kept. Only for greedy and coupled requests (see
         :meth:`DraftTree.subtree`)."""
+        for d in drafted:
+            for s, _ in d.drafts:
+                self.edge(s)
         curves = self._edge_curves()
         nodes, sources = [], []
         for d in drafted:
@@ -241,45 +231,48 @@ class AdaptiveSpeculation:
             sources.append((maps, own))
         keep = select_nodes(nodes, self._step_costs, fixed, fixed_committed, spent_seconds)
         out = {}
-        drafted_value: dict[int, float] = {}
-        kept_value: dict[int, float] = {}
+        drafted_value: dict[DrafterKey, float] = {}
+        kept_value: dict[DrafterKey, float] = {}
         for d, n, (maps, own) in zip(drafted, nodes, sources, strict=True):
             kept = set(keep[d.request_id])
             self.totals.cut += len(n.values) + 1 - len(kept)
             pairs = []
-            for (ssm, tree), m, v in zip(d.drafts, maps, own, strict=True):
+            for (drafter, tree), m, v in zip(d.drafts, maps, own, strict=True):
                 mine = [i for i in range(len(tree.tree)) if m[i] in kept]
-                pairs.append((ssm, tree if len(mine) == len(tree.tree) else tree.subtree(mine)))
-                drafted_value[ssm] = drafted_value.get(ssm, 0.0) + float(v[1:].sum())
-                kept_value[ssm] = kept_value.get(ssm, 0.0) + float(v[mine[1:]].sum())
+                pairs.append((drafter, tree if len(mine) == len(tree.tree) else tree.subtree(mine)))
+                drafted_value[drafter] = drafted_value.get(drafter, 0.0) + float(v[1:].sum())
+                kept_value[drafter] = kept_value.get(drafter, 0.0) + float(v[mine[1:]].sum())
             out[d.request_id] = pairs
             if d.request_id in self._predicted:  # the prediction is now that of the nodes kept
                 self._predicted[d.request_id] = float(sum(n.values[k - 1] for k in kept if k > 0))
-        for ssm, total in drafted_value.items():
-            if ssm in self.kept_share and total > 0.0:
-                share = self.kept_share[ssm] + KEPT_SHARE_RATE * (kept_value[ssm] / total - self.kept_share[ssm])
-                self.kept_share[ssm] = max(KEPT_SHARE_FLOOR, share)
+        for drafter, total in drafted_value.items():
+            if drafter in self.kept_share and total > 0.0:
+                share = self.kept_share[drafter] + KEPT_SHARE_RATE * (
+                    kept_value[drafter] / total - self.kept_share[drafter]
+                )
+                self.kept_share[drafter] = max(KEPT_SHARE_FLOOR, share)
         return out
 
-    def observe_step(self, request_id: str, drafts: Mapping[int, DraftTree], accepted_tokens: Sequence[int]) -> None:
-        """One verify step of a request: each SSM's tree (by SSM index) and the tokens accepted."""
+    def observe_step(
+        self, request_id: str, drafts: Mapping[DrafterKey, DraftTree], accepted_tokens: Sequence[int]
+    ) -> None:
+        """One verify step of a request: each drafter's tree (by drafter key) and the tokens accepted."""
         predicted = self._predicted.pop(request_id, None)
         if predicted is not None:
             self.totals.predicted_accepted += predicted
             self.totals.accepted += len(accepted_tokens)
-        for ssm, draft in drafts.items():
+        for drafter, draft in drafts.items():
             outcome = step_outcomes(draft, accepted_tokens)
             t = self.totals
             t.drafted += len(draft.tree) - 1
             t.position_accepted += outcome.depth_hits
-            t.drafter_proposed[ssm] = t.drafter_proposed.get(ssm, 0) + len(draft.tree) - 1
-            t.drafter_accepted[ssm] = t.drafter_accepted.get(ssm, 0) + int(outcome.depth_hits.sum())
-            t.drafter_steps[ssm] = t.drafter_steps.get(ssm, 0) + 1
-            if ssm in self.edges:
-                self.edges[ssm].observe(outcome)
-            if ssm in self.ssm_slots:
-                self.ssm_slots[ssm].observe(outcome)
-                self._slots(request_id, ssm).observe(outcome)
+            t.drafter_proposed[drafter] = t.drafter_proposed.get(drafter, 0) + len(draft.tree) - 1
+            t.drafter_accepted[drafter] = t.drafter_accepted.get(drafter, 0) + int(outcome.depth_hits.sum())
+            t.drafter_steps[drafter] = t.drafter_steps.get(drafter, 0) + 1
+            self.edge(drafter).observe(outcome)
+            if drafter in self.ssm_slots:
+                self.ssm_slots[drafter].observe(outcome)
+                self._slots(request_id, drafter).observe(outcome)
 
     def observe_verify(self, shape: VerifyShape | None, seconds: float) -> None:
         """One verify call's time (``shape`` None: a call that also prefilled a prompt, not a sample of the model)."""

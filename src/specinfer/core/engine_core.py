@@ -13,7 +13,9 @@ persist in Redis and publish). Admission and preemption are :func:`admit`, appli
 
 The core owns adaptive speculation's state (:class:`~specinfer.core.adaptive.AdaptiveSpeculation`):
 it plans the adaptive requests' trees, cuts them before verification, and feeds the cost and
-acceptance models with what each step measured. Drivers only read it (metrics).
+acceptance models with what each step measured. Drivers only read it (metrics). Who drafts is the
+drafters' (:mod:`specinfer.core.drafter`; the kinds: :mod:`specinfer.core.drafters`): the core asks
+each registered drafter in turn and knows none of them.
 
 The core does no I/O itself. :meth:`EngineCore.step` is a coroutine so that a remote executor can
 await its calls; an executor whose methods never suspend (the in-process one) runs it to the end
@@ -22,37 +24,30 @@ with :func:`run_to_end`, without an event loop.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from specinfer.core.adaptive import HEAD_DRAFTER, SUFFIX_DRAFTER, AdaptiveSpeculation, Choice
+from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
+from specinfer.core.drafters import DRAFTERS
 from specinfer.core.drafts import DraftTree
-from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import (
     DraftSpec,
-    HeadDraft,
     Running,
     StepOutcome,
     VerifySpec,
     adaptive_contexts,
-    draft_specs,
     select_drafts,
     static_shape,
     verify_shape,
     verify_specs,
 )
 from specinfer.core.kv_budget import Schedule
-from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import TokenLogprob
-from specinfer.core.suffix import SuffixConfig, TokenHistory
 
-# Suffix drafts: matches of at least two tokens (a lone repeated token proposes too much that the LLM
-# rejects); the planner's limits bound the rest per request
-SUFFIX_CONFIG = SuffixConfig(min_match=2)
 T = TypeVar("T")
 R = TypeVar("R", bound=Running)
 
@@ -106,7 +101,6 @@ class Executor(Protocol):
 
 
 Commit = Callable[[R, StepOutcome], Awaitable[None]]
-Drafts = dict[str, list[tuple[int, DraftTree]]]  # a request's trees by request ID, as (drafter, tree) pairs
 
 
 @dataclass(frozen=True)
@@ -127,9 +121,8 @@ class EngineCore:
     ``0..num_ssms-1``); ``eos_token_id``: ends a request unless it ignores EOS. ``adaptive``:
     adaptive speculation's state, or a function that builds it when the first adaptive request
     runs (e.g. a calibration), or None: adaptive requests verify their root alone. ``head``: the
-    executor's verifier has a draft head: adaptive requests that allow it ask each verification for the
-    next step's head tree (:class:`~specinfer.core.iteration.HeadDraft`), which the next step merges with
-    its other drafts as :data:`~specinfer.core.adaptive.HEAD_DRAFTER`'s."""
+    executor's verifier has a draft head (:mod:`specinfer.core.drafters.head`). ``drafters``: every
+    registered kind of draft (:data:`~specinfer.core.drafters.DRAFTERS`), by name, in merge order."""
 
     def __init__(
         self,
@@ -140,18 +133,12 @@ class EngineCore:
         head: bool = False,
     ) -> None:
         self.executor = executor
-        self.head = head
-        # a request's head tree for its next step, with the committed length it was drafted for
-        self._head_trees: dict[str, tuple[int, DraftTree]] = {}
-        # a request's head tree as the last cut before verification kept it: (nodes, depth), which sizes
-        # the next one (a head draft costs a pass per depth over its frontier, verified or not)
-        self._head_kept: dict[str, tuple[int, int]] = {}
-        self._head_gate: HeadGate | None = None  # built with the adaptive state (its config is the planner's)
         self.num_ssms = num_ssms
         self.eos_token_id = eos_token_id
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
         self._build = None if isinstance(adaptive, AdaptiveSpeculation) else adaptive
-        self._histories: dict[str, TokenHistory] = {}  # committed tokens of requests that draft suffix trees
+        models = Models(executor, head)
+        self.drafters: dict[str, Drafter] = {name: kind(models) for name, kind in DRAFTERS.items()}
 
     @property
     def adaptive(self) -> AdaptiveSpeculation | None:
@@ -165,11 +152,6 @@ class EngineCore:
         """Adaptive speculation's state if it exists yet (never builds it)."""
         return self._adaptive
 
-    @property
-    def head_gate(self) -> HeadGate | None:
-        """When steps ask the draft head for next trees; None until a step could ask it."""
-        return self._head_gate
-
     def add_ssms(self, num_ssms: int, adaptive: AdaptiveSpeculation | None) -> None:
         """The executor now drafts with ``num_ssms`` SSMs (a driver's SSM set only grows: SSM i keeps
         index i), planned by ``adaptive`` (built for all of them)."""
@@ -182,9 +164,8 @@ class EngineCore:
         """A request left the batch (finished, preempted, moved): its per-request state goes."""
         if self._adaptive is not None:
             self._adaptive.forget(request_id)
-        self._histories.pop(request_id, None)
-        self._head_trees.pop(request_id, None)
-        self._head_kept.pop(request_id, None)
+        for drafter in self.drafters.values():
+            drafter.forget(request_id)
 
     async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
         """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
@@ -193,24 +174,20 @@ class EngineCore:
         started = time.perf_counter()
         contexts = adaptive_contexts(batch)
         adaptive = self.adaptive if contexts else None
-        if adaptive is not None and self._head_trees and adaptive.head_outdrafts_ssms():
-            # a request with its head tree at hand drafts no SSM tree this step: the head's proposals have
-            # been accepted at least as well as any SSM's, and its tree is drafted already (SSM passes are not)
-            ready = {r.request_id for r in batch if self._head_tree_for(r) is not None}
-            contexts = [dataclasses.replace(c, ssms=()) if c.request_id in ready else c for c in contexts]
-        choices = adaptive.plan(contexts, static_shape(batch)) if adaptive is not None else {}
-        planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
-        drafted, draft_seconds = await self._draft(batch, choices)
+        choices: dict[str, Choice] = {}
         if adaptive is not None:
-            self._draft_suffixes(batch, choices, drafted, adaptive.config)
-            self._take_head_trees(batch, drafted)
+            for drafter in self.drafters.values():
+                contexts = drafter.narrow(batch, contexts, adaptive)
+            choices = adaptive.plan(contexts, static_shape(batch))
+        planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
+        drafted, draft_seconds = await self._propose(DraftStep(batch, choices, adaptive, self._adaptive, self.num_ssms))
+        if adaptive is not None:
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
-            self._note_head_cut(drafted)
-        jobs = verify_specs(batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()})
-        gate = self._gate(batch, adaptive)
-        head_on = gate is not None and gate.decide(len(batch))
-        if head_on:
-            jobs = [self._ask_head(r, job, adaptive) for r, job in zip(batch, jobs, strict=True)]
+        jobs: Sequence[VerifySpec] = verify_specs(
+            batch, {rid: [tree for _, tree in pairs] for rid, pairs in drafted.items()}
+        )
+        for drafter in self.drafters.values():
+            jobs = drafter.verifying(batch, drafted, jobs, adaptive)
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
@@ -233,120 +210,30 @@ class EngineCore:
                 verdict.prefix_hits,
                 verdict.logprobs,
             )
-            if verdict.next_tree is not None and outcome.finish_reason is None:
-                # valid while the request's committed tokens end where the head drafted from
-                committed = len(job.context_tokens) + 1 + len(verdict.accepted_tokens) + 1
-                self._head_trees[r.request_id] = (committed, verdict.next_tree)
+            for drafter in self.drafters.values():
+                drafter.observe(r, job, verdict, outcome)
             committed_tokens += len(outcome.tokens)
             await commit(r, outcome)
-        if gate is not None and shapes and None not in shapes:
-            gate.observe(len(batch), head_on, committed_tokens, time.perf_counter() - started)
+        measured = bool(shapes) and None not in shapes
+        for drafter in self.drafters.values():
+            drafter.stepped(len(batch), committed_tokens, time.perf_counter() - started, measured)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
         return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
 
-    async def _draft(self, batch: Sequence[Running], choices: Mapping[str, Choice]) -> tuple[Drafts, float]:
-        """Every SSM's trees for the requests that name it (static) or that the plan gave it
-        (adaptive): (SSM index, tree) pairs by request ID, in SSM order; and the SSM seconds spent."""
-        drafted: Drafts = {r.request_id: [] for r in batch}
-        jobs = {i: specs for i in range(self.num_ssms) if (specs := draft_specs(batch, i, choices))}
-        if not jobs:
-            return drafted, 0.0
-        round_ = await self.executor.draft(jobs)
+    async def _propose(self, step: DraftStep) -> tuple[Drafts, float]:
+        """Every drafter's trees for the batch's requests: (drafter key, tree) pairs by request ID, in drafter
+        order; and the model seconds the drafters spent."""
+        drafted: Drafts = {r.request_id: [] for r in step.batch}
         seconds = 0.0
-        for ssm, tokens, secs in round_.passes:
-            seconds += secs
-            if self._adaptive is not None:
-                self._adaptive.observe_draft(ssm, tokens, secs)
-        for ssm in sorted(round_.trees):
-            for rid, tree in round_.trees[ssm].items():
+        for drafter in self.drafters.values():
+            proposal = await drafter.propose(step)
+            seconds += proposal.seconds
+            for rid, pairs in proposal.trees.items():
                 if rid in drafted:
-                    drafted[rid].append((ssm, tree))
+                    drafted[rid].extend(pairs)
         return drafted, seconds
-
-    def _draft_suffixes(
-        self,
-        batch: Sequence[Running],
-        choices: Mapping[str, Choice],
-        drafted: dict[str, list[tuple[int, DraftTree]]],
-        limits: PlannerConfig,
-    ) -> None:
-        """Add a suffix tree (:mod:`specinfer.core.suffix`) to the drafts of each adaptive greedy or coupled
-        request that allows it and whose text repeats: within the planner's limits, less the nodes its
-        plan gave an SSM (the cut that follows keeps what pays). Microseconds a request: no model runs."""
-        for r in batch:
-            speculation = r.request.speculation
-            if speculation is None or not (speculation.adaptive and speculation.suffix and r.request.sampling.prunable):
-                continue
-            choice = choices.get(r.request_id)
-            nodes = limits.max_nodes - (choice.budget.nodes if choice is not None else 1)
-            depth = min(limits.max_depth, r.remaining - 1)
-            if nodes <= 0 or depth <= 0:
-                continue
-            tree = self._history(r).suffix_tree(
-                SUFFIX_CONFIG.within(nodes, depth), with_q=not r.request.sampling.greedy
-            )
-            if len(tree.tree) > 1:
-                drafted[r.request_id].append((SUFFIX_DRAFTER, tree))
-
-    def _head_tree_for(self, r: Running) -> DraftTree | None:
-        """The head tree the request's last verification drafted for this step, if its committed tokens are
-        those it was drafted after (a stop string may have cut them)."""
-        stored = self._head_trees.get(r.request_id)
-        if stored is None:
-            return None
-        length, tree = stored
-        if r.committed_len == length and tree.tree.tokens[0] == r.last_token and len(tree.tree) > 1:
-            return tree
-        return None
-
-    def _take_head_trees(self, batch: Sequence[Running], drafted: Drafts) -> None:
-        """Add to each request's drafts its head tree for this step (:meth:`_head_tree_for`); the stored
-        trees go either way."""
-        for r in batch:
-            tree = self._head_tree_for(r)
-            self._head_trees.pop(r.request_id, None)
-            if tree is not None:
-                drafted[r.request_id].append((HEAD_DRAFTER, tree))
-
-    def _gate(self, batch: Sequence[Running], adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
-        """The head gate, where this step may ask the head for next trees: the verifier has one and a
-        request of the batch drafts adaptively with it (None: this step has nothing to decide)."""
-        if adaptive is None or not self.head:
-            return None
-        for r in batch:
-            speculation = r.request.speculation
-            if speculation is not None and speculation.adaptive and speculation.head:
-                if self._head_gate is None:
-                    self._head_gate = HeadGate(adaptive.config.head_gate)
-                return self._head_gate
-        return None
-
-    def _note_head_cut(self, drafted: Drafts) -> None:
-        for rid, pairs in drafted.items():
-            for drafter, tree in pairs:
-                if drafter == HEAD_DRAFTER:
-                    self._head_kept[rid] = (len(tree.tree), int(tree.tree.depths.max()))
-
-    def _ask_head(self, r: Running, job: VerifySpec, adaptive: AdaptiveSpeculation) -> VerifySpec:
-        """``job``, asking the verifier's head for the next step's tree where the request allows it."""
-        speculation = r.request.speculation
-        if speculation is None or not (speculation.adaptive and speculation.head):
-            return job
-        budget = adaptive.head_budget(r.remaining, self._head_kept.get(r.request_id))
-        return job if budget is None else replace(job, head=HeadDraft(budget, speculation.draft_support))
-
-    def _history(self, r: Running) -> TokenHistory:
-        """The request's committed tokens as a suffix index, brought up to date (rebuilt if they shrank: a
-        request resumed elsewhere and back)."""
-        history = self._histories.get(r.request_id)
-        prompt = len(r.request.prompt_tokens)
-        if history is None or len(history) < prompt or len(history) > prompt + len(r.output):
-            history = self._histories[r.request_id] = TokenHistory(r.committed)
-        elif len(history) < prompt + len(r.output):
-            history.extend(r.output[len(history) - prompt :])
-        return history
 
 
 def admit(active: MutableMapping[str, R], waiting: deque[R], plan: Schedule) -> list[R]:

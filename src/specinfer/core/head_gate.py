@@ -2,7 +2,7 @@
 
 A head tree costs the verifier a head pass per depth over its frontier, after the verification, for
 every request that drafts with it; what it returns is more tokens accepted in the next step, and SSM
-passes the next step may skip (:meth:`~specinfer.core.adaptive.AdaptiveSpeculation.head_outdrafts_ssms`).
+passes the next step may skip (:meth:`~specinfer.core.adaptive.AdaptiveSpeculation.outdrafts_ssms`).
 Both sides change with the batch: at batch 1 on a CPU the head's tree is worth far more than its
 passes; at batch 16 the verify step is already long, the cut keeps few head nodes, and the passes for
 sixteen requests are not free. Rather than a cost model of the head (its passes, its attention over

@@ -28,6 +28,7 @@ from specinfer.core import InvalidArgument
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.costs import StepCosts
+from specinfer.core.drafters.head import VerifierHeadDrafter
 from specinfer.core.engine_core import EngineCore, admit, run_to_end
 from specinfer.core.errors import check_token_ids
 from specinfer.core.head_gate import HeadGate
@@ -124,7 +125,8 @@ class SpeculativeEngine:
     def head_gate(self) -> HeadGate | None:
         """When steps ask the draft head for next trees (:mod:`specinfer.core.head_gate`); None before the
         first adaptive step that may draft with a head."""
-        return self._core.head_gate
+        head = self._core.drafters[VerifierHeadDrafter.name]
+        return head.gate if isinstance(head, VerifierHeadDrafter) else None
 
     def _build_adaptive(self) -> AdaptiveSpeculation:
         costs = self._costs or self._initial_costs()
