@@ -30,9 +30,10 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.llm_verifier.servicer import LlmVerifierServicer
 from specinfer.models import on_device
+from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees, verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.ssm_worker.servicer import SsmWorkerServicer
 from specinfer.v1 import internal_pb2

@@ -1,5 +1,5 @@
 """``specinfer.v1.LlmVerifier``: translates messages (:mod:`specinfer.wire`) and verifies with
-:func:`specinfer.models.steps.verify_trees`; nothing else happens here."""
+:func:`specinfer.models.verification.verify_trees`; nothing else happens here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from specinfer.core.costs import StepCosts
 from specinfer.core.iteration import VerifySpec
 from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
-from specinfer.models.steps import verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors

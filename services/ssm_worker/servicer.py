@@ -1,5 +1,5 @@
 """``specinfer.v1.SsmWorker``: translates messages (:mod:`specinfer.wire`) and drafts with
-:func:`specinfer.models.steps.draft_trees`; nothing else happens here."""
+:func:`specinfer.models.drafting.draft_trees`; nothing else happens here."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import grpc
 from specinfer import wire
 from specinfer.core import InvalidArgument
 from specinfer.core.costs import CostTable
+from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import CausalLM
-from specinfer.models.steps import draft_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors

@@ -13,8 +13,9 @@ from specinfer import wire
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.costs import BUCKETS
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
+from specinfer.models.drafting import draft_trees
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees, verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.v1 import internal_pb2
 
 _ids = itertools.count()

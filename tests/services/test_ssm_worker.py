@@ -15,8 +15,8 @@ from specinfer.core.costs import BUCKETS
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import EDGE_KNOTS, TreeBudget
 from specinfer.core.iteration import DraftSpec
+from specinfer.models.drafting import draft_trees
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees
 from specinfer.v1 import internal_pb2
 
 _ids = itertools.count()
