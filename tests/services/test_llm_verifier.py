@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.costs import BUCKETS
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
@@ -68,7 +68,7 @@ def verify_item(
     job: VerifySpec, seed: int, step: int, offset: int = 0, output_start: int = 0
 ) -> internal_pb2.VerifyItem:
     return internal_pb2.VerifyItem(
-        context=wire.context_to_proto(job.request_id, job.context_tokens, offset),
+        context=wire_jobs.context_to_proto(job.request_id, job.context_tokens, offset),
         tree=wire.draft_to_proto(job.draft),
         sampling=wire.sampling_to_proto(job.sampling),
         seed=seed,
