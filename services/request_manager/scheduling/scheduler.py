@@ -1,16 +1,13 @@
 """The request manager's serving loop: continuous batching over remote SSM workers and verifier.
 
-Each iteration admits waiting requests (up to ``max_batch`` running and, where the verifier and
-workers report KV budgets, while their KV blocks hold them: :func:`~specinfer.core.kv_budget.schedule`,
-the in-process engine's rule, which may also preempt the newest running ones; the requests are placed on
-verifier replicas by :class:`~.placement.Placement`), drops cancelled or expired ones, and hands the
-batch to the engine core (:meth:`specinfer.core.engine_core.EngineCore.step`, the in-process engine's
-iteration too): every SSM drafts on its sticky worker, the trees are merged per request and the
-verifier replicas check them (:class:`~.executor.RemoteExecutor`), and each verified request is
-committed here: its tokens are persisted in Redis *before* they are published to the client streams
-(fenced by this replica's owner ID and lease token: a request another replica took over is dropped
-here, see :mod:`.state.ownership`). The core owns adaptive speculation's state; :class:`~.adaptive.PlannerMetrics`
-publishes it.
+Each :meth:`Scheduler.iteration` is one iteration of the step loop (docs/architecture.md, "The step
+loop"), the in-process engine's too. What is the scheduler's own: admission places the requests on
+verifier replicas (:class:`~.placement.Placement`, where the verifier and workers report KV budgets) and
+ends cancelled or expired ones; the engine core's executor is :class:`~.executor.RemoteExecutor` (SSMs on
+their sticky workers, the verifier replicas); and a verified request's tokens are persisted in Redis
+*before* they are published to the client streams (fenced by this replica's owner ID and lease token: a
+request another replica took over is dropped here, see :mod:`.state.ownership`). The core owns adaptive
+speculation's state; :class:`~.adaptive.PlannerMetrics` publishes it.
 """
 
 from __future__ import annotations

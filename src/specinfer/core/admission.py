@@ -1,5 +1,6 @@
 """A driver's requests between iterations: the running batch and the queue, written once for both drivers
-(the in-process engine and the request manager's scheduler).
+(the in-process engine and the request manager's scheduler; the step loop: docs/architecture.md, "The step
+loop").
 
 *Running* requests are in the batch, in admission order (oldest first); *waiting* ones are in the queue, in
 the order they will be admitted: new ones at the tail, preempted ones back at the head. Each iteration the

@@ -1,18 +1,11 @@
 """In-process tree-based speculative generation for a batch of requests.
 
-Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
-
-1. *speculate*: every SSM a request names grows its draft tree depth by depth (all requests
-   drafting with that SSM in one batched forward per depth); adaptive greedy requests' trees are
-   cut to the nodes worth verifying; trees of several SSMs are merged;
-2. *verify*: one batched LLM forward over every node of every tree, then greedy verification
-   or multi-step speculative sampling per request;
-3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
-
-The iteration is the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`), which the
-request manager's scheduler runs too; the engine runs it over its models in process
-(:class:`~specinfer.engine.local.LocalExecutor`) and keeps the queue. Requests can be added between steps
-(continuous batching); KV caches live in the backends and follow the committed tokens automatically (see
+Each :meth:`SpeculativeEngine.step` is one iteration of the step loop (docs/architecture.md, "The step
+loop") over the running requests: the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`),
+which the request manager's scheduler runs too, over the engine's models in process
+(:class:`~specinfer.engine.local.LocalExecutor`). The engine keeps the queue
+(:class:`~specinfer.core.admission.Admission`) and commits into each request's result. Requests can be
+added between steps; KV caches live in the backends and follow the committed tokens automatically (see
 :mod:`specinfer.models.interface`).
 """
 
@@ -217,7 +210,7 @@ class SpeculativeEngine:
     # -- one iteration ------------------------------------------------------------------
 
     def step(self) -> list[GenerationResult]:
-        """One speculate/verify/commit iteration (:meth:`EngineCore.step`); returns the requests that finished."""
+        """One iteration of the step loop (docs/architecture.md); returns the requests that finished."""
         self._admit()
         states = self._requests.batch()
         if not states:
