@@ -14,7 +14,7 @@ WEAK=${WEAK:-/tmp/weak-ssm}
 OUT=${OUT:-bench/results/adaptive}
 TUNED=bench/results/tuning-pycode-a-1b.json
 TREES="1,1,3,1,1,1,1,1;$(python -c "import json; print(json.load(open('$TUNED'))['pick']['expansion'])")"
-[ -f "$BIG/config.json" ] || python "$PAIR/../../tools/inflate_llm.py" "$PAIR/llm" "$BIG" --params 1e9
+[ -f "$BIG/config.json" ] || python bench/inflate_llm.py "$PAIR/llm" "$BIG" --params 1e9
 [ -f "$WEAK/config.json" ] || python bench/cut_layers.py "$PAIR/llm" "$WEAK" --layers 1
 mkdir -p "$OUT"
 COMMON=(--llm "$BIG" --prompts "$PAIR/prompts.jsonl" --new-tokens 32 --max-prompt-tokens 64 --temperatures 0)

@@ -17,7 +17,7 @@ Targets (issue 34): first-ever >= 0.9x no speculation; warm >= 1.0x at batch 1, 
 On an otherwise idle machine (each repeat runs 6 generations, ~3 minutes for a 1B model in bf16 on
 2 CPU cores):
 
-    python ../shared/tools/inflate_llm.py ../shared/models/pycode-a/llm /tmp/llm-1b --params 1e9 --dtype bfloat16
+    python bench/inflate_llm.py ../shared/models/pycode-a/llm /tmp/llm-1b --params 1e9 --dtype bfloat16
     python bench/first_call.py --llm /tmp/llm-1b --ssm ../shared/models/pycode-a/ssm \\
         --prompts ../shared/models/pycode-a/prompts.jsonl
 """

@@ -11,7 +11,7 @@ BIG=${BIG:-/tmp/pycode-a-llm-1b}
 SSM2=${SSM2:-/tmp/pycode-a-ssm2}
 OUT=${OUT:-bench/results}
 THREADS=${THREADS:-2}
-[ -f "$BIG/config.json" ] || python "$PAIR/../../tools/inflate_llm.py" "$PAIR/llm" "$BIG" --params 1e9
+[ -f "$BIG/config.json" ] || python bench/inflate_llm.py "$PAIR/llm" "$BIG" --params 1e9
 if [ ! -f "$SSM2/config.json" ]; then  # a second SSM for merged trees: the LLM's first 2 layers
     python - "$PAIR/llm" "$SSM2" <<'PY'
 import shutil, sys

@@ -10,7 +10,7 @@ source "$(dirname "$0")/../scripts/env.sh"
 PAIR=${PAIR:-../shared/models/pycode-a}
 BIG=${BIG:-/tmp/llm-1b}
 OUT=${OUT:-bench/results/runtime}
-[ -f "$BIG/config.json" ] || python "$PAIR/../../tools/inflate_llm.py" "$PAIR/llm" "$BIG" --params 1e9
+[ -f "$BIG/config.json" ] || python bench/inflate_llm.py "$PAIR/llm" "$BIG" --params 1e9
 mkdir -p "$OUT"
 python bench/bench_step.py --llm "$BIG" --dtype float32 --nodes 1,2,4,8,16,32,64 --steps 8 --warmup 2 | tee "$OUT/step-float32.md"
 python bench/bench_step.py --llm "$BIG" --dtype bfloat16 --runtimes native,reference --nodes 1,2,4,8,16,32,64 --steps 5 --warmup 2 | tee "$OUT/step-bfloat16.md"

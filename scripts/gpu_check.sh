@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU bring-up (issue 39): one command on a bare GPU machine, from the source tree, with the machine's own
 # torch and triton (no install: an import layout of symlinks, scripts/gpu_layout.py). Before the session run
-# scripts/gpu_prepare.sh here: it fills .gpu/ (wheels the machine may lack, the pycode-a pair, inflate_llm.py),
+# scripts/gpu_prepare.sh here: it fills .gpu/ (wheels the machine may lack, the pycode-a pair),
 # which the device tool's `carry` ships.
 #
 #   scripts/gpu_check.sh [OUTDIR]             # default OUTDIR: $OUT (the device tool's output folder)
@@ -46,7 +46,7 @@ printf 'step\tstatus\texit_code\tseconds\tbox_seconds\tlog\n' >"$STEPS"
 cd "$ROOT"
 
 PAIR="$GPU_DIR/models/pycode-a"
-INFLATE="$GPU_DIR/tools/inflate_llm.py"
+INFLATE="$ROOT/bench/inflate_llm.py"
 LLM7B="$WORK/llm-7b"
 export SPECINFER_TEST_MODELS="$PAIR" # tests/conftest.py: the trained pair, since ../shared is not there
 export PYTHONDONTWRITEBYTECODE=1     # nothing written into the tree
@@ -177,7 +177,6 @@ fi
 
 # 5. a 7B-class LLM (the pair's LLM inflated: same logits, real shapes), made on the device in bf16
 inflate() {
-    [ -f "$INFLATE" ] || { echo "no $INFLATE: run scripts/gpu_prepare.sh first" >&2; return 1; }
     local args=("$PAIR/llm" "$LLM7B" --params 7e9 --hidden 4096 --heads 32 --kv-heads 8 --mlp-dim 14336 --dtype bfloat16)
     # parameters made on the GPU (fast random init); save_pretrained copies them to the host
     "$PY" -c 'import runpy, sys, torch; torch.set_default_device("cuda"); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' \

@@ -4,7 +4,6 @@
 #   .gpu/wheels/  the pure-Python (and a few binary, CPython 3.12 x86_64) wheels of our runtime
 #                 dependencies that the GPU machine may lack; gpu_check.sh unpacks only the missing ones
 #   .gpu/models/pycode-a/  the trained LLM/SSM pair (from ../shared, which the GPU machine lacks)
-#   .gpu/tools/   ../shared/tools (inflate_llm.py)
 # Usage: scripts/gpu_prepare.sh [SHARED_DIR]   (default ../shared)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,9 +13,8 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
 rm -rf "$GPU_DIR"
-mkdir -p "$GPU_DIR/wheels" "$GPU_DIR/models" "$GPU_DIR/tools"
+mkdir -p "$GPU_DIR/wheels" "$GPU_DIR/models"
 cp -r "$SHARED/models/pycode-a" "$GPU_DIR/models/"
-cp -r "$SHARED/tools/." "$GPU_DIR/tools/"
 chmod -R u+w "$GPU_DIR"
 
 # The GPU machine: CPython 3.12 on x86_64 Linux with torch, triton, transformers, grpcio, numpy, pytest,

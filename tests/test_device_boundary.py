@@ -22,7 +22,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
@@ -30,9 +30,10 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.llm_verifier.servicer import LlmVerifierServicer
 from specinfer.models import on_device
+from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees, verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.ssm_worker.servicer import SsmWorkerServicer
 from specinfer.v1 import internal_pb2
@@ -205,12 +206,12 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
         DraftSpec(f"s{i}", list(p[:-1]), p[-1], ExpansionConfig((2, 2)), params[i % 3], 8, 100 + i, 0, draft_stream(0))
         for i, p in enumerate(prompts)
     ]
-    context = [wire.context_to_proto(j.request_id, j.context_tokens, 0) for j in jobs]
+    context = [wire_jobs.context_to_proto(j.request_id, j.context_tokens, 0) for j in jobs]
 
     async def serve():
         speculated = await worker.Speculate(
             internal_pb2.SpeculateRequest(
-                ssm="ssm", items=[wire.draft_job_to_proto(j, c) for j, c in zip(jobs, context, strict=True)]
+                ssm="ssm", items=[wire_jobs.draft_job_to_proto(j, c) for j, c in zip(jobs, context, strict=True)]
             ),
             None,
         )

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from specinfer.core.adaptive import AdaptiveSpeculation
+from specinfer.core.admission import admit
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.core.drafts import DraftTree, ExpansionConfig
-from specinfer.core.engine_core import DraftRound, EngineCore, StepReport, Verdict, VerifyRound, admit, run_to_end
+from specinfer.core.engine_core import DraftRound, EngineCore, StepReport, Verdict, VerifyRound, run_to_end
 from specinfer.core.head_gate import HeadGateConfig
 from specinfer.core.iteration import DraftSpec, Running, StepOutcome, VerifySpec
 from specinfer.core.kv_budget import Schedule

@@ -30,7 +30,7 @@ from specinfer.core.drafts import DraftGroup  # noqa: E402
 from specinfer.core.head_gate import HeadGateConfig  # noqa: E402
 from specinfer.core.sampling import SparseDist  # noqa: E402
 from specinfer.engine import EngineConfig, SpeculationConfig, SpeculativeEngine  # noqa: E402
-from specinfer.models import steps as steps_module  # noqa: E402
+from specinfer.models import drafting, verification  # noqa: E402
 from specinfer.models.draft_head import DraftHead, HeadConfig, save_head  # noqa: E402
 from specinfer.models.head_drafter import with_head  # noqa: E402
 from specinfer.models.loading import load_backend  # noqa: E402
@@ -109,7 +109,8 @@ def uniform_q_head_drafts(original):
 
 @pytest.mark.slow
 def test_head_trees_with_a_wrong_draft_distribution_fail(models, tmp_path, monkeypatch):
-    monkeypatch.setattr(steps_module, "head_drafts", uniform_q_head_drafts(steps_module.head_drafts))
+    # verify_trees calls head_drafts by its name in the verification module
+    monkeypatch.setattr(verification, "head_drafts", uniform_q_head_drafts(drafting.head_drafts))
     params, spec = CASES["mss-head-alone"]
     counts = _sample(_head_engine(models, tmp_path), params, spec, CONTROL_SAMPLES)
     assert chi_square_pvalue(counts, marginal(exact_joint(models[0], params), ADAPTIVE_KEEP)) < 1e-6

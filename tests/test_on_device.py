@@ -31,9 +31,10 @@ from specinfer.core.coupled import coupled_children, coupled_token, position_noi
 from specinfer.core.drafts import DraftGroup, ExpansionConfig
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
+from specinfer.models.drafting import pass_tables, propose
 from specinfer.models.interface import TreeForward
 from specinfer.models.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
-from specinfer.models.steps import pass_tables, propose, verify_trees
+from specinfer.models.verification import verify_trees
 
 PARAMS = [
     SamplingParams(temperature=1.0),

@@ -31,8 +31,8 @@ from specinfer.core.sampling import adjust_logits
 from specinfer.core.vocab_map import TokenTable, VocabMap
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.engine import local as local_module
+from specinfer.models import drafting, verification
 from specinfer.models import on_device as on_device_module
-from specinfer.models import steps as steps_module
 from specinfer.models.cross_vocab import CrossVocabularyLM
 from specinfer.models.interface import TreeForward
 from specinfer.models.loading import load_backend
@@ -182,7 +182,7 @@ def test_speculative_sampling_matches_llm_sampling(models, case):
 @pytest.mark.slow
 def test_penalties_blind_to_the_tree_path_fail(models, monkeypatch):
     """The negative control of "mss-penalized": penalties that count the output alone, not each node's path."""
-    monkeypatch.setattr(steps_module, "_paths", lambda tree: [[] for _ in range(len(tree))])
+    monkeypatch.setattr(verification, "_paths", lambda tree: [[] for _ in range(len(tree))])
     params, spec = CASES["mss-penalized"]
     # the first two tokens: the second is drawn at a depth-1 node whenever the first was accepted from the tree
     counts = sample_engine(_engine(models), params, spec, samples=CONTROL_SAMPLES, keep=2)
@@ -299,7 +299,7 @@ def _adaptive_engine(models):
 
 def _sample_adaptive(models, params, monkeypatch, builder):
     builder.budgets, builder.widths = [], []
-    monkeypatch.setattr(steps_module, "BestFirstTreeBuilder", builder)
+    monkeypatch.setattr(drafting, "BestFirstTreeBuilder", builder)
     engine = _adaptive_engine(models)
     counts = sample_engine(
         engine,

@@ -26,6 +26,7 @@ CORE_TESTS = (
     "tests/test_kv_budget.py",
     "tests/test_suffix.py",
     "tests/test_engine_core.py",
+    "tests/test_admission.py",
 )  # the tests of specinfer.core
 NO_TORCH_PLUGIN = """
 import sys

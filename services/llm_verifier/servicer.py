@@ -1,5 +1,5 @@
-"""``specinfer.v1.LlmVerifier``: translates messages (:mod:`specinfer.wire`) and verifies with
-:func:`specinfer.models.steps.verify_trees`; nothing else happens here."""
+"""``specinfer.v1.LlmVerifier``: translates messages (:mod:`specinfer.wire_jobs`) and verifies with
+:func:`specinfer.models.verification.verify_trees`; nothing else happens here."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import time
 
 import grpc
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import VerifyResult
 from specinfer.core.costs import StepCosts
 from specinfer.core.iteration import VerifySpec
 from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
-from specinfer.models.steps import verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
@@ -59,9 +59,11 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         self, request: internal_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.VerifyResponse:
         started = time.monotonic()
-        call = self._contexts.admit(request.items, self.vocab_size, self.llm.max_positions, wire.verify_job_from_proto)
+        call = self._contexts.admit(
+            request.items, self.vocab_size, self.llm.max_positions, wire_jobs.verify_job_from_proto
+        )
         verdicts = await self.runner.call(verify_counting_hits, call.jobs) if call.jobs else []
-        response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire.verify_result_to_proto))
+        response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire_jobs.verify_result_to_proto))
         if self.llm.kv_budget is not None:
             response.kv_blocks_free = self.llm.kv_blocks_free or 0
         seconds = time.monotonic() - started

@@ -36,7 +36,8 @@ from specinfer.request_manager.startup import (
 )
 from specinfer.request_manager.state.lifecycle import Requests
 from specinfer.request_manager.state.ownership import Lease, Ownership
-from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.redis_client import connect
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.serving.messages import BadMessageInterceptor
 from specinfer.serving.metrics import ServiceMetrics

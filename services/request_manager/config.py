@@ -20,7 +20,7 @@ from specinfer.checkpoint import check_checkpoint, load_tokenizer
 from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, DEFAULT_MAX_TREE_NODES
 from specinfer.request_manager.state.records import validate_id
-from specinfer.request_manager.state.redis_server import SOCKET_TIMEOUT_S
+from specinfer.request_manager.state.redis_client import SOCKET_TIMEOUT_S
 from specinfer.serving.config import (
     SettingsParser,
     add_client_tls_settings,

@@ -1,5 +1,5 @@
-"""``specinfer.v1.SsmWorker``: translates messages (:mod:`specinfer.wire`) and drafts with
-:func:`specinfer.models.steps.draft_trees`; nothing else happens here."""
+"""``specinfer.v1.SsmWorker``: translates messages (:mod:`specinfer.wire_jobs`) and drafts with
+:func:`specinfer.models.drafting.draft_trees`; nothing else happens here."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import InvalidArgument
 from specinfer.core.costs import CostTable
+from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import CausalLM
-from specinfer.models.steps import draft_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
@@ -78,7 +78,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         started = time.monotonic()
         runner = self._runner(request.ssm)
         call = self._contexts.admit(
-            request.items, self.vocab_size, runner.model.max_positions, wire.draft_job_from_proto
+            request.items, self.vocab_size, runner.model.max_positions, wire_jobs.draft_job_from_proto
         )
         passes: list[tuple[int, float]] = []  # appended in the model thread, read after it finished
         drafted = (
@@ -91,7 +91,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts)
         )
         self.metrics.observe_prefix_cache(request.ssm, runner.model.prefix_cache_stats)
-        results = call.results(drafted, wire.speculate_result_to_proto)
+        results = call.results(drafted, wire_jobs.speculate_result_to_proto)
         response = internal_pb2.SpeculateResponse(results=results, passes=wire.pass_timings_to_proto(passes))
         log.debug(
             "speculate",

@@ -23,7 +23,7 @@ from services.conftest import llm_verifier_command
 from services.harness import start_service
 from transformers import AutoModelForCausalLM
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.client import Client
 from specinfer.core import DraftTree, SamplingParams, TokenTree
 from specinfer.launcher import Stack, StackConfig
@@ -114,7 +114,7 @@ def _verify_forever(address: str, context: list[int], outcome: list[grpc.StatusC
         for n in range(10_000):
             rid = f"hammer-{n}"
             item = internal_pb2.VerifyItem(
-                context=wire.context_to_proto(rid, context[:-1], 0),
+                context=wire_jobs.context_to_proto(rid, context[:-1], 0),
                 tree=wire.draft_to_proto(DraftTree(TokenTree.root_only(context[-1]))),
                 sampling=wire.sampling_to_proto(SamplingParams()),
             )
@@ -199,7 +199,7 @@ def test_joined_launch_verifies_and_stops_cleanly(model_pair, tmp_path):
             stub = internal_pb2_grpc.LlmVerifierStub(channel)
             # step 1: the root alone -> the bonus token is the LLM's next token
             first = internal_pb2.VerifyItem(
-                context=wire.context_to_proto("joined", prompt[:-1], 0),
+                context=wire_jobs.context_to_proto("joined", prompt[:-1], 0),
                 tree=wire.draft_to_proto(DraftTree(TokenTree.root_only(prompt[-1]))),
                 sampling=wire.sampling_to_proto(SamplingParams()),
             )
@@ -208,7 +208,7 @@ def test_joined_launch_verifies_and_stops_cleanly(model_pair, tmp_path):
             # step 2: a chain of the true continuation (cache hit: only the new root is sent) -> all accepted
             tree = TokenTree((greedy[0], greedy[1], greedy[2]), (-1, 0, 1))
             second = internal_pb2.VerifyItem(
-                context=wire.context_to_proto("joined", prompt, len(prompt) - 1),
+                context=wire_jobs.context_to_proto("joined", prompt, len(prompt) - 1),
                 tree=wire.draft_to_proto(DraftTree(tree)),
                 sampling=wire.sampling_to_proto(SamplingParams()),
             )

@@ -5,6 +5,7 @@ alongside still produces transformers' greedy output in time."""
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -230,8 +231,13 @@ def test_invalid_utf8_is_invalid_argument(stack, bystander, field, bad):
 @settings(max_examples=100, deadline=None)
 @given(payload=st.binary(max_size=300))
 def test_random_bytes_get_a_stream_or_a_clear_status(stack, bystander, payload):
+    _assert_stream_or_clear(stack.address, payload)
+
+
+def _assert_stream_or_clear(address: str, payload: bytes) -> None:
+    """``payload`` as a Generate request gets a finished stream or a clear status."""
     try:
-        messages = _raw_generate(stack.address, payload)
+        messages = _raw_generate(address, payload)
     except grpc.RpcError as exc:
         _assert_clear(exc)
         return
@@ -261,6 +267,29 @@ def test_limits_name_the_field(client):
         )
 
 
-def test_services_survived(stack, bystander):
-    """Last in the module: every process still runs and answers health."""
+def _hostile_payloads() -> list[bytes]:
+    """A fixed sample of what the tests above draw: invalid UTF-8 in each string field, huge repeated fields,
+    an oversized message, and random bytes (seeded)."""
+    rng = random.Random(0)
+    payloads = [_field(f, bad) + _field(3, _field(1, b"\x05")) for f in (1, 2, 7) for bad in INVALID_UTF8]
+    huge = [
+        Client.request([7] * 200_000, 4),
+        Client.request([5], 4, expansion=(7,) * 100_000),
+        Client.request([5], 4, stop_token_ids=[7] * 200_000),
+        Client.request("ab" * 100_000, 4),
+    ]
+    payloads += [r.SerializeToString() for r in huge]
+    payloads.append(_field(2, b"a" * (MAX_MESSAGE_BYTES + 1024)))
+    payloads += [rng.randbytes(rng.randrange(300)) for _ in range(40)]
+    return payloads
+
+
+def test_services_survived(stack, client, bystander, model_pair, greedy):
+    """Hostile traffic of its own (run alone, it still fuzzes), then every process still runs and answers
+    health (after the module's other tests too, when it runs last), and a good request gets transformers'
+    greedy output."""
+    for payload in _hostile_payloads():
+        _assert_stream_or_clear(stack.address, payload)
     _all_alive(stack)
+    prompt = model_pair.prompts[0]
+    assert list(client.generate(Client.request(prompt, 16, ignore_eos=True)).token_ids) == greedy(prompt, 16)

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specinfer.client import Client
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
-from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.redis_client import connect
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.serving.security import ClientAuth, ClientTls, StackSecurity
 from specinfer.v1 import api_pb2, internal_pb2, internal_pb2_grpc
 

@@ -25,10 +25,10 @@ import redis
 import redis.cluster
 from redis_cluster import LocalRedisCluster  # tests/redis_cluster.py
 
+from specinfer.request_manager.state.redis_client import connect
 from specinfer.request_manager.state.redis_server import (
     EmbeddedRedis,
     RedisBinaryNotFoundError,
-    connect,
     find_redis_server,
 )
 from specinfer.request_manager.state.store import RequestStore

@@ -21,7 +21,8 @@ from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerC
 from specinfer.request_manager.state.lifecycle import Requests
 from specinfer.request_manager.state.live_records import live_record
 from specinfer.request_manager.state.ownership import Lease, Ownership
-from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect, free_tcp_port
+from specinfer.request_manager.state.redis_client import connect
+from specinfer.request_manager.state.redis_server import EmbeddedRedis, free_tcp_port
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import OwnershipError
 from specinfer.serving.scheduler_metrics import SchedulerMetrics

@@ -23,7 +23,8 @@ from specinfer.request_manager.state.records import (
     pack_tokens,
     unpack_tokens,
 )
-from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.redis_client import connect
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import (
     OffsetConflictError,

@@ -18,7 +18,8 @@ from redis_cluster import LocalRedisCluster, wait_for  # tests/redis_cluster.py
 from specinfer.core import InvalidArgument
 from specinfer.request_manager.config import RequestManagerConfig
 from specinfer.request_manager.state.records import RequestRecord, StepStats
-from specinfer.request_manager.state.redis_server import EmbeddedRedis, connect
+from specinfer.request_manager.state.redis_client import connect
+from specinfer.request_manager.state.redis_server import EmbeddedRedis
 from specinfer.request_manager.state.store import RequestStore
 from specinfer.request_manager.state.store_errors import ReplicationError
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
 from specinfer.core.costs import BUCKETS
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
+from specinfer.models.drafting import draft_trees
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees, verify_trees
+from specinfer.models.verification import verify_trees
 from specinfer.v1 import internal_pb2
 
 _ids = itertools.count()
@@ -67,7 +68,7 @@ def verify_item(
     job: VerifySpec, seed: int, step: int, offset: int = 0, output_start: int = 0
 ) -> internal_pb2.VerifyItem:
     return internal_pb2.VerifyItem(
-        context=wire.context_to_proto(job.request_id, job.context_tokens, offset),
+        context=wire_jobs.context_to_proto(job.request_id, job.context_tokens, offset),
         tree=wire.draft_to_proto(job.draft),
         sampling=wire.sampling_to_proto(job.sampling),
         seed=seed,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import InvalidArgument
 from specinfer.llm_verifier.servicer import SERVICE_NAME, LlmVerifierServicer
 from specinfer.models.interface import TreeForward
@@ -22,8 +22,8 @@ from specinfer.serving.server import ServerConfig, Service
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 
-def update(rid: str, offset: int, tokens: list[int]) -> wire.ContextUpdate:
-    return wire.ContextUpdate(rid, offset, tuple(tokens))
+def update(rid: str, offset: int, tokens: list[int]) -> wire_jobs.ContextUpdate:
+    return wire_jobs.ContextUpdate(rid, offset, tuple(tokens))
 
 
 def test_context_store_protocol():
@@ -83,7 +83,7 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
 
     def item(rid: str, context: list[int], tokens: list[int]) -> internal_pb2.VerifyItem:
         return internal_pb2.VerifyItem(
-            context=wire.context_to_proto(rid, context, 0),
+            context=wire_jobs.context_to_proto(rid, context, 0),
             tree=internal_pb2.DraftTree(tokens=tokens, parents=[-1] * len(tokens)),
         )
 
@@ -108,7 +108,7 @@ def test_full_kv_pool_and_backend_errors_map_to_statuses(model_pair):
                 tokens = [5] + list(range(150)) + list(range(149))
                 wide = internal_pb2.DraftTree(tokens=tokens, parents=[-1] + [0] * 150 + [1] * 149)
                 long_context = [7] * (llm.max_positions - 10)
-                too_big = internal_pb2.VerifyItem(context=wire.context_to_proto("b", long_context, 0), tree=wide)
+                too_big = internal_pb2.VerifyItem(context=wire_jobs.context_to_proto("b", long_context, 0), tree=wide)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Verify(internal_pb2.VerifyRequest(items=[too_big]))
                 assert err.value.code() == grpc.StatusCode.INTERNAL
@@ -134,11 +134,11 @@ def test_wire_adaptive_round_trips():
         (None, TreeBudget(9, 4, 3, 0.05, curve)),
     ):
         job = DraftSpec("r", [1, 2, 3], 4, expansion, SamplingParams(temperature=0.5, seed=3), 16, 11, 2, 1, budget)
-        item = wire.draft_job_to_proto(job, wire.context_to_proto("r", job.context_tokens, 0))
-        back = wire.draft_job_from_proto(item, job.context_tokens, 100, 64, "items[0]")
+        item = wire_jobs.draft_job_to_proto(job, wire_jobs.context_to_proto("r", job.context_tokens, 0))
+        back = wire_jobs.draft_job_from_proto(item, job.context_tokens, 100, 64, "items[0]")
         assert back == DraftSpec("r", [1, 2, 3], 4, expansion, job.sampling, 16, 11, 2, 1, budget)
     with pytest.raises(InvalidArgument) as err:  # the budget's tree must fit the model's positions
-        wire.draft_job_from_proto(item, list(range(60)), 100, 64, "items[0]")
+        wire_jobs.draft_job_from_proto(item, list(range(60)), 100, 64, "items[0]")
     assert err.value.field == "items[0].context.tokens"
 
     draft = DraftTree(TokenTree((5, 6, 7), (-1, 0, 0)), (), (1.0, 0.6, 0.25))

@@ -9,14 +9,14 @@ import grpc
 import numpy as np
 import pytest
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams
 from specinfer.core.costs import BUCKETS
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import EDGE_KNOTS, TreeBudget
 from specinfer.core.iteration import DraftSpec
+from specinfer.models.drafting import draft_trees
 from specinfer.models.loading import load_backend
-from specinfer.models.steps import draft_trees
 from specinfer.v1 import internal_pb2
 
 _ids = itertools.count()
@@ -46,7 +46,7 @@ class Draft:
 
     def item(self, offset: int = 0) -> internal_pb2.SpeculateItem:
         return internal_pb2.SpeculateItem(
-            context=wire.context_to_proto(self.request_id, self.context, offset),
+            context=wire_jobs.context_to_proto(self.request_id, self.context, offset),
             root_token=self.root,
             expansion=self.widths,
             sampling=wire.sampling_to_proto(self.sampling),
@@ -165,7 +165,9 @@ def test_speculate_budgeted_tree(services, local_ssms, model_pair, sampling):
     ]
     request = internal_pb2.SpeculateRequest(
         ssm="ssm",
-        items=[wire.draft_job_to_proto(j, wire.context_to_proto(j.request_id, j.context_tokens, 0)) for j in jobs],
+        items=[
+            wire_jobs.draft_job_to_proto(j, wire_jobs.context_to_proto(j.request_id, j.context_tokens, 0)) for j in jobs
+        ],
     )
     response = services.ssm_stub.Speculate(request, timeout=60)
     passes: list[tuple[int, float]] = []

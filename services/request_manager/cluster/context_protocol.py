@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from specinfer import wire
+from specinfer import wire_jobs
 from specinfer.v1 import internal_pb2
 
 
@@ -25,7 +25,7 @@ class ContextTracker:
 
     def message(self, request_id: str, context: Sequence[int]) -> internal_pb2.Context:
         known = min(self._known.get(request_id, 0), len(context))
-        return wire.context_to_proto(request_id, context, known)
+        return wire_jobs.context_to_proto(request_id, context, known)
 
     def sent(self, request_id: str, length: int) -> None:
         self._known[request_id] = length
@@ -54,7 +54,7 @@ async def call_with_context(
         contexts = [
             tracker.message(c.request_id, c.context_tokens)
             if attempt == 0
-            else wire.context_to_proto(c.request_id, c.context_tokens, 0)
+            else wire_jobs.context_to_proto(c.request_id, c.context_tokens, 0)
             for c in pending
         ]
         response = await send(pending, contexts)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core.engine_core import Verdict, VerifyRound  # what a verification round gives the engine core
 from specinfer.core.iteration import VerifySpec
 from specinfer.core.kv_budget import StepRows
@@ -196,7 +196,9 @@ class Verifiers(ReplicaPool):
 
         async def send(pending, contexts):
             request = internal_pb2.VerifyRequest()
-            request.items.extend(wire.verify_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True))
+            request.items.extend(
+                wire_jobs.verify_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)
+            )
             response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
             free[0] = response.kv_blocks_free if response.HasField("kv_blocks_free") else None
             return response.results
@@ -207,7 +209,7 @@ class Verifiers(ReplicaPool):
                 tuple(r.accepted_tokens),
                 int(r.bonus_token),
                 int(r.prefix_hit_tokens),
-                wire.next_tree_from_proto(r, "results"),
+                wire_jobs.next_tree_from_proto(r, "results"),
                 wire.token_logprobs_from_proto(r.logprobs) if r.logprobs else None,
             )
             for rid, r in results.items()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specinfer import wire
+from specinfer import wire, wire_jobs
 from specinfer.core import DraftTree
 from specinfer.core.iteration import DraftSpec
 from specinfer.serving.security import ClientAuth
@@ -105,7 +105,7 @@ class SsmWorkers(WorkerPool):
 
         async def send(pending, contexts):
             request = internal_pb2.SpeculateRequest(
-                ssm=ssm, items=[wire.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)]
+                ssm=ssm, items=[wire_jobs.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)]
             )
             response = await stub.Speculate(request, timeout=self.speculate_timeout, metadata=self.auth.metadata)
             passes.extend(wire.pass_timings_from_proto(response.passes))

@@ -1,16 +1,13 @@
 """The request manager's serving loop: continuous batching over remote SSM workers and verifier.
 
-Each iteration admits waiting requests (up to ``max_batch`` running and, where the verifier and
-workers report KV budgets, while their KV blocks hold them: :func:`~specinfer.core.kv_budget.schedule`,
-the in-process engine's rule, which may also preempt the newest running ones; the requests are placed on
-verifier replicas by :class:`~.placement.Placement`), drops cancelled or expired ones, and hands the
-batch to the engine core (:meth:`specinfer.core.engine_core.EngineCore.step`, the in-process engine's
-iteration too): every SSM drafts on its sticky worker, the trees are merged per request and the
-verifier replicas check them (:class:`~.executor.RemoteExecutor`), and each verified request is
-committed here: its tokens are persisted in Redis *before* they are published to the client streams
-(fenced by this replica's owner ID and lease token: a request another replica took over is dropped
-here, see :mod:`.state.ownership`). The core owns adaptive speculation's state; :class:`~.adaptive.PlannerMetrics`
-publishes it.
+Each :meth:`Scheduler.iteration` is one iteration of the step loop (docs/architecture.md, "The step
+loop"), the in-process engine's too. What is the scheduler's own: admission places the requests on
+verifier replicas (:class:`~.placement.Placement`, where the verifier and workers report KV budgets) and
+ends cancelled or expired ones; the engine core's executor is :class:`~.executor.RemoteExecutor` (SSMs on
+their sticky workers, the verifier replicas); and a verified request's tokens are persisted in Redis
+*before* they are published to the client streams (fenced by this replica's owner ID and lease token: a
+request another replica took over is dropped here, see :mod:`.state.ownership`). The core owns adaptive
+speculation's state; :class:`~.adaptive.PlannerMetrics` publishes it.
 """
 
 from __future__ import annotations
@@ -18,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
 
 from specinfer.core.adaptive import AdaptiveSpeculation
-from specinfer.core.engine_core import EngineCore, admit
+from specinfer.core.admission import Admission
+from specinfer.core.engine_core import EngineCore
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.iteration import StepOutcome
 from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
@@ -91,8 +88,7 @@ class Scheduler:
         self.workers = workers
         self.verifier = verifier
         self.metrics = metrics
-        self._waiting: deque[Live] = deque()
-        self._active: dict[str, Live] = {}  # in admission order, oldest first
+        self._requests: Admission[Live] = Admission()
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
         self.placement = Placement(verifier, config.verifier_backoff_seconds)
         backoff = Backoff(config.verifier_backoff_seconds, config.verifier_backoff_max_seconds)
@@ -139,23 +135,21 @@ class Scheduler:
         return self.executor.failures == 0
 
     def get(self, request_id: str) -> Live | None:
-        live = self._active.get(request_id)
-        if live is None:
-            live = next((w for w in self._waiting if w.request_id == request_id), None)
-        return live
+        return self._requests.get(request_id)
 
     def is_queued(self, request_id: str) -> bool:
-        return any(w.request_id == request_id for w in self._waiting)
+        return self._requests.is_queued(request_id)
 
     def check_room(self) -> None:
         """Raises :class:`QueueFull` when no new request can wait."""
-        if len(self._waiting) >= self.config.max_queue:
-            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+        waiting = len(self._requests.waiting)
+        if waiting >= self.config.max_queue:
+            raise QueueFull(f"{waiting} requests are waiting (max_queue {self.config.max_queue})")
 
     async def submit(self, live: Live) -> None:
         """Enqueue a new (already persisted) request; raises :class:`QueueFull` when the queue is full."""
         self.check_room()
-        self._waiting.append(live)
+        self._requests.enqueue(live)
         self.metrics.admitted.inc()
         self.metrics.prompt_tokens.inc(len(live.request.prompt_tokens))
         self._wake.set()
@@ -165,7 +159,7 @@ class Scheduler:
         False, and nothing changes, when a request with its ID runs here already."""
         if self.get(live.request_id) is not None:
             return False
-        self._waiting.append(live)
+        self._requests.enqueue(live)
         self._wake.set()
         return True
 
@@ -180,13 +174,13 @@ class Scheduler:
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting)"""
-        return len(self._active), len(self._waiting)
+        return len(self._requests.running), len(self._requests.waiting)
 
     # -- loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         while not self._stopping:
-            if not self._active and not self._waiting:
+            if not self._requests:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -204,7 +198,7 @@ class Scheduler:
         await self._admit()
         now = time.monotonic()
         # waiting ones too: a request cancelled or expired in the queue ends now, even while nothing is admitted
-        for live in [*self._active.values(), *self._waiting]:
+        for live in list(self._requests):
             if live.stop_reason is None and live.deadline is not None and now > live.deadline:
                 live.stop_reason = "cancelled"
             if live.finished is not None:  # its finish did not reach Redis: retried before anything else
@@ -212,17 +206,18 @@ class Scheduler:
             elif live.stop_reason is not None:
                 await self._finish(live, live.stop_reason)
         m = self.metrics
-        m.queue_depth.set(len(self._waiting))
-        m.running.set(len(self._active))
-        batch = list(self._active.values())
+        m.queue_depth.set(len(self._requests.waiting))
+        m.running.set(len(self._requests.running))
+        batch = self._requests.batch()
         if not batch:
-            if self._waiting:  # nothing fits now: look again shortly (other managers' requests finish, KV frees)
+            # nothing fits now: look again shortly (other managers' requests finish, KV frees)
+            if self._requests.waiting:
                 await asyncio.sleep(IDLE_ADMIT_SECONDS)
             return
         self.iterations += 1
         started = time.perf_counter()
         try:
-            report = await self.core.step(batch, self._commit, live=self._active.__contains__)
+            report = await self.core.step(batch, self._commit, live=self._requests.running.__contains__)
         except VerifierUnavailable:
             return  # the executor waited its backoff; nothing was committed, the next iteration retries
         m.iterations.inc()
@@ -239,9 +234,8 @@ class Scheduler:
         in-process engine does). A preempted request's caches are released on the verifier and the
         workers and it waits at the head of the queue with its output (its stream pauses);
         re-admitted, its whole context goes out again and the caches are rebuilt from it."""
-        running = [(rid, self._step_rows(live)) for rid, live in self._active.items()]
-        waiting = [(live.request_id, self._step_rows(live)) for live in self._waiting]
-        committed = {live.request_id: live.committed_len for live in (*self._waiting, *self._active.values())}
+        running, waiting = self._requests.demand(self._step_rows)
+        committed = {live.request_id: live.committed_len for live in self._requests}
         cfg = self.config
         placed = await self.placement.plan(
             running, waiting, committed, cfg.kv_budgets, cfg.max_batch, cfg.max_prefill_tokens
@@ -250,7 +244,7 @@ class Scheduler:
             # no verifier to place requests on (the iteration waits for one: VerifierUnavailable), or stepping back
             return
         plan, replicas, before = placed
-        back = admit(self._active, self._waiting, plan)
+        back = self._requests.admit(plan)
         if back:
             self.metrics.preemptions.inc(len(back))
             log.info(
@@ -352,9 +346,7 @@ class Scheduler:
         except NOT_OURS as exc:
             self._lose(live, exc)
             return
-        self._active.pop(live.request_id, None)
-        if live in self._waiting:
-            self._waiting.remove(live)
+        self._requests.remove(live)
         assert live.final is not None
         live.publish(live.final)
         task = asyncio.get_running_loop().create_task(self._release((live.request_id,)))
@@ -367,9 +359,7 @@ class Scheduler:
         nothing more of it is committed or published here, its subscribers follow it in Redis. Its caches
         on the workers and the verifier are left alone: its new owner uses them."""
         rid = live.request_id
-        self._active.pop(rid, None)
-        if live in self._waiting:
-            self._waiting.remove(live)
+        self._requests.remove(live)
         self.core.forget(rid)
         self.verifier.forget((rid,))
         if self.workers is not None:

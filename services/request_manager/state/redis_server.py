@@ -12,9 +12,7 @@ predecessor is stopped before a new one starts (two servers never share one AOF)
 is stopped on every way out; with ``die_with_parent`` it also gets SIGTERM (and flushes its AOF)
 when the owner dies without cleaning up (kill -9).
 
-:func:`connect` opens a ``redis.asyncio`` client (or a Redis Cluster client) with ``decode_responses=False``:
-the request store keeps packed token IDs in Redis strings, so every reply is bytes and callers decode
-text fields themselves.
+Clients to it (or to any Redis) come from :func:`~.redis_client.connect`.
 """
 
 from __future__ import annotations
@@ -33,11 +31,9 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import redis
-import redis.asyncio
-from redis.asyncio.cluster import RedisCluster
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 MAX_UNIX_SOCKET_PATH = 100
@@ -46,7 +42,6 @@ Transport = Literal["auto", "unix", "tcp"]
 AppendFsync = Literal["always", "everysec", "no"]
 
 log = logging.getLogger("specinfer.redis")
-SOCKET_TIMEOUT_S = 5.0  # a Redis reply that takes longer is a dead connection (redis-py's default, made ours)
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent thread exits
 
 
@@ -380,22 +375,3 @@ class EmbeddedRedis:
             # A socket file left by a killed server would otherwise linger in state_dir.
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-
-
-def connect(
-    url: str, password: str | None = None, username: str | None = None, *, cluster: bool = False, **kwargs: Any
-) -> redis.asyncio.Redis | RedisCluster:
-    """A ``redis.asyncio`` client for ``url`` (``redis://``, ``rediss://`` or ``unix://``), replies as bytes.
-    ``username``: a Redis ACL user (None: the default user, authenticated by ``password`` alone).
-    ``cluster``: ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``); the client
-    learns the others and each slot's master from it, and refreshes that map on ``MOVED`` and on
-    connection errors (riding out a failover, which takes a few node timeouts: :mod:`.redis_failover`).
-
-    The client connects lazily: errors (refused connection, wrong password) surface on the first command.
-    """
-    kwargs.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
-    if cluster:
-        if not url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"a Redis Cluster needs a redis:// or rediss:// URL (TCP), got {url.split('://')[0]}://")
-        return RedisCluster.from_url(url, password=password, username=username, decode_responses=False, **kwargs)
-    return redis.asyncio.from_url(url, password=password, username=username, decode_responses=False, **kwargs)

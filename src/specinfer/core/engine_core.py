@@ -8,8 +8,8 @@ manager's scheduler. Both hand the batch to :meth:`EngineCore.step`, which runs
 
 over an :class:`Executor` (where the models run: in process, or SSM workers and verifier replicas
 over gRPC) and the driver's *commit* callback (what committing means: append to the result, or
-persist in Redis and publish). Admission and preemption are :func:`admit`, applied to the plan of
-:func:`specinfer.core.kv_budget.schedule` (the engine) or of the request manager's placement.
+persist in Redis and publish). The loop itself is described once, in docs/architecture.md ("The step
+loop"); admission and preemption between steps are :mod:`specinfer.core.admission`'s.
 
 The core owns adaptive speculation's state (:class:`~specinfer.core.adaptive.AdaptiveSpeculation`):
 it plans the adaptive requests' trees, cuts them before verification, and feeds the cost and
@@ -25,8 +25,7 @@ with :func:`run_to_end`, without an event loop.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -45,7 +44,6 @@ from specinfer.core.iteration import (
     verify_shape,
     verify_specs,
 )
-from specinfer.core.kv_budget import Schedule
 from specinfer.core.requests import TokenLogprob
 
 T = TypeVar("T")
@@ -234,20 +232,6 @@ class EngineCore:
                 if rid in drafted:
                     drafted[rid].extend(pairs)
         return drafted, seconds
-
-
-def admit(active: MutableMapping[str, R], waiting: deque[R], plan: Schedule) -> list[R]:
-    """Apply an admission plan: the preempted requests leave ``active`` for the head of ``waiting``
-    (in their order, keeping their output), then the admitted prefix of ``waiting`` joins ``active``.
-    Returns the preempted ones (their caches must be released)."""
-    back = [active.pop(rid) for rid in plan.preempted]
-    waiting.extendleft(reversed(back))
-    for rid in plan.admitted:
-        request = waiting.popleft()  # schedule admits a prefix of the queue
-        if request.request_id != rid:
-            raise AssertionError(f"admitted {rid!r} is not at the head of the queue ({request.request_id!r})")
-        active[rid] = request
-    return back
 
 
 def run_to_end(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -1,16 +1,10 @@
-"""The jobs and bookkeeping of one continuous-batching iteration, which the engine core
-(:class:`specinfer.core.engine_core.EngineCore`) runs for both drivers: the in-process engine
-(:class:`specinfer.engine.SpeculativeEngine`, models called locally) and the request manager's
-scheduler (SSM workers and the LLM verifier called remotely). One iteration:
-
-1. *speculate*: for every SSM i, :func:`draft_specs` lists its draft jobs (one per request whose
-   speculation names SSM i); the driver drafts them, in SSM order;
-2. *verify*: :func:`select_drafts` cuts the adaptive greedy and coupled requests' trees to the nodes worth
-   verifying; :func:`verify_specs` merges each request's trees into its verify job; the driver
-   verifies them all in one batch;
-3. *commit*: :meth:`Running.outcome` turns a verdict into the tokens to commit, the finish reason
-   and the step's :class:`StepStats`; the driver's commit persists or publishes them as it must, then
-   :meth:`Running.commit` applies them.
+"""The jobs and bookkeeping of one iteration of the step loop (docs/architecture.md, "The step loop"),
+which the engine core (:class:`specinfer.core.engine_core.EngineCore`) runs for both drivers: a
+:class:`Running` request; its draft jobs (:func:`draft_specs`, one per request whose speculation names
+the SSM); the cut of drafted trees (:func:`select_drafts`) and their merge into one verify job per
+request (:func:`verify_specs`); a verdict turned into the tokens to commit, the finish reason and the
+step's :class:`StepStats` (:meth:`Running.outcome`, applied by :meth:`Running.commit` once the driver
+has persisted or published them).
 
 Random streams: every job draws from its own generator, ``step_rng(seed, step, stream)`` (the
 request's seed, its verify steps so far, the job's role: :data:`VERIFY_STREAM` or

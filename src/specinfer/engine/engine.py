@@ -1,25 +1,17 @@
 """In-process tree-based speculative generation for a batch of requests.
 
-Each :meth:`SpeculativeEngine.step` runs one iteration for every active request:
-
-1. *speculate*: every SSM a request names grows its draft tree depth by depth (all requests
-   drafting with that SSM in one batched forward per depth); adaptive greedy requests' trees are
-   cut to the nodes worth verifying; trees of several SSMs are merged;
-2. *verify*: one batched LLM forward over every node of every tree, then greedy verification
-   or multi-step speculative sampling per request;
-3. *commit*: accepted tokens plus the bonus token are appended, stop conditions checked.
-
-The iteration is the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`), which the
-request manager's scheduler runs too; the engine runs it over its models in process
-(:class:`~specinfer.engine.local.LocalExecutor`) and keeps the queue. Requests can be added between steps
-(continuous batching); KV caches live in the backends and follow the committed tokens automatically (see
+Each :meth:`SpeculativeEngine.step` is one iteration of the step loop (docs/architecture.md, "The step
+loop") over the running requests: the engine core's (:meth:`specinfer.core.engine_core.EngineCore.step`),
+which the request manager's scheduler runs too, over the engine's models in process
+(:class:`~specinfer.engine.local.LocalExecutor`). The engine keeps the queue
+(:class:`~specinfer.core.admission.Admission`) and commits into each request's result. Requests can be
+added between steps; KV caches live in the backends and follow the committed tokens automatically (see
 :mod:`specinfer.models.interface`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,9 +19,10 @@ from functools import partial
 from specinfer.core import InvalidArgument
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.adaptive import AdaptiveSpeculation
+from specinfer.core.admission import Admission
 from specinfer.core.costs import StepCosts
 from specinfer.core.drafters.head import VerifierHeadDrafter
-from specinfer.core.engine_core import EngineCore, admit, run_to_end
+from specinfer.core.engine_core import EngineCore, run_to_end
 from specinfer.core.errors import check_token_ids
 from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import Running, StepOutcome, request_seed
@@ -92,8 +85,7 @@ class SpeculativeEngine:
         self.llm = llm
         self.ssms = list(ssms)
         self.config = config
-        self._active: dict[str, _Active] = {}  # in admission order, oldest first
-        self._waiting: deque[_Active] = deque()
+        self._requests: Admission[_Active] = Admission()
         self._ids: set[str] = set()  # request IDs running or waiting: add() checks a batch of thousands in O(1) each
         # A request holds a KV cache in every model until it finishes. Models that size their cache
         # in KV blocks admit and preempt by blocks (core.kv_budget); others bound the batch by how
@@ -170,23 +162,21 @@ class SpeculativeEngine:
                 )
         check_fits_alone(request, self._budgets, len(self.ssms), self.config.planner)
 
-    def _step_rows(self, request: GenerationRequest, committed: int) -> StepRows:
-        return step_rows(request, committed, len(self.ssms), self.config.planner)
+    def _step_rows(self, state: _Active) -> StepRows:
+        return step_rows(state.request, state.committed_len, len(self.ssms), self.config.planner)
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
         if request.request_id in self._ids:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already running")
         self._ids.add(request.request_id)
-        self._waiting.append(_Active(request))
+        self._requests.enqueue(_Active(request))
 
     def cancel(self, request_id: str) -> GenerationResult | None:
-        state = self._active.pop(request_id, None)
+        state = self._requests.get(request_id)
         if state is None:
-            state = next((w for w in self._waiting if w.request.request_id == request_id), None)
-            if state is None:
-                return None
-            self._waiting.remove(state)
+            return None
+        self._requests.remove(state)
         self._ids.discard(request_id)
         state.result.finish_reason = "cancelled"
         self._release(request_id)
@@ -195,16 +185,16 @@ class SpeculativeEngine:
     def running(self) -> list[GenerationResult]:
         """Results of the requests admitted and not finished; live objects that each step extends
         (e.g. to time when tokens are committed)."""
-        return [s.result for s in self._active.values()]
+        return [s.result for s in self._requests.running.values()]
 
     @property
     def admitted(self) -> int:
         """Requests running or waiting to run."""
-        return len(self._active) + len(self._waiting)
+        return len(self._requests)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting)
+        return len(self._requests) > 0
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results in input order."""
@@ -222,9 +212,9 @@ class SpeculativeEngine:
     # -- one iteration ------------------------------------------------------------------
 
     def step(self) -> list[GenerationResult]:
-        """One speculate/verify/commit iteration (:meth:`EngineCore.step`); returns the requests that finished."""
+        """One iteration of the step loop (docs/architecture.md); returns the requests that finished."""
         self._admit()
-        states = list(self._active.values())
+        states = self._requests.batch()
         if not states:
             return []
         finished: list[GenerationResult] = []
@@ -239,7 +229,7 @@ class SpeculativeEngine:
         state.result.finish_reason = outcome.finish_reason
         if outcome.finish_reason is not None:
             finished.append(state.result)
-            del self._active[state.request_id]
+            self._requests.remove(state)
             self._ids.discard(state.request_id)
             self._release(state.request_id)
 
@@ -247,16 +237,11 @@ class SpeculativeEngine:
         """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`): a
         preempted request's caches are released and it waits at the head of the queue with its
         output; re-admitted, its caches are rebuilt from its committed tokens."""
-        plan = schedule(
-            self._budgets,
-            [(rid, self._step_rows(s.request, s.committed_len)) for rid, s in self._active.items()],
-            [(w.request_id, self._step_rows(w.request, w.committed_len)) for w in self._waiting],
-            self._capacity,
-            self.config.max_prefill_tokens,
-        )
+        running, waiting = self._requests.demand(self._step_rows)
+        plan = schedule(self._budgets, running, waiting, self._capacity, self.config.max_prefill_tokens)
         if isinstance(plan, Overfull):  # check_fits_alone refused such requests when they arrived
             raise AssertionError(str(plan))
-        back = admit(self._active, self._waiting, plan)
+        back = self._requests.admit(plan)
         for state in back:
             self._release(state.request_id)
         self.preemptions += len(back)

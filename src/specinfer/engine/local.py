@@ -12,8 +12,9 @@ from functools import partial
 
 from specinfer.core.engine_core import DraftRound, Verdict, VerifyRound
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import CausalLM
-from specinfer.models.steps import draft_trees, verify_trees
+from specinfer.models.verification import verify_trees
 
 
 class LocalExecutor:

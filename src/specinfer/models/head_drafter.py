@@ -5,7 +5,7 @@ layer: a pair's key and value depend on its input alone, so absorbing a pair run
 LLM's feature at the last committed token. The verifier feeds it after each verification
 (:meth:`HeadDrafter.absorb`: the features the LLM computed for the context and the accepted path), then
 grows the next step's tree from the bonus token through :meth:`HeadDrafter.forward_tree`, which is the
-:class:`~specinfer.models.interface.CausalLM` call that :func:`specinfer.models.steps.draft_trees` makes of an
+:class:`~specinfer.models.interface.CausalLM` call that :func:`specinfer.models.drafting.draft_trees` makes of an
 SSM: the same tree builders, the same drawing of drafts (so sampling stays exact under multi-step
 speculative sampling), rows on the model's device.
 
@@ -263,7 +263,8 @@ class HeadDrafter:
 class WithHead:
     """An LLM with its draft head: a :class:`~specinfer.models.interface.CausalLM` (the LLM's, by delegation)
     whose :meth:`release` forgets a request in both, and which
-    :func:`~specinfer.models.steps.verify_trees` verifies with features, drafting the next trees with ``head``."""
+    :func:`~specinfer.models.verification.verify_trees` verifies with features, drafting the next trees with
+    ``head``."""
 
     def __init__(self, llm: NativeBackend, head: HeadDrafter) -> None:
         self.llm = llm

@@ -72,6 +72,13 @@ def stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(parts))
 
 
+def select_rows(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
+    """Rows ``index`` of ``rows`` (all of them: ``rows`` itself, no copy).  # [len(index), ...]"""
+    if len(index) == rows.shape[0]:
+        return rows
+    return rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
+
+
 def ranked_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of each row, best first, equal values in index order (as
     :func:`specinfer.core.sampling.top_k_tokens`): ``(indices [R, k] int64, values [R, k])``."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from specinfer.wire import ContextUpdate, check_distinct_requests, context_from_proto
+from specinfer.wire_jobs import ContextUpdate, check_distinct_requests, context_from_proto
 
 Job = TypeVar("Job")
 Output = TypeVar("Output")

@@ -1,45 +1,33 @@
-"""The two model-side halves of an iteration, shared by the in-process engine and the services.
+"""Verification, the LLM's half of an iteration, shared by the in-process engine and the LLM verifier.
 
-- :func:`draft_trees`: one SSM grows a draft tree per job, all jobs batched through the model
-  depth by depth (the SSM worker's ``Speculate``).
-- :func:`verify_trees`: one batched LLM forward over every tree, then greedy verification, coupled
-  verification (seeded sampling, :mod:`specinfer.core.coupled`) or multi-step speculative sampling
-  per job (the LLM verifier's ``Verify``).
+:func:`verify_trees`: one batched LLM forward over every job's tree, then per job greedy verification,
+coupled verification (seeded sampling, :mod:`specinfer.core.coupled`) or multi-step speculative
+sampling (MSS), and the logprobs of the new tokens where a job asks for them (the LLM verifier's
+``Verify``). An LLM with a draft head also drafts the next step's trees
+(:func:`specinfer.models.drafting.head_drafts`).
 
-Model outputs stay on the model's device: each SSM pass and each verify step computes what it
-needs there, for all jobs at once (:mod:`specinfer.models.on_device`), and copies the small results
-to the host once. The host keeps what is sequential and small: growing the trees, drawing drafts
-from their sparse distributions, and the MSS walk.
+The model's outputs stay on its device: each verify step computes what it needs there, for all jobs
+at once (:mod:`specinfer.models.on_device`), and copies the small results to the host once. The host
+keeps what is sequential and small: the MSS walk (:func:`specinfer.core.verify.walk_stochastic`).
 
-Jobs are :class:`~specinfer.core.iteration.DraftSpec` / :class:`~specinfer.core.iteration.VerifySpec`;
-each draws from the random stream its spec names.
+Jobs are :class:`~specinfer.core.iteration.VerifySpec`; each draws from the random stream its spec names.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from specinfer.core import (
-    BestFirstTreeBuilder,
-    DraftTree,
-    Proposal,
-    TokenTree,
-    TreeBuilder,
-    VerifyResult,
-    draw_without_replacement,
-)
-from specinfer.core.coupled import coupled_children
-from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.core import DraftTree, TokenTree, VerifyResult
+from specinfer.core.iteration import VerifySpec
 from specinfer.core.requests import TokenLogprob
-from specinfer.core.sampling import SparseDist
 from specinfer.core.tree import path_below_root
 from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
-from specinfer.models.head_drafter import HeadDrafter, WithHead
+from specinfer.models.drafting import head_drafts
+from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.on_device import (
     RowHistory,
@@ -49,157 +37,11 @@ from specinfer.models.on_device import (
     mss_tables,
     pack,
     processed_probs,
-    ranked_top_k,
+    select_rows,
     stack_rows,
     to_host,
     token_logprobs,
 )
-
-
-@dataclass(frozen=True)
-class RowTable:
-    """What drafting needs of one SSM logit row, in host memory. Greedy: ``tokens``, the top tokens
-    best first, and ``probs``, their softmax probabilities (temperature 1: the SSM's confidence, which
-    scores dynamic trees; zeros when no job of the pass grows one). Sampling: the top tokens of the processed
-    distribution, their (not renormalised) probabilities, and ``nonzero``, how many tokens it gives mass to."""
-
-    tokens: np.ndarray  # [k] int64
-    probs: np.ndarray  # [k] float64
-    nonzero: int = 0
-
-
-def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[int]) -> list[RowTable]:
-    """:class:`RowTable` of each row of one SSM pass (``rows`` ``[R, V]`` on the SSM's device; row r
-    belongs to ``jobs[r]``, which wants ``widths[r]`` children there), with one device-to-host copy."""
-    vocab = rows.shape[-1]
-    greedy = [r for r, job in enumerate(jobs) if job.sampling.greedy]
-    sampled = [r for r, job in enumerate(jobs) if not job.sampling.greedy]
-    parts: list[torch.Tensor] = []
-    g_width = min(vocab, max((widths[r] for r in greedy), default=0))
-    s_width = min(vocab, max((jobs[r].draft_support for r in sampled), default=0))
-    scored = any(
-        jobs[r].budget is not None for r in greedy
-    )  # dynamic trees score slots by the softmax; static ones need none
-    if greedy:
-        x = _select(rows, greedy)  # [Rg, V]
-        tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
-        parts.append(tokens)
-        if scored:
-            x = x.to(torch.float64)
-            parts.append(torch.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1).gather(-1, tokens))
-    if sampled:
-        probs = processed_probs(_select(rows, sampled), [jobs[r].sampling for r in sampled])  # [Rs, V]
-        tokens, top = ranked_top_k(probs, s_width)  # [Rs, S]
-        parts += [tokens, top, (probs > 0).sum(dim=-1)]
-    host = to_host(pack(parts)) if parts else np.zeros(0)
-    out: list[RowTable | None] = [None] * len(jobs)
-    at = 0
-    if greedy:
-        n = len(greedy) * g_width
-        tokens = host[:n].reshape(-1, g_width).astype(np.int64)
-        probs = host[n : 2 * n].reshape(-1, g_width) if scored else np.zeros_like(tokens, dtype=np.float64)
-        at = 2 * n if scored else n
-        for i, r in enumerate(greedy):
-            out[r] = RowTable(tokens[i], probs[i])
-    if sampled:
-        n = len(sampled) * s_width
-        tokens, probs = (
-            host[at : at + n].reshape(-1, s_width).astype(np.int64),
-            host[at + n : at + 2 * n].reshape(-1, s_width),
-        )
-        nonzero = host[at + 2 * n :].astype(np.int64)
-        for i, r in enumerate(sampled):
-            out[r] = RowTable(tokens[i], probs[i], int(nonzero[i]))
-    return out  # type: ignore[return-value]
-
-
-def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generator, depth: int) -> Proposal:
-    """Children (at ``depth`` below the root) of one node: the top ``width`` under greedy decoding; under
-    sampling, drawn without replacement from the sparse processed distribution q (the ``job.draft_support``
-    most likely tokens, renormalised), which comes with them: from ``rng`` (MSS), or by Gumbel-top-k with
-    the position noise of their sequence index (coupled verification). ``slot_probs`` score a dynamic
-    tree's slots: greedy, the SSM's own softmax at its top tokens; sampling, q's largest probabilities."""
-    if job.sampling.greedy:
-        return Proposal(tuple(int(t) for t in table.tokens[:width]), None, tuple(float(p) for p in table.probs[:width]))
-    k = min(job.draft_support, table.nonzero)
-    top = table.probs[:k]
-    q = SparseDist(table.tokens[:k], top / top.sum())
-    if job.sampling.coupled:  # the root is the last committed token, at sequence index len(context)
-        tokens = coupled_children(q, job.seed, len(job.context_tokens) + depth, width)
-    else:
-        tokens = draw_without_replacement(q, width, rng)
-    return Proposal(tuple(tokens), q, tuple(float(p) for p in q.probs[:width]))
-
-
-def draft_trees(
-    ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int, float], None] | None = None
-) -> list[DraftTree]:
-    """One draft tree per job, in job order: static jobs grow their expansion, budgeted ones a
-    best-first dynamic tree. ``on_pass(frontier_tokens, seconds)`` hears of every SSM pass."""
-    builders = {
-        i: (
-            TreeBuilder(job.root_token, job.expansion)
-            if job.expansion is not None
-            else BestFirstTreeBuilder(job.root_token, job.budget)
-        )
-        for i, job in enumerate(jobs)
-    }
-    rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
-    depths = [1] * len(jobs)  # the depth of the children each job's next pass drafts (one pass per depth)
-    out: dict[int, DraftTree] = {}
-    while builders:
-        started = time.perf_counter()  # a pass costs its Python work too: building the items, drafting the children
-        order = list(builders)
-        items = []
-        for i in order:
-            frontier = builders[i].frontier()
-            items.append(
-                TreeForward(
-                    jobs[i].request_id,
-                    jobs[i].context_tokens,
-                    builders[i].tokens_of(frontier),
-                    builders[i].parents_of(frontier),
-                )
-            )
-        logits = ssm.forward_tree(items)
-        owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
-        rows = stack_rows(logits)
-        if any(jobs[i].sampling.adjusts_logits for i in order):
-            # the request's biases and penalties on the draft's rows too, as verification will apply them to the
-            # LLM's: drafts that follow them are accepted (verification is exact either way)
-            rows = adjusted_rows(rows, _draft_histories(jobs, builders, order, items))
-        tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners])
-        at = 0
-        for i, item in zip(order, items, strict=True):
-            b = builders[i]
-            proposals = [
-                propose(table, b.width(), jobs[i], rngs[i], depths[i]) for table in tables[at : at + len(item.tokens)]
-            ]
-            at += len(item.tokens)
-            depths[i] += 1
-            if isinstance(b, BestFirstTreeBuilder):
-                b.expand(proposals)
-            else:
-                b.expand([(p.tokens, p.q) for p in proposals])
-            if b.done:
-                out[i] = b.build()
-                del builders[i]
-        if on_pass is not None:
-            on_pass(sum(len(it.tokens) for it in items), time.perf_counter() - started)
-    return [out[i] for i in range(len(jobs))]
-
-
-def _draft_histories(jobs, builders, order, items) -> list[RowHistory]:
-    """The :class:`RowHistory` of each job of one SSM pass that adjusts its logits: its frontier nodes' paths."""
-    out, start = [], 0
-    for i, item in zip(order, items, strict=True):
-        job = jobs[i]
-        if job.sampling.adjusts_logits:
-            paths = [builders[i].path_tokens(node) for node in builders[i].frontier()]
-            committed = [*job.context_tokens, job.root_token]
-            out.append(RowHistory(start, job.sampling, committed, job.output_start, paths))
-        start += len(item.tokens)
-    return out
 
 
 def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
@@ -276,7 +118,7 @@ def _with_logprobs(
         tokens.extend(results[i].new_tokens)
     top = min(max(jobs[i].logprobs or 0 for i in asking), rows.shape[1])  # a vocabulary may hold fewer tokens
     device = rows.device
-    parts = token_logprobs(_select(rows, index), torch.tensor(tokens, dtype=torch.long, device=device), top)
+    parts = token_logprobs(select_rows(rows, index), torch.tensor(tokens, dtype=torch.long, device=device), top)
     host = to_host(pack(parts))
     n = len(index)
     chosen = host[:n]
@@ -294,38 +136,6 @@ def _with_logprobs(
     return out
 
 
-def head_drafts(
-    head: HeadDrafter, jobs: Sequence[VerifySpec], results: Sequence[VerifyResult], features: Sequence[torch.Tensor]
-) -> list[VerifyResult]:
-    """``results`` with the next step's head trees of the jobs that ask for one: the head first takes the
-    features of each job's computed context and accepted path (``features[i]``: its chain rows, then its
-    tree's nodes, :meth:`~specinfer.models.native.backend.NativeBackend.forward_tree_features`), then drafts
-    from the bonus tokens, all jobs batched (:func:`draft_trees`)."""
-    specs, where = [], []
-    for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
-        committed = [*job.context_tokens, job.draft.tree.tokens[0], *result.accepted_tokens]
-        spec = job.head_spec(committed, result.bonus_token)
-        if spec is None:
-            continue
-        chain = features[i].shape[0] - len(job.draft.tree)  # context tokens the LLM computed in this call
-        rows = [*range(chain), chain, *(chain + u for u in result.accepted_nodes)]
-        index = torch.tensor(rows, device=features[i].device)
-        head.absorb(job.request_id, committed, len(job.context_tokens) - chain, features[i].index_select(0, index))
-        specs.append(spec)
-        where.append(i)
-    out = list(results)
-    for i, tree in zip(where, draft_trees(head, specs), strict=True):
-        out[i] = replace(out[i], next_tree=tree)
-    return out
-
-
-def _select(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
-    """Rows ``index`` of ``rows`` (all of them: ``rows`` itself, no copy).  # [len(index), ...]"""
-    if len(index) == rows.shape[0]:
-        return rows
-    return rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
-
-
 def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
     """The LLM's token after each node of ``jobs``' trees (rows from ``starts``), in their order: the
     argmax (greedy), or the Gumbel-max draw of its sequence index (coupled).  # [Ng]"""
@@ -341,10 +151,10 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
             params.extend([job.sampling] * n)
         index.extend(range(start, start + n))
     # [Ng] (the argmax of every row, then these: no copy of rows)
-    targets = _select(rows.argmax(dim=-1)[:, None], index)[:, 0]
+    targets = select_rows(rows.argmax(dim=-1)[:, None], index)[:, 0]
     if meta:
         seeds, indices = torch.tensor(meta, dtype=torch.int64).T.to(rows.device)  # one host-to-device copy
-        drawn = coupled_targets(_select(rows, [index[w] for w in where]), params, seeds, indices)
+        drawn = coupled_targets(select_rows(rows, [index[w] for w in where]), params, seeds, indices)
         targets = targets.index_put((torch.tensor(where, device=rows.device),), drawn)
     return targets
 
@@ -410,7 +220,7 @@ class _MssPlan:
         device = rows.device
         index = [s + k for s, j in zip(starts, self.jobs, strict=True) for k in range(len(j.draft.tree))]
         params = [j.sampling for j in self.jobs for _ in range(len(j.draft.tree))]
-        probs = processed_probs(_select(rows, index), params)  # [Ns, V]
+        probs = processed_probs(select_rows(rows, index), params)  # [Ns, V]
         flat = [t for tries in self.tries for t in tries]  # per sampled row, its tries
         internal = [r for r in range(self.num_rows) if flat[r]]
         k_max, support = self.max_tries, max((t.q.tokens.size for r in internal for t in flat[r]), default=1)
