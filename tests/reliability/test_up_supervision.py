@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -126,10 +127,13 @@ def test_up_restarts_a_killed_verifier_and_request_manager_and_every_stream_stay
 
 
 def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, tmp_path):
-    """A verifier whose LLM folder has no checkpoint exits at every start: after 3 starts the stack
-    stops with exit code 1 and the verifier's last log lines, and nothing is left running."""
-    empty = tmp_path / "no-model"
+    """A verifier whose LLM folder has a config but no weights exits at every start (``up`` checks the folders
+    before it starts anything, but not the weights): after 3 starts the stack stops with exit code 1 and the
+    verifier's last log lines, and nothing is left running."""
+    empty = tmp_path / "no-weights"
     empty.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_pair.llm / name, empty / name)
     up = SpecinferUp(up_args(empty, model_pair.ssm, tmp_path), up_env())
     try:
         code = up.popen.wait(300)
@@ -145,7 +149,7 @@ def test_up_stops_when_a_process_fails_at_start_up_again_and_again(model_pair, t
     ), out
     assert "stopping: llm-verifier exited before it served, 3 times in a row; the last lines of its log" in out, out
     tail = out.split("the last lines of its log", 1)[1]
-    assert str(empty) in tail and "config.json" in tail, f"the verifier's error is not among the lines shown:\n{out}"
+    assert str(empty / "model.safetensors") in tail, f"the verifier's error is not among the lines shown:\n{out}"
     assert "ssm-worker" not in out  # nothing after the verifier was started
     assert processes_naming(str(tmp_path)) == [], "processes left after specinfer up stopped"
 
