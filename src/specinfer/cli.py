@@ -14,7 +14,7 @@ from specinfer.core import InvalidArgument
 from specinfer.generate_cmd import add_generation_flags, build_config, run_generate
 from specinfer.remote_cmd import generate_remote, stream
 from specinfer.training.run import add_training_parsers, training_main
-from specinfer.tuning import resolve_expansion
+from specinfer.tuning import resolve_expansion, static_expansion
 from specinfer.tuning.run import add_tune_parser, tune_main
 
 BUNDLED_PAIR = Path(__file__).resolve().parents[2] / "models/demo"  # trained by `specinfer train-demo`, committed
@@ -320,23 +320,18 @@ def check_up_settings(
     ``generate`` does, instead of a member failing at start-up three times): the counts, the checkpoint folders,
     the default speculation; returns the request managers' --max-tree-nodes."""
     from specinfer.checkpoint import check_checkpoint
-    from specinfer.core import ExpansionConfig
     from specinfer.core.drafts import DEFAULT_MAX_TREE_NODES, merged_tree_nodes
 
-    for flag in ("verifiers", "request-managers"):
-        if getattr(args, flag.replace("-", "_")) < 1:
-            raise InvalidArgument(flag, f"must be at least 1, got {getattr(args, flag.replace('-', '_'))}")
+    for flag, count in (("verifiers", args.verifiers), ("request-managers", args.request_managers)):
+        if count < 1:
+            raise InvalidArgument(flag, f"must be at least 1, got {count}")
     check_checkpoint(llm, "llm")
     for path in ssms:
         check_checkpoint(path, "ssm")
     if head is not None:
         check_checkpoint(head, "head")
-    keyword = expansion.strip().lower()
-    nodes = 0  # the default static tree's, merged over every SSM
-    if keyword not in ("auto", "none", "off") and ssms:
-        nodes = merged_tree_nodes(ExpansionConfig.parse(expansion), len(ssms))
-    elif keyword not in ("auto", "none", "off"):
-        ExpansionConfig.parse(expansion)  # no SSM to draft it, but a bad value is still an error
+    static = static_expansion(expansion)  # parsed even without an SSM to draft it: a bad value is an error
+    nodes = merged_tree_nodes(static, len(ssms)) if static is not None and ssms else 0  # merged over every SSM
     if args.max_tree_nodes < 0:
         raise InvalidArgument("max-tree-nodes", f"must be at least 0, got {args.max_tree_nodes}")
     if args.max_tree_nodes and nodes > args.max_tree_nodes:

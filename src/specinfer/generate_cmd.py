@@ -16,7 +16,7 @@ from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.core.requests import TokenLogprob
-from specinfer.tuning import resolve_expansion, slot_prior
+from specinfer.tuning import slot_prior, static_expansion
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
     """The in-process run of ``prompts`` on ``llm`` and ``ssms`` that the generation flags ask for."""
     keyword = args.expansion.strip().lower()
-    static = (
-        None if keyword in ("auto", "none", "off") else ExpansionConfig.parse(resolve_expansion(args.expansion, ssms))
-    )
+    static = static_expansion(args.expansion, ssms)
     speculate = bool(ssms) and not args.no_speculation and keyword not in ("none", "off")
     adaptive = speculate and keyword == "auto"
     if args.head and not args.no_speculation and keyword == "auto":  # a head alone drafts adaptive trees

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core import InvalidArgument
 from specinfer.core.requests import TokenLogprob
 from specinfer.generate_cmd import print_logprobs, print_prompt_header
-from specinfer.tuning import resolve_expansion
+from specinfer.tuning import static_expansion
 
 
 def client_auth(args: argparse.Namespace):
@@ -45,6 +45,7 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
     from specinfer.client import Client, Failover
 
     keyword = args.expansion.strip().lower()
+    static = None if args.no_speculation else static_expansion(args.expansion)
     request = Client.request(
         prompt,
         max_new_tokens=args.max_new_tokens,
@@ -54,9 +55,7 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
         seed=args.seed,
         verification="" if args.verification == "auto" else args.verification,
         # auto: the server's default (adaptive speculation unless the server runs otherwise)
-        expansion=()
-        if args.no_speculation or keyword in ("auto", "none", "off")
-        else ExpansionConfig.parse(resolve_expansion(args.expansion)).widths,
+        expansion=() if static is None else static.widths,
         speculation=not args.no_speculation and keyword not in ("none", "off"),
         suffix=False if args.no_suffix else None,
         logprobs=args.logprobs,

@@ -92,7 +92,7 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
     )
     check_kv_fit(request, limits)  # the KV caches may be smaller than before the restart
     stop = tuple(params["stop"])
-    text = TextStream(tokenizer, stop, skip_special_tokens(params)) if tokenizer is not None else None
+    text = snapshot_text_stream(snapshot, tokenizer) if tokenizer is not None else None
     live = Live(request, int(params["seed"]), stop, text)
     live.output = list(snapshot.output_tokens)
     live.logprobs = list(snapshot.output_logprobs)

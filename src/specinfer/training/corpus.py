@@ -37,17 +37,19 @@ def source_files(paths: Iterable[str | Path], suffixes: Sequence[str] = (".py",)
             raise FileNotFoundError(f"corpus path {p} does not exist")
         walked: set[Path] = set()  # real folders: a link back up the tree is walked once, not forever
         for root, dirs, files in os.walk(p, followlinks=True):  # corpora are often folders of links
-            if Path(root).resolve() in walked:
+            real = Path(root).resolve()
+            if real in walked:
                 dirs[:] = []
                 continue
-            walked.add(Path(root).resolve())
+            walked.add(real)
             dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith((".", "config-")))
             in_tests = any(part in TEST_DIRS for part in Path(root).relative_to(p).parts)
             if not tests:
                 dirs[:] = [d for d in dirs if d not in TEST_DIRS]
-            for f in files:
-                if f.endswith(tuple(suffixes)) and (in_tests or not tests) and (Path(root) / f).is_file():
-                    out.setdefault((Path(root) / f).resolve(), Path(root) / f)
+            for name in files:
+                f = Path(root) / name
+                if name.endswith(tuple(suffixes)) and (in_tests or not tests) and f.is_file():
+                    out.setdefault(f.resolve(), f)
     return sorted(out.values())
 
 

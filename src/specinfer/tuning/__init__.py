@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from specinfer.core import InvalidArgument
+from specinfer.core import ExpansionConfig, InvalidArgument
 from specinfer.core.acceptance import slot_prior_from_agreement
 from specinfer.core.drafts import PAPER_EXPANSION
 
@@ -46,6 +46,19 @@ def resolve_expansion(text: str, ssm_dirs: Sequence[str | Path] = (), field: str
                 return read_pick(f, field)
         return PAPER_EXPANSION
     return text
+
+
+NO_STATIC_TREE = ("auto", "none", "off")  # --expansion keywords that name no static tree
+
+
+def static_expansion(
+    text: str, ssm_dirs: Sequence[str | Path] = (), field: str = "expansion"
+) -> ExpansionConfig | None:
+    """The static tree an ``--expansion`` value names (``tuned`` and ``@PATH`` resolved by :func:`resolve_expansion`),
+    or None for ``auto`` (adaptive), ``none`` and ``off``; a value that does not parse is InvalidArgument."""
+    if text.strip().lower() in NO_STATIC_TREE:
+        return None
+    return ExpansionConfig.parse(resolve_expansion(text, ssm_dirs, field))
 
 
 def slot_prior(ssm_dir: str | Path) -> tuple[float, ...] | None:
