@@ -208,7 +208,9 @@ def tree_attention_sdpa(
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
         plain = softcap is None and window is None
         causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
-        mask = None if causal else _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
+        # one query at the end of a chain (an incremental step) sees every key: no mask to build or add
+        sees_all = plain and meta.is_chain[b] and meta.num_queries[b] == 1
+        mask = None if causal or sees_all else _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
         if softcap is None:
             ob = F.scaled_dot_product_attention(
                 qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
