@@ -5,6 +5,7 @@ fabricated model outputs): static trees, adaptive ones, head and suffix trees, p
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -133,11 +134,23 @@ class ScriptedExecutor:
         return VerifyRound(verdicts, failed, timings=(("scripted", tuple(jobs), 0.01),))
 
 
-def _adaptive(ssms: int = 1, max_nodes: int = 8, per_token: float = 1e-5) -> AdaptiveSpeculation:
-    """Costs where speculation pays (a verify token is cheap beside the step), the head asked every step."""
+ALWAYS = HeadGateConfig(measure=False)  # a gate that does not measure: on every step
+
+
+def _adaptive(
+    ssms: int = 1, max_nodes: int = 8, per_token: float = 1e-5, gate: HeadGateConfig = ALWAYS
+) -> AdaptiveSpeculation:
+    """Costs where speculation pays (a verify token is cheap beside the step), the head asked every step and, unless
+    ``gate`` says otherwise, speculation every step (the speculation gate does not measure)."""
     tables = {b: 1e-2 + per_token * b for b in (1, 2, 4, 8, 16, 32, 64)}
     costs = StepCosts(CostTable(tables), 0.0, {s: CostTable({b: 1e-4 for b in tables}) for s in range(ssms)})
-    config = PlannerConfig(max_nodes=max_nodes, max_depth=4, head_gate=HeadGateConfig(measure=False), explore_costs=0)
+    config = PlannerConfig(
+        max_nodes=max_nodes,
+        max_depth=4,
+        head_gate=HeadGateConfig(measure=False),
+        speculation_gate=gate,
+        explore_costs=0,
+    )
     return AdaptiveSpeculation(costs, config, {s: (0.8, 0.1) for s in range(ssms)})
 
 
@@ -310,3 +323,37 @@ def test_a_request_ends_at_its_length_and_leaves_the_core() -> None:
     assert batch == [] and r.output == expected(r.request.prompt_tokens, 3)
     for jobs in executor.verifies:
         assert len(jobs[0].draft.tree) <= r.request.max_new_tokens, "never drafts past the token budget"
+
+
+class TimedExecutor(ScriptedExecutor):
+    """The scripted models, with a verification that takes ``base + per_node * nodes`` seconds (the batch's tree
+    nodes): a machine where speculation pays (``per_node`` small) or loses (large)."""
+
+    def __init__(self, base: float, per_node: float) -> None:
+        super().__init__()
+        self.base, self.per_node = base, per_node
+
+    async def verify(self, jobs: Sequence[VerifySpec]) -> VerifyRound:
+        time.sleep(self.base + self.per_node * sum(len(j.draft.tree) for j in jobs))
+        return await super().verify(jobs)
+
+
+@pytest.mark.parametrize("per_node, speculation_wins", [(0.0, True), (4e-3, False)])
+def test_the_speculation_gate_keeps_the_faster_of_speculating_and_not(per_node: float, speculation_wins: bool) -> None:
+    """Speculation measured first, then a block without, then the faster arm kept: where each drafted node costs the
+    verification more than the tokens it brings (the scripted SSM is right for 2 tokens, then wrong), the adaptive
+    request ends up verifying its root alone; where nodes are free it keeps speculating."""
+    gate = HeadGateConfig(block=3, explore_every=1000)
+    executor = TimedExecutor(2e-3, per_node)
+    adaptive = _adaptive(1, gate=gate)
+    core = EngineCore(executor, 1, eos_token_id=None, adaptive=adaptive)
+    r = _request("auto", _auto((0,)), n=400)
+    _run(core, [r], 24)
+    assert r.output == expected(r.request.prompt_tokens, len(r.output))
+    on, off = core.speculation_gate.rates(1)
+    assert on > 0 and off > 0, "both arms measured"
+    assert (on > off) == speculation_wins
+    sizes = [len(v[0].draft.tree) for v in executor.verifies]
+    assert 1 in sizes[6:9], "the third block measured the adaptive request without speculation"
+    kept = sizes[-9:]  # the blocks after the decision
+    assert all(n > 1 for n in kept) if speculation_wins else all(n == 1 for n in kept)

@@ -22,7 +22,7 @@ from specinfer.request_manager.api.servicer import SpecInferServicer
 from specinfer.request_manager.cluster.remote import Verifiers
 from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.scheduling.adaptive import start_planner
+from specinfer.request_manager.scheduling.adaptive import planner_config, start_planner
 from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.startup import (
     SsmSet,
@@ -219,7 +219,9 @@ class RequestManagerApp:
             limits = api_limits(cfg, info, workers, ssm_names, eos, budgets)
         except ValueError as exc:
             raise StartUpError(str(exc)) from None
-        adaptive = await start_planner(info, self.verifier, workers, ssm_names, cfg.max_tree_nodes)
+        adaptive = await start_planner(
+            info, self.verifier, workers, ssm_names, planner_config(cfg.max_tree_nodes, cfg.speculation_gate)
+        )
         scheduler_config = SchedulerConfig(
             max_batch,
             cfg.max_queue,

@@ -161,6 +161,11 @@ class RequestManagerConfig:
     max_tree_nodes: int = setting(
         DEFAULT_MAX_TREE_NODES, "most nodes of a request's token tree (more: INVALID_ARGUMENT)"
     )
+    speculation_gate: bool = setting(
+        True,
+        "per batch size, measure whether adaptive speculation commits more tokens per second than none and keep "
+        "the faster (docs/speculation.md; on/off; off: speculate as the planner plans, every step)",
+    )
     ssm_failure_seconds: float = setting(
         10.0, "timeout of a Speculate call; a worker that fails or exceeds it is taken out until healthy"
     )

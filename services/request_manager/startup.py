@@ -19,7 +19,7 @@ from specinfer.request_manager.api.admission import ApiLimits
 from specinfer.request_manager.cluster.remote import Verifiers
 from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.config import RequestManagerConfig
-from specinfer.request_manager.scheduling.adaptive import start_planner
+from specinfer.request_manager.scheduling.adaptive import planner_config, start_planner
 from specinfer.request_manager.scheduling.scheduler import Scheduler
 from specinfer.request_manager.state.lifecycle import Requests
 from specinfer.serving.scheduler_metrics import SchedulerMetrics
@@ -157,7 +157,13 @@ class SsmSet:
             except ValueError as exc:
                 log.error("SSM not added", extra={"ssms": new, "error": str(exc)})
                 return
-            adaptive = await start_planner(self.info, self.verifier, self.workers, names, self.cfg.max_tree_nodes)
+            adaptive = await start_planner(
+                self.info,
+                self.verifier,
+                self.workers,
+                names,
+                planner_config(self.cfg.max_tree_nodes, self.cfg.speculation_gate),
+            )
             self.scheduler.add_ssms(names, adaptive)
             self.requests.limits = limits
             log.info("speculating with more SSMs", extra={"added": new, "ssms": names})

@@ -44,7 +44,9 @@ def stack(model_pair, tmp_path_factory):
         state_dir=tmp_path_factory.mktemp("state"),
         expansion=PAPER_EXPANSION,
         threads=1,
-        rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256"),
+        # the drafters' tests below count what their trees accepted: every adaptive step speculates (the gate that
+        # may turn speculation off where it measures slower is tested in tests/test_engine_core.py)
+        rm_args=("--max-batch", "16", "--max-queue", "32", "--max-new-tokens", "256", "--speculation-gate", "off"),
         head=demo_head(model_pair),  # the verifier drafts with the pair's draft head too
     )
     with serving(cfg) as s:

@@ -19,6 +19,7 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -130,10 +131,13 @@ async def calibrate_through_calls(
     return costs
 
 
-def planner_config(max_tree_nodes: int) -> PlannerConfig:
+def planner_config(max_tree_nodes: int, speculation_gate: bool = True) -> PlannerConfig:
     """The planner's settings when the API allows trees of at most ``max_tree_nodes`` nodes: its trees stay within
-    them."""
-    return PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes))
+    them; ``speculation_gate``: False speculates as planned every step (the gate does not measure)."""
+    gate = (
+        PlannerConfig.speculation_gate if speculation_gate else replace(PlannerConfig.speculation_gate, measure=False)
+    )
+    return PlannerConfig(max_nodes=min(PlannerConfig.max_nodes, max_tree_nodes), speculation_gate=gate)
 
 
 class PlannerMetrics:
@@ -199,14 +203,14 @@ async def start_planner(
     verifier: Verifiers,
     workers: SsmWorkers | None,
     ssm_names: Sequence[str],
-    max_tree_nodes: int,
+    planner: PlannerConfig,
 ) -> AdaptiveSpeculation | None:
     """Adaptive speculation's state from the services' reports, calibrated through calls where they
-    report nothing, its trees within the API's ``max_tree_nodes``. Without SSMs: None, unless the verifier
+    report nothing, planning with ``planner`` (:func:`planner_config`). Without SSMs: None, unless the verifier
     drafts with a draft head and reported its costs (its trees are then the only model drafts)."""
     if not ssm_names or workers is None:
         costs = costs_from_reports(info, {}, ()) if info.draft_head else None
-        return None if costs is None else AdaptiveSpeculation(costs, planner_config(max_tree_nodes), {})
+        return None if costs is None else AdaptiveSpeculation(costs, planner, {})
     profiles = workers.profiles
     costs = costs_from_reports(info, profiles, ssm_names)
     if costs is None or len(costs.drafts) < len(ssm_names):
@@ -219,4 +223,4 @@ async def start_planner(
         "adaptive speculation ready",
         extra={"costs": costs.describe(), "slot_priors": {ssm_names[i]: p for i, p in priors.items()}},
     )
-    return AdaptiveSpeculation(costs, planner_config(max_tree_nodes), priors)
+    return AdaptiveSpeculation(costs, planner, priors)

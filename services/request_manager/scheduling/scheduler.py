@@ -24,6 +24,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.admission import Admission
 from specinfer.core.engine_core import EngineCore
 from specinfer.core.errors import ResourceExhausted
+from specinfer.core.head_gate import bucket
 from specinfer.core.iteration import StepOutcome
 from specinfer.core.kv_budget import KVBudget, StepRows, step_rows
 from specinfer.core.planner import PlannerConfig
@@ -228,6 +229,11 @@ class Scheduler:
         adaptive = self.core.adaptive_built
         if adaptive is not None:
             self.planner_metrics.step(adaptive, report)
+        gate = self.core.speculation_gate
+        if gate is not None:
+            largest = str(1 << bucket(len(batch)))
+            for arm, rate in zip(("on", "off"), gate.rates(len(batch)), strict=True):
+                m.speculation_gate_rate.labels(largest, arm).set(rate)
 
     async def _admit(self) -> None:
         """Preempt and admit for this iteration (:func:`~specinfer.core.kv_budget.schedule`, as the

@@ -33,6 +33,7 @@ from specinfer.core.adaptive import AdaptiveSpeculation, Choice
 from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
 from specinfer.core.drafters import DRAFTERS
 from specinfer.core.drafts import DraftTree
+from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import (
     DraftSpec,
     Running,
@@ -136,6 +137,9 @@ class EngineCore:
         self._adaptive = adaptive if isinstance(adaptive, AdaptiveSpeculation) else None
         self._build = None if isinstance(adaptive, AdaptiveSpeculation) else adaptive
         models = Models(executor, head)
+        # whether steps speculate for adaptive requests at all, measured (PlannerConfig.speculation_gate); built
+        # with the adaptive state
+        self.speculation_gate: HeadGate | None = None
         self.drafters: dict[str, Drafter] = {name: kind(models) for name, kind in DRAFTERS.items()}
 
     @property
@@ -172,11 +176,16 @@ class EngineCore:
         started = time.perf_counter()
         contexts = adaptive_contexts(batch)
         adaptive = self.adaptive if contexts else None
+        gate = self._gate(adaptive)
+        speculate = gate.decide(len(batch)) if gate is not None else True
+        if not speculate:  # this block of steps measures the adaptive requests without speculation: roots alone
+            adaptive = None
         choices: dict[str, Choice] = {}
         if adaptive is not None:
+            narrowed = contexts
             for drafter in self.drafters.values():
-                contexts = drafter.narrow(batch, contexts, adaptive)
-            choices = adaptive.plan(contexts, static_shape(batch))
+                narrowed = drafter.narrow(batch, narrowed, adaptive)
+            choices = adaptive.plan(narrowed, static_shape(batch))
         planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
         drafted, draft_seconds = await self._propose(DraftStep(batch, choices, adaptive, self._adaptive, self.num_ssms))
         if adaptive is not None:
@@ -213,12 +222,23 @@ class EngineCore:
             committed_tokens += len(outcome.tokens)
             await commit(r, outcome)
         measured = bool(shapes) and None not in shapes
+        seconds = time.perf_counter() - started
         for drafter in self.drafters.values():
-            drafter.stepped(len(batch), committed_tokens, time.perf_counter() - started, measured)
+            drafter.stepped(len(batch), committed_tokens, seconds, measured)
+        if gate is not None and measured:
+            gate.observe(len(batch), speculate, committed_tokens, seconds)
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
         return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
+
+    def _gate(self, adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
+        """The speculation gate, where this step has adaptive requests to decide for (None: nothing to decide)."""
+        if adaptive is None:
+            return None
+        if self.speculation_gate is None:
+            self.speculation_gate = HeadGate(adaptive.config.speculation_gate)
+        return self.speculation_gate
 
     async def _propose(self, step: DraftStep) -> tuple[Drafts, float]:
         """Every drafter's trees for the batch's requests: (drafter key, tree) pairs by request ID, in drafter

@@ -46,6 +46,9 @@ class PlannerConfig:
     (SSM passes); ``hysteresis``: relative gain needed to leave the previous plan's size;
     ``head_gate``: when steps ask the verifier's draft head for next trees (:mod:`specinfer.core.head_gate`:
     whichever of asking or not measures more committed tokens per second at the batch size);
+    ``speculation_gate``: the same measured choice between speculating for the adaptive requests and not at all
+    (their roots alone), per batch-size bucket: the backstop where the cost model's plan still loses (a CPU whose
+    verify cost grows with tokens, at a large batch); speculation is measured first at every batch size;
     ``explore_costs``: every this many iterations plan and cut on the cost model's optimistic copy
     (:meth:`~specinfer.core.costs.StepCosts.optimistic`), so sizes that no real step measured, whose seed
     may be a calibration taken under load, get measured (0: never)."""
@@ -54,6 +57,7 @@ class PlannerConfig:
     max_depth: int = 8
     hysteresis: float = 0.05
     head_gate: HeadGateConfig = HeadGateConfig()
+    speculation_gate: HeadGateConfig = HeadGateConfig(explore_every=32, first_on_max_batch=1 << 16)
     explore_costs: int = 8
 
     def __post_init__(self) -> None:

@@ -173,6 +173,13 @@ class SchedulerMetrics:
             ["ssm"],
             registry=registry,
         )
+        self.speculation_gate_rate = Gauge(
+            "specinfer_speculation_gate_tokens_per_second",
+            "Committed tokens per second the speculation gate measured in steps of this batch-size bucket (its largest "
+            "batch) with adaptive speculation on and off (decayed: the last few dozen steps of each arm)",
+            ["batch", "arm"],
+            registry=registry,
+        )
         self.cost_verify_seconds = Gauge(
             "specinfer_cost_model_verify_seconds",
             "The cost model's verify call seconds by tree tokens in the call",
