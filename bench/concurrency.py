@@ -1,0 +1,149 @@
+"""Speculation under load: the default against no speculation and the paper's static tree, at each concurrency.
+
+One stack (``specinfer up``'s processes, one of each, on free ports, the request manager's batch as large as the
+largest concurrency) serves every row. At each concurrency C, C client threads keep one gRPC stream each going
+(greedy requests of ``--new-tokens`` tokens, prompts of the prompt file in turn) for ``--seconds`` per method; the
+methods of a concurrency run one after the other, in the order given, after a warm-up run of the default (the
+speculation gate and the cost model learn the batch size as a user's traffic would teach them). Prints per row:
+committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and p99 (a
+message's gap spread over its tokens; the first message is time to first token, left out) and the speed against
+``none`` at that concurrency.
+
+Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
+(speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
+
+    python bench/concurrency.py --llm models/demo/llm --ssm models/demo/ssm --prompts models/demo/prompts.jsonl \\
+        --concurrency 1,2,4,8,16,32 --seconds 20 --new-tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import load_prompts, pct
+
+from specinfer.client import Client
+from specinfer.core import ExpansionConfig
+from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.launcher import Stack, StackConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Row:
+    """What the client threads of one (concurrency, method) run counted, under ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tokens: int = 0
+    steps: int = 0
+    per_token: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def request(method: str, prompt: tuple[int, ...], new_tokens: int):
+    if method == "default":
+        return Client.request(prompt, new_tokens, ignore_eos=True)
+    if method == "none":
+        return Client.request(prompt, new_tokens, speculation=False, ignore_eos=True)
+    widths = ExpansionConfig.parse(PAPER_EXPANSION if method == "paper" else method).widths
+    return Client.request(prompt, new_tokens, expansion=widths, ignore_eos=True)
+
+
+def stream_until(client: Client, method: str, prompts, first: int, step: int, args, stop_at: float, row: Row) -> None:
+    """One client thread: streams back to back until ``stop_at`` (prompts ``first``, ``first + step``, ...)."""
+    k = first
+    while time.monotonic() < stop_at:
+        prompt = prompts[k % len(prompts)]
+        k += step
+        last, lat, count, steps = None, [], 0, 0
+        for msg in client.stream(request(method, prompt, args.new_tokens)):
+            now = time.monotonic()
+            if msg.token_ids:
+                if last is not None:
+                    lat += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
+                count += len(msg.token_ids)
+                last = now
+            if msg.HasField("finished"):
+                steps = msg.finished.usage.llm_steps
+        with row.lock:
+            row.tokens += count
+            row.steps += steps
+            row.per_token += lat
+
+
+def run(client: Client, method: str, prompts, concurrency: int, args) -> Row:
+    row = Row()
+    start = time.monotonic()
+    stop_at = start + args.seconds
+    threads = [
+        threading.Thread(target=stream_until, args=(client, method, prompts, i, concurrency, args, stop_at, row))
+        for i in range(concurrency)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row.seconds = time.monotonic() - start  # the last streams run past stop_at: their tokens count, so does time
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llm", type=Path, default=REPO / "models/demo/llm")
+    ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
+    ap.add_argument("--head", type=Path, default=None, help="a draft head of the LLM")
+    ap.add_argument("--prompts", type=Path, default=REPO / "models/demo/prompts.jsonl")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to its last this many tokens")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--methods", default="default,none,paper")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per row")
+    ap.add_argument("--warmup-seconds", type=float, default=10.0, help="of the default, before each concurrency")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="the verifier's torch threads (0: torch's default)")
+    args = ap.parse_args()
+    ssms = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
+    prompts = load_prompts(args.prompts, args.llm, 64, args.prompt_tokens)
+    cfg = StackConfig(
+        llm=args.llm,
+        ssms=tuple(ssms),
+        port=0,
+        state_dir=Path(tempfile.mkdtemp()),
+        expansion="auto",
+        threads=args.threads,
+        extra_env=(("SPECINFER_DTYPE", args.dtype),),
+        rm_args=("--max-batch", str(max(levels))),
+        head=args.head,
+    )
+    print(
+        f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, greedy, {args.new_tokens} new tokens, "
+        f"{args.seconds:.0f} s per row"
+    )
+    print("| concurrency | method | tokens/s | tokens per step | p50 ms/token | p99 ms/token | vs none |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
+        for c in levels:
+            if args.warmup_seconds > 0:
+                run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds}))
+            rows = {m: run(client, m, prompts, c, args) for m in methods}
+            base = rows.get("none")
+            for m, row in rows.items():
+                rate = row.tokens / row.seconds
+                versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None and base.tokens else ""
+                print(
+                    f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
+                    f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Where a step's time goes: the LLM's model time, and the host work around it, in process and through the services.
+
+A *step* is one LLM verify round of a request (batch 1 here, so one step per round). For each mode it generates
+``--count`` prompts of ``--new-tokens`` tokens, greedy, one request at a time, and prints milliseconds per step:
+
+- in process (:class:`SpeculativeEngine`): the whole step; the LLM's model forward alone (``NativeModel.forward``,
+  the packed step's tensors and attention metadata included, i.e. the runner's call); the LLM backend's
+  bookkeeping around it (``forward_tree`` minus the model: cache sync, packing); the SSMs' backend calls; and the
+  rest (the engine core: planning, verification maths, commits). ``products floor``: the same LLM's matrix products
+  alone, every weight streamed once in model order (what a one-token step cannot go below on this machine);
+- through the services (``specinfer up``'s processes, one of each, on free ports): the client's wall time per step;
+  from the request manager's metrics its iteration, the verify round trip it waits for and the SSM workers' calls;
+  from the verifier's metrics its Verify handler and the model call inside it. ``gRPC + network`` is the round trip
+  minus the handler; ``manager host`` the iteration minus the calls it waits for; ``client + stream`` the client's
+  step minus the iteration.
+
+Modes: ``incremental`` (speculation off) and ``speculative`` (the default speculation: adaptive, the SSMs given).
+
+    python bench/step_overhead.py --llm models/demo/llm --ssm models/demo/ssm --dtype float32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from specinfer.client import Client
+from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.launcher import Stack, StackConfig
+from specinfer.models.loading import eos_token_id, load_backend
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("incremental", "speculative")
+
+
+class Timed:
+    """Wraps one method of an object so that its calls' seconds add up in ``totals[key]``."""
+
+    def __init__(self, totals: Counter, key: str, target: object, name: str) -> None:
+        inner = getattr(target, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+
+        setattr(target, name, timed)
+
+
+def products_floor(llm, repeats: int = 5) -> float:
+    """Seconds of the LLM's one-row matrix products, each weight once, in model order (the runtime's own forms)."""
+    model = llm.runner.model
+    weights = [w for layer in model.w.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
+    weights.append(model.w.lm_head)
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}  # [1, in] per width
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                model.linear(rows[w.shape[1]], w)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(args.threads)
+    llm = load_backend(args.llm, "llm", args.dtype, backend="native")
+    ssms = [load_backend(p, "ssm", args.dtype, backend="native") for p in args.ssm]
+    engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=1, eos_token_id=eos_token_id(args.llm)))
+    if ssms:
+        engine.adaptive  # noqa: B018 - calibrates the cost model now, outside the timed rows
+    totals: Counter = Counter()
+    Timed(totals, "llm model", llm.runner, "run")
+    Timed(totals, "llm backend", llm, "forward_tree")
+    for ssm in ssms:
+        Timed(totals, "ssm calls", ssm, "forward_tree")
+    rows = {}
+    for mode in MODES:
+        spec = None if mode == "incremental" else SpeculationConfig(None)
+        warm = GenerationRequest(f"{mode}-warm", prompts[0], 8, speculation=spec, ignore_eos=True)
+        engine.generate([warm])
+        totals.clear()
+        steps, tokens, seconds = 0, 0, 0.0
+        for i, prompt in enumerate(prompts):
+            request = GenerationRequest(f"{mode}-{i}", prompt, args.new_tokens, speculation=spec, ignore_eos=True)
+            start = time.perf_counter()
+            (result,) = engine.generate([request])
+            seconds += time.perf_counter() - start
+            steps += len(result.steps)
+            tokens += len(result.output_tokens)
+        ms = {k: v / steps * 1e3 for k, v in totals.items()}
+        rows[mode] = {
+            "tokens per step": tokens / steps,
+            "step": seconds / steps * 1e3,
+            "LLM model (runner call)": ms["llm model"],
+            "LLM backend bookkeeping": ms["llm backend"] - ms["llm model"],
+            "SSM backend calls": ms.get("ssm calls", 0.0),
+            "engine host (the rest)": seconds / steps * 1e3 - ms["llm backend"] - ms.get("ssm calls", 0.0),
+        }
+    rows["floor"] = {"products floor": products_floor(llm) * 1e3}
+    return rows
+
+
+def scrape(address: str) -> dict[str, float]:
+    """``{sample name + labels: value}`` of a process's /metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    """Sum of the samples whose key starts with ``prefix``, after minus before."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+
+def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
+    cfg = StackConfig(
+        llm=Path(args.llm),
+        ssms=tuple(Path(p) for p in args.ssm),
+        port=0,
+        state_dir=Path(tempfile.mkdtemp()),
+        backend="native",
+        expansion="auto",
+        threads=args.threads,
+        extra_env=(("SPECINFER_DTYPE", args.dtype),),
+        rm_args=("--max-batch", "1"),
+    )
+    rows = {}
+    with Stack(cfg) as stack, Client(stack.address, timeout=3600) as client:
+        rm, verifier = stack.process("request-manager"), stack.process("llm-verifier")
+        for mode in MODES:
+            speculate = mode != "incremental"
+
+            def request(prompt, tokens, speculate=speculate):
+                return Client.request(prompt, tokens, speculation=speculate, adaptive=speculate, ignore_eos=True)
+
+            client.generate(request(prompts[0], 8))  # warm-up
+            rm0, vf0 = scrape(rm.metrics_address), scrape(verifier.metrics_address)
+            steps, tokens, seconds = 0, 0, 0.0
+            for prompt in prompts:
+                start = time.perf_counter()
+                done = client.generate(request(prompt, args.new_tokens))
+                seconds += time.perf_counter() - start
+                steps += done.finished.usage.llm_steps
+                tokens += len(done.token_ids)
+            rm1, vf1 = scrape(rm.metrics_address), scrape(verifier.metrics_address)
+            iterations = delta(rm0, rm1, "specinfer_iteration_seconds_count")
+            per = 1e3 / iterations  # ms per iteration of a sum in seconds
+            iteration = delta(rm0, rm1, "specinfer_iteration_seconds_sum") * per
+            verify = delta(rm0, rm1, "specinfer_verify_seconds_sum") * per
+            speculate_ms = delta(rm0, rm1, "specinfer_speculate_seconds_sum") * per
+            handler = delta(vf0, vf1, "specinfer_grpc_server_handling_seconds_sum{code=OK,method=Verify") * per
+            model = delta(vf0, vf1, "specinfer_model_call_seconds_sum") * per
+            rows[mode] = {
+                "tokens per step": tokens / steps,
+                "step (client)": seconds / steps * 1e3,
+                "manager iteration": iteration,
+                "verify round trip": verify,
+                "verifier handler": handler,
+                "verifier model call": model,
+                "gRPC + network (round trip - handler)": verify - handler,
+                "SSM worker calls": speculate_ms,
+                "manager host (iteration - calls)": iteration - verify - speculate_ms,
+                "client + stream (step - iteration)": seconds / steps * 1e3 - iteration,
+            }
+    return rows
+
+
+def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
+    print(f"\n{title}\n| part | " + " | ".join(rows) + " |\n|---|" + "---:|" * len(rows))
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))
+    for key in keys:
+        cells = [f"{r[key]:.2f}" if key in r else "" for r in rows.values()]
+        print(f"| {key} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llm", type=Path, default=REPO / "models/demo/llm")
+    ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--count", type=int, default=4, help="prompts (one request at a time)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="in-process,services", help="in-process, services, or both (comma list)")
+    args = ap.parse_args()
+    args.ssm = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
+    # prompts the demo LLM continues without stopping: token ids from its vocabulary's ordinary range
+    prompts = [tuple(range(5 + 7 * i, 45 + 7 * i)) for i in range(args.count)]
+    paths = args.paths.split(",")
+    print(
+        f"LLM {args.llm}, SSMs {[str(p) for p in args.ssm]}, {args.dtype}, {args.threads} threads, batch 1, "
+        f"{args.count} prompts x {args.new_tokens} new tokens, greedy; ms per LLM step"
+    )
+    if "in-process" in paths:
+        print_table("In process", in_process(args, prompts))
+    if "services" in paths:
+        print_table("Through specinfer up", through_services(args, prompts))
+
+
+if __name__ == "__main__":
+    main()
