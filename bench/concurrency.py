@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="the verifier's torch threads (0: torch's default)")
+    ap.add_argument("--speculation-gate", choices=("on", "off"), default="on", help="the request manager's")
     args = ap.parse_args()
     ssms = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -120,12 +121,12 @@ def main() -> None:
         expansion="auto",
         threads=args.threads,
         extra_env=(("SPECINFER_DTYPE", args.dtype),),
-        rm_args=("--max-batch", str(max(levels))),
+        rm_args=("--max-batch", str(max(levels)), "--speculation-gate", args.speculation_gate),
         head=args.head,
     )
     print(
         f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, greedy, {args.new_tokens} new tokens, "
-        f"{args.seconds:.0f} s per row"
+        f"{args.seconds:.0f} s per row, speculation gate {args.speculation_gate}"
     )
     print("| concurrency | method | tokens/s | tokens per step | p50 ms/token | p99 ms/token | vs none |")
     print("|---:|---|---:|---:|---:|---:|---:|")

@@ -233,8 +233,9 @@ class EngineCore:
         return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
 
     def _gate(self, adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
-        """The speculation gate, where this step has adaptive requests to decide for (None: nothing to decide)."""
-        if adaptive is None:
+        """The speculation gate, where this step has adaptive requests to decide for (None: nothing to decide, or a
+        frozen cost model, whose plans are meant to be reproducible: a gate's measurements would make them not)."""
+        if adaptive is None or adaptive.costs.frozen:
             return None
         if self.speculation_gate is None:
             self.speculation_gate = HeadGate(adaptive.config.speculation_gate)
