@@ -16,7 +16,8 @@ A *step* is one LLM verify round of a request (batch 1 here, so one step per rou
 
 Modes: ``incremental`` (speculation off) and ``speculative`` (the default speculation: adaptive, the SSMs given).
 
-    python bench/step_overhead.py --llm models/demo/llm --ssm models/demo/ssm --dtype float32 --threads 2
+    python bench/step_overhead.py --llm models/demo/llm --ssm models/demo/ssm --prompts models/demo/prompts.jsonl \\
+        --dtype float32 --threads 2
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from common import load_prompts
 from prometheus_client.parser import text_string_to_metric_families
 
 from specinfer.client import Client
@@ -194,13 +196,14 @@ def main() -> None:
     ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=Path, default=REPO / "models/demo/prompts.jsonl", help="JSON lines, a text each")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to its last this many tokens")
     ap.add_argument("--count", type=int, default=4, help="prompts (one request at a time)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--paths", default="in-process,services", help="in-process, services, or both (comma list)")
     args = ap.parse_args()
     args.ssm = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
-    # prompts the demo LLM continues without stopping: token ids from its vocabulary's ordinary range
-    prompts = [tuple(range(5 + 7 * i, 45 + 7 * i)) for i in range(args.count)]
+    prompts = load_prompts(args.prompts, args.llm, args.count, args.prompt_tokens)
     paths = args.paths.split(",")
     print(
         f"LLM {args.llm}, SSMs {[str(p) for p in args.ssm]}, {args.dtype}, {args.threads} threads, batch 1, "
