@@ -67,7 +67,7 @@ def trees(draw, pieces: list[int]):
     "constraint, texts, prefix",
     [
         (REGEX, ["ab", "cd", "abcd", "x", "abx", "a", "b", "c", "d"], ""),
-        (SCHEMA, ['{"n": 12, "ok": true}', "false", "1", "}", ", ", ' "'], '{"n": 1'),
+        (SCHEMA, ['{"n":12,"ok":true}', "false", "1", "}", ",", '"', " "], '{"n":1'),
     ],
 )
 @settings(max_examples=60, deadline=None)

@@ -31,6 +31,9 @@ from specinfer.core.errors import InvalidArgument
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (OpenAI's response_format json_object)
+# JSON's separators fixed (", " and ": "), no other whitespace: a model fond of newlines would otherwise spend its
+# tokens on them (a schema's "x-guidance" key may ask otherwise)
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Constraint:
         """The llguidance grammar of this constraint (not yet checked against a tokenizer); ``field`` names the
         request field in errors."""
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT)
+            return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, JSON_OPTIONS)
         if not self.text.strip():
             raise InvalidArgument(field, "must not be empty")
         if self.kind == "json_schema":
@@ -60,7 +63,7 @@ class Constraint:
                 raise InvalidArgument(field, f"is not JSON: {e}") from None
             if not isinstance(schema, dict | bool):
                 raise InvalidArgument(field, "must be a JSON object (a JSON schema)")
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)
         try:
