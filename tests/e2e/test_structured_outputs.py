@@ -145,21 +145,22 @@ def test_openai_client_chat_with_a_json_schema(stack, llm_with_template, oracle)
     assert chat({"type": "json_object"}).choices[0].message.content.startswith("{")
 
 
-def test_generate_server_with_a_json_schema(stack, tmp_path):
+def test_generate_with_a_json_schema_in_process_and_through_the_server(stack, model_pair, tmp_path):
+    """The same greedy JSON both ways (the server's default speculation, the CLI's default tree)."""
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    out = specinfer(
-        "generate",
-        "--server",
-        stack.address,
-        "--max-new-tokens",
-        str(NEW_TOKENS),
-        "--json-schema",
-        str(schema),
-        "Alice is",
+    flags = ("--max-new-tokens", str(NEW_TOKENS), "--json-schema", str(schema), "Alice is")
+    remote = specinfer("generate", "--server", stack.address, *flags)
+    assert remote.returncode == 0, remote.stderr
+    text = remote.stdout.split("--- generated (streamed)\n", 1)[1].split("\n--- ", 1)[0]
+    jsonschema.validate(json.loads(text), SCHEMA)
+    local = specinfer(
+        "generate", "--llm", str(model_pair.llm), "--ssm", str(model_pair.ssm), "--dtype", "float32", *flags
     )
-    assert out.returncode == 0, out.stderr
-    text = out.stdout.split("--- generated (streamed)\n", 1)[1]
-    assert text.startswith('{"name":"'), out.stdout
+    assert local.returncode == 0, local.stderr
+    assert re.search(r"^--- generated \(\d+ tokens, finish: eos\)\n" + re.escape(text) + "\n", local.stdout, re.M), (
+        local.stdout,
+        text,
+    )
     bad = specinfer("generate", "--server", stack.address, "--regex", "(x", "hi")
     assert bad.returncode == 2 and "regex" in bad.stderr
