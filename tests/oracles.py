@@ -49,6 +49,32 @@ def hf_greedy(
     return out
 
 
+def hf_constrained_greedy(llm: Path, prompts: Sequence[Sequence[int]], new_tokens: int, states) -> list[list[int]]:
+    """Constrained incremental decoding with transformers (fp32, its KV cache, as ``generate``): at each step the
+    argmax of the logits with the tokens the grammar forbids set to -inf, one token at a time; ``states``: each
+    prompt's fresh grammar state (:class:`specinfer.core.constraints.GrammarState`). Ends at EOS included."""
+    from specinfer.core.constraints import allowed_tokens
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llm), dtype=torch.float32)
+    eos = eos_token_id(llm)
+    out = []
+    with torch.inference_mode():
+        for ids, state in zip(prompts, states, strict=True):
+            tokens: list[int] = []
+            step = hf(torch.tensor([list(ids)]), use_cache=True)
+            while len(tokens) < new_tokens and (not tokens or tokens[-1] != eos):
+                if tokens:
+                    step = hf(torch.tensor([tokens[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+                logits = step.logits[0, -1]
+                allowed = torch.from_numpy(allowed_tokens(state.mask(), logits.shape[0]))
+                token = int(allowed[logits[allowed].argmax()])
+                tokens.append(token)
+                if token != eos:
+                    state.advance([token])
+            out.append(tokens)
+    return out
+
+
 def hf_seeded_sampling(
     llm: Path, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params, new_tokens: int, ignore_eos: bool = False
 ) -> list[list[int]]:

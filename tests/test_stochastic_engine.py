@@ -67,8 +67,9 @@ def tiny_models():
     return llm, ssm_a, ssm_b
 
 
-def exact_joint(llm, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(first N_TOKENS tokens) under plain sampling from the LLM."""
+def exact_joint(llm, params: SamplingParams, allowed=None) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS tokens) under plain sampling from the LLM; ``allowed``: the tokens a grammar allows after a
+    prefix (the others' logits set to -inf first: constrained sampling), None: all."""
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(N_TOKENS):
         prefixes = list(probs)
@@ -76,9 +77,11 @@ def exact_joint(llm, params: SamplingParams) -> dict[tuple[int, ...], float]:
             logits = llm(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].numpy()
         nxt = {}
         for prefix, row in zip(prefixes, logits, strict=True):
+            if allowed is not None:
+                row = np.where(np.isin(np.arange(VOCAB), allowed(prefix)), row, -np.inf)
             dist = process_logits(adjust_logits(row, PROMPT, prefix, params), params)
-            for t in range(VOCAB):
-                nxt[prefix + (t,)] = probs[prefix] * dist[t]
+            for t in range(VOCAB) if allowed is None else allowed(prefix):  # a forbidden token's paths: probability 0
+                nxt[prefix + (int(t),)] = probs[prefix] * dist[t]
         probs = nxt
     return probs
 

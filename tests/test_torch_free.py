@@ -27,6 +27,7 @@ CORE_TESTS = (
     "tests/test_suffix.py",
     "tests/test_engine_core.py",
     "tests/test_admission.py",
+    "tests/test_constraints.py",
 )  # the tests of specinfer.core
 NO_TORCH_PLUGIN = """
 import sys

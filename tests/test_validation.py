@@ -218,6 +218,24 @@ def test_adaptive_requests_survive_the_redis_record():
     assert restored.suffix and restored.head
 
 
+def test_a_constraint_survives_the_redis_record():
+    """A constrained request resumed after a restart keeps its constraint (its grammar state is rebuilt from the
+    committed output by the engine core)."""
+    from specinfer.core.constraints import Constraint
+    from specinfer.request_manager.scheduling.live import Live
+    from specinfer.request_manager.state.live_records import live_from_snapshot, live_params
+    from specinfer.request_manager.state.records import RequestSnapshot, RequestStatus
+
+    limits = _limits()
+    for constraint in (Constraint("json_schema", '{"type": "object"}'), Constraint("json_object"), None):
+        live = Live(GenerationRequest("r", (1, 2), 8, constraint=constraint), 5)
+        params = live_params(live, limits.ssm_names)
+        snapshot = RequestSnapshot("r", "me", RequestStatus.RUNNING, params, (1, 2), (), None, None, live.stats, 0, 0)
+        assert live_from_snapshot(snapshot, limits, None).request.constraint == constraint
+    del params["constraint"]  # a record from before structured outputs: none
+    assert live_from_snapshot(snapshot, limits, None).request.constraint is None
+
+
 def test_request_manager_expansion_keywords():
     from specinfer.request_manager.config import RequestManagerConfig
 

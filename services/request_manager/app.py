@@ -15,6 +15,7 @@ import redis.exceptions
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
 from specinfer.core.kv_budget import KVBudget
+from specinfer.request_manager.api.admission import grammars_for
 from specinfer.request_manager.api.chat_template import ChatTemplate
 from specinfer.request_manager.api.http_api import HttpApi
 from specinfer.request_manager.api.http_transport import HttpMetrics, HttpServer
@@ -233,10 +234,16 @@ class RequestManagerApp:
             max_prefill_tokens=cfg.max_prefill_tokens,
             draft_head=info.draft_head,
         )
-        self.scheduler = Scheduler(
-            scheduler_config, self.store, workers, self.verifier, self.scheduler_metrics, adaptive
-        )
         tokenizer = load_tokenizer(cfg.model_dir) if cfg.model_dir else None
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.store,
+            workers,
+            self.verifier,
+            self.scheduler_metrics,
+            adaptive,
+            grammars_for(tokenizer, info.vocab_size, eos),
+        )
         self.requests = Requests(self.scheduler, self.store, limits, tokenizer, self.lease)
         await self.lease.acquire(force=not cfg.redis_url)  # nobody else reaches the embedded Redis
         await self.requests.recover()

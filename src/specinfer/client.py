@@ -25,6 +25,7 @@ progress; a call that reached no manager at all fails at once, as with one addre
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -174,25 +175,25 @@ class Client:
         repetition_penalty: float = 1.0,
         min_p: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
+        **constraint: str | Mapping | bool,
     ) -> api_pb2.GenerateRequest:
-        """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs.
-        Sampling: ``temperature`` 0 is greedy (the LLM's own greedy output, token for token);
-        ``top_p``/``top_k`` (0: off) filter, ``seed`` fixes the draw; ``verification``: how sampled
-        trees are verified ("coupled": a seed fixes the output whatever the speculation; "mss"; empty:
-        the server's rule, coupled for seeded requests). It stops after ``max_new_tokens``, at EOS
-        (unless ``ignore_eos``), at any of ``stop`` (strings) or ``stop_token_ids``.
-        ``skip_special_tokens``: leave EOS and the other special tokens out of the text (token IDs
-        keep them). Speculation: by default the server's (``auto``: adaptive); ``adaptive`` asks for
-        adaptive trees, ``expansion`` for a static tree (widths per depth, e.g. ``(1, 1, 3, 1)``),
-        ``ssms`` names the SSMs that draft (``GetModelInfo`` lists them), ``suffix`` turns drafts from
-        the request's own text on or off (None: on), ``head`` drafts with the verifier's draft head on or off
-        (None: on, where it has one), ``speculation=False`` decodes with the LLM alone.
-        ``request_id``: the client's own ID (to resume, read or cancel the request later; empty: the
-        server picks one). ``logprobs``: each response also carries its tokens' log-probabilities under the LLM,
-        with this many most likely alternatives at each (0-20; None: no logprobs). ``presence_penalty``,
+        """A generation request. ``prompt``: text (the server's tokenizer encodes it) or token IDs. Sampling:
+        ``temperature`` 0 is greedy (the LLM's own greedy output, token for token); ``top_p``/``top_k`` (0: off) filter,
+        ``seed`` fixes the draw; ``verification``: how sampled trees are verified ("coupled": a seed fixes the output
+        whatever the speculation; "mss"; empty: the server's rule, coupled for seeded requests). It stops after
+        ``max_new_tokens``, at EOS (unless ``ignore_eos``), at any of ``stop`` (strings) or ``stop_token_ids``.
+        ``skip_special_tokens``: leave EOS and the other special tokens out of the text (token IDs keep them).
+        Speculation: by default the server's (``auto``: adaptive); ``adaptive`` asks for adaptive trees, ``expansion``
+        for a static tree (widths per depth, e.g. ``(1, 1, 3, 1)``), ``ssms`` names the SSMs that draft
+        (``GetModelInfo`` lists them), ``suffix`` turns drafts from the request's own text on or off (None: on),
+        ``head`` drafts with the verifier's draft head on or off (None: on, where it has one), ``speculation=False``
+        decodes with the LLM alone. ``request_id``: the client's own ID (to resume, read or cancel the request later;
+        empty: the server picks one). ``logprobs``: each response also carries its tokens' log-probabilities under the
+        LLM, with this many most likely alternatives at each (0-20; None: no logprobs). ``presence_penalty``,
         ``frequency_penalty`` (0: off) and ``repetition_penalty`` (1: off) penalize the tokens seen already,
         ``logit_bias`` adds to given tokens' logits (-100 to 100), ``min_p`` (0: off) drops the tokens less than
-        ``min_p`` times as likely as the best."""
+        ``min_p`` times as likely as the best. ``constraint``: structured outputs, at most one of ``json_schema`` (a
+        dict or JSON text), ``json_object=True``, ``regex``, ``grammar`` (Lark or GBNF)."""
         msg = api_pb2.GenerateRequest(
             request_id=request_id,
             max_new_tokens=max_new_tokens,
@@ -228,7 +229,7 @@ class Client:
             msg.text = prompt
         else:
             msg.token_ids.ids.extend(prompt)
-        return msg
+        return _constrained(msg, **constraint)
 
     def resume(self, request_id: str, offset: int) -> Iterator[api_pb2.GenerateResponse]:
         """Reattach to a request: its tokens from ``offset`` on, then new ones until it finishes."""
@@ -309,3 +310,25 @@ class Client:
     def model_info(self) -> api_pb2.ModelInfo:
         """What the server serves: the LLM's and the SSMs' names, vocabulary, limits, default speculation."""
         return self._unary("GetModelInfo", api_pb2.GetModelInfoRequest())
+
+
+def _constrained(
+    msg: api_pb2.GenerateRequest,
+    json_schema: str | Mapping | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+) -> api_pb2.GenerateRequest:
+    """``msg`` with its ``constraint`` oneof set from :meth:`Client.request`'s arguments (ValueError: more than one)."""
+    given = {
+        "json_schema": json_schema if isinstance(json_schema, str | None) else json.dumps(json_schema),
+        "json_object": json_object or None,
+        "regex": regex,
+        "grammar": grammar,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint: {', '.join(given)}")
+    for name, value in given.items():
+        setattr(msg, name, value)
+    return msg

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
+from specinfer.core.constraints import Constraint, Grammars
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.core.requests import TokenLogprob
 from specinfer.tuning import slot_prior, static_expansion
@@ -41,6 +42,7 @@ class GenerateConfig:
     head: Path | None = None  # a draft head of the LLM (specinfer train-head): adaptive trees also draft with it
     device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
     logprobs: int | None = None  # print each output token's logprob and this many alternatives (None: not)
+    constraint: Constraint | None = None  # structured outputs: what every output must match (None: anything)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -112,6 +114,11 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         help="after the text, each output token's log-probability under the LLM and its N most likely alternatives",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per prompt")
+    shape = p.add_mutually_exclusive_group()  # structured outputs: at most one constraint
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", metavar="R", help="the whole output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -160,6 +167,22 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output flags as a :class:`Constraint` (files read here; a missing one names its flag)."""
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    for kind in ("json_schema", "grammar"):
+        path = getattr(args, kind)
+        if path is not None:
+            try:
+                return Constraint(kind, Path(path).read_text())
+            except OSError as e:
+                raise InvalidArgument(f"--{kind.replace('_', '-')}", f"cannot read {path}: {e.strerror}") from None
+    return None
+
+
 def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prompts: Sequence[str]) -> GenerateConfig:
     """The in-process run of ``prompts`` on ``llm`` and ``ssms`` that the generation flags ask for."""
     keyword = args.expansion.strip().lower()
@@ -196,6 +219,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         head=Path(args.head) if args.head else None,
         device=args.device,
         logprobs=args.logprobs,
+        constraint=constraint_of(args),
     )
 
 
@@ -254,7 +278,7 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
     return llm, ssms, vocabularies
 
 
-def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str]):
+def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str], tokenizer):
     from specinfer.core.planner import OFFLOAD_PLANNER, PlannerConfig
     from specinfer.engine import EngineConfig, SpeculativeEngine
     from specinfer.models.loading import eos_token_id
@@ -265,8 +289,13 @@ def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str]):
     planner = (
         OFFLOAD_PLANNER if cfg.offload else PlannerConfig()
     )  # offloaded steps cost a transfer whatever their tokens: larger trees pay
-    config = EngineConfig(eos_token_id=eos_token_id(cfg.llm), planner=planner, slot_priors=priors)
-    return SpeculativeEngine(llm, ssms, config, cost_entry=_cost_entry(cfg, vocabularies) if cfg.adaptive else None)
+    eos = eos_token_id(cfg.llm)
+    config = EngineConfig(eos_token_id=eos, planner=planner, slot_priors=priors)
+    grammars = (
+        Grammars(tokenizer.to_str(), llm.vocab_size, eos) if cfg.constraint is not None and eos is not None else None
+    )
+    cost_entry = _cost_entry(cfg, vocabularies) if cfg.adaptive else None
+    return SpeculativeEngine(llm, ssms, config, cost_entry=cost_entry, grammars=grammars)
 
 
 def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
@@ -283,7 +312,15 @@ def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
             raise InvalidArgument("prompt", "must not be empty")
         prompt = tuple(tokenizer.encode(text).ids)
         requests.append(
-            GenerationRequest(f"cli-{i}", prompt, cfg.max_new_tokens, cfg.sampling, spec, logprobs=cfg.logprobs)
+            GenerationRequest(
+                f"cli-{i}",
+                prompt,
+                cfg.max_new_tokens,
+                cfg.sampling,
+                spec,
+                logprobs=cfg.logprobs,
+                constraint=cfg.constraint,
+            )
         )
     return requests
 
@@ -300,7 +337,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     tokenizer = load_tokenizer(cfg.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
-    engine = _engine(cfg, llm, ssms, vocabularies)
+    engine = _engine(cfg, llm, ssms, vocabularies, tokenizer)
     requests = _requests(cfg, tokenizer, len(ssms))
     start = time.perf_counter()
     results = engine.generate(requests)

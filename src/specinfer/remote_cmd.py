@@ -8,7 +8,7 @@ import sys
 
 from specinfer.core import InvalidArgument
 from specinfer.core.requests import TokenLogprob
-from specinfer.generate_cmd import print_logprobs, print_prompt_header
+from specinfer.generate_cmd import constraint_of, print_logprobs, print_prompt_header
 from specinfer.tuning import static_expansion
 
 
@@ -63,6 +63,7 @@ def stream(address: str, args: argparse.Namespace, prompt: str, auth=None) -> in
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         min_p=args.min_p,
+        **_constraint_kwargs(args),
     )
     print_prompt_header(prompt)
     print("--- generated (streamed)", flush=True)
@@ -101,3 +102,11 @@ def api_reason(reason: int) -> str:
     from specinfer.v1 import api_pb2
 
     return api_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def _constraint_kwargs(args: argparse.Namespace) -> dict:
+    """The structured-output flags as :meth:`Client.request`'s arguments (the files read here)."""
+    constraint = constraint_of(args)
+    if constraint is None:
+        return {}
+    return {constraint.kind: True if constraint.kind == "json_object" else constraint.text}

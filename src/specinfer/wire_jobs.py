@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from specinfer.core import DraftTree, InvalidArgument, VerifyResult
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import TreeBudget
@@ -76,6 +78,8 @@ def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> inter
         item.head.draft_support = job.head.draft_support
     if job.logprobs is not None:
         item.logprobs = job.logprobs
+    if job.masks is not None:
+        item.token_masks = np.ascontiguousarray(job.masks, dtype="<i4").tobytes()
     return item
 
 
@@ -224,7 +228,22 @@ def verify_job_from_proto(
         head,
         logprobs_from_proto(item, f"{field}.logprobs"),
         int(item.output_start),  # past the committed tokens it only means no output yet: nothing to check
+        token_masks_from_proto(item.token_masks, len(draft.tree), vocab_size, f"{field}.token_masks"),
     )
+
+
+def token_masks_from_proto(data: bytes, nodes: int, vocab_size: int, field: str) -> np.ndarray | None:
+    """A verify item's grammar masks, one row per tree node (None: no grammar).  # [nodes, W] int32"""
+    if not data:
+        return None
+    words = (vocab_size + 31) // 32
+    if len(data) != nodes * words * 4:
+        expected = nodes * words * 4
+        raise InvalidArgument(field, f"holds {len(data)} bytes; {nodes} nodes of {words} int32 words take {expected}")
+    masks = np.frombuffer(data, dtype="<i4").astype(np.int32).reshape(nodes, words)
+    if not masks.any(axis=1).all():
+        raise InvalidArgument(field, "a node allows no token")
+    return masks
 
 
 def speculate_result_to_proto(request_id: str, draft: DraftTree | None) -> internal_pb2.SpeculateResult:

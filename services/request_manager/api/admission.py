@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer import wire
 from specinfer.core import ExpansionConfig, InvalidArgument
+from specinfer.core.constraints import Constraint, Grammars
 from specinfer.core.drafts import DEFAULT_MAX_TREE_NODES, merged_tree_nodes
 from specinfer.core.errors import check_token_ids
 from specinfer.core.iteration import request_seed
@@ -190,12 +191,38 @@ def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
     check_fits_alone(request, limits.kv_budgets, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
 
 
+def grammars_for(tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None) -> Grammars | None:
+    """The grammars of structured outputs over the LLM's tokenizer (None without a tokenizer or an EOS token:
+    constrained requests are then refused)."""
+    if tokenizer is None or eos_token_id is None:
+        return None
+    return Grammars(tokenizer.to_str(), vocab_size, eos_token_id)
+
+
+def constraint(msg: api_pb2.GenerateRequest, grammars: Grammars | None) -> Constraint | None:
+    """The request's ``constraint`` oneof, compiled once to check it (:class:`InvalidArgument` naming the field)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object" and not msg.json_object:
+        raise InvalidArgument("json_object", "must be true when set")
+    out = Constraint(kind, "" if kind == "json_object" else getattr(msg, kind))
+    if grammars is None:
+        raise InvalidArgument(kind, "needs the LLM's tokenizer and EOS token, which this server lacks")
+    grammars.check(out, kind)
+    return out
+
+
 def build_live(
-    msg: api_pb2.GenerateRequest, limits: ApiLimits, tokenizer: Tokenizer | None, deadline: float | None
+    msg: api_pb2.GenerateRequest,
+    limits: ApiLimits,
+    tokenizer: Tokenizer | None,
+    deadline: float | None,
+    grammars: Grammars | None = None,
 ) -> Live:
     """A validated :class:`Live` request from the wire message (``deadline``: ``time.monotonic()`` after which it is
     abandoned; None: never). A request without an ID gets a random one, a sampling request without a seed a random
-    seed."""
+    seed. ``grammars``: the tokenizer's, for a request with a constraint (None: refused)."""
     request_id = check_request_id(msg.request_id or uuid.uuid4().hex)
     _check_stops(msg, limits, tokenizer)  # bounded before the prompt is tokenized
     prompt = prompt_tokens(msg, limits, tokenizer)
@@ -210,6 +237,7 @@ def build_live(
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=wire.logprobs_from_proto(msg, "logprobs"),
+        constraint=constraint(msg, grammars),
     )
     if request.logprobs is not None and request.logprobs > limits.vocab_size:  # each record holds that many
         vocabulary = f"a {limits.vocab_size}-token vocabulary"

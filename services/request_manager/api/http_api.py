@@ -193,7 +193,7 @@ class HttpApi:
         requests = self.servicer.requests
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         msgs = ow.generate_requests(body, params, response_id)
-        lives = [build_live(m, requests.limits, requests.tokenizer, None) for m in msgs]
+        lives = [build_live(m, requests.limits, requests.tokenizer, None, requests.grammars) for m in msgs]
         echo = [self._echo_text(p) if params.echo else "" for p in params.prompts]
         prompt_tokens = [len(lives[p * params.n].request.prompt_tokens) for p in range(len(params.prompts))]
         streams = await self._start(lives)

@@ -20,10 +20,17 @@ left out of the text), ``speculation`` (``"auto"``,
 ``n > 1`` and a ``seed``, sample ``i`` uses ``seed + i`` (the same seed would draw the same sequence ``n`` times).
 ``logprobs`` (completions: a count, 0-20; chat: ``logprobs: true`` with ``top_logprobs`` 0-20) reports the output
 tokens' log-probabilities under the LLM's raw distribution (``GenerateRequest.logprobs``); not with ``echo``.
+
+Structured outputs (``GenerateRequest.constraint``), on chat and completions alike: OpenAI's ``response_format``
+(``{"type": "text"}``, ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name": ...,
+"schema": {...}, "strict": ...}}``; the output always follows the schema, whatever ``strict`` says), and two extra
+fields: ``regex`` (a regular expression the whole output matches; vLLM's ``guided_regex``) and ``grammar`` (a Lark
+or GBNF grammar; vLLM's ``guided_grammar``). At most one of them per request.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +64,8 @@ PARAMS = {
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "request_id": "user",
+    "json_schema": "response_format",
+    "json_object": "response_format",
 }
 
 
@@ -161,6 +170,32 @@ def _speculation(body: Mapping[str, Any]) -> api_pb2.SpeculationParams:
     )
 
 
+def _constraint(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``response_format``, ``regex`` and ``grammar`` as the GenerateRequest's ``constraint`` field (none: {})."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        raise InvalidArgument("response_format", 'must be {"type": "text" | "json_object" | "json_schema", ...}')
+    out: dict[str, Any] = {}
+    if fmt is not None and fmt["type"] == "json_object":
+        out["json_object"] = True
+    elif fmt is not None and fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping) or not isinstance(spec.get("name", ""), str):
+            raise InvalidArgument("response_format", 'json_schema must be {"name": ..., "schema": {...}}')
+        out["json_schema"] = json.dumps(schema)
+    for name in ("regex", "grammar"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise InvalidArgument(name, "must be a non-empty string")
+        if out:
+            raise InvalidArgument(name, "only one of response_format (JSON), regex and grammar may constrain an output")
+        out[name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class CompletionParams:
     """What a ``/v1/completions`` body asks for besides its generate requests."""
@@ -240,6 +275,7 @@ def generate_requests(
         raise InvalidArgument("user", "must be a string")
     stops, speculation, ignore_eos = _stops(body), _speculation(body), _flag(body, "ignore_eos")
     skip_special_tokens = _flag(body, "skip_special_tokens", True)
+    constraint = _constraint(body)
     out = []
     for p, prompt in enumerate(params.prompts):
         for i in range(params.n):
@@ -262,6 +298,7 @@ def generate_requests(
                 speculation=speculation,
                 ignore_eos=ignore_eos,
                 skip_special_tokens=skip_special_tokens,
+                **constraint,
             )
             if seed is not None:
                 msg.sampling.seed = seed + i
@@ -299,7 +336,7 @@ def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[s
     place of ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
     if body.get("echo"):
         raise InvalidArgument("echo", "is not a chat completions field")
-    for name in ("tools", "tool_choice", "response_format"):
+    for name in ("tools", "tool_choice"):
         if body.get(name) not in (None, "none", {}, []):
             raise InvalidArgument(name, "is not supported by this server")
     dropped = ("messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs")

@@ -110,7 +110,7 @@ class SpecInferServicer(api_pb2_grpc.SpecInferServicer):
             request_id = resume_request_id(request)
             events = self.requests.attach(request_id, request.resume_from)
         else:
-            live = build_live(request, self.requests.limits, self.tokenizer, deadline(context))
+            live = build_live(request, self.requests.limits, self.tokenizer, deadline(context), self.requests.grammars)
             request_id, events = live.request_id, self.requests.start(live)
         async with aclosing(events):  # closed with the call: an abandoned request is cancelled at once
             async for event in events:

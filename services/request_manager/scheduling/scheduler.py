@@ -22,6 +22,7 @@ import grpc
 
 from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.admission import Admission
+from specinfer.core.constraints import Grammars
 from specinfer.core.engine_core import EngineCore
 from specinfer.core.errors import ResourceExhausted
 from specinfer.core.head_gate import bucket
@@ -82,8 +83,10 @@ class Scheduler:
         verifier: Verifiers,
         metrics: SchedulerMetrics,
         adaptive: AdaptiveSpeculation | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """``adaptive``: sizes the trees of adaptive requests (None: they verify their root alone, as without SSMs)."""
+        """``adaptive``: sizes the trees of adaptive requests (None: they verify their root alone, as without SSMs);
+        ``grammars``: the LLM tokenizer's, for requests with a constraint (structured outputs)."""
         self.config = config
         self.store = store
         self.workers = workers
@@ -95,7 +98,12 @@ class Scheduler:
         backoff = Backoff(config.verifier_backoff_seconds, config.verifier_backoff_max_seconds)
         self.executor = RemoteExecutor(config.ssm_names, workers, verifier, self.placement, metrics, backoff)
         self.core = EngineCore(
-            self.executor, len(config.ssm_names), config.eos_token_id, adaptive, head=config.draft_head
+            self.executor,
+            len(config.ssm_names),
+            config.eos_token_id,
+            adaptive,
+            head=config.draft_head,
+            grammars=grammars,
         )
         self.planner_metrics = PlannerMetrics(metrics, config.ssm_names)
         if adaptive is not None:

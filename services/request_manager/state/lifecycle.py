@@ -68,6 +68,7 @@ class Requests:
         self.limits = limits
         self.tokenizer = tokenizer
         self.lease = lease
+        self.grammars = scheduler.core.grammars.grammars  # structured outputs' (None: constrained requests refused)
         self.owner = lease.owner
 
     async def start(self, live: Live) -> AsyncIterator[StreamEvent]:

@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from specinfer.core import ExpansionConfig, SamplingParams
+from specinfer.core.constraints import Constraint
 from specinfer.core.requests import GenerationRequest, SpeculationConfig
 from specinfer.request_manager.api.admission import ApiLimits, check_kv_fit
 from specinfer.request_manager.api.text import TextStream, output_text
@@ -44,6 +45,7 @@ def live_params(live: Live, ssm_names: tuple[str, ...]) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": live.text.skip_special_tokens if live.text is not None else True,
         "logprobs": req.logprobs,
+        "constraint": None if req.constraint is None else {"kind": req.constraint.kind, "text": req.constraint.text},
         "speculation": None
         if spec is None
         else {
@@ -89,6 +91,7 @@ def live_from_snapshot(snapshot: RequestSnapshot, limits: ApiLimits, tokenizer: 
         stop_token_ids=tuple(params["stop_token_ids"]),
         ignore_eos=bool(params["ignore_eos"]),
         logprobs=params.get("logprobs"),  # records written before logprobs: none
+        constraint=Constraint(**params["constraint"]) if params.get("constraint") else None,
     )
     check_kv_fit(request, limits)  # the KV caches may be smaller than before the restart
     stop = tuple(params["stop"])

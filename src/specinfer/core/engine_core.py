@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.constraints import Grammars
 from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
 from specinfer.core.drafters import DRAFTERS
 from specinfer.core.drafts import DraftTree
+from specinfer.core.grammar_states import GrammarStates
 from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import (
     DraftSpec,
@@ -121,7 +123,8 @@ class EngineCore:
     adaptive speculation's state, or a function that builds it when the first adaptive request
     runs (e.g. a calibration), or None: adaptive requests verify their root alone. ``head``: the
     executor's verifier has a draft head (:mod:`specinfer.core.drafters.head`). ``drafters``: every
-    registered kind of draft (:data:`~specinfer.core.drafters.DRAFTERS`), by name, in merge order."""
+    registered kind of draft (:data:`~specinfer.core.drafters.DRAFTERS`), by name, in merge order. ``grammars``:
+    the tokenizer's grammars, for requests with a constraint (:mod:`specinfer.core.grammar_states`)."""
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class EngineCore:
         eos_token_id: int | None,
         adaptive: AdaptiveSpeculation | Callable[[], AdaptiveSpeculation] | None = None,
         head: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         self.executor = executor
         self.num_ssms = num_ssms
@@ -141,6 +145,7 @@ class EngineCore:
         # with the adaptive state
         self.speculation_gate: HeadGate | None = None
         self.drafters: dict[str, Drafter] = {name: kind(models) for name, kind in DRAFTERS.items()}
+        self.grammars = GrammarStates(grammars)
 
     @property
     def adaptive(self) -> AdaptiveSpeculation | None:
@@ -168,6 +173,7 @@ class EngineCore:
             self._adaptive.forget(request_id)
         for drafter in self.drafters.values():
             drafter.forget(request_id)
+        self.grammars.forget(request_id)
 
     async def step(self, batch: Sequence[R], commit: Commit, live: Callable[[str], bool] | None = None) -> StepReport:
         """One iteration over ``batch``: draft, verify, and ``commit`` each verified request's outcome
@@ -195,6 +201,7 @@ class EngineCore:
         )
         for drafter in self.drafters.values():
             jobs = drafter.verifying(batch, drafted, jobs, adaptive)
+        jobs = self.grammars.constrain(batch, jobs)
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
@@ -220,6 +227,7 @@ class EngineCore:
             for drafter in self.drafters.values():
                 drafter.observe(r, job, verdict, outcome)
             committed_tokens += len(outcome.tokens)
+            self.grammars.advance(r, outcome.tokens, outcome.finish_reason is not None)
             await commit(r, outcome)
         measured = bool(shapes) and None not in shapes
         seconds = time.perf_counter() - started

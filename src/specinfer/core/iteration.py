@@ -93,7 +93,8 @@ class HeadDraft:
 class VerifySpec:
     """One verify job: check ``draft`` (rooted at the last committed token) after ``context_tokens``
     (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``;
-    ``head``: also draft the next step's tree with the verifier's draft head (None: not)."""
+    ``head``: also draft the next step's tree with the verifier's draft head (None: not); ``masks``: the tokens
+    the request's grammar allows after each node (:mod:`specinfer.core.constraints`; None: any)."""
 
     request_id: str
     context_tokens: Sequence[int]
@@ -104,6 +105,7 @@ class VerifySpec:
     head: HeadDraft | None = None
     logprobs: int | None = None  # report the committed tokens' logprobs with this many alternatives (None: not)
     output_start: int = 0  # where the output begins in the committed tokens (context and root): the penalties' count
+    masks: np.ndarray | None = None  # [n_nodes, ceil(vocab / 32)] int32, xgrammar's bit layout
 
     def rng(self) -> np.random.Generator:
         return step_rng(self.seed, self.step, VERIFY_STREAM)

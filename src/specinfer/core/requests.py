@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specinfer.core.constraints import Constraint
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT, ExpansionConfig
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SamplingParams
@@ -80,7 +81,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation. ``speculation=None`` decodes incrementally (a tree of just the root). ``logprobs``: report
-    each output token's :class:`TokenLogprob` with this many alternatives (0: the token's own alone; None: none)."""
+    each output token's :class:`TokenLogprob` with this many alternatives (0: the token's own alone; None: none).
+    ``constraint``: what the output must match (:mod:`specinfer.core.constraints`; None: anything); it ends
+    with EOS once the grammar is complete, so it does not go with ``ignore_eos``."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -90,8 +93,11 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and self.ignore_eos:
+            raise InvalidArgument("ignore_eos", "cannot go with a constraint (a complete output ends with EOS)")
         if len(self.prompt_tokens) == 0:
             raise InvalidArgument("prompt", "must not be empty")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

@@ -20,6 +20,7 @@ from specinfer.core import InvalidArgument
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.adaptive import AdaptiveSpeculation
 from specinfer.core.admission import Admission
+from specinfer.core.constraints import Grammars
 from specinfer.core.costs import StepCosts
 from specinfer.core.drafters.head import VerifierHeadDrafter
 from specinfer.core.engine_core import EngineCore, run_to_end
@@ -69,6 +70,7 @@ class SpeculativeEngine:
         config: EngineConfig,
         costs: StepCosts | None = None,
         cost_entry: CostEntry | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``costs``: the step cost model for adaptive speculation; None: built when the first
         adaptive request runs. With ``cost_entry`` (``specinfer generate``) it is read from that
@@ -76,7 +78,8 @@ class SpeculativeEngine:
         either way the real steps refine it and :meth:`save_costs` (which :meth:`generate` calls)
         writes it back, so the next run starts from what this one learned. Without ``cost_entry``
         it is the full calibration (:func:`~specinfer.engine.calibrate.calibrate_costs`: tens of
-        seconds for a 1B model on a CPU; benchmarks time it before their clock starts)."""
+        seconds for a 1B model on a CPU; benchmarks time it before their clock starts). ``grammars``: the LLM's
+        tokenizer's grammars (:mod:`specinfer.core.constraints`), for requests with a constraint (None: refused)."""
         for i, ssm in enumerate(ssms):
             if ssm.vocab_size != llm.vocab_size:
                 raise InvalidArgument(
@@ -104,6 +107,7 @@ class SpeculativeEngine:
             config.eos_token_id,
             self._build_adaptive,
             head=isinstance(llm, WithHead),  # an LLM with a draft head drafts the next trees as it verifies
+            grammars=grammars,
         )
 
     @property
@@ -161,6 +165,10 @@ class SpeculativeEngine:
                     "speculation.ssms", f"unknown SSM index {unknown[0]} (the engine has {len(self.ssms)})"
                 )
         check_fits_alone(request, self._budgets, len(self.ssms), self.config.planner)
+        if request.constraint is not None:
+            if self._core.grammars.grammars is None:
+                raise InvalidArgument(request.constraint.kind, "needs the LLM's tokenizer, which this engine lacks")
+            self._core.grammars.grammars.check(request.constraint)
 
     def _step_rows(self, state: _Active) -> StepRows:
         return step_rows(state.request, state.committed_len, len(self.ssms), self.config.planner)

@@ -60,7 +60,8 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device)."""
     raw = stack_rows(logits)  # [N, V] every tree's nodes, job after job
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row
-    rows = _adjusted(raw, jobs, starts) if any(j.sampling.adjusts_logits for j in jobs) else raw
+    rows = _masked(raw, jobs, starts) if any(j.masks is not None for j in jobs) else raw
+    rows = _adjusted(rows, jobs, starts) if any(j.sampling.adjusts_logits for j in jobs) else rows
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
     sampled = [i for i, j in enumerate(jobs) if not j.sampling.prunable]  # multi-step speculative sampling
     parts: list[torch.Tensor] = []
@@ -85,6 +86,23 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
 def _paths(tree: TokenTree) -> list[list[int]]:
     """Each node's path below the root, its own token last (the root's: empty)."""
     return [path_below_root(tree.tokens, tree.parents, u) for u in range(len(tree))]
+
+
+def _masked(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
+    """``rows`` with every token a job's grammar forbids after a node set to -inf (:attr:`VerifySpec.masks`),
+    before penalties, temperature, top-k and top-p: the constrained distribution.  # [N, V]"""
+    n, vocab = rows.shape
+    words = (vocab + 31) // 32
+    host = np.full((n, words), -1, dtype=np.int32)  # [N, W] all allowed: the rows of unconstrained jobs
+    for job, start in zip(jobs, starts, strict=True):
+        if job.masks is not None:
+            end = start + len(job.draft.tree)
+            host[start:end] = 0  # a mask narrower than the logits allows none of the tokens past it
+            host[start:end, : min(words, job.masks.shape[1])] = job.masks[:, :words]
+    bits = torch.from_numpy(host).to(rows.device)  # [N, W] one host-to-device copy
+    shifts = torch.arange(32, dtype=torch.int32, device=rows.device)  # [32]
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(n, words * 32)[:, :vocab].bool()  # [N, V]
+    return rows.masked_fill(~allowed, float("-inf"))
 
 
 def _adjusted(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:

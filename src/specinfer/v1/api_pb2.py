@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specinfer/v1/api.proto\x12\x0cspecinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cverification\x18\x05 \x01(\t\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x94\x01\n\x11SpeculationParams\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x11\n\texpansion\x18\x02 \x03(\x05\x12\x0c\n\x04ssms\x18\x03 \x03(\t\x12\x10\n\x08\x61\x64\x61ptive\x18\x04 \x01(\x08\x12\x13\n\x06suffix\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\x04head\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_suffixB\x07\n\x05_head\"\xac\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specinfer.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x34\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1f.specinfer.v1.SpeculationParams\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x0bresume_from\x18\n \x01(\rH\x01\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_resume_fromB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tllm_steps\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_step\x18\x05 \x01(\x02\x12\x16\n\x0emean_tree_size\x18\x06 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"i\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12(\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x16.specinfer.v1.Finished\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xf0\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specinfer.v1.RequestStatus\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12(\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.specinfer.v1.Finished\x12\x33\n\x0foutput_logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xea\x02\n\tModelInfo\x12\x0b\n\x03llm\x18\x01 \x01(\t\x12\x0c\n\x04ssms\x18\x02 \x03(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\r\x12\x19\n\x11\x64\x65\x66\x61ult_expansion\x18\x06 \x03(\x05\x12\x19\n\x0c\x65os_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x1b\n\x13\x64\x65\x66\x61ult_speculation\x18\t \x01(\t\x12\x46\n\x10\x64raft_vocabulary\x18\n \x03(\x0b\x32,.specinfer.v1.ModelInfo.DraftVocabularyEntry\x1a\x36\n\x14\x44raftVocabularyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_eos_token_id*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x83\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x03\x32\xb4\x02\n\tSpecInfer\x12K\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.specinfer.v1.CancelRequest\x1a\x1c.specinfer.v1.CancelResponse\x12I\n\nGetRequest\x12\x1f.specinfer.v1.GetRequestRequest\x1a\x1a.specinfer.v1.RequestState\x12J\n\x0cGetModelInfo\x12!.specinfer.v1.GetModelInfoRequest\x1a\x17.specinfer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specinfer/v1/api.proto\x12\x0cspecinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cverification\x18\x05 \x01(\t\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x94\x01\n\x11SpeculationParams\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x11\n\texpansion\x18\x02 \x03(\x05\x12\x0c\n\x04ssms\x18\x03 \x03(\t\x12\x10\n\x08\x61\x64\x61ptive\x18\x04 \x01(\x08\x12\x13\n\x06suffix\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\x04head\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_suffixB\x07\n\x05_head\"\x8c\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specinfer.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x34\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1f.specinfer.v1.SpeculationParams\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x0bresume_from\x18\n \x01(\rH\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\r \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0e \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0f \x01(\tH\x01\x12\x11\n\x07grammar\x18\x10 \x01(\tH\x01\x42\x08\n\x06promptB\x0c\n\nconstraintB\x0e\n\x0c_resume_fromB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tllm_steps\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_step\x18\x05 \x01(\x02\x12\x16\n\x0emean_tree_size\x18\x06 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"i\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12(\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x16.specinfer.v1.Finished\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xf0\x01\n\x0cRequestState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specinfer.v1.RequestStatus\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12(\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.specinfer.v1.Finished\x12\x33\n\x0foutput_logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xea\x02\n\tModelInfo\x12\x0b\n\x03llm\x18\x01 \x01(\t\x12\x0c\n\x04ssms\x18\x02 \x03(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_positions\x18\x04 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\r\x12\x19\n\x11\x64\x65\x66\x61ult_expansion\x18\x06 \x03(\x05\x12\x19\n\x0c\x65os_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x1b\n\x13\x64\x65\x66\x61ult_speculation\x18\t \x01(\t\x12\x46\n\x10\x64raft_vocabulary\x18\n \x03(\x0b\x32,.specinfer.v1.ModelInfo.DraftVocabularyEntry\x1a\x36\n\x14\x44raftVocabularyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_eos_token_id*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*\x83\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1a\n\x16REQUEST_STATUS_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x03\x32\xb4\x02\n\tSpecInfer\x12K\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.specinfer.v1.CancelRequest\x1a\x1c.specinfer.v1.CancelResponse\x12I\n\nGetRequest\x12\x1f.specinfer.v1.GetRequestRequest\x1a\x1a.specinfer.v1.RequestState\x12J\n\x0cGetModelInfo\x12!.specinfer.v1.GetModelInfoRequest\x1a\x17.specinfer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._loaded_options = None
   _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2294
-  _globals['_FINISHREASON']._serialized_end=2466
-  _globals['_REQUESTSTATUS']._serialized_start=2469
-  _globals['_REQUESTSTATUS']._serialized_end=2600
+  _globals['_FINISHREASON']._serialized_start=2390
+  _globals['_FINISHREASON']._serialized_end=2562
+  _globals['_REQUESTSTATUS']._serialized_start=2565
+  _globals['_REQUESTSTATUS']._serialized_end=2696
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONPARAMS']._serialized_start=397
   _globals['_SPECULATIONPARAMS']._serialized_end=545
   _globals['_GENERATEREQUEST']._serialized_start=548
-  _globals['_GENERATEREQUEST']._serialized_end=976
-  _globals['_TOKENLOGPROB']._serialized_start=978
-  _globals['_TOKENLOGPROB']._serialized_end=1072
-  _globals['_USAGE']._serialized_start=1075
-  _globals['_USAGE']._serialized_end=1260
-  _globals['_FINISHED']._serialized_start=1262
-  _globals['_FINISHED']._serialized_end=1367
-  _globals['_GENERATERESPONSE']._serialized_start=1370
-  _globals['_GENERATERESPONSE']._serialized_end=1545
-  _globals['_CANCELREQUEST']._serialized_start=1547
-  _globals['_CANCELREQUEST']._serialized_end=1582
-  _globals['_CANCELRESPONSE']._serialized_start=1584
-  _globals['_CANCELRESPONSE']._serialized_end=1619
-  _globals['_GETREQUESTREQUEST']._serialized_start=1621
-  _globals['_GETREQUESTREQUEST']._serialized_end=1660
-  _globals['_REQUESTSTATE']._serialized_start=1663
-  _globals['_REQUESTSTATE']._serialized_end=1903
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1905
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1926
-  _globals['_MODELINFO']._serialized_start=1929
-  _globals['_MODELINFO']._serialized_end=2291
-  _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._serialized_start=2220
-  _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._serialized_end=2274
-  _globals['_SPECINFER']._serialized_start=2603
-  _globals['_SPECINFER']._serialized_end=2911
+  _globals['_GENERATEREQUEST']._serialized_end=1072
+  _globals['_TOKENLOGPROB']._serialized_start=1074
+  _globals['_TOKENLOGPROB']._serialized_end=1168
+  _globals['_USAGE']._serialized_start=1171
+  _globals['_USAGE']._serialized_end=1356
+  _globals['_FINISHED']._serialized_start=1358
+  _globals['_FINISHED']._serialized_end=1463
+  _globals['_GENERATERESPONSE']._serialized_start=1466
+  _globals['_GENERATERESPONSE']._serialized_end=1641
+  _globals['_CANCELREQUEST']._serialized_start=1643
+  _globals['_CANCELREQUEST']._serialized_end=1678
+  _globals['_CANCELRESPONSE']._serialized_start=1680
+  _globals['_CANCELRESPONSE']._serialized_end=1715
+  _globals['_GETREQUESTREQUEST']._serialized_start=1717
+  _globals['_GETREQUESTREQUEST']._serialized_end=1756
+  _globals['_REQUESTSTATE']._serialized_start=1759
+  _globals['_REQUESTSTATE']._serialized_end=1999
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2001
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2022
+  _globals['_MODELINFO']._serialized_start=2025
+  _globals['_MODELINFO']._serialized_end=2387
+  _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._serialized_start=2316
+  _globals['_MODELINFO_DRAFTVOCABULARYENTRY']._serialized_end=2370
+  _globals['_SPECINFER']._serialized_start=2699
+  _globals['_SPECINFER']._serialized_end=3007
 # @@protoc_insertion_point(module_scope)

@@ -87,7 +87,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., expansion: _Optional[_Iterable[int]] = ..., ssms: _Optional[_Iterable[str]] = ..., adaptive: _Optional[bool] = ..., suffix: _Optional[bool] = ..., head: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from", "skip_special_tokens", "logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "stop", "speculation", "ignore_eos", "resume_from", "skip_special_tokens", "logprobs", "json_schema", "json_object", "regex", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,10 @@ class GenerateRequest(_message.Message):
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -112,7 +116,11 @@ class GenerateRequest(_message.Message):
     resume_from: int
     skip_special_tokens: bool
     logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., resume_from: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., resume_from: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")

@@ -156,7 +156,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("context", "tree", "sampling", "seed", "step", "head", "logprobs", "output_start")
+    __slots__ = ("context", "tree", "sampling", "seed", "step", "head", "logprobs", "output_start", "token_masks")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class VerifyItem(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     context: Context
     tree: DraftTree
     sampling: _api_pb2.SamplingParams
@@ -173,7 +174,8 @@ class VerifyItem(_message.Message):
     head: HeadDraft
     logprobs: int
     output_start: int
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ..., logprobs: _Optional[int] = ..., output_start: _Optional[int] = ...) -> None: ...
+    token_masks: bytes
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ..., logprobs: _Optional[int] = ..., output_start: _Optional[int] = ..., token_masks: _Optional[bytes] = ...) -> None: ...
 
 class HeadDraft(_message.Message):
     __slots__ = ("budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "draft_support")
