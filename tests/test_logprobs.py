@@ -10,6 +10,8 @@ from devices import TEST_DEVICE  # tests/devices.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
+from specinfer.core.head_gate import HeadGateConfig
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import MAX_LOGPROBS
 from specinfer.core.sampling import token_logprob
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -28,7 +30,11 @@ def setup(model_pair):
         for p in (model_pair.llm, model_pair.ssm)
     ]
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
-    return SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos)), hf, model_pair.prompts[:6]
+    # adaptive requests speculate every step (the speculation gate does not measure): the test checks the logprobs of
+    # tokens speculation committed, which a loaded machine's gate may otherwise turn off
+    planner = PlannerConfig(speculation_gate=HeadGateConfig(measure=False))
+    engine = SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos, planner=planner))
+    return engine, hf, model_pair.prompts[:6]
 
 
 def _oracle(hf, prompt, output):
