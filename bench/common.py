@@ -4,6 +4,8 @@ a script's own folder is on its import path), never from one another.
 - prompts: :func:`load_prompts` (a JSON-lines prompt file, tokenized, each cut to its last tokens) and
   :func:`prompt_windows` (the prompts' tokens concatenated and cut into windows of one length);
 - KV memory: :func:`kv_bytes` (an LLM KV budget with room for a batch of full-length requests);
+- the weight-streaming floor: :func:`streamed_weights` (the matrices a one-token step reads) and
+  :func:`products_seconds` (their one-row products alone, in a given form);
 - load against a running stack: :data:`DEFAULT_PAIR`, :class:`Totals`, :func:`stream_loop` (gRPC streams back to
   back) and :func:`pct` (a percentile of unsorted values).
 """
@@ -59,6 +61,29 @@ def kv_bytes(llm_dir: Path, batch: int, dtype: torch.dtype) -> int:
 
     spec = ModelSpec.from_dir(llm_dir)
     return KVPool.bytes_per_token(spec, dtype) * (spec.positions_limit + 256) * batch
+
+
+def streamed_weights(model) -> list[torch.Tensor]:
+    """The matrices a one-token step of a native model reads, in model order: each decoder layer's qkv, o, up and
+    down projections, then the LM head."""
+    weights = [w for layer in model.w.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
+    return [*weights, model.w.lm_head]
+
+
+def products_seconds(weights: list[torch.Tensor], form, runs: int) -> float:
+    """Best of ``runs`` passes of one-row products ``form(x, w)`` over every weight in order: every weight streamed
+    once, the floor a one-token step cannot go below."""
+    import torch
+
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}  # [1, in]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(runs):
+            start = time.perf_counter()
+            for w in weights:
+                form(rows[w.shape[1]], w)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 @dataclass

@@ -17,6 +17,8 @@ import argparse
 import time
 from pathlib import Path
 
+from common import products_seconds, streamed_weights
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -53,20 +55,8 @@ def main() -> None:
     decode = (whole - first) / args.new_tokens
 
     model = llm.runner.model
-    weights = [w for layer in model.w.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
-    weights.append(model.w.lm_head)
+    weights = streamed_weights(model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}  # [1, in] per width
-
-    def products(form) -> float:
-        best = float("inf")
-        with torch.inference_mode():
-            for _ in range(args.repeats + 2):
-                start = time.perf_counter()
-                for w in weights:
-                    form(rows[w.shape[1]], w)
-                best = min(best, time.perf_counter() - start)
-        return best
 
     print(f"LLM {args.llm}, {args.dtype}, {args.threads} threads; weights streamed per token: {nbytes / 1e9:.2f} GB")
     print("| row | ms per token | weights GB/s |")
@@ -79,7 +69,7 @@ def main() -> None:
         ("products alone: the plan measured at load", model.linear),
     ]
     for name, form in forms:
-        seconds = products(form)
+        seconds = products_seconds(weights, form, args.repeats + 2)
         print(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.1f} |")
 
 

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import load_prompts
+from common import load_prompts, products_seconds, streamed_weights
 from prometheus_client.parser import text_string_to_metric_families
 
 from specinfer.client import Client
@@ -56,22 +56,6 @@ class Timed:
                 totals[key] += time.perf_counter() - start
 
         setattr(target, name, timed)
-
-
-def products_floor(llm, repeats: int = 5) -> float:
-    """Seconds of the LLM's one-row matrix products, each weight once, in model order (the runtime's own forms)."""
-    model = llm.runner.model
-    weights = [w for layer in model.w.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
-    weights.append(model.w.lm_head)
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}  # [1, in] per width
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for w in weights:
-                model.linear(rows[w.shape[1]], w)
-            best = min(best, time.perf_counter() - start)
-    return best
 
 
 def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
@@ -109,7 +93,8 @@ def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, floa
             "SSM backend calls": ms.get("ssm calls", 0.0),
             "engine host (the rest)": seconds / steps * 1e3 - ms["llm backend"] - ms.get("ssm calls", 0.0),
         }
-    rows["floor"] = {"products floor": products_floor(llm) * 1e3}
+    model = llm.runner.model
+    rows["floor"] = {"products floor": products_seconds(streamed_weights(model), model.linear, 5) * 1e3}
     return rows
 
 
