@@ -14,8 +14,8 @@ import grpc
 import redis.exceptions
 
 from specinfer.checkpoint import eos_token_id, load_tokenizer
+from specinfer.core.constraints import grammars_for
 from specinfer.core.kv_budget import KVBudget
-from specinfer.request_manager.api.admission import grammars_for
 from specinfer.request_manager.api.chat_template import ChatTemplate
 from specinfer.request_manager.api.http_api import HttpApi
 from specinfer.request_manager.api.http_transport import HttpMetrics, HttpServer

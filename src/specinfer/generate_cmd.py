@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.constraints import Constraint, Grammars
+from specinfer.core.constraints import Constraint, grammars_for
 from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.core.requests import TokenLogprob
 from specinfer.tuning import slot_prior, static_expansion
@@ -291,9 +291,7 @@ def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str], token
     )  # offloaded steps cost a transfer whatever their tokens: larger trees pay
     eos = eos_token_id(cfg.llm)
     config = EngineConfig(eos_token_id=eos, planner=planner, slot_priors=priors)
-    grammars = (
-        Grammars(tokenizer.to_str(), llm.vocab_size, eos) if cfg.constraint is not None and eos is not None else None
-    )
+    grammars = grammars_for(tokenizer, llm.vocab_size, eos) if cfg.constraint is not None else None
     cost_entry = _cost_entry(cfg, vocabularies) if cfg.adaptive else None
     return SpeculativeEngine(llm, ssms, config, cost_entry=cost_entry, grammars=grammars)
 

@@ -191,14 +191,6 @@ def check_kv_fit(request: GenerationRequest, limits: ApiLimits) -> None:
     check_fits_alone(request, limits.kv_budgets, len(limits.ssm_names), planner_config(limits.max_tree_nodes))
 
 
-def grammars_for(tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None) -> Grammars | None:
-    """The grammars of structured outputs over the LLM's tokenizer (None without a tokenizer or an EOS token:
-    constrained requests are then refused)."""
-    if tokenizer is None or eos_token_id is None:
-        return None
-    return Grammars(tokenizer.to_str(), vocab_size, eos_token_id)
-
-
 def constraint(msg: api_pb2.GenerateRequest, grammars: Grammars | None) -> Constraint | None:
     """The request's ``constraint`` oneof, compiled once to check it (:class:`InvalidArgument` naming the field)."""
     kind = msg.WhichOneof("constraint")

@@ -22,12 +22,16 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
 from specinfer.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (OpenAI's response_format json_object)
@@ -204,3 +208,11 @@ class Grammars:
         state = GrammarState(self._compile(constraint, constraint.kind).deep_copy(), self.words, self.eos)
         state.advance(output)
         return state
+
+
+def grammars_for(tokenizer: Tokenizer | None, vocab_size: int, eos_token_id: int | None) -> Grammars | None:
+    """The grammars of structured outputs over the LLM's tokenizer (None without a tokenizer or an EOS token:
+    constrained requests are then refused)."""
+    if tokenizer is None or eos_token_id is None:
+        return None
+    return Grammars(tokenizer.to_str(), vocab_size, eos_token_id)
