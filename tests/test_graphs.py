@@ -21,7 +21,8 @@ from specinfer.kernels.metadata import MetadataShape, pad_metadata
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import NativeBackend, NativeOptions
 from specinfer.models.native.backend import new_pool, pool_geometry, uses_cuda_graphs
-from specinfer.models.native.graphs import GraphRunner
+from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats, StepShape, warmup_steps
+from specinfer.models.native.step import PackedStep, StepRequest
 
 CAPTURE = TEST_DEVICE.startswith("cuda")
 MAX_TOKENS = 48  # the tests' long prefill (60 tokens) runs eagerly, the rest padded
@@ -36,7 +37,8 @@ def _backends(path, model: str, kv_block_size: int, attention: str) -> tuple[Nat
     model_ = eager.runner.model
     device = torch.device(options.device)
     pool = new_pool(eager.spec, options, device, pool_geometry(eager.spec, options))
-    graphs = GraphRunner(model_, pool, device, MAX_TOKENS, capture=CAPTURE)
+    limits = GraphLimits(eager.rows_per_request, options.max_tree_nodes)
+    graphs = GraphRunner(model_, pool, device, limits, MAX_TOKENS, capture=CAPTURE)
     return eager, NativeBackend(eager.spec, graphs, options)
 
 
@@ -163,7 +165,7 @@ def test_cuda_graphs_only_where_they_can_run():
     with pytest.raises(ValueError, match="cuda_graph_tokens"):
         NativeOptions(cuda_graph_tokens=-1)
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphRunner(None, None, torch.device("cpu"), 64, capture=True)
+        GraphRunner(None, None, torch.device("cpu"), GraphLimits(64, 64), 64, capture=True)
 
 
 def test_a_failed_capture_leaves_the_steps_eager(tmp_path):
@@ -183,3 +185,99 @@ def test_a_failed_capture_leaves_the_steps_eager(tmp_path):
             assert _rel(g, w.cpu()) < 1e-5, f"call {i}"
     assert "operation not permitted" in runner.capture_error
     assert runner.graphs == 0 and runner.max_graphs == 0 and runner.eager_steps == 3
+
+
+def test_warmup_steps_cover_every_batch_and_tree_size_once():
+    """Each step is a batch of a power-of-two size whose first tree has the step's largest size q (a power of two),
+    every tree 1..q nodes, at most max_tokens in all; each (batch, q, packed tokens rounded up) appears once, and
+    every count of packed tokens such a batch can hold is covered; lone requests first, then incremental batches."""
+    steps = warmup_steps(8, 16, 32)
+    keys = []
+    for sizes in steps:
+        b, q, t = len(sizes), sizes[0], sum(sizes)
+        assert b & (b - 1) == 0 and q & (q - 1) == 0 and all(1 <= n <= q for n in sizes) and t <= 32
+        keys.append((b, q, 1 << (t - 1).bit_length()))
+    assert len(set(keys)) == len(keys)
+    for b in (1, 2, 4, 8):
+        for q in (1, 2, 4, 8, 16):
+            for total in range(q + b - 1, min(b * q, 32) + 1):  # every step b trees of at most q nodes can be
+                assert (b, q, 1 << (total - 1).bit_length()) in keys, (b, q, total)
+    kinds = [0 if len(s) == 1 else 1 if s[0] == 1 else 2 for s in steps]
+    assert kinds == sorted(kinds)
+
+
+def _step(prefix: int, parents: list[int], block_size: int) -> PackedStep:
+    table = tuple(range(-(-(prefix + len(parents)) // block_size))) if block_size else ()
+    request = StepRequest(0, prefix, [], [7] * len(parents), parents, table)
+    return PackedStep.from_trees([request], block_size)
+
+
+@pytest.mark.parametrize("block_size", [0, 16], ids=["contiguous", "paged"])
+def test_a_growing_context_keeps_its_step_shape(block_size):
+    """The shape a step replays depends on its tokens, batch and tree, not on how long its context has grown: the
+    block table is as wide as a request's longest and the split heuristic plans for the longest prefix (a context
+    passing 256, 512, ... tokens was a new capture in the serving path)."""
+    limits = GraphLimits(request_rows=2304, tree_rows=256)
+    parents = [-1, 0, 0, 1]
+    shapes = set()
+    for prefix in (3, 255, 300, 700, 1500, 2299):
+        step = _step(prefix, parents, block_size)
+        shapes.add(StepShape.covering(step, step.metadata(torch.device("cpu")), limits, block_size))
+    assert len(shapes) == 1
+    (shape,) = shapes
+    assert shape.tokens == 4 and shape.meta.max_prefix_len == 2304
+    assert shape.meta.table_width == (144 if block_size else 0)
+    chain = _step(5, [-1, 0, 1, 2], block_size)
+    assert StepShape.covering(chain, chain.metadata(torch.device("cpu")), limits, block_size) == shape
+
+
+def test_warmed_up_runner_captures_nothing_while_serving(tmp_path):
+    """After the warm-up (its shapes padded and, on CUDA, captured) a serving loop's steps within its batch and tree
+    bounds meet only shapes it has, with the eager steps' logits; the statistics say which phase captured what."""
+    save_tiny_checkpoint("llama-gqa", tmp_path)
+    eager, graphs = _backends(tmp_path, "llama-gqa", 4, "torch")
+    stats = graphs.warm_graphs(max_batch=4, max_nodes=8, seconds=600)
+    assert stats == GraphStats(
+        warmup=graphs.runner.graphs, serving=0, eager_steps=0, warmup_seconds=stats.warmup_seconds
+    )
+    assert stats.warmup == len(warmup_steps(4, 8, MAX_TOKENS)) and graphs.cached_requests() == []
+    gen = np.random.default_rng(5)
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in gen.integers(3, eager.vocab_size, n)]
+
+    # as a verifier is called: each tree's root is the token the last step added, its context the tokens before;
+    # "c" arrives later, its prompt computed as a chain before its first tree (fewer logit rows than tokens)
+    contexts, roots = {"a": tokens(4), "b": tokens(6)}, {"a": 9, "b": 11}
+    calls = []
+    for step in range(12):
+        if step == 4:
+            contexts["c"], roots["c"] = tokens(5), 13
+        batch = []
+        for r in contexts:
+            n = int(gen.integers(1, 9))
+            tree, parents = [roots[r], *tokens(n - 1)], [-1] + [int(gen.integers(0, j)) for j in range(1, n)]
+            batch.append(TreeForward(r, contexts[r], tree, parents))
+            path = [0]
+            while (children := [j for j in range(n) if parents[j] == path[-1]]) and len(path) < 3:
+                path.append(children[0])
+            contexts[r] = contexts[r] + [tree[j] for j in path]  # the accepted path; its bonus token the next root
+            roots[r] = tokens(1)[0]
+        calls.append(batch)
+    for i, call in enumerate(calls):
+        for w, g in zip(eager.forward_tree(call), graphs.forward_tree(call), strict=True):
+            assert _rel(g, w.cpu()) < 1e-5, f"call {i}"
+    assert graphs.graph_stats.serving == 0 and graphs.graph_stats.warmup == stats.warmup
+    graphs.forward_tree([TreeForward("d", [], [3] * 20, list(range(-1, 19)))])  # a 20-node chain: past the warm-up
+    assert graphs.graph_stats.serving == 1
+    assert eager.graph_stats is None
+
+
+def test_warmup_is_bounded_by_its_seconds(tmp_path):
+    """A warm-up out of time stops where it is (the commonest shapes first), leaves no request behind, and the shapes
+    it did not reach are captured when met."""
+    save_tiny_checkpoint("llama-gqa", tmp_path)
+    _, graphs = _backends(tmp_path, "llama-gqa", 0, "torch")
+    stats = graphs.warm_graphs(max_batch=4, max_nodes=8, seconds=0)
+    assert stats.warmup == 1 and graphs.cached_requests() == []  # the contexts' step alone
+    assert stats.serving == 0

@@ -46,6 +46,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         self.vocab_size = llm.vocab_size
         self.runner = ModelRunner(name, llm)  # the thread the model's calls run in (one at a time)
         self._contexts = ContextStore()
+        metrics.observe_graphs(name, llm.graph_stats)  # the start-up warm-up's, before any call
 
     @property
     def llm(self) -> CausalLM:
@@ -77,6 +78,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         )
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         self.metrics.observe_prefix_cache(self.name, self.llm.prefix_cache_stats)
+        self.metrics.observe_graphs(self.name, self.llm.graph_stats)
         log.debug("verify", extra={"items": len(call.hits), "misses": call.misses, "seconds": round(seconds, 4)})
         return response
 

@@ -55,6 +55,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             raise InvalidArgument("ssm", f"the SSMs' vocabulary sizes differ: {sizes}")
         self.vocab_size = next(iter(sizes.values()))
         self._runners = {name: ModelRunner(name, m) for name, m in ssms.items()}
+        for name, m in ssms.items():
+            metrics.observe_graphs(name, m.graph_stats)  # the start-up warm-up's, before any call
         self._budgets = {name: m.kv_budget for name, m in ssms.items()}
         self._contexts = ContextStore()
 
@@ -91,6 +93,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             request.ssm, len(call.jobs), sum(len(d.tree) for d in drafted), call.misses, seconds, len(self._contexts)
         )
         self.metrics.observe_prefix_cache(request.ssm, runner.model.prefix_cache_stats)
+        self.metrics.observe_graphs(request.ssm, runner.model.graph_stats)
         results = call.results(drafted, wire_jobs.speculate_result_to_proto)
         response = internal_pb2.SpeculateResponse(results=results, passes=wire.pass_timings_to_proto(passes))
         log.debug(

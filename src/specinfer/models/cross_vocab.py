@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from specinfer.core.errors import InvalidArgument
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
 from specinfer.core.vocab_map import SHARED_VOCABULARY, TOKEN_INTERSECTION, VocabMap
 from specinfer.models.interface import CausalLM, TreeForward
+
+if TYPE_CHECKING:
+    from specinfer.models.native.graphs import GraphStats
 
 UNBOUNDED_POSITIONS = 2**31 - 1  # the wrapper's max_positions: the window keeps the SSM within its own
 TREE_MARGIN = 128  # SSM positions kept free past the window for the draft tree's nodes
@@ -135,6 +139,10 @@ class CrossVocabularyLM:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         return self.ssm.prefix_cache_stats
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        return self.ssm.graph_stats
 
     def prefix_hits(self, request_id: str) -> int:
         return self.ssm.prefix_hits(request_id)

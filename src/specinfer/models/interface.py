@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
+
+if TYPE_CHECKING:
+    from specinfer.models.native.graphs import GraphStats
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class CausalLM(Protocol):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Totals of the prefix cache since load (None: the backend has none, or it is off)."""
+        ...
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        """What the backend's CUDA graphs captured at warm-up and since (None: it replays none)."""
         ...
 
     def prefix_hits(self, request_id: str) -> int:

@@ -12,7 +12,7 @@ from specinfer.checkpoint import check_checkpoint, eos_token_id, load_tokenizer
 from specinfer.core import InvalidArgument
 from specinfer.models.dtypes import DTYPE_CHOICES, DTYPES, resolve_dtype
 from specinfer.models.interface import CausalLM
-from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
+from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS, DEFAULT_GRAPH_WARMUP_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def load_backend(
     offload_reserve_bytes: int = 0,
     prefix_caching: bool = True,
     cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS,
+    cuda_graph_warmup_seconds: float = DEFAULT_GRAPH_WARMUP_SECONDS,
 ) -> CausalLM:
     """A model backend for the checkpoint at ``path``: ``native`` (our runtime; the Llama family,
     Qwen3, Phi-3, Gemma 2 / 3 and OPT: docs/models.md), ``reference`` (any causal LM through transformers) or
@@ -45,7 +46,8 @@ def load_backend(
     in host memory, streamed to the device layer by layer, within ``offload_reserve_bytes`` of device
     memory (0: no bound; native backend only, docs/offloading.md); ``prefix_caching``: with
     a paged pool, requests share the KV blocks of common context prefixes (native backend); ``cuda_graph_tokens``:
-    on CUDA, steps of at most this many tokens replay CUDA graphs (native backend; 0: never)."""
+    on CUDA, steps of at most this many tokens replay CUDA graphs (native backend; 0: never), the graphs of the shapes
+    a server meets captured at load for at most ``cuda_graph_warmup_seconds`` (0: each on its first step)."""
     # every setting is checked before anything is logged or loaded: a bad one is the one line on stderr
     requested, dtype = dtype, resolve_dtype(dtype, device)
     if backend not in BACKENDS:
@@ -58,6 +60,8 @@ def load_backend(
         raise InvalidArgument("offload-reserve-bytes", f"must be >= 0, got {offload_reserve_bytes}")
     if cuda_graph_tokens < 0:
         raise InvalidArgument("cuda-graph-tokens", f"must be >= 0, got {cuda_graph_tokens}")
+    if not cuda_graph_warmup_seconds >= 0:  # NaN too
+        raise InvalidArgument("cuda-graph-warmup-seconds", f"must be >= 0, got {cuda_graph_warmup_seconds}")
     if offload_reserve_bytes and not offload:
         raise InvalidArgument("offload-reserve-bytes", "bounds offloading's device memory: it needs --offload")
     if offload and backend == "reference":
@@ -86,6 +90,7 @@ def load_backend(
                 offload_reserve_bytes=offload_reserve_bytes,
                 prefix_caching=prefix_caching,
                 cuda_graph_tokens=cuda_graph_tokens,
+                cuda_graph_warmup_seconds=cuda_graph_warmup_seconds,
             )
             check_kv_budget(spec, options)
             log.info("loading %s in %s (dtype %s) on %s", path, dtype, requested, device)

@@ -77,6 +77,10 @@ class ReferenceBackend:
     def prefix_cache_stats(self) -> None:
         return None  # every request's cache is its own
 
+    @property
+    def graph_stats(self) -> None:
+        return None  # transformers' forward, no CUDA graphs of ours
+
     def prefix_hits(self, request_id: str) -> int:
         return 0
 

@@ -260,7 +260,7 @@ def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> Server
 def add_model_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the services that run models (see :func:`specinfer.models.loading.load_backend`)."""
     # here, not at the top: the request manager reads this module and runs no model (no torch)
-    from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
+    from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS, DEFAULT_GRAPH_WARMUP_SECONDS
 
     add_setting(parser, "--backend", default="auto", help="auto, native or reference")
     add_setting(
@@ -301,6 +301,14 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
         int,
         DEFAULT_GRAPH_TOKENS,
         help="on a CUDA device, steps of at most this many tokens replay CUDA graphs (native backend; 0: never)",
+    )
+    add_setting(
+        parser,
+        "--cuda-graph-warmup-seconds",
+        float,
+        DEFAULT_GRAPH_WARMUP_SECONDS,
+        help="on a CUDA device, at start-up capture the CUDA graphs of the step shapes a server meets for at most "
+        "this long, so that serving captures none (native backend; 0: each shape on its first step)",
     )
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")
     add_setting(

@@ -15,11 +15,15 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats
+
+if TYPE_CHECKING:  # the request manager imports this module and never torch
+    from specinfer.models.native.graphs import GraphStats
 
 # seconds: from sub-millisecond RPCs (Release, health) to multi-second verify steps of a big LLM
 LATENCY_BUCKETS = (
@@ -219,7 +223,28 @@ class ModelMetrics:
             ["role", "model"],
             registry=registry,
         )
+        self.graph_captures = Counter(
+            "specinfer_cuda_graph_captures",
+            "CUDA graphs captured, by phase: warmup (at start-up) or serving (each one a 0.3-1 s step in the serving "
+            "path; a warmed server keeps it at 0)",
+            ["role", "model", "phase"],
+            registry=registry,
+        )
+        self.graph_eager_steps = Counter(
+            "specinfer_cuda_graph_eager_steps",
+            "Steps run without a CUDA graph where graphs are on (longer than --cuda-graph-tokens, past the graph "
+            "limit, or after a failed capture)",
+            ["role", "model"],
+            registry=registry,
+        )
+        self.graph_warmup_seconds = Gauge(
+            "specinfer_cuda_graph_warmup_seconds",
+            "Seconds the start-up capture of CUDA graphs took",
+            ["role", "model"],
+            registry=registry,
+        )
         self._prefix_seen: dict[str, PrefixCacheStats] = {}  # each model's totals at the last observation
+        self._graphs_seen: dict[str, GraphStats] = {}
         self.role = role
 
     def observe(self, model: str, requests: int, nodes: int, misses: int, seconds: float, held: int) -> None:
@@ -239,6 +264,18 @@ class ModelMetrics:
         self.prefix_queries.labels(self.role, model).inc(stats.queried_tokens - seen.queried_tokens)
         self.prefix_hits.labels(self.role, model).inc(stats.hit_tokens - seen.hit_tokens)
         self._prefix_seen[model] = stats
+
+    def observe_graphs(self, model: str, stats: GraphStats | None) -> None:
+        """Count what ``model``'s CUDA graphs did since the last call (``stats``: its totals; None: it has none)."""
+        if stats is None:
+            return
+        seen = self._graphs_seen.get(model)
+        labels = (self.role, model)
+        self.graph_captures.labels(*labels, "warmup").inc(stats.warmup - (seen.warmup if seen else 0))
+        self.graph_captures.labels(*labels, "serving").inc(stats.serving - (seen.serving if seen else 0))
+        self.graph_eager_steps.labels(*labels).inc(stats.eager_steps - (seen.eager_steps if seen else 0))
+        self.graph_warmup_seconds.labels(*labels).set(stats.warmup_seconds)
+        self._graphs_seen[model] = stats
 
     def observe_kv(self, budget: KVBudget | None, free: int | None) -> None:
         """The KV cache after a model call (nothing without a KV budget: the cache is bounded only by memory)."""

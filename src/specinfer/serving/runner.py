@@ -44,6 +44,7 @@ def load_model(
         offload_reserve_bytes,
         settings.prefix_caching,
         settings.cuda_graph_tokens,
+        settings.cuda_graph_warmup_seconds,
     )
 
 
