@@ -188,20 +188,21 @@ def test_a_failed_capture_leaves_the_steps_eager(tmp_path):
 
 
 def test_warmup_steps_cover_every_batch_and_tree_size_once():
-    """Each step is a batch of a power-of-two size whose first tree has the step's largest size q (a power of two),
-    every tree 1..q nodes, at most max_tokens in all; each (batch, q, packed tokens rounded up) appears once, and
-    every count of packed tokens such a batch can hold is covered; lone requests first, then incremental batches."""
+    """Each step is a batch whose first tree is its largest, at most max_tokens nodes in all; each (requests, largest
+    tree, packed tokens), rounded up to powers of two, appears once, and every batch of up to 8 trees of up to 16
+    nodes is covered; lone requests first, then incremental batches."""
     steps = warmup_steps(8, 16, 32)
     keys = []
     for sizes in steps:
         b, q, t = len(sizes), sizes[0], sum(sizes)
-        assert b & (b - 1) == 0 and q & (q - 1) == 0 and all(1 <= n <= q for n in sizes) and t <= 32
-        keys.append((b, q, 1 << (t - 1).bit_length()))
+        assert all(1 <= n <= q for n in sizes) and t <= 32
+        keys.append((1 << (b - 1).bit_length(), 1 << (q - 1).bit_length(), 1 << (t - 1).bit_length()))
     assert len(set(keys)) == len(keys)
-    for b in (1, 2, 4, 8):
-        for q in (1, 2, 4, 8, 16):
-            for total in range(q + b - 1, min(b * q, 32) + 1):  # every step b trees of at most q nodes can be
-                assert (b, q, 1 << (total - 1).bit_length()) in keys, (b, q, total)
+    for b in range(1, 9):  # every batch whose largest tree has up to 16 nodes, packed tokens at most 32
+        for q in range(1, 17):
+            for total in range(q + b - 1, min(b * q, 32) + 1):
+                pad = (1 << (b - 1).bit_length(), 1 << (q - 1).bit_length(), 1 << (total - 1).bit_length())
+                assert pad in keys, (b, q, total)
     kinds = [0 if len(s) == 1 else 1 if s[0] == 1 else 2 for s in steps]
     assert kinds == sorted(kinds)
 
@@ -233,7 +234,8 @@ def test_a_growing_context_keeps_its_step_shape(block_size):
 
 def test_warmed_up_runner_captures_nothing_while_serving(tmp_path):
     """After the warm-up (its shapes padded and, on CUDA, captured) a serving loop's steps within its batch and tree
-    bounds meet only shapes it has, with the eager steps' logits; the statistics say which phase captured what."""
+    bounds (verify steps, a new request's prompt, an SSM's frontier calls on pending nodes) meet only shapes it has,
+    with the eager steps' logits; the statistics say which phase captured what."""
     save_tiny_checkpoint("llama-gqa", tmp_path)
     eager, graphs = _backends(tmp_path, "llama-gqa", 4, "torch")
     stats = graphs.warm_graphs(max_batch=4, max_nodes=8, seconds=600)
@@ -264,6 +266,9 @@ def test_warmed_up_runner_captures_nothing_while_serving(tmp_path):
             contexts[r] = contexts[r] + [tree[j] for j in path]  # the accepted path; its bonus token the next root
             roots[r] = tokens(1)[0]
         calls.append(batch)
+    ctx = contexts["a"]  # an SSM's drafting round: the root, then frontiers attached to the round's pending nodes
+    calls += [[TreeForward("a", ctx, [roots["a"]], [-1])], [TreeForward("a", ctx, tokens(2), [0, 0])]]
+    calls += [[TreeForward("a", ctx, tokens(3), [1, 1, 2])], [TreeForward("a", ctx, tokens(2), [3, 5])]]
     for i, call in enumerate(calls):
         for w, g in zip(eager.forward_tree(call), graphs.forward_tree(call), strict=True):
             assert _rel(g, w.cpu()) < 1e-5, f"call {i}"

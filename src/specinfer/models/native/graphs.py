@@ -60,6 +60,9 @@ from specinfer.models.native.step import LocalRunner, PackedStep
 log = logging.getLogger(__name__)
 
 
+PENDING_ROWS_PER_TOKEN = 16  # ancestor rows a shape holds per packed token (StepShape.covering)
+
+
 @dataclass(frozen=True)
 class GraphLimits:
     """The sizes a runner fixes for its life (module docstring): ``request_rows``, KV rows of a request at its longest
@@ -91,7 +94,9 @@ class StepShape:
             queries=tokens,
             max_queries=least.max_queries,
             words=next_power_of_two(-(-limits.tree_rows // BITS_PER_WORD)),
-            bit_rows=tokens,  # pending nodes (an SSM's frontier calls) can need more: then the least is above
+            # a row per node of a non-chain tree, pending nodes included: an SSM's frontier calls send a few nodes
+            # on top of a round's earlier ones, so rows outnumber tokens (a step past this gets the least above)
+            bit_rows=tokens * PENDING_ROWS_PER_TOKEN,
             table_width=-(-limits.request_rows // block_size) if block_size else 0,
             max_prefix_len=limits.request_rows,
         )
@@ -119,27 +124,32 @@ class GraphStats:
 
 def warmup_steps(max_batch: int, max_nodes: int, max_tokens: int) -> list[list[int]]:
     """Steps whose shapes cover a server's: for each power-of-two batch ``b <= max_batch`` and largest tree
-    ``q <= max_nodes``, one step per power of two of packed tokens it can fill (``b`` trees, the first of ``q``
-    nodes, each of at least 1 and at most ``q``), at most ``max_tokens`` of them. A step is its trees' node counts.
-    Batch 1 first (every tree size of a lone request), then incremental batches, then the rest by size: a warm-up
-    cut short by its time bound keeps the commonest."""
+    ``q <= max_nodes`` (both rounded up: ``b / 2 + 1`` to ``b`` requests, the first tree of ``q / 2 + 1`` to ``q``
+    nodes), one step per power of two of packed tokens such a batch can fill (trees of at least 1 and at most the
+    first's nodes), at most ``max_tokens`` of them. A step is its trees' node counts. Batch 1 first (every tree size
+    of a lone request), then incremental batches, then the rest by size: a warm-up cut short by its time bound keeps
+    the commonest."""
     steps: list[tuple[tuple[int, int, int], list[int]]] = []
     b = 1
     while b <= max_batch:
         q = 1
         while q <= max_nodes:
-            least, most = q + b - 1, min(b * q, max_tokens)  # packed tokens b trees of at most q nodes can hold
+            low = q // 2 + 1 if q > 1 else 1  # the first tree's fewest nodes for this q
+            fewest = b // 2 + 1 if b > 1 else 1  # the fewest requests padded to b
+            least, most = low + fewest - 1, min(b * q, max_tokens)  # packed tokens such a batch can hold
             t = next_power_of_two(least)
             while t <= next_power_of_two(most) and least <= most:
                 total = min(max(least, t // 2 + 1), most)  # a count within (t / 2, t]: that shape's tokens
-                rest = [1] * (b - 1)
-                extra = total - q - (b - 1)
-                for k in range(b - 1):  # the extra nodes spread over the other trees, none above q
-                    add = min(q - 1, extra)
+                requests = min(b, total - low + 1)
+                first = max(low, min(q, total - (requests - 1)))
+                rest = [1] * (requests - 1)
+                extra = total - first - (requests - 1)
+                for k in range(requests - 1):  # the extra nodes spread over the other trees, none above the first
+                    add = min(first - 1, extra)
                     rest[k] += add
                     extra -= add
                 key = (0 if b == 1 else 1 if q == 1 else 2, t, b)
-                steps.append((key, [q, *rest]))
+                steps.append((key, [first, *rest]))
                 t *= 2
             q *= 2
         b *= 2
