@@ -22,6 +22,7 @@ from specinfer.core.constraints import Grammars
 from specinfer.models.loading import eos_token_id
 from specinfer.request_manager.api import openai_objects as oo
 from specinfer.request_manager.api import openai_wire as ow
+from specinfer.request_manager.api import tool_call_parser as tp
 from specinfer.request_manager.api import tool_calls as tc
 from specinfer.request_manager.api.chat_template import ChatTemplate, check_messages
 
@@ -138,8 +139,8 @@ def ids():
     return lambda: f"call_{next(counter)}"
 
 
-def parser(max_calls: int | None = None) -> tc.CallParser:
-    return tc.CallParser(frozenset({"get_weather", "add"}), max_calls, ids())
+def parser(max_calls: int | None = None) -> tp.CallParser:
+    return tp.CallParser(frozenset({"get_weather", "add"}), max_calls, ids())
 
 
 # -- the request --------------------------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def test_required_and_named_grammars_admit_exactly_calls(grammar):
     ):
         assert not grammar(required, bad), bad
     for call in (CALL, CALL_2):  # what the grammar admits is what the parser reads
-        message = tc.parse(call, parser())
+        message = tp.parse(call, parser())
         assert message.content is None and len(message.calls) == 1
         jsonschema.validate(
             {"name": message.calls[0].name, "arguments": json.loads(message.calls[0].arguments)},
@@ -405,28 +406,28 @@ OUTPUTS = {
 @pytest.mark.parametrize("name", OUTPUTS)
 def test_outputs_parse_the_same_in_any_pieces(name):
     text, content, calls = OUTPUTS[name]
-    whole = tc.parse(text, parser())
+    whole = tp.parse(text, parser())
     assert whole.content == content and [(c.name, c.arguments) for c in whole.calls] == calls
     assert [c.id for c in whole.calls] == [f"call_{i}" for i in range(len(calls))]
     for size in (1, 2, 3, 5, 8):
         p = parser()
         pieces = [piece for i in range(0, len(text), size) for piece in p.feed(text[i : i + size])] + p.finish()
-        assert tc.message(pieces) == whole, size
+        assert tp.message(pieces) == whole, size
         if calls:  # a call's first piece names it, the rest are arguments
-            heads = [x for x in pieces if isinstance(x, tc.CallDelta) and x.id is not None]
+            heads = [x for x in pieces if isinstance(x, tp.CallDelta) and x.id is not None]
             assert [(h.index, h.name, h.arguments) for h in heads] == [(i, n, "") for i, (n, _) in enumerate(calls)]
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    message = tc.parse(f"{CALL}\n{CALL_2}\nbye", parser(max_calls=1))
+    message = tp.parse(f"{CALL}\n{CALL_2}\nbye", parser(max_calls=1))
     assert [c.name for c in message.calls] == ["get_weather"] and message.content == "bye"
 
 
 @given(st.text(alphabet=st.sampled_from(list('ab <>/_toolcal\n {}"')), max_size=60))
 def test_text_without_calls_is_its_own_content(text):
-    if tc.OPEN in text:
+    if tp.OPEN in text:
         return
-    p = tc.CallParser(frozenset({"a"}), None, ids())
+    p = tp.CallParser(frozenset({"a"}), None, ids())
     pieces = [x for ch in text for x in p.feed(ch)] + p.finish()
     assert all(isinstance(x, str) for x in pieces) and "".join(pieces) == text
 

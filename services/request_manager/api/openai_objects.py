@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specinfer.core.requests import TokenLogprob
+from specinfer.request_manager.api import tool_call_parser as tp
 from specinfer.request_manager.api import tool_calls as tc
 from specinfer.v1 import api_pb2
 
@@ -179,7 +180,7 @@ def chat_object(
     out = []
     for c in choices:
         parser = tools.parser() if tools is not None else None
-        message = tc.parse(c.text, parser) if parser is not None else tc.Message(c.text, ())
+        message = tp.parse(c.text, parser) if parser is not None else tp.Message(c.text, ())
         body: dict[str, Any] = {"role": "assistant", "content": message.content}
         if message.calls:
             body["tool_calls"] = [_call_object(call) for call in message.calls]
@@ -204,13 +205,13 @@ def chat_finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _call_object(call: tc.ToolCall) -> dict[str, Any]:
+def _call_object(call: tp.ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_deltas(pieces: Sequence[tc.Piece]) -> list[dict[str, Any]]:
-    """The ``delta`` objects of a chat stream for what :class:`.tool_calls.CallParser` gave: content text (adjacent
-    pieces in one delta), and ``tool_calls`` deltas: a call's first with its ``index``, ``id``, ``type`` and
+def chat_deltas(pieces: Sequence[tp.Piece]) -> list[dict[str, Any]]:
+    """The ``delta`` objects of a chat stream for what :class:`.tool_call_parser.CallParser` gave: content text
+    (adjacent pieces in one delta), and ``tool_calls`` deltas: a call's first with its ``index``, ``id``, ``type`` and
     ``function.name`` (arguments ``""``), then ``function.arguments`` pieces, as OpenAI streams them."""
     out: list[dict[str, Any]] = []
     for p in pieces:
@@ -230,7 +231,7 @@ def chat_deltas(pieces: Sequence[tc.Piece]) -> list[dict[str, Any]]:
 def chat_event_chunks(
     env: Envelope,
     index: int,
-    pieces: Sequence[tc.Piece],
+    pieces: Sequence[tp.Piece],
     finish_reason: str | None,
     calls: int,
     logprobs: dict[str, Any] | None = None,

@@ -26,6 +26,9 @@ Structured outputs (``GenerateRequest.constraint``), on chat and completions ali
 "schema": {...}, "strict": ...}}``; the output always follows the schema, whatever ``strict`` says), and two extra
 fields: ``regex`` (a regular expression the whole output matches; vLLM's ``guided_regex``) and ``grammar`` (a Lark
 or GBNF grammar; vLLM's ``guided_grammar``). At most one of them per request.
+
+Tool calls (chat only): ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by :mod:`.tool_calls`; a
+required or named call's constraint takes the ``grammar`` field (:func:`chat_as_completion`).
 """
 
 from __future__ import annotations
