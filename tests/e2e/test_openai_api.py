@@ -29,10 +29,11 @@ from specinfer.v1 import api_pb2
 NEW_TOKENS = 12
 
 
-# ChatML, refusing tool messages (a template's raise_exception must reach the client as a 400)
+# ChatML, refusing developer messages (a template's raise_exception must reach the client as a 400); it knows no
+# tools, so tool messages reach it as user messages (services/request_manager/api/tool_calls.py, "fallback")
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'tool' %}"
-    "{{ raise_exception('tool messages are not supported') }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'developer' %}"
+    "{{ raise_exception('developer messages are not supported') }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -429,11 +430,11 @@ def test_chat_streaming(stack, llm_with_template, greedy_text):
 
 
 def test_chat_errors(stack, model_pair):
-    status, out = call(stack, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
+    status, out = call(stack, "/v1/chat/completions", {"messages": [{"role": "developer", "content": "x"}]})
     assert (
         status == 400
         and out["error"]["param"] == "messages"
-        and "tool messages are not supported" in out["error"]["message"]
+        and "developer messages are not supported" in out["error"]["message"]
     )
     status, out = call(stack, "/v1/chat/completions", {"messages": "hi"})
     assert status == 400 and out["error"]["param"] == "messages"

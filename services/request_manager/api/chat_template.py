@@ -9,7 +9,9 @@ which ``default`` is taken). The environment is transformers': a sandbox with ``
 and the globals ``raise_exception`` and ``strftime_now``; the template sees ``messages``,
 ``add_generation_prompt`` and the tokenizer's special tokens (``bos_token``, ``eos_token`` ...).
 The rendered text is tokenized without adding special tokens (the template writes them), as
-``apply_chat_template(tokenize=True)`` does.
+``apply_chat_template(tokenize=True)`` does. A template that uses ``tools`` gets a request's tools and its
+messages' tool calls as transformers passes them; any other gets them written into the messages
+(:mod:`.tool_calls`, "fallback").
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specinfer.core import InvalidArgument
+from specinfer.request_manager.api.tool_calls import Tool, check_calls, inline_tools, template_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -66,6 +70,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         self.template = env.from_string(source)
         self.special_tokens = dict(special_tokens)
+        self.knows_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
     @staticmethod
     def load(model_dir: str | Path) -> ChatTemplate | None:
@@ -83,14 +88,20 @@ class ChatTemplate:
             return None
         return ChatTemplate(source, _special_tokens(config))
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages``; InvalidArgument("messages") when the template refuses them
-        (its ``raise_exception``) or fails on them."""
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: Sequence[Tool] = ()
+    ) -> str:
+        """The prompt text of ``messages`` offering ``tools``; InvalidArgument("messages") when the template refuses
+        them (its ``raise_exception``) or fails on them."""
+        if self.knows_tools:
+            messages, offered = template_messages(messages), [t.as_openai() for t in tools] or None
+        else:
+            messages, offered = inline_tools(messages, tools), None
         try:
             return self.template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=offered,
                 documents=None,
                 **self.special_tokens,
             )
@@ -100,7 +111,9 @@ class ChatTemplate:
 
 def check_messages(value: Any) -> list[dict[str, Any]]:
     """``messages`` as plain dicts (role, content as a string); a content given as a list of parts
-    keeps its text parts, joined by newlines (as vLLM does for templates that expect strings)."""
+    keeps its text parts, joined by newlines (as vLLM does for templates that expect strings). An assistant
+    message may carry earlier ``tool_calls`` (its content then may be null), a ``tool`` message answers one
+    (its ``tool_call_id``)."""
     if not isinstance(value, list) or not value:
         raise InvalidArgument("messages", "must be a non-empty list of {role, content} objects")
     out = []
@@ -118,5 +131,11 @@ def check_messages(value: Any) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise InvalidArgument("messages", f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**{k: v for k, v in message.items() if isinstance(k, str)}, "content": content})
+        if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise InvalidArgument(f"messages[{i}].tool_call_id", "a tool message needs the ID of the call it answers")
+        plain = {**{k: v for k, v in message.items() if isinstance(k, str)}, "content": content}
+        calls = check_calls(message, i)
+        if calls is not None:
+            plain["tool_calls"] = calls
+        out.append(plain)
     return out

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from specinfer.core.errors import InvalidArgument, Unavailable
 from specinfer.request_manager.api import openai_objects as oo
 from specinfer.request_manager.api import openai_wire as ow
+from specinfer.request_manager.api import tool_calls as tc
 from specinfer.request_manager.api.admission import build_live
 from specinfer.request_manager.api.chat_template import ChatTemplate, check_messages
 from specinfer.request_manager.api.http_transport import (
@@ -164,7 +165,7 @@ class HttpApi:
     async def _completions(self, request: Request) -> Response:
         started = time.monotonic()
         body = await json_body(request)
-        return await self._generate(request, body, False, started)
+        return await self._generate(request, body, started)
 
     async def _chat(self, request: Request) -> Response:
         started = time.monotonic()
@@ -179,14 +180,21 @@ class HttpApi:
         add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise InvalidArgument("add_generation_prompt", "must be true or false")
-        text = self.chat.render(messages, add_generation_prompt)
+        tools = tc.tool_request(body)
+        constraint = tools.constraint(self.servicer.requests.grammars)
+        text = self.chat.render(messages, add_generation_prompt, tools.offered)
         prompt = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
         if not prompt:
             raise InvalidArgument("messages", "the chat template rendered an empty prompt")
-        return await self._generate(request, ow.chat_as_completion(body, prompt), True, started)
+        grammar = constraint.text if constraint is not None else None
+        return await self._generate(request, ow.chat_as_completion(body, prompt, grammar), started, tools)
 
-    async def _generate(self, request: Request, body: dict[str, Any], chat: bool, started: float) -> Response:
-        """Admit every choice of ``body`` (a completions body), then answer: one object, or a stream."""
+    async def _generate(
+        self, request: Request, body: dict[str, Any], started: float, tools: tc.ToolRequest | None = None
+    ) -> Response:
+        """Admit every choice of ``body`` (a completions body), then answer: one object, or a stream. ``tools``: a
+        chat request's (None: a completions request)."""
+        chat = tools is not None
         params = ow.completion_params(body)
         model = self._model(params.model)
         self._check_verifier()
@@ -200,11 +208,12 @@ class HttpApi:
         env = oo.Envelope(response_id, model, oo.now())
         logprobs = oo.Logprobs(self._token_text) if params.logprobs is not None else None
         if params.stream:
-            chunks = self._chunks(streams, params, echo, prompt_tokens, env, started, chat, logprobs)
+            chunks = self._chunks(streams, params, echo, prompt_tokens, env, started, tools, logprobs)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
-        build = oo.chat_object if chat else oo.completion_object
-        return JSONResponse(build(env, choices, prompt_tokens, logprobs))
+        if tools is not None:
+            return JSONResponse(oo.chat_object(env, choices, prompt_tokens, logprobs, tools))
+        return JSONResponse(oo.completion_object(env, choices, prompt_tokens, logprobs))
 
     def _token_text(self, token: int) -> str:
         """One token's text in a logprobs object: the tokenizer's decoding of it alone (special tokens too), or
@@ -283,15 +292,17 @@ class HttpApi:
         return now if event.tokens else last
 
     async def _chunks(
-        self, streams, params, echo, prompt_tokens, env, started, chat: bool, logprobs
+        self, streams, params, echo, prompt_tokens, env, started, tools: tc.ToolRequest | None, logprobs
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per event of any choice as it comes (chat: a first chunk
-        with the role, content deltas, then an empty delta with the finish reason), a usage chunk
-        when asked, then ``[DONE]``. With ``logprobs`` (:class:`.openai_objects.Logprobs`), each chunk carries
-        its tokens' (a chunk comes for new tokens even while their text is held back). Starlette cancels this
+        """Server-sent events: a chunk per event of any choice as it comes (chat, ``tools`` not None: a first chunk
+        with the role, content and tool call deltas, then an empty delta with the finish reason), a usage chunk
+        when asked, then ``[DONE]``. With ``logprobs`` (:class:`.openai_objects.Logprobs`), each event's first chunk
+        carries its tokens' (a chunk comes for new tokens even while their text is held back). Starlette cancels this
         generator when the client disconnects;
         the event streams close with it, which cancels the requests."""
+        chat = tools is not None
         choices = [oo.Choice(i) for i in range(len(streams))]
+        parsers = [tools.parser() if tools is not None else None for _ in streams]
         queue: asyncio.Queue[tuple[int, StreamEvent | BaseException]] = asyncio.Queue()
 
         async def pump(i: int, s: _Stream) -> None:
@@ -317,10 +328,11 @@ class HttpApi:
                 lp = logprobs.chat(event.logprobs)
             if not chat:
                 return sse(oo.completion_chunk(env, i, text, finish_reason, lp))
-            if finish_reason is None:
-                return sse(oo.chat_chunk(env, i, {"content": text}, None, lp))
-            head = sse(oo.chat_chunk(env, i, {"content": text}, None, lp)) if text or event.logprobs else ""
-            return head + sse(oo.chat_chunk(env, i, {}, finish_reason))
+            parser = parsers[i]
+            if parser is None:
+                return "".join(sse(c) for c in oo.chat_event_chunks(env, i, [text], finish_reason, 0, lp))
+            pieces = parser.feed(text) + (parser.finish() if finish_reason is not None else [])
+            return "".join(sse(c) for c in oo.chat_event_chunks(env, i, pieces, finish_reason, parser.calls, lp))
 
         try:
             for i in range(len(streams)):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specinfer.core.requests import TokenLogprob
+from specinfer.request_manager.api import tool_call_parser as tp
+from specinfer.request_manager.api import tool_calls as tc
 from specinfer.v1 import api_pb2
 
 # finish reasons of the core -> OpenAI's (a cancelled request ends as vLLM's "abort")
@@ -171,31 +173,91 @@ def chat_object(
     choices: Sequence[Choice],
     prompt_tokens: Sequence[int],
     logprobs: Logprobs | None = None,
+    tools: tc.ToolRequest | None = None,
 ) -> dict[str, Any]:
-    return {
-        **env.of("chat.completion"),
-        "choices": [
+    """A ``chat.completion``; with ``tools`` (the request's), each choice's text parsed into its message's
+    ``tool_calls`` (:mod:`.tool_calls`)."""
+    out = []
+    for c in choices:
+        parser = tools.parser() if tools is not None else None
+        message = tp.parse(c.text, parser) if parser is not None else tp.Message(c.text, ())
+        body: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.calls:
+            body["tool_calls"] = [_call_object(call) for call in message.calls]
+        out.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": body,
                 "logprobs": logprobs.chat(c.logprobs) if logprobs is not None else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": chat_finish_reason(c.finish_reason, len(message.calls)),
             }
-            for c in choices
-        ],
+        )
+    return {
+        **env.of("chat.completion"),
+        "choices": out,
         "usage": usage_object(choices, prompt_tokens),
         "speculation": speculation_object(choices),
     }
 
 
+def chat_finish_reason(reason: str | None, calls: int) -> str | None:
+    """OpenAI's ``tool_calls`` for an output that made calls and ended as it meant to (not cut by ``length``)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _call_object(call: tp.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_deltas(pieces: Sequence[tp.Piece]) -> list[dict[str, Any]]:
+    """The ``delta`` objects of a chat stream for what :class:`.tool_call_parser.CallParser` gave: content text
+    (adjacent pieces in one delta), and ``tool_calls`` deltas: a call's first with its ``index``, ``id``, ``type`` and
+    ``function.name`` (arguments ``""``), then ``function.arguments`` pieces, as OpenAI streams them."""
+    out: list[dict[str, Any]] = []
+    for p in pieces:
+        if isinstance(p, str):
+            if out and "content" in out[-1]:
+                out[-1]["content"] += p
+            elif p:
+                out.append({"content": p})
+        elif p.id is not None:
+            function = {"name": p.name, "arguments": p.arguments}
+            out.append({"tool_calls": [{"index": p.index, "id": p.id, "type": "function", "function": function}]})
+        elif p.arguments:
+            out.append({"tool_calls": [{"index": p.index, "function": {"arguments": p.arguments}}]})
+    return out
+
+
+def chat_event_chunks(
+    env: Envelope,
+    index: int,
+    pieces: Sequence[tp.Piece],
+    finish_reason: str | None,
+    calls: int,
+    logprobs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The chunks of one event of choice ``index`` in a chat stream: a chunk per delta of ``pieces`` (the event's
+    text, or what the call parser made of it), the first with the event's ``logprobs`` (alone in an empty content
+    delta while the parser holds the text back), then, at the end, an empty delta with the finish reason
+    (``tool_calls`` when the output made ``calls``)."""
+    deltas = chat_deltas(pieces)
+    if not deltas and logprobs is not None and logprobs["content"]:
+        deltas = [{"content": ""}]
+    out = [chat_chunk(env, index, d, None, logprobs if n == 0 else None) for n, d in enumerate(deltas)]
+    if finish_reason is not None:
+        out.append(chat_chunk(env, index, {}, chat_finish_reason(finish_reason, calls)))
+    return out
+
+
 def chat_chunk(
     env: Envelope,
     index: int,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}``."""
+    """A ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant"}`` first, then ``{"content": ...}`` or
+    ``{"tool_calls": [...]}`` (:func:`chat_deltas`)."""
     return {
         **env.of("chat.completion.chunk"),
         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],

@@ -26,6 +26,9 @@ Structured outputs (``GenerateRequest.constraint``), on chat and completions ali
 "schema": {...}, "strict": ...}}``; the output always follows the schema, whatever ``strict`` says), and two extra
 fields: ``regex`` (a regular expression the whole output matches; vLLM's ``guided_regex``) and ``grammar`` (a Lark
 or GBNF grammar; vLLM's ``guided_grammar``). At most one of them per request.
+
+Tool calls (chat only): ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by :mod:`.tool_calls`; a
+required or named call's constraint takes the ``grammar`` field (:func:`chat_as_completion`).
 """
 
 from __future__ import annotations
@@ -331,16 +334,25 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
     return out
 
 
-def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int]) -> dict[str, Any]:
+def chat_as_completion(body: Mapping[str, Any], prompt: Sequence[int], grammar: str | None = None) -> dict[str, Any]:
     """A chat body as the completions body it stands for, the rendered and tokenized ``prompt`` in
-    place of ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
+    place of ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``); ``grammar``: the
+    constraint of a required or named tool call (:mod:`.tool_calls`), which takes the ``grammar`` field."""
     if body.get("echo"):
         raise InvalidArgument("echo", "is not a chat completions field")
-    for name in ("tools", "tool_choice"):
-        if body.get(name) not in (None, "none", {}, []):
-            raise InvalidArgument(name, "is not supported by this server")
-    dropped = ("messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs")
+    dropped = (
+        "messages",
+        "max_completion_tokens",
+        "add_generation_prompt",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    )
     out = {k: v for k, v in body.items() if k not in dropped}
+    if grammar is not None:
+        out["grammar"] = grammar
     if body.get("max_completion_tokens") is not None:
         out["max_tokens"] = body["max_completion_tokens"]
     # chat's logprobs (a flag) and top_logprobs (a count) as the completions' logprobs count
