@@ -16,6 +16,7 @@ import collections
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ from specinfer.client import Client
 
 if TYPE_CHECKING:
     import torch
+
+    from specinfer.models.interface import CausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PAIR = REPO.parent / "shared/models/pycode-a"
@@ -139,3 +142,12 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def timed_load(load: Callable[[], CausalLM]) -> CausalLM:
+    """``load()``'s model, printing how long the load took (a GPU's CUDA-graph warm-up included) and what the graphs
+    captured."""
+    started = time.perf_counter()
+    model = load()
+    print(f"LLM loaded in {time.perf_counter() - started:.1f} s; CUDA graphs: {model.graph_stats}")
+    return model

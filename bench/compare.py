@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from common import kv_bytes, load_prompts
+from common import kv_bytes, load_prompts, timed_load
 from compare_runs import ADAPTIVE_DRAFTERS, Case, Run, run_hf, run_ours
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
@@ -256,9 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_llm = AutoModelForCausalLM.from_pretrained(str(args.llm), dtype=DTYPES[dtype]).eval().to(args.device)
         hf_ssm = AutoModelForCausalLM.from_pretrained(str(args.ssm[0]), dtype=DTYPES[dtype]).eval().to(args.device)
     budget = kv_bytes(args.llm, batches, DTYPES[dtype])
-    started = time.perf_counter()
-    llm: CausalLM = load_backend(args.llm, "llm", dtype, args.device, backend="native", kv_cache_bytes=budget)
-    print(f"LLM loaded in {time.perf_counter() - started:.1f} s; CUDA graphs: {llm.graph_stats}")
+    llm: CausalLM = timed_load(lambda: load_backend(args.llm, "llm", dtype, args.device, "native", budget))
     if args.head is not None:
         llm = with_head(llm, args.head, args.llm)
     ssms = [load_backend(p, f"ssm[{i}]", dtype, args.device, backend="native") for i, p in enumerate(args.ssm)]
@@ -283,9 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     config = EngineConfig(max_batch=case.batch, slot_priors=priors)
                     engine = SpeculativeEngine(llm, ssms, config, copy.deepcopy(costs))
                 runs.append(run_ours(case, prompts, args.new_tokens, engine, args.seed, progress))
-
-    # captures while the rows ran (serving): 0 when the load's warm-up covered every step's shape
-    print(f"CUDA graphs after the runs: LLM {llm.graph_stats}; SSMs {[m.graph_stats for m in ssms]}")
+    print(f"CUDA graphs after the runs (serving: captured while they ran): {[m.graph_stats for m in (llm, *ssms)]}")
     write_results(args, summarise(runs), prompts, dtype)
     return 0
 

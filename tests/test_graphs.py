@@ -23,6 +23,7 @@ from specinfer.models.native import NativeBackend, NativeOptions
 from specinfer.models.native.backend import new_pool, pool_geometry, uses_cuda_graphs
 from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats, StepShape, warmup_steps
 from specinfer.models.native.step import PackedStep, StepRequest
+from specinfer.models.native.warmup import warm_graphs
 
 CAPTURE = TEST_DEVICE.startswith("cuda")
 MAX_TOKENS = 48  # the tests' long prefill (60 tokens) runs eagerly, the rest padded
@@ -238,7 +239,7 @@ def test_warmed_up_runner_captures_nothing_while_serving(tmp_path):
     with the eager steps' logits; the statistics say which phase captured what."""
     save_tiny_checkpoint("llama-gqa", tmp_path)
     eager, graphs = _backends(tmp_path, "llama-gqa", 4, "torch")
-    stats = graphs.warm_graphs(max_batch=4, max_nodes=8, seconds=600)
+    stats = warm_graphs(graphs, max_batch=4, max_nodes=8, seconds=600)
     assert stats == GraphStats(
         warmup=graphs.runner.graphs, serving=0, eager_steps=0, warmup_seconds=stats.warmup_seconds
     )
@@ -283,6 +284,6 @@ def test_warmup_is_bounded_by_its_seconds(tmp_path):
     it did not reach are captured when met."""
     save_tiny_checkpoint("llama-gqa", tmp_path)
     _, graphs = _backends(tmp_path, "llama-gqa", 0, "torch")
-    stats = graphs.warm_graphs(max_batch=4, max_nodes=8, seconds=0)
+    stats = warm_graphs(graphs, max_batch=4, max_nodes=8, seconds=0)
     assert stats.warmup == 1 and graphs.cached_requests() == []  # the contexts' step alone
     assert stats.serving == 0

@@ -223,6 +223,13 @@ class ModelMetrics:
             ["role", "model"],
             registry=registry,
         )
+        self._graph_metrics(registry)
+        self._prefix_seen: dict[str, PrefixCacheStats] = {}  # each model's totals at the last observation
+        self._graphs_seen: dict[str, GraphStats] = {}
+        self.role = role
+
+    def _graph_metrics(self, registry: CollectorRegistry) -> None:
+        """The CUDA graphs' counters (:meth:`observe_graphs`)."""
         self.graph_captures = Counter(
             "specinfer_cuda_graph_captures",
             "CUDA graphs captured, by phase: warmup (at start-up) or serving (each one a 0.3-1 s step in the serving "
@@ -243,9 +250,6 @@ class ModelMetrics:
             ["role", "model"],
             registry=registry,
         )
-        self._prefix_seen: dict[str, PrefixCacheStats] = {}  # each model's totals at the last observation
-        self._graphs_seen: dict[str, GraphStats] = {}
-        self.role = role
 
     def observe(self, model: str, requests: int, nodes: int, misses: int, seconds: float, held: int) -> None:
         labels = (self.role, model)

@@ -8,8 +8,6 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,27 +16,23 @@ import torch
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
-from specinfer.core.tree import binary_tree_parents
 from specinfer.kernels.tree_attention import resolve_impl
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
 from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
-from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats, warmup_steps
+from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel, RopeTables
 from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
+from specinfer.models.native.warmup import WARMUP_BATCH, warm_graphs
 from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
-from specinfer.models.on_device import wait_for
-
-log = logging.getLogger(__name__)
 
 GEMM_CHOICES = ("auto", "linear", "transposed")
 DEFAULT_GRAPH_TOKENS = 512  # a decode batch of 64 requests with trees of 8 nodes
 DEFAULT_GRAPH_WARMUP_SECONDS = 60.0
-WARMUP_BATCH = 32  # the warm-up's largest batch (graphs.warmup_steps); larger ones are captured when met
 
 
 @dataclass(frozen=True)
@@ -58,7 +52,7 @@ class NativeOptions:
     computing them (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share);
     ``cuda_graph_tokens``: on a CUDA device, with the Triton attention and without offloading, steps of at most this
     many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never); ``cuda_graph_warmup_seconds``: at load, the
-    graphs of the shapes a server meets are captured for at most this long (:meth:`NativeBackend.warm_graphs`; 0: none,
+    graphs of the shapes a server meets are captured for at most this long (:func:`.warmup.warm_graphs`; 0: none,
     each shape is captured on its first step)."""
 
     dtype: torch.dtype = torch.float32
@@ -263,12 +257,11 @@ class NativeBackend:
         )
         pool = new_pool(spec, options, device, geometry)
         if uses_cuda_graphs(options, device):
-            # a request's tree in a graphed step: its nodes, or its uncached context and nodes (at most the step's)
+            # a request's tree in a graphed step: its nodes, or its uncached context and its nodes
             limits = GraphLimits(request_rows(spec, options), max(options.max_tree_nodes, options.cuda_graph_tokens))
-            graphs = GraphRunner(model, pool, device, limits, options.cuda_graph_tokens)
-            backend = cls(spec, graphs, options)
+            backend = cls(spec, GraphRunner(model, pool, device, limits, options.cuda_graph_tokens), options)
             if options.cuda_graph_warmup_seconds > 0:
-                backend.warm_graphs(WARMUP_BATCH, options.cuda_graph_tokens, options.cuda_graph_warmup_seconds)
+                warm_graphs(backend, WARMUP_BATCH, options.cuda_graph_tokens, options.cuda_graph_warmup_seconds)
             return backend
         return cls(spec, LocalRunner(model, pool, device), options)
 
@@ -276,46 +269,6 @@ class NativeBackend:
     def graph_stats(self) -> GraphStats | None:
         """What the CUDA graphs' runner captured at warm-up and since (None: steps run without graphs)."""
         return self.runner.stats if isinstance(self.runner, GraphRunner) else None
-
-    @torch.inference_mode()
-    def warm_graphs(self, max_batch: int, max_nodes: int, seconds: float) -> GraphStats:
-        """Capture the CUDA graphs of the shapes a server meets (:func:`.graphs.warmup_steps`: batches up to
-        ``max_batch`` requests, the pool permitting, trees up to ``max_nodes`` nodes: a prefill's chain is a tree of
-        the step too) with synthetic requests of a one-token context, for at most ``seconds`` (the commonest shapes
-        first), so that serving captures nothing."""
-        runner = self.runner
-        if not isinstance(runner, GraphRunner):
-            raise ValueError("warm_graphs needs a GraphRunner (CUDA graphs on)")
-        batch = max(1, min(max_batch, self.max_requests))
-        steps = warmup_steps(batch, min(max_nodes, self.rows_per_request - 1), runner.max_tokens)
-        ids = [f"__graph-warmup-{k}" for k in range(batch)]
-        started = time.monotonic()
-        runner.start_warmup()
-        done = 0
-        try:
-            wait_for(self.forward_tree([TreeForward(rid, [], [0], [-1]) for rid in ids]))  # their one-token contexts
-            for sizes in steps:
-                if time.monotonic() - started > seconds:
-                    break
-                items = [
-                    TreeForward(rid, [0], [0] * n, binary_tree_parents(n))
-                    for rid, n in zip(ids[: len(sizes)], sizes, strict=True)
-                ]
-                wait_for(self.forward_tree(items))
-                done += 1
-        finally:
-            for rid in ids:
-                self.release(rid)
-            stats = runner.end_warmup()
-        log.info(
-            "CUDA graphs warmed up: %d shapes in %.1f s (%d of %d warm-up steps%s)",
-            stats.warmup,
-            stats.warmup_seconds,
-            done,
-            len(steps),
-            "" if done == len(steps) else f", cut at --cuda-graph-warmup-seconds {seconds:g}",
-        )
-        return stats
 
     def cached_requests(self) -> list[str]:
         return list(self._caches)

@@ -28,8 +28,8 @@ new shape, captured in the serving path (0.3-1 s on an H200: BENCHMARKS.md, "CUD
 A shape's graph is captured on its first step (after one eager warm-up that compiles the Triton variants), up to
 ``max_graphs`` shapes; steps of more than ``max_tokens`` tokens (prefill) or of a shape past that bound run eagerly,
 as do steps that want features (draft heads). :func:`warmup_steps` lists the shapes a server meets (batches of
-requests with trees of power-of-two sizes), which :meth:`NativeBackend.warm_graphs
-<specinfer.models.native.backend.NativeBackend.warm_graphs>` captures at start-up, so that a warmed server captures
+requests with trees of power-of-two sizes), which :func:`specinfer.models.native.warmup.warm_graphs` captures at
+start-up, so that a warmed server captures
 nothing while it serves (:class:`GraphStats` counts what it captured when). A capture that fails (logged once,
 :attr:`GraphRunner.capture_error`) turns graphs off for the runner's life: the steps run eagerly, the requests are
 served. Without CUDA the same
