@@ -8,6 +8,7 @@ whole context, to their pending ancestors and to themselves.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,18 @@ from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel, RopeTables
 from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
+from specinfer.models.native.quant import (
+    DEFAULT_GROUP_SIZE,
+    QUANTIZE_CHOICES,
+    check_quantize,
+    quantize_weights,
+    slow_on_cpu,
+)
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
-from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
+from specinfer.models.native.weights import ModelWeights, build_weights, map_tensors, read_state_dict
+
+log = logging.getLogger(__name__)
 
 GEMM_CHOICES = ("auto", "linear", "transposed")
 DEFAULT_GRAPH_TOKENS = 512  # a decode batch of 64 requests with trees of 8 nodes
@@ -49,7 +59,8 @@ class NativeOptions:
     are cached and a request whose context starts with cached blocks takes them instead of
     computing them (:mod:`.paged_pool`; no effect on contiguous slots, which requests do not share);
     ``cuda_graph_tokens``: on a CUDA device, with the Triton attention and without offloading, steps of at most this
-    many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never)."""
+    many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never); ``quantize``: the decoder layers' projections
+    kept as ``int8`` or ``int4`` (groups of ``quantize_group_size`` inputs) instead of ``none`` (:mod:`.quant`)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -63,8 +74,12 @@ class NativeOptions:
     offload_reserve_bytes: int = 0
     prefix_caching: bool = True
     cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS
+    quantize: str = "none"
+    quantize_group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {self.quantize!r}")
         if self.cuda_graph_tokens < 0:
             raise ValueError(f"cuda_graph_tokens must be >= 0, got {self.cuda_graph_tokens}")
         if self.offload_reserve_bytes < 0:
@@ -238,10 +253,23 @@ class NativeBackend:
         spec = ModelSpec.from_dir(path)
         geometry = pool_geometry(spec, options)  # a budget that holds no request fails before the weights load
         device = torch.device(options.device)
+        check_quantize(options.quantize, options.quantize_group_size, options.dtype, device)
+        if slow_on_cpu(options.quantize, options.dtype, device):
+            log.warning(
+                "%s products in %s on a CPU take PyTorch's slow path: --dtype bfloat16 is fast",
+                options.quantize,
+                options.dtype,
+            )
         layers = None
-        if options.offload:  # built in host memory; only the resident weights move to the device
+        if options.offload or options.quantize != "none":
+            # built in host memory, quantized layer by layer for the device's kernels; offloaded, only the resident
+            # weights move to the device, else all of them (the device never holds the plain projections)
             host = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
-            weights, layers = offload_weights(host, device, options.offload_reserve_bytes)
+            host = quantize_weights(host, options.quantize, options.quantize_group_size, device)
+            if options.offload:
+                weights, layers = offload_weights(host, device, options.offload_reserve_bytes)
+            else:
+                weights = map_tensors(host, lambda t: t.to(device))
         else:
             weights = build_weights(spec, read_state_dict(path), options.dtype, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
