@@ -43,6 +43,7 @@ class GenerateConfig:
     device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
     logprobs: int | None = None  # print each output token's logprob and this many alternatives (None: not)
     constraint: Constraint | None = None  # structured outputs: what every output must match (None: anything)
+    quantize: str = "none"  # the LLM's and SSMs' decoder projections: none, int8 or int4 (docs/quantization.md)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,13 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="native tree attention (auto: Triton on CUDA)",
     )
     p.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="the LLM's and SSMs' decoder layer projections kept as int8 or int4 (native backend; "
+        "on a CPU fast with --dtype bfloat16)",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)",
@@ -220,6 +228,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         device=args.device,
         logprobs=args.logprobs,
         constraint=constraint_of(args),
+        quantize=args.quantize,
     )
 
 
@@ -233,7 +242,13 @@ def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
         return ModelIdentity.of(
             path,
             ModelRuntime(
-                cfg.dtype, cfg.device, cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve
+                cfg.dtype,
+                cfg.device,
+                cfg.backend,
+                cfg.attention,
+                offload=offload,
+                offload_reserve_bytes=reserve,
+                quantize=cfg.quantize,
             ),
         )
 
@@ -257,6 +272,7 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
         attention=cfg.attention,
         offload=cfg.offload,
         offload_reserve_bytes=cfg.offload_reserve_bytes,
+        quantize=cfg.quantize,
     )
     if cfg.head is not None:
         from specinfer.models.head_drafter import with_head
@@ -266,7 +282,15 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
         vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, cfg.device, backend=cfg.backend, attention=cfg.attention)
+        ssm = load_backend(
+            path,
+            f"ssm[{i}]",
+            cfg.dtype,
+            cfg.device,
+            backend=cfg.backend,
+            attention=cfg.attention,
+            quantize=cfg.quantize,
+        )
         if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
             print(
                 f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "

@@ -44,6 +44,7 @@ def load_model(
         offload_reserve_bytes,
         settings.prefix_caching,
         settings.cuda_graph_tokens,
+        settings.quantize,
     )
 
 
@@ -61,6 +62,7 @@ def model_identity(
         offload,
         offload_reserve_bytes,
         settings.cuda_graph_tokens,
+        settings.quantize,
     )
     return ModelIdentity.of(path, runtime)
 
