@@ -39,10 +39,9 @@ if TYPE_CHECKING:
 
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernels accept
-# inputs per int4 scale and zero: llama.cpp's Q4_0 / Q4_1 group. On the demo LLM (bench/quantized.py, fp32) int4
-# perplexity rose 0.6 % at 32, 0.2 % at 64 and at 128 over the plain model: too small a model (256 wide) to tell them
-# apart; larger models' outlier weights lose more with coarser groups. 32 costs 0.125 bytes per weight of scale and
-# zero in bf16, 128 0.03
+# inputs per int4 scale and zero, llama.cpp's Q4_0 / Q4_1 group, chosen by perplexity (bench/quantized.py,
+# docs/quantization.md): SmolLM2-135M-Instruct (from its Q4_1 GGUF, bf16) lost nothing at 32, 42 % at 64 and 69 % at
+# 128; the demo LLM, too small to tell, 0.6 %, 0.2 % and 0.2 %. 32 costs 0.125 bytes per weight of scale and zero
 DEFAULT_GROUP_SIZE = 32
 LAYER_MATRICES = ("qkv_w", "o_w", "up_w", "down_w")  # the fields of LayerWeights that are quantized
 INT4_ROWS = 16  # output rows of an int4 weight come in multiples of this (the CPU kernel's, a multiple of CUDA's 8)
