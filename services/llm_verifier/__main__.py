@@ -177,6 +177,7 @@ def native_options(args: argparse.Namespace, launch: Launch) -> NativeOptions:
         offload=args.offload,
         offload_reserve_bytes=args.offload_reserve_bytes,
         prefix_caching=args.prefix_caching,
+        quantize=args.quantize,
     )
 
 

@@ -1,6 +1,5 @@
-"""The ``specinfer generate`` command: its flags, its :class:`GenerateConfig`, generation in this
-process (:func:`run_generate`: load the models, generate the prompts as one batch) and streamed from a
-running request manager (:mod:`specinfer.remote_cmd`); ``specinfer demo`` runs it too."""
+"""``specinfer generate``: its flags, :class:`GenerateConfig`, generation in this process (:func:`run_generate`: the
+prompts as one batch) and from a request manager (:mod:`specinfer.remote_cmd`); ``specinfer demo`` runs it too."""
 
 from __future__ import annotations
 
@@ -8,15 +7,15 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specinfer.cli_output import print_logprobs, print_prompt_header
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.constraints import Constraint, grammars_for
 from specinfer.core.drafts import PAPER_EXPANSION
-from specinfer.core.requests import TokenLogprob
 from specinfer.tuning import slot_prior, static_expansion
 
 
@@ -43,6 +42,7 @@ class GenerateConfig:
     device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
     logprobs: int | None = None  # print each output token's logprob and this many alternatives (None: not)
     constraint: Constraint | None = None  # structured outputs: what every output must match (None: anything)
+    quantize: str = "none"  # the LLM's and SSMs' decoder projections: none, int8 or int4 (docs/quantization.md)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -148,6 +148,13 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="native tree attention (auto: Triton on CUDA)",
     )
     p.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="the LLM's and SSMs' decoder layer projections kept as int8 or int4 (native backend; "
+        "on a CPU fast with --dtype bfloat16)",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="the LLM's decoder layers in host memory, streamed to the device layer by layer (native backend)",
@@ -220,6 +227,7 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
         device=args.device,
         logprobs=args.logprobs,
         constraint=constraint_of(args),
+        quantize=args.quantize,
     )
 
 
@@ -233,7 +241,13 @@ def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
         return ModelIdentity.of(
             path,
             ModelRuntime(
-                cfg.dtype, cfg.device, cfg.backend, cfg.attention, offload=offload, offload_reserve_bytes=reserve
+                cfg.dtype,
+                cfg.device,
+                cfg.backend,
+                cfg.attention,
+                offload=offload,
+                offload_reserve_bytes=reserve,
+                quantize=cfg.quantize,
             ),
         )
 
@@ -257,6 +271,7 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
         attention=cfg.attention,
         offload=cfg.offload,
         offload_reserve_bytes=cfg.offload_reserve_bytes,
+        quantize=cfg.quantize,
     )
     if cfg.head is not None:
         from specinfer.models.head_drafter import with_head
@@ -266,7 +281,15 @@ def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
     for i, path in enumerate(cfg.ssms):
         check_checkpoint(path, f"ssm[{i}]")
         vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssm = load_backend(path, f"ssm[{i}]", cfg.dtype, cfg.device, backend=cfg.backend, attention=cfg.attention)
+        ssm = load_backend(
+            path,
+            f"ssm[{i}]",
+            cfg.dtype,
+            cfg.device,
+            backend=cfg.backend,
+            attention=cfg.attention,
+            quantize=cfg.quantize,
+        )
         if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
             print(
                 f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "
@@ -375,20 +398,3 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
         f"({total / max(1, steps):.2f} tokens/step), {elapsed:.2f} s",
         file=out,
     )
-
-
-def print_logprobs(logprobs: Sequence[TokenLogprob], spell: Callable[[int], str], out=None) -> None:
-    """One line per output token: its position, ``spell`` of it (its text, or its ID), log-probability, then its
-    alternatives'."""
-    print("--- logprobs (position, token, logprob, alternatives)", file=out, flush=True)
-    for k, lp in enumerate(logprobs):
-        alternatives = "  ".join(f"{spell(t)} {v:.4f}" for t, v in lp.top)
-        print(f"{k:5d} {spell(lp.token):>16} {lp.logprob:9.4f}  {alternatives}".rstrip(), file=out, flush=True)
-
-
-def print_prompt_header(prompt: str, out=None, tokens: int | None = None) -> None:
-    """The ``--- prompt`` header and the prompt, before each generation's text: in-process and
-    streamed output look alike (``tokens``: the prompt's length, where known before generating)."""
-    out = out or sys.stdout
-    print("--- prompt" + (f" ({tokens} tokens)" if tokens is not None else ""), file=out, flush=True)
-    print(prompt, end="" if prompt.endswith("\n") else "\n", file=out, flush=True)

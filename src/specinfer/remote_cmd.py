@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specinfer.cli_output import print_logprobs, print_prompt_header
 from specinfer.core import InvalidArgument
 from specinfer.core.requests import TokenLogprob
-from specinfer.generate_cmd import constraint_of, print_logprobs, print_prompt_header
+from specinfer.generate_cmd import constraint_of
 from specinfer.tuning import static_expansion
 
 

@@ -9,7 +9,7 @@ Terms.
   SSM's :class:`~specinfer.core.costs.CostTable`) and the key it was measured under.
 - *Key* (:class:`CalibrationKey`): everything that changes what the models' passes cost: each
   checkpoint's files (:func:`checkpoint_digest`) and how it runs (:class:`ModelRuntime`: dtype,
-  device, backend, kernels, offloading), the host (torch threads and version, the CPU or GPU),
+  device, backend, kernels, offloading, quantization), the host (torch threads and version, the CPU or GPU),
   what is cached with the calibration's own parameters, and :data:`FORMAT_VERSION`. The file is
   named by a digest of the key and repeats the key, so a file whose key or version differs from
   the one asked for is *stale*.
@@ -96,6 +96,7 @@ class ModelRuntime:
     offload: bool = False
     offload_reserve_bytes: int = 0
     cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS  # on CUDA, steps up to this many tokens replay CUDA graphs (0: none)
+    quantize: str = "none"  # the decoder layers' projections: none, int8 or int4 (models.native.quant)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))

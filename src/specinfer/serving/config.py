@@ -270,6 +270,12 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
         help="auto (bf16 where the device has bf16 arithmetic, else fp16 on GPU, fp32), float32, float16, bfloat16",
     )
     add_setting(parser, "--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    add_setting(
+        parser,
+        "--quantize",
+        default="none",
+        help="none, int8 or int4: the decoder layers' projections kept quantized (native backend)",
+    )
     add_setting(parser, "--kv-cache-bytes", int, 1 << 30, help="KV pool memory per model (native backend)")
     add_setting(
         parser,

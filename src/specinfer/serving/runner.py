@@ -45,6 +45,7 @@ def load_model(
         settings.prefix_caching,
         settings.cuda_graph_tokens,
         settings.cuda_graph_warmup_seconds,
+        settings.quantize,
     )
 
 
@@ -62,6 +63,7 @@ def model_identity(
         offload,
         offload_reserve_bytes,
         settings.cuda_graph_tokens,
+        settings.quantize,
     )
     return ModelIdentity.of(path, runtime)
 

@@ -23,12 +23,13 @@ from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
 from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel, RopeTables
-from specinfer.models.native.offload import offload_weights
 from specinfer.models.native.paged_pool import AnyKVPool, BlockStorage, PagedKVPool
+from specinfer.models.native.placement import device_weights
+from specinfer.models.native.quant import DEFAULT_GROUP_SIZE, QUANTIZE_CHOICES
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, StepRunner
 from specinfer.models.native.warmup import WARMUP_BATCH, warm_graphs
-from specinfer.models.native.weights import ModelWeights, build_weights, read_state_dict
+from specinfer.models.native.weights import ModelWeights
 
 GEMM_CHOICES = ("auto", "linear", "transposed")
 DEFAULT_GRAPH_TOKENS = 512  # a decode batch of 64 requests with trees of 8 nodes
@@ -53,7 +54,8 @@ class NativeOptions:
     ``cuda_graph_tokens``: on a CUDA device, with the Triton attention and without offloading, steps of at most this
     many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never); ``cuda_graph_warmup_seconds``: at load, the
     graphs of the shapes a server meets are captured for at most this long (:func:`.warmup.warm_graphs`; 0: none,
-    each shape is captured on its first step)."""
+    each shape is captured on its first step); ``quantize``: the decoder layers' projections kept as ``int8`` or
+    ``int4`` (groups of ``quantize_group_size`` inputs) instead of ``none`` (:mod:`.quant`)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -68,8 +70,12 @@ class NativeOptions:
     prefix_caching: bool = True
     cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS
     cuda_graph_warmup_seconds: float = DEFAULT_GRAPH_WARMUP_SECONDS
+    quantize: str = "none"
+    quantize_group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {self.quantize!r}")
         if self.cuda_graph_warmup_seconds < 0:
             raise ValueError(f"cuda_graph_warmup_seconds must be >= 0, got {self.cuda_graph_warmup_seconds}")
         if self.cuda_graph_tokens < 0:
@@ -245,19 +251,13 @@ class NativeBackend:
         spec = ModelSpec.from_dir(path)
         geometry = pool_geometry(spec, options)  # a budget that holds no request fails before the weights load
         device = torch.device(options.device)
-        layers = None
-        if options.offload:  # built in host memory; only the resident weights move to the device
-            host = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
-            weights, layers = offload_weights(host, device, options.offload_reserve_bytes)
-        else:
-            weights = build_weights(spec, read_state_dict(path), options.dtype, device)
+        weights, layers = device_weights(spec, path, options, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
         model = NativeModel(
             spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers
         )
         pool = new_pool(spec, options, device, geometry)
         if uses_cuda_graphs(options, device):
-            # a request's tree in a graphed step: its nodes, or its uncached context and its nodes
             limits = GraphLimits(request_rows(spec, options), max(options.max_tree_nodes, options.cuda_graph_tokens))
             backend = cls(spec, GraphRunner(model, pool, device, limits, options.cuda_graph_tokens), options)
             if options.cuda_graph_warmup_seconds > 0:

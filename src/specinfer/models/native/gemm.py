@@ -13,6 +13,9 @@ matrix-vector kernel, which in bf16 on a CPU streams the weights faster than eit
 2-core Xeon with AMX, [2048, 8192]: 36 GB/s against 22-24; the whole 1B model's products 85 ms against 111,
 BENCHMARKS.md "Incremental step").
 
+A weight kept quantized (:class:`specinfer.models.native.quant.QuantizedWeight`) has one form, its kernel: a plan
+passes its products through.
+
 Terms: a *row bucket* is the smallest of :data:`ROW_BUCKETS` at least the number of rows; products with
 more rows than the largest bucket (prefill) always use ``linear``.
 """
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specinfer.models.native.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +70,11 @@ class GemmPlan:
     transposed: frozenset[tuple[int, int, int]] = frozenset()
     gemv: frozenset[Shape] = frozenset()
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form
-        # [M, out], contiguous."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, b)`` for ``x``  # [M, in] and ``w``  # [out, in], in the planned form (a quantized ``w``:
+        its kernel)  # [M, out], contiguous."""
+        if type(w) is QuantizedWeight:
+            return w.linear(x, b)
         if self.gemv and x.shape[0] == 1 and (w.shape[0], w.shape[1]) in self.gemv:
             return gemv_linear(x, w, b)
         if self.transposed and (w.shape[0], w.shape[1], row_bucket(x.shape[0])) in self.transposed:

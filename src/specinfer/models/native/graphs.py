@@ -66,7 +66,8 @@ PENDING_ROWS_PER_TOKEN = 16  # ancestor rows a shape holds per packed token (Ste
 @dataclass(frozen=True)
 class GraphLimits:
     """The sizes a runner fixes for its life (module docstring): ``request_rows``, KV rows of a request at its longest
-    (its prefix and tree nodes); ``tree_rows``, nodes of a request's largest tree (pending ones included)."""
+    (its prefix and tree nodes); ``tree_rows``, nodes of a request's largest tree (pending ones included; in a graphed
+    step a tree is at most its nodes, or a new request's uncached context and its nodes)."""
 
     request_rows: int
     tree_rows: int

@@ -22,6 +22,8 @@ Terms, used in this module and in docs/offloading.md:
   norm, the LM head, and OPT's learned positions and projections (tied embeddings count once). A
   large vocabulary makes the LM head big (Llama 3 70B: 1 GiB in fp16, about half a layer's 1.6 GiB),
   but it is used once per pass on a few rows and streaming it would add a transfer per pass.
+- *quantized layers* (:mod:`.quant`) are staged as they are, packed values and scales: offloading a quantized
+  model moves its quantized bytes.
 - *device bytes* of offloading: 2 x the largest layer (staging) + the resident weights; the KV cache
   (``kv_cache_bytes``) and the activations come on top. ``offload_reserve_bytes`` bounds the device
   bytes; a load whose device bytes exceed it is refused before anything is copied to the device.
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from specinfer.core import InvalidArgument
-from specinfer.models.native.weights import LayerWeights, ModelWeights
+from specinfer.models.native.weights import LayerWeights, ModelWeights, map_tensors, named_tensors
 
 RESERVE_FLAG = "offload-reserve-bytes"
 
@@ -50,13 +52,8 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor]:
-    """The tensor fields of ``layer`` by name (fields that are None left out)."""
-    return {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer) if getattr(layer, f.name) is not None}
-
-
 def layer_bytes(layer: LayerWeights) -> int:
-    return tensor_bytes(layer_tensors(layer).values())
+    return tensor_bytes(named_tensors(layer).values())
 
 
 def resident_tensors(weights: ModelWeights) -> list[torch.Tensor]:
@@ -129,7 +126,7 @@ class OffloadedLayers:
     def __init__(self, host: list[LayerWeights], device: torch.device) -> None:
         if not host:
             raise ValueError("offloading needs at least one decoder layer")
-        shapes = {tuple((name, tuple(t.shape), t.dtype) for name, t in layer_tensors(layer).items()) for layer in host}
+        shapes = {tuple((name, tuple(t.shape), t.dtype) for name, t in named_tensors(layer).items()) for layer in host}
         if len(shapes) != 1:
             raise ValueError(
                 "offloading needs decoder layers of one shape (the staging buffers are shaped like one layer)"
@@ -139,7 +136,7 @@ class OffloadedLayers:
         self.staging = (_empty_like(host[0], device), _empty_like(host[0], device))
         # (host tensor, staging tensor) pairs per layer and buffer, built once so a copy walks no dataclass fields
         self._pairs = [
-            [list(zip(layer_tensors(h).values(), layer_tensors(s).values(), strict=True)) for s in self.staging]
+            [list(zip(named_tensors(h).values(), named_tensors(s).values(), strict=True)) for s in self.staging]
             for h in self.host
         ]
         self.copies = 0
@@ -204,13 +201,11 @@ def _no_release() -> None:
 
 
 def _pinned(layer: LayerWeights) -> LayerWeights:
-    return dataclasses.replace(layer, **{name: t.pin_memory() for name, t in layer_tensors(layer).items()})
+    return map_tensors(layer, torch.Tensor.pin_memory)
 
 
 def _empty_like(layer: LayerWeights, device: torch.device) -> LayerWeights:
-    return dataclasses.replace(
-        layer, **{name: torch.empty_like(t, device=device) for name, t in layer_tensors(layer).items()}
-    )
+    return map_tensors(layer, lambda t: torch.empty_like(t, device=device))
 
 
 def offload_weights(host: ModelWeights, device: torch.device, reserve: int) -> tuple[ModelWeights, OffloadedLayers]:

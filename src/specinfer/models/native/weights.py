@@ -4,14 +4,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file
 
+from specinfer.models.native.quant import QuantizedWeight
 from specinfer.models.native.spec import ModelSpec
+
+Matrix = torch.Tensor | QuantizedWeight  # a decoder layer's projection: plain, or kept quantized (:mod:`.quant`)
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -36,19 +42,20 @@ class LayerWeights:
     before the MLP), ``up`` is the fused gate+up projection, Qwen3 adds the per-head query and key
     RMSNorm weights. Gemma: as Llama, plus the norms of the attention's and the MLP's outputs; every
     Gemma norm weight is stored as the fp32 ``1 + weight`` it multiplies by. OPT: norms carry
-    LayerNorm weight and bias, ``up`` is fc1."""
+    LayerNorm weight and bias, ``up`` is fc1. The four projections (``qkv_w``, ``o_w``, ``up_w``, ``down_w``) are
+    plain tensors or, quantized, :class:`QuantizedWeight` of the same ``shape``."""
 
-    qkv_w: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_w: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor  # [hidden, heads * head_dim]
+    o_w: Matrix  # [hidden, heads * head_dim]
     o_b: torch.Tensor | None
     norm1_w: torch.Tensor
     norm1_b: torch.Tensor | None
     norm2_w: torch.Tensor
     norm2_b: torch.Tensor | None
-    up_w: torch.Tensor  # Llama: [2 * intermediate, hidden] (gate rows first); OPT: fc1 [ffn, hidden]
+    up_w: Matrix  # Llama: [2 * intermediate, hidden] (gate rows first); OPT: fc1 [ffn, hidden]
     up_b: torch.Tensor | None
-    down_w: torch.Tensor  # [hidden, intermediate]
+    down_w: Matrix  # [hidden, intermediate]
     down_b: torch.Tensor | None
     q_norm_w: torch.Tensor | None = None  # Qwen3, Gemma 3 [head_dim], shared by every query head
     k_norm_w: torch.Tensor | None = None  # Qwen3, Gemma 3 [head_dim], shared by every key head
@@ -68,9 +75,46 @@ class ModelWeights:
     project_out: torch.Tensor | None = None  # OPT [word_embed_dim, hidden]
 
     def matrices(self) -> list[torch.Tensor]:
-        """Every weight the forward pass multiplies activations by (``x @ w.T``)."""
+        """Every plain weight the forward pass multiplies activations by (``x @ w.T``); quantized ones have their
+        one kernel (:mod:`.quant`)."""
         per_layer = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w)]
-        return [*per_layer, self.lm_head, *(w for w in (self.project_in, self.project_out) if w is not None)]
+        every = [*per_layer, self.lm_head, *(w for w in (self.project_in, self.project_out) if w is not None)]
+        return [w for w in every if isinstance(w, torch.Tensor)]
+
+
+Weights = TypeVar("Weights", ModelWeights, LayerWeights)
+
+
+def map_tensors(weights: Weights, fn: Callable[[torch.Tensor], torch.Tensor]) -> Weights:
+    """``weights`` (a model's: its layers too; or one layer's) with ``fn`` applied to every tensor, those a quantized
+    weight holds included (a copy to a device, pinned memory, an empty copy); None stays None. Tensors that are one
+    (tied embeddings) stay one."""
+    done: dict[int, torch.Tensor | QuantizedWeight] = {}
+
+    def apply(value):
+        if isinstance(value, list):  # ModelWeights.layers
+            return [map_tensors(layer, fn) for layer in value]
+        if not isinstance(value, torch.Tensor | QuantizedWeight):
+            return value
+        if id(value) not in done:
+            done[id(value)] = fn(value) if isinstance(value, torch.Tensor) else value.map(fn)
+        return done[id(value)]
+
+    return dataclasses.replace(
+        weights, **{f.name: apply(getattr(weights, f.name)) for f in dataclasses.fields(weights)}
+    )
+
+
+def named_tensors(layer: LayerWeights) -> dict[str, torch.Tensor]:
+    """Every tensor of ``layer`` by name, a quantized weight's as ``field.part`` (fields that are None left out)."""
+    out = {}
+    for f in dataclasses.fields(layer):
+        value = getattr(layer, f.name)
+        if isinstance(value, QuantizedWeight):
+            out.update({f"{f.name}.{part}": t for part, t in value.tensors().items()})
+        elif value is not None:
+            out[f.name] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,17 +20,9 @@ from specinfer.models.native.parallel.groups import ParallelGroups, Rendezvous, 
 from specinfer.models.native.parallel.layout import ParallelLayout, check_layout, shard_spec
 from specinfer.models.native.parallel.shard import shard_weights
 from specinfer.models.native.parallel.stage import StageModel
+from specinfer.models.native.quant import quantize_weights
 from specinfer.models.native.spec import ModelSpec
-from specinfer.models.native.weights import LayerWeights, ModelWeights, build_weights, read_state_dict
-
-
-def _moved(obj: ModelWeights | LayerWeights, device: torch.device) -> ModelWeights | LayerWeights:
-    changes = {
-        f.name: getattr(obj, f.name).to(device)
-        for f in dataclasses.fields(obj)
-        if isinstance(getattr(obj, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(obj, **changes)
+from specinfer.models.native.weights import build_weights, map_tensors, read_state_dict
 
 
 def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: ParallelGroups) -> tuple[StageModel, int, int]:
@@ -42,13 +33,13 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
     device = torch.device(options.device)
     # build and shard on the CPU, so the device only ever holds this rank's shard
     full = build_weights(spec, read_state_dict(path), options.dtype, torch.device("cpu"))
-    shard = shard_weights(spec, full, layout)
+    shard = quantize_weights(shard_weights(spec, full, layout), options.quantize, options.quantize_group_size, device)
     del full
     layers = None
     if options.offload:  # each rank streams its own shard's layers; the reserve bounds each rank's device
         weights, layers = offload_weights(shard, device, options.offload_reserve_bytes)
     else:
-        weights = dataclasses.replace(_moved(shard, device), layers=[_moved(layer, device) for layer in shard.layers])
+        weights = map_tensors(shard, lambda t: t.to(device))
     gemm = gemm_plan(weights, options)
     model = StageModel(
         shard_spec(spec, layout),
