@@ -244,7 +244,6 @@ def test_warmed_up_runner_captures_nothing_while_serving(tmp_path):
         warmup=graphs.runner.graphs, serving=0, eager_steps=0, warmup_seconds=stats.warmup_seconds
     )
     assert stats.warmup == len(warmup_steps(4, 8, MAX_TOKENS)) and graphs.cached_requests() == []
-    assert graphs.runner.eager_steps == 1  # a prompt past MAX_TOKENS: the kernel's eager variants compile there
     gen = np.random.default_rng(5)
 
     def tokens(n: int) -> list[int]:

@@ -114,8 +114,8 @@ def _at_least(shape: MetadataShape, least: MetadataShape) -> MetadataShape:
 @dataclass(frozen=True)
 class GraphStats:
     """What a :class:`GraphRunner` did since load: shapes captured while warming up (``warmup``) and after
-    (``serving``: each one a capture in the serving path, 0.3-1 s on a GPU), steps run eagerly after the warm-up
-    (prefill past ``max_tokens``, shapes past ``max_graphs``, after a failed capture), and the warm-up's seconds."""
+    (``serving``: each one a capture in the serving path, 0.3-1 s on a GPU), steps run eagerly (prefill past
+    ``max_tokens``, shapes past ``max_graphs``, after a failed capture), and the warm-up's seconds."""
 
     warmup: int = 0
     serving: int = 0
@@ -224,7 +224,6 @@ class GraphRunner(LocalRunner):
         self._logits: torch.Tensor | None = None  # [T_max, vocab] float32, every graph's output (_capture)
         self._warming = False  # between start_warmup and end_warmup
         self._warm_shapes = 0  # shapes the warm-up captured
-        self._warm_eager = 0  # steps the warm-up ran eagerly
         self._warm_seconds = 0.0
 
     @property
@@ -237,7 +236,7 @@ class GraphRunner(LocalRunner):
         if self._warming:
             return GraphStats(warmup=self.graphs, eager_steps=self.eager_steps)
         serving = self.graphs - self._warm_shapes
-        return GraphStats(self._warm_shapes, serving, self.eager_steps - self._warm_eager, self._warm_seconds)
+        return GraphStats(self._warm_shapes, serving, self.eager_steps, self._warm_seconds)
 
     def start_warmup(self) -> None:
         """Steps from now on are the warm-up's, until :meth:`end_warmup`: their shapes do not count against
@@ -249,7 +248,6 @@ class GraphRunner(LocalRunner):
         """The warm-up is over: shapes captured from now on are the serving path's (:attr:`stats`)."""
         self._warming = False
         self._warm_shapes = self.graphs
-        self._warm_eager = self.eager_steps
         self._warm_seconds = time.monotonic() - self._warm_seconds
         return self.stats
 

@@ -27,8 +27,8 @@ WARMUP_BATCH = 32  # the warm-up's largest batch (graphs.warmup_steps); larger o
 def warm_graphs(backend: NativeBackend, max_batch: int, max_nodes: int, seconds: float) -> GraphStats:
     """Capture the CUDA graphs of the shapes a server meets (:func:`.graphs.warmup_steps`: batches up to
     ``max_batch`` requests, the pool permitting, trees up to ``max_nodes`` nodes: a prefill's chain is a tree of
-    the step too) with synthetic requests of a one-token context, then one eager prompt longer than a graph's step,
-    for at most ``seconds`` (the commonest shapes first), so that serving captures and compiles nothing."""
+    the step too) with synthetic requests of a one-token context, for at most ``seconds`` (the commonest shapes
+    first), so that serving captures nothing."""
     runner = backend.runner
     if not isinstance(runner, GraphRunner):
         raise ValueError("warm_graphs needs a GraphRunner (CUDA graphs on)")
@@ -49,11 +49,6 @@ def warm_graphs(backend: NativeBackend, max_batch: int, max_nodes: int, seconds:
             ]
             wait_for(backend.forward_tree(items))
             done += 1
-        prefill = min(backend.rows_per_request - 1, 2 * runner.max_tokens)  # a prompt longer than a graph's step
-        if prefill > runner.max_tokens and time.monotonic() - started <= seconds:
-            # an eager step: the kernel's launch variants of a long prompt (one split, the largest tiles) compile
-            # here rather than in a server's first prefill (0.4-0.9 s on an H200 before)
-            wait_for(backend.forward_tree([TreeForward(ids[0], [], [0] * prefill, list(range(-1, prefill - 1)))]))
     finally:
         for rid in ids:
             backend.release(rid)
