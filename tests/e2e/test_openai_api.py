@@ -52,19 +52,24 @@ def llm_with_template(model_pair, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def stack(model_pair, llm_with_template, tmp_path_factory):
-    cfg = StackConfig(
-        llm=llm_with_template,
-        ssms=(model_pair.ssm,),
+def http_stack_config(ssm: Path, llm: Path, state_dir: Path, model_args: tuple[str, ...] = ()) -> StackConfig:
+    """One SSM worker, the verifier and the request manager with its HTTP API on a free port."""
+    return StackConfig(
+        llm=llm,
+        ssms=(ssm,),
         workers=1,
         port=0,
-        state_dir=tmp_path_factory.mktemp("state"),
+        state_dir=state_dir,
         threads=1,
         http_port=free_tcp_port(),
         rm_args=("--max-queue", "8", "--max-new-tokens", "4096"),
+        model_args=model_args,
     )
-    with serving(cfg) as s:
+
+
+@pytest.fixture(scope="module")
+def stack(model_pair, llm_with_template, tmp_path_factory):
+    with serving(http_stack_config(model_pair.ssm, llm_with_template, tmp_path_factory.mktemp("state"))) as s:
         yield s
 
 

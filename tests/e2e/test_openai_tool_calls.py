@@ -18,17 +18,16 @@ from test_openai_api import (  # tests/e2e/test_openai_api.py
     chat_prompt,
     client,
     greedy_text,  # fixture: transformers' greedy decoding
+    http_stack_config,
     llm_with_template,  # fixture: the demo LLM's folder with a chat template (ChatML, no tools)
 )
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.core.constraints import Grammars
-from specinfer.launcher import StackConfig
 from specinfer.models.loading import eos_token_id
 from specinfer.request_manager.api import tool_call_parser as tp
 from specinfer.request_manager.api import tool_calls as tc
 from specinfer.request_manager.api.chat_template import check_messages
-from specinfer.request_manager.state.redis_server import free_tcp_port
 
 assert llm_with_template and greedy_text  # fixtures of this module too
 NEW_TOKENS = 96
@@ -71,18 +70,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def stack(model_pair, llm_with_template, tmp_path_factory):
-    cfg = StackConfig(
-        llm=llm_with_template,
-        ssms=(model_pair.ssm,),
-        workers=1,
-        port=0,
-        state_dir=tmp_path_factory.mktemp("state"),
-        threads=1,
-        http_port=free_tcp_port(),
-        rm_args=("--max-queue", "8", "--max-new-tokens", "4096"),
-        model_args=("--dtype", "float32"),
-    )
-    with serving(cfg) as s:
+    state = tmp_path_factory.mktemp("state")
+    with serving(http_stack_config(model_pair.ssm, llm_with_template, state, ("--dtype", "float32"))) as s:
         yield s
 
 
