@@ -357,3 +357,26 @@ def test_the_speculation_gate_keeps_the_faster_of_speculating_and_not(per_node: 
     assert 1 in sizes[6:9], "the third block measured the adaptive request without speculation"
     kept = sizes[-9:]  # the blocks after the decision
     assert all(n > 1 for n in kept) if speculation_wins else all(n == 1 for n in kept)
+
+
+def test_each_step_reports_the_cost_models_prediction_before_it_learns() -> None:
+    """A step's report pairs each verify call's predicted seconds (the cost model before the call's time reaches it)
+    with the seconds it took (the scripted executor reports 0.01 s); the model then learns, so its next prediction moves
+    toward the measured time and the error the request manager exports shrinks."""
+    executor = ScriptedExecutor()
+    adaptive = _adaptive(1)
+    core = EngineCore(executor, 1, eos_token_id=None, adaptive=adaptive)
+    r = _request("auto", _auto((0,)), n=40)
+    reports = _run(core, [r], 6)
+    sampled = [(i, rep.verify_predictions[0]) for i, rep in enumerate(reports) if rep.verify_predictions]
+    assert len(sampled) >= 4 and all(len(reports[i].verify_predictions) == 1 for i, _ in sampled)
+    assert all(measured == 0.01 for _, (_, measured) in sampled)
+    first, (predicted, _) = sampled[0]  # the step that prefilled the prompt is no sample of the model: none there
+    assert predicted == pytest.approx(1e-2 + 1e-5 * len(executor.verifies[first][0].draft.tree)), "the calibrated table"
+    errors = [abs(p - m) / m for _, (p, m) in sampled]
+    assert errors[-1] < errors[0], "the model learned from the calls' times"
+    plain = EngineCore(ScriptedExecutor(), 1, eos_token_id=None)
+    assert (
+        _run(plain, [_request("static", SpeculationConfig(ExpansionConfig((1, 1)), (0,)))], 1)[0].verify_predictions
+        == ()
+    )

@@ -185,6 +185,11 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
     adaptive_steps = sum(msgs[-1].finished.usage.llm_steps for msgs in (*results[: len(prompts)], results[-1]))
     planned = total(after, "specinfer_planned_tree_nodes_count") - total(before, "specinfer_planned_tree_nodes_count")
     assert planned == adaptive_steps  # one plan per adaptive request and step
+    # the cost model's error on the verify calls it predicted (each adaptive step's, prompts' prefills aside)
+    errors = total(after, "specinfer_cost_model_verify_error_ratio_count") - total(
+        before, "specinfer_cost_model_verify_error_ratio_count"
+    )
+    assert 0 < errors <= adaptive_steps
     predicted = total(after, "specinfer_predicted_accepted_tokens_total") - total(
         before, "specinfer_predicted_accepted_tokens_total"
     )

@@ -156,6 +156,9 @@ class PlannerMetrics:
         """One engine-core step's planned tree sizes, then :meth:`publish`."""
         for nodes in report.planned_nodes:
             self.metrics.planned_tree_nodes.observe(nodes)
+        for predicted, measured in report.verify_predictions:
+            if measured > 0:
+                self.metrics.cost_model_verify_error.observe(abs(predicted - measured) / measured)
         self.publish(adaptive)
 
     def publish(self, adaptive: AdaptiveSpeculation) -> None:

@@ -108,13 +108,15 @@ Commit = Callable[[R, StepOutcome], Awaitable[None]]
 class StepReport:
     """What one :meth:`EngineCore.step` did, for the driver's metrics. ``planned_nodes``: the
     planned tree size of each adaptive request (1: its root alone); ``speculate_seconds``: planning,
-    drafting and selection; ``verify_seconds``: the verification round."""
+    drafting and selection; ``verify_seconds``: the verification round; ``verify_predictions``: per verify call that
+    sampled the model (no prompt prefilled), the cost model's seconds for it before it ran, and the seconds it took."""
 
     batch_size: int
     planned_nodes: tuple[int, ...]
     verify: VerifyRound
     speculate_seconds: float
     verify_seconds: float
+    verify_predictions: tuple[tuple[float, float], ...] = ()
 
 
 class EngineCore:
@@ -206,8 +208,11 @@ class EngineCore:
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
         shapes = [verify_shape(calls) for _, calls, _ in verified.timings]  # None: a call that prefilled a prompt
+        predictions: list[tuple[float, float]] = []
         if self._adaptive is not None:
             for shape, (_, _, seconds) in zip(shapes, verified.timings, strict=True):
+                if shape is not None:  # what the model said before it learns from this call
+                    predictions.append((self._adaptive.costs.verify_seconds(shape), seconds))
                 self._adaptive.observe_verify(shape, seconds)
         committed_tokens = 0
         for r, job in zip(batch, jobs, strict=True):
@@ -238,7 +243,7 @@ class EngineCore:
         if self._adaptive is not None:
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
-        return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds)
+        return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds, tuple(predictions))
 
     def _gate(self, adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
         """The speculation gate, where this step has adaptive requests to decide for (None: nothing to decide, or a

@@ -51,6 +51,8 @@ ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 # requests per batched call
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# relative errors of a prediction: |predicted - measured| / measured
+ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
 class ServiceMetrics:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specinfer.serving.metrics import ACCEPTED_BUCKETS, BATCH_BUCKETS, LATENCY_BUCKETS, TREE_BUCKETS
+from specinfer.serving.metrics import ACCEPTED_BUCKETS, BATCH_BUCKETS, ERROR_BUCKETS, LATENCY_BUCKETS, TREE_BUCKETS
 
 
 class SchedulerMetrics:
@@ -121,6 +121,12 @@ class SchedulerMetrics:
     def _add_planner(self, registry: CollectorRegistry) -> None:
         """Adaptive speculation: the planner's trees, predicted and realised acceptance, drafters, cost model."""
         # adaptive speculation (the planner; see services/request_manager/scheduling/adaptive.py)
+        self.cost_model_verify_error = Histogram(
+            "specinfer_cost_model_verify_error_ratio",
+            "The cost model's error on a verify call: |predicted - measured| / measured seconds, predicted before it",
+            buckets=ERROR_BUCKETS,
+            registry=registry,
+        )
         self.planned_tree_nodes = Histogram(
             "specinfer_planned_tree_nodes",
             "Tree nodes the planner gave an adaptive request per step (root included; 1: no speculation)",
