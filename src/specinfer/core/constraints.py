@@ -181,8 +181,8 @@ def certain_chains(
     A chain stops at the first node where the grammar allows several tokens (the verifier's bonus token then
     picks one), before EOS (the bonus token after the chain is EOS anyway), after ``max_chain`` tokens, at depth
     ``max_depth`` below the root (a request's remaining tokens: deeper nodes could not be committed), and where
-    the chains so far hold ``room`` nodes (the rows the step may add to the tree). Deeper leaves go first: the
-    accepted path more likely ends there. ``matcher`` ends as it began."""
+    the chains so far hold ``room`` nodes (the rows the step may add to the tree). Deeper leaves go first: where
+    room runs short, the chains below the longest drafted paths are the ones kept. ``matcher`` ends as it began."""
     depths = node_depths(parents)  # [n]
     reachable_child = [False] * len(tokens)
     for c in range(1, len(tokens)):
