@@ -2,7 +2,7 @@
 after each path set to -inf before sampling (chi-square against the exact joint of the first tokens, on the tiny
 12-token models of tests/test_stochastic_engine.py and a 12-token tokenizer, one letter per token). Under multi-step
 speculative sampling (the trees kept whole: forbidden nodes are always rejected) and coupled verification (seeded: the
-trees pruned). Negative controls: verification that ignores the masks, and MSS trees pruned after their draws (a cut
+trees pruned), and under a grammar with a certain token (appended below the trees' leaves). Negative controls: verification that ignores the masks, and MSS trees pruned after their draws (a cut
 that depends on the drawn tokens biases the residuals), must both fail."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from specinfer.models.reference import ReferenceBackend
 
 EOS = VOCAB - 1  # "</s>"; the letters a..k are tokens 0..10
 CONSTRAINT = Constraint("regex", "[a-f]([a-c]|[g-i])[a-k]")  # three tokens, each position forbidding some
+CERTAIN = Constraint("regex", "[a-f]g[a-k]")  # the second token certain: appended to the trees, never drafted
 SAMPLES = 8000
 CONTROL_SAMPLES = 4000
 SPEC = SpeculationConfig(ExpansionConfig((3, 2)), ssms=(0, 1))
@@ -46,15 +47,19 @@ def setup():
     return (llm, a, b), grammars
 
 
-def exact_joint(llm, grammars: Grammars, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def exact_joint(
+    llm, grammars: Grammars, params: SamplingParams, constraint: Constraint = CONSTRAINT
+) -> dict[tuple[int, ...], float]:
     """P(the N_TOKENS tokens) under constrained plain sampling: each step's logits masked by the grammar, then
     processed (temperature, top-k, top-p) and sampled."""
     return stochastic_joint(
-        llm, params, lambda prefix: allowed_tokens(grammars.state(CONSTRAINT, prefix).mask(), VOCAB)
+        llm, params, lambda prefix: allowed_tokens(grammars.state(constraint, prefix).mask(), VOCAB)
     )
 
 
-def sample(models_, grammars: Grammars, params: SamplingParams, samples: int) -> Counter:
+def sample(
+    models_, grammars: Grammars, params: SamplingParams, samples: int, constraint: Constraint = CONSTRAINT
+) -> Counter:
     llm, a, b = models_
     engine = SpeculativeEngine(
         ReferenceBackend(llm),
@@ -71,7 +76,7 @@ def sample(models_, grammars: Grammars, params: SamplingParams, samples: int) ->
                 N_TOKENS,
                 dataclasses.replace(params, seed=start + i),
                 SPEC,
-                constraint=CONSTRAINT,
+                constraint=constraint,
             )
             for i in range(min(2000, samples - start))
         ]
@@ -88,12 +93,14 @@ CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "mss-certain", "coupled-certain"])
 def test_constrained_speculative_sampling_has_the_constrained_distribution(setup, case):
+    """The ``-certain`` cases under a grammar with a certain token, which the trees get below their leaves."""
     models_, grammars = setup
-    params = CASES[case]
-    counts = sample(models_, grammars, params, SAMPLES)
-    pvalue = chi_square_pvalue(counts, exact_joint(models_[0], grammars, params))
+    params = CASES[case.removesuffix("-certain")]
+    constraint = CERTAIN if case.endswith("-certain") else CONSTRAINT
+    counts = sample(models_, grammars, params, SAMPLES, constraint)
+    pvalue = chi_square_pvalue(counts, exact_joint(models_[0], grammars, params, constraint))
     assert pvalue > 0.001, f"p-value {pvalue}"
 
 
@@ -113,9 +120,9 @@ def test_mss_trees_pruned_after_their_draws_fail(setup, monkeypatch):
     """MSS trees cut to the nodes the grammar allows, as greedy ones are: the cut depends on the drawn tokens."""
     real = grammar_states_module.GrammarStates.constrain
 
-    def prune_always(self, batch, jobs):
+    def prune_always(self, batch, jobs, rows):
         prunable = [dataclasses.replace(j, sampling=dataclasses.replace(j.sampling, temperature=0.0)) for j in jobs]
-        pruned = real(self, batch, prunable)
+        pruned = real(self, batch, prunable, rows)
         return [dataclasses.replace(p, sampling=j.sampling) for p, j in zip(pruned, jobs, strict=True)]
 
     monkeypatch.setattr(grammar_states_module.GrammarStates, "constrain", prune_always)

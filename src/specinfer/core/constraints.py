@@ -9,6 +9,12 @@ nodes whose token the grammar forbids after their parent's path are unreachable 
 are pruned, or under MSS left to be rejected), and every reachable node gets the bitmask of the tokens
 allowed *after* it, which travels with the verify job and masks that node's logits.
 
+A *certain token* is the one token the grammar allows after a node's path, where it allows only one (a JSON
+schema's keys, punctuation, closing brackets). Its probability under the constrained distribution is 1 whatever
+the LLM's logits, so a certain token below a node is accepted whenever that node is: :func:`certain_chains`
+finds the chain of certain tokens below each leaf of the reachable tree, which the engine core appends to the
+tree before verification (SGLang's jump-forward, inside the tree: no draft pass proposes them).
+
 Masks are xgrammar's and llguidance's layout: per node ``ceil(vocab / 32)`` int32 words, token ``t`` allowed
 when bit ``t % 32`` of word ``t // 32`` is set. EOS is allowed only where the grammar can end; once it is
 complete, only EOS. The library is llguidance (no torch: the request manager runs without it; it rolls back
@@ -29,6 +35,7 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from specinfer.core.errors import InvalidArgument
+from specinfer.core.tree import node_depths, path_below_root
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -111,6 +118,17 @@ def only(token: int, words: int) -> np.ndarray:
     return row
 
 
+def certain_token(row: np.ndarray) -> int | None:
+    """The token mask ``row`` ([W] int32) allows alone; None where it allows none or several."""
+    words = np.flatnonzero(row)
+    if words.size != 1:
+        return None
+    bits = int(row[words[0]]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    return int(words[0]) * 32 + bits.bit_length() - 1
+
+
 def tree_masks(
     matcher: llguidance.LLMatcher, tokens: Sequence[int], parents: Sequence[int], words: int, eos: int
 ) -> TreeMasks:
@@ -146,6 +164,59 @@ def tree_masks(
     return TreeMasks(tuple(reachable), masks)
 
 
+def certain_chains(
+    matcher: llguidance.LLMatcher,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    walked: TreeMasks,
+    eos: int,
+    room: int,
+    max_depth: int,
+    max_chain: int,
+) -> dict[int, tuple[tuple[int, ...], np.ndarray]]:
+    """The chains of certain tokens below the leaves of a tree's reachable part (``walked``: :func:`tree_masks`
+    of ``tokens``/``parents`` from ``matcher``'s state), by leaf: the chain's tokens and the mask after each.
+    # masks: [k, W] int32
+
+    A chain stops at the first node where the grammar allows several tokens (the verifier's bonus token then
+    picks one), before EOS (the bonus token after the chain is EOS anyway), after ``max_chain`` tokens, at depth
+    ``max_depth`` below the root (a request's remaining tokens: deeper nodes could not be committed), and where
+    the chains so far hold ``room`` nodes (the rows the step may add to the tree). Deeper leaves go first: where
+    room runs short, the chains below the longest drafted paths are the ones kept. ``matcher`` ends as it began."""
+    depths = node_depths(parents)  # [n]
+    reachable_child = [False] * len(tokens)
+    for c in range(1, len(tokens)):
+        if walked.reachable[c]:
+            reachable_child[parents[c]] = True
+    leaves = [u for u in walked.kept if not reachable_child[u]]
+    leaves.sort(key=lambda u: (-int(depths[u]), u))
+    chains: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+    for u in leaves:
+        limit = min(max_chain, room, max_depth - int(depths[u]))
+        first = certain_token(walked.masks[u])
+        if limit <= 0 or first is None or first == eos:
+            continue
+        path = path_below_root(tokens, parents, u)
+        for t in path:
+            if not matcher.consume_token(t):
+                raise RuntimeError(f"the grammar refused token {t} of a reachable path: {matcher.get_error()}")
+        chain: list[int] = []
+        masks = np.zeros((limit, walked.masks.shape[1]), dtype=np.int32)  # [limit, W]
+        token: int | None = first
+        while token is not None and token != eos and len(chain) < limit:
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused its own certain token {token}: {matcher.get_error()}")
+            llg_numpy.fill_next_token_bitmask(matcher, masks, len(chain))
+            if not masks[len(chain)].any():  # a matcher in error: never a row of -inf (as in tree_masks)
+                masks[len(chain)] = only(eos, masks.shape[1])
+            chain.append(token)
+            token = certain_token(masks[len(chain) - 1])
+        matcher.rollback(len(path) + len(chain))
+        chains[u] = (tuple(chain), masks[: len(chain)])
+        room -= len(chain)
+    return chains
+
+
 class GrammarState:
     """One request's grammar: the matcher after its committed output (the prompt is not matched)."""
 
@@ -162,6 +233,18 @@ class GrammarState:
 
     def tree(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeMasks:
         return tree_masks(self.matcher, tokens, parents, self.words, self.eos)
+
+    def chains(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        walked: TreeMasks,
+        room: int,
+        max_depth: int,
+        max_chain: int,
+    ) -> dict[int, tuple[tuple[int, ...], np.ndarray]]:
+        """:func:`certain_chains` from this state."""
+        return certain_chains(self.matcher, tokens, parents, walked, self.eos, room, max_depth, max_chain)
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next.  # [W] int32"""

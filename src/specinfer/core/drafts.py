@@ -14,8 +14,10 @@ trees (adaptive speculation) grow best-first in :mod:`specinfer.core.dynamic_tre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from specinfer.core.errors import InvalidArgument
 from specinfer.core.sampling import SparseDist
@@ -72,6 +74,33 @@ class DraftTree:
                 groups.append(DraftGroup(index[g.parent], children, g.q))
         scores = tuple(self.scores[k] for k in kept) if self.scores else ()
         return DraftTree(TokenTree(tuple(self.tree.tokens[k] for k in kept), tuple(parents)), tuple(groups), scores)
+
+    def with_chains(self, chains: Mapping[int, Sequence[int]]) -> DraftTree:
+        """This tree with each chain of ``chains`` (node -> tokens) appended below its node, in the chains' order,
+        the new nodes numbered after the present ones. The chains' tokens are *certain* (a grammar allows each
+        alone, :func:`~specinfer.core.constraints.certain_chains`): each is its own draft group with all of ``q``
+        on it (MSS then accepts it with probability p(x)/q(x) = 1, as greedy and coupled walks do) and scores
+        its parent's score. A chain's first token must not be a child of its node already."""
+        tokens, parents = list(self.tree.tokens), list(self.tree.parents)
+        groups = list(self.groups)
+        scores = list(self.scores)
+        for node, chain in chains.items():
+            if chain and self.tree.child_with_token(node, chain[0]) is not None:
+                raise ValueError(f"node {node} has a child with token {chain[0]} already")
+            parent = node
+            for t in chain:
+                tokens.append(int(t))
+                parents.append(parent)
+                groups.append(DraftGroup(parent, (len(tokens) - 1,), certain(int(t))))
+                if scores:
+                    scores.append(scores[parent])
+                parent = len(tokens) - 1
+        return DraftTree(TokenTree(tuple(tokens), tuple(parents)), tuple(groups), tuple(scores))
+
+
+def certain(token: int) -> SparseDist:
+    """The draft distribution of a certain token: all its mass on ``token``."""
+    return SparseDist(np.array([token], dtype=np.int64), np.array([1.0]))
 
 
 @dataclass(frozen=True)

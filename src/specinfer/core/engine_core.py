@@ -34,7 +34,7 @@ from specinfer.core.constraints import Grammars
 from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
 from specinfer.core.drafters import DRAFTERS
 from specinfer.core.drafts import DraftTree
-from specinfer.core.grammar_states import GrammarStates
+from specinfer.core.grammar_states import DEFAULT_GRAMMAR_SPECULATION, GrammarSpeculation, GrammarStates
 from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import (
     DraftSpec,
@@ -47,6 +47,8 @@ from specinfer.core.iteration import (
     verify_shape,
     verify_specs,
 )
+from specinfer.core.kv_budget import step_rows
+from specinfer.core.planner import PlannerConfig
 from specinfer.core.requests import TokenLogprob
 
 T = TypeVar("T")
@@ -126,7 +128,8 @@ class EngineCore:
     runs (e.g. a calibration), or None: adaptive requests verify their root alone. ``head``: the
     executor's verifier has a draft head (:mod:`specinfer.core.drafters.head`). ``drafters``: every
     registered kind of draft (:data:`~specinfer.core.drafters.DRAFTERS`), by name, in merge order. ``grammars``:
-    the tokenizer's grammars, for requests with a constraint (:mod:`specinfer.core.grammar_states`)."""
+    the tokenizer's grammars, for requests with a constraint (:mod:`specinfer.core.grammar_states`), and
+    ``grammar_speculation`` what their trees get."""
 
     def __init__(
         self,
@@ -136,6 +139,7 @@ class EngineCore:
         adaptive: AdaptiveSpeculation | Callable[[], AdaptiveSpeculation] | None = None,
         head: bool = False,
         grammars: Grammars | None = None,
+        grammar_speculation: GrammarSpeculation = DEFAULT_GRAMMAR_SPECULATION,
     ) -> None:
         self.executor = executor
         self.num_ssms = num_ssms
@@ -147,7 +151,7 @@ class EngineCore:
         # with the adaptive state
         self.speculation_gate: HeadGate | None = None
         self.drafters: dict[str, Drafter] = {name: kind(models) for name, kind in DRAFTERS.items()}
-        self.grammars = GrammarStates(grammars)
+        self.grammars = GrammarStates(grammars, grammar_speculation)
 
     @property
     def adaptive(self) -> AdaptiveSpeculation | None:
@@ -203,7 +207,7 @@ class EngineCore:
         )
         for drafter in self.drafters.values():
             jobs = drafter.verifying(batch, drafted, jobs, adaptive)
-        jobs = self.grammars.constrain(batch, jobs)
+        jobs = self.grammars.constrain(batch, jobs, self._tree_rows(batch))
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
@@ -253,6 +257,12 @@ class EngineCore:
         if self.speculation_gate is None:
             self.speculation_gate = HeadGate(adaptive.config.speculation_gate)
         return self.speculation_gate
+
+    def _tree_rows(self, batch: Sequence[Running]) -> list[int]:
+        """The most nodes each request's tree may have this step: the KV rows the drivers admitted it for
+        (:func:`~specinfer.core.kv_budget.step_rows`), which the grammar's certain tokens stay within."""
+        planner = self._adaptive.config if self._adaptive is not None else PlannerConfig()
+        return [step_rows(r.request, 0, self.num_ssms, planner).verify for r in batch]
 
     async def _propose(self, step: DraftStep) -> tuple[Drafts, float]:
         """Every drafter's trees for the batch's requests: (drafter key, tree) pairs by request ID, in drafter

@@ -5,29 +5,56 @@ under greedy and coupled verification the nodes the grammar forbids are pruned (
 there) and the job carries the mask after every node; under multi-step speculative sampling the tree stays whole
 (a cut chosen after the draws would bias the residuals), and a forbidden node, whose token has probability 0 under
 the masked distribution, is always rejected (its row is left unmasked: it is never reached). After the commit the
-state consumes the committed tokens (:meth:`GrammarStates.advance`). A state is rebuilt from the request's output
+state consumes the committed tokens (:meth:`GrammarStates.advance`). Below each leaf of the reachable tree, the
+grammar's certain tokens (:func:`~specinfer.core.constraints.certain_chains`) are appended as a chain of nodes
+that no drafter proposed and that verification accepts whenever their leaf is accepted, within the rows the
+request's step may hold (:func:`~specinfer.core.kv_budget.step_rows`). A state is rebuilt from the request's output
 whenever it is missing (a new, resumed, preempted or adopted request), so the grammar is never a second source of
 truth beside the committed tokens.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specinfer.core.constraints import Grammars, GrammarState
+from specinfer.core.errors import InvalidArgument
 from specinfer.core.iteration import Running, VerifySpec
+
+CERTAIN_TOKENS = 16  # most certain tokens in one chain: a JSON schema's fixed keys and punctuation are shorter
+
+
+@dataclass(frozen=True)
+class GrammarSpeculation:
+    """How trees are verified under a grammar. ``prune``: drop the nodes the grammar forbids (greedy and coupled
+    verification; False keeps them, never reached, as under MSS: what the pruning saves, measured);
+    ``certain_tokens``: most certain tokens appended below one leaf (0: none)."""
+
+    prune: bool = True
+    certain_tokens: int = CERTAIN_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.certain_tokens < 0:
+            raise InvalidArgument("certain_tokens", f"must be at least 0, got {self.certain_tokens}")
+
+
+DEFAULT_GRAMMAR_SPECULATION = GrammarSpeculation()
 
 
 class GrammarStates:
     """``grammars``: the tokenizer's compiled grammars (None: this driver has no tokenizer, so takes no
-    constrained request)."""
+    constrained request); ``config``: what the trees get under a grammar."""
 
-    def __init__(self, grammars: Grammars | None) -> None:
+    def __init__(self, grammars: Grammars | None, config: GrammarSpeculation = DEFAULT_GRAMMAR_SPECULATION) -> None:
         self.grammars = grammars
+        self.config = config
         self._states: dict[str, GrammarState] = {}
+        self.steps = 0  # steps that walked a constrained request's tree
+        self.seconds = 0.0  # what those walks took (masks and certain tokens), all requests of a step together
 
     def _state(self, r: Running) -> GrammarState:
         state = self._states.get(r.request_id)
@@ -38,22 +65,38 @@ class GrammarStates:
             state = self._states[r.request_id] = self.grammars.state(r.request.constraint, r.output)
         return state
 
-    def constrain(self, batch: Sequence[Running], jobs: Sequence[VerifySpec]) -> list[VerifySpec]:
-        """``jobs`` (one per request of ``batch``, in order) with the constrained ones pruned and masked."""
+    def constrain(self, batch: Sequence[Running], jobs: Sequence[VerifySpec], rows: Sequence[int]) -> list[VerifySpec]:
+        """``jobs`` (one per request of ``batch``, in order) with the constrained ones pruned, extended by their
+        certain tokens and masked; ``rows[i]``: the most nodes job i's tree may have (its step's KV rows)."""
+        started = time.perf_counter()
         out = []
-        for r, job in zip(batch, jobs, strict=True):
+        for r, job, most in zip(batch, jobs, rows, strict=True):
             if r.request.constraint is None:
                 out.append(job)
                 continue
-            tree = job.draft.tree
-            walked = self._state(r).tree(tree.tokens, tree.parents)
-            if job.sampling.prunable:
-                kept = walked.kept
-                draft = job.draft if len(kept) == len(tree) else job.draft.subtree(kept)
-                out.append(replace(job, draft=draft, masks=walked.masks[list(kept)]))
-            else:
-                reachable = np.array(walked.reachable)[:, None]  # [n, 1]
-                out.append(replace(job, masks=np.where(reachable, walked.masks, np.int32(-1))))
+            state = self._state(r)
+            draft, tree = job.draft, job.draft.tree
+            walked = state.tree(tree.tokens, tree.parents)
+            if job.sampling.prunable and self.config.prune:
+                kept = list(walked.kept)
+                masks = walked.masks[kept]  # [k, W]
+            else:  # forbidden nodes stay, unmasked: never reached (their parents' rows give them probability 0)
+                kept = list(range(len(tree)))
+                masks = np.where(np.array(walked.reachable)[:, None], walked.masks, np.int32(-1))  # [n, W]
+            chains = {}
+            if self.config.certain_tokens:
+                room, depth = most - len(kept), r.remaining - 1
+                chains = state.chains(tree.tokens, tree.parents, walked, room, depth, self.config.certain_tokens)
+            if len(kept) < len(tree):
+                draft = draft.subtree(kept)
+            if chains:
+                index = {old: new for new, old in enumerate(kept)}
+                draft = draft.with_chains({index[u]: chain for u, (chain, _) in chains.items()})
+                masks = np.concatenate([masks, *(m for _, m in chains.values())])
+            out.append(replace(job, draft=draft, masks=masks))
+        if any(r.request.constraint is not None for r in batch):
+            self.steps += 1
+            self.seconds += time.perf_counter() - started
         return out
 
     def advance(self, r: Running, tokens: Sequence[int], finished: bool) -> None:

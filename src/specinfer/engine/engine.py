@@ -25,6 +25,7 @@ from specinfer.core.costs import StepCosts
 from specinfer.core.drafters.head import VerifierHeadDrafter
 from specinfer.core.engine_core import EngineCore, run_to_end
 from specinfer.core.errors import check_token_ids
+from specinfer.core.grammar_states import GrammarSpeculation
 from specinfer.core.head_gate import HeadGate
 from specinfer.core.iteration import Running, StepOutcome, request_seed
 from specinfer.core.kv_budget import Overfull, StepRows, check_fits_alone, schedule, step_rows
@@ -41,7 +42,9 @@ from specinfer.models.interface import CausalLM
 class EngineConfig:
     """``max_batch``: most requests per iteration; ``eos_token_id``: ends a request unless it
     sets ``ignore_eos`` (None: the model has no EOS); ``planner``: adaptive speculation's limits;
-    ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default)."""
+    ``slot_priors``: each SSM's prior slot acceptance (e.g. from its tuning file; empty: a default);
+    ``grammar``: what constrained requests' trees get (pruning, certain tokens:
+    :mod:`specinfer.core.grammar_states`)."""
 
     max_batch: int = 64
     # most tokens of requests admitted in one iteration, past the first (core.kv_budget.schedule; 0: no cap)
@@ -49,6 +52,7 @@ class EngineConfig:
     eos_token_id: int | None = None
     planner: PlannerConfig = PlannerConfig()
     slot_priors: tuple[tuple[float, ...], ...] = ()
+    grammar: GrammarSpeculation = GrammarSpeculation()
 
 
 class _Active(Running):
@@ -108,6 +112,7 @@ class SpeculativeEngine:
             self._build_adaptive,
             head=isinstance(llm, WithHead),  # an LLM with a draft head drafts the next trees as it verifies
             grammars=grammars,
+            grammar_speculation=config.grammar,
         )
 
     @property
@@ -116,6 +121,12 @@ class SpeculativeEngine:
         adaptive = self._core.adaptive
         assert adaptive is not None  # the core was given a builder
         return adaptive
+
+    @property
+    def grammar_time(self) -> tuple[int, float]:
+        """The steps that walked a constrained request's tree under its grammar, and the seconds those walks took
+        (masks and certain tokens, :mod:`specinfer.core.grammar_states`)."""
+        return self._core.grammars.steps, self._core.grammars.seconds
 
     @property
     def head_gate(self) -> HeadGate | None:
