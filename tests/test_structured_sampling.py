@@ -2,8 +2,9 @@
 after each path set to -inf before sampling (chi-square against the exact joint of the first tokens, on the tiny
 12-token models of tests/test_stochastic_engine.py and a 12-token tokenizer, one letter per token). Under multi-step
 speculative sampling (the trees kept whole: forbidden nodes are always rejected) and coupled verification (seeded: the
-trees pruned), and under a grammar with a certain token (appended below the trees' leaves). Negative controls: verification that ignores the masks, and MSS trees pruned after their draws (a cut
-that depends on the drawn tokens biases the residuals), must both fail."""
+trees pruned), and under a grammar with a certain token (appended below the trees' leaves). Negative controls:
+verification that ignores the masks, and MSS trees pruned after their draws (a cut that depends on the drawn tokens
+biases the residuals), must both fail."""
 
 from __future__ import annotations
 
