@@ -16,12 +16,14 @@ import collections
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from specinfer.checkpoint import load_tokenizer
 from specinfer.client import Client
@@ -151,3 +153,40 @@ def timed_load(load: Callable[[], CausalLM]) -> CausalLM:
     model = load()
     print(f"LLM loaded in {time.perf_counter() - started:.1f} s; CUDA graphs: {model.graph_stats}")
     return model
+
+
+def scrape(address: str) -> dict[str, float]:
+    """``{sample name + labels: value}`` of a process's /metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    """Sum of the samples whose key starts with ``prefix``, after minus before."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+
+
+def histogram_quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:
+    """The ``q`` quantile of histogram ``name``'s observations between two :func:`scrape` s, as Prometheus'
+    ``histogram_quantile`` estimates it (linear within the bucket that holds it; None: no observation)."""
+    buckets = []
+    for key, value in after.items():
+        if key.startswith(f"{name}_bucket{{"):
+            bound = float(key.split("le=")[1].split(",")[0].rstrip("}"))
+            buckets.append((bound, value - before.get(key, 0.0)))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, low, below = q * buckets[-1][1], 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return low
+            return low + (bound - low) * ((rank - below) / (count - below) if count > below else 0.0)
+        low, below = bound, count
+    return low

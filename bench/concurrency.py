@@ -6,8 +6,9 @@ largest concurrency) serves every row. At each concurrency C, C client threads k
 methods of a concurrency run one after the other, in the order given, after a warm-up run of the default (the
 speculation gate and the cost model learn the batch size as a user's traffic would teach them). Prints per row:
 committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and p99 (a
-message's gap spread over its tokens; the first message is time to first token, left out) and the speed against
-``none`` at that concurrency.
+message's gap spread over its tokens; the first message is time to first token, left out), the speed against
+``none`` at that concurrency, and the cost model's median error on the row's verify calls (the request manager's
+``specinfer_cost_model_verify_error_ratio``; ``-`` where no call was predicted).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import load_prompts, pct
+from common import histogram_quantile, load_prompts, pct, scrape
 
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig
@@ -33,6 +34,7 @@ from specinfer.core.drafts import PAPER_EXPANSION
 from specinfer.launcher import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
+ERROR = "specinfer_cost_model_verify_error_ratio"  # the request manager's histogram of the cost model's errors
 
 
 @dataclass
@@ -128,20 +130,27 @@ def main() -> None:
         f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, greedy, {args.new_tokens} new tokens, "
         f"{args.seconds:.0f} s per row, speculation gate {args.speculation_gate}"
     )
-    print("| concurrency | method | tokens/s | tokens per step | p50 ms/token | p99 ms/token | vs none |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
+    print("| concurrency | method | " + " | ".join(columns) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
+        rm = stack.process("request-manager")
         for c in levels:
             if args.warmup_seconds > 0:
                 run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds}))
-            rows = {m: run(client, m, prompts, c, args) for m in methods}
+            rows, errors = {}, {}
+            for m in methods:
+                before = scrape(rm.metrics_address)
+                rows[m] = run(client, m, prompts, c, args)
+                errors[m] = histogram_quantile(before, scrape(rm.metrics_address), ERROR, 0.5)
             base = rows.get("none")
             for m, row in rows.items():
                 rate = row.tokens / row.seconds
                 versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None and base.tokens else ""
+                error = f"{errors[m]:.3f}" if errors[m] is not None else "-"
                 print(
                     f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
-                    f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} |",
+                    f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} |",
                     flush=True,
                 )
 

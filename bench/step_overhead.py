@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import torch
-from common import load_prompts, products_seconds, streamed_weights
-from prometheus_client.parser import text_string_to_metric_families
+from common import delta, load_prompts, products_seconds, scrape, streamed_weights
 
 from specinfer.client import Client
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -96,22 +94,6 @@ def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, floa
     model = llm.runner.model
     rows["floor"] = {"products floor": products_seconds(streamed_weights(model), model.linear, 5) * 1e3}
     return rows
-
-
-def scrape(address: str) -> dict[str, float]:
-    """``{sample name + labels: value}`` of a process's /metrics."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
-
-
-def delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
-    """Sum of the samples whose key starts with ``prefix``, after minus before."""
-    return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
 
 
 def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
