@@ -129,6 +129,14 @@ def certain_token(row: np.ndarray) -> int | None:
     return int(words[0]) * 32 + bits.bit_length() - 1
 
 
+def _fill_next(matcher: llguidance.LLMatcher, masks: np.ndarray, row: int, eos: int) -> None:
+    """Row ``row`` of ``masks`` ([n, W] int32): the tokens ``matcher`` allows next; EOS alone where the matcher is in
+    error (never a row of -inf)."""
+    llg_numpy.fill_next_token_bitmask(matcher, masks, row)
+    if not masks[row].any():
+        masks[row] = only(eos, masks.shape[1])
+
+
 def tree_masks(
     matcher: llguidance.LLMatcher, tokens: Sequence[int], parents: Sequence[int], words: int, eos: int
 ) -> TreeMasks:
@@ -145,9 +153,7 @@ def tree_masks(
     reachable[0] = True
 
     def visit(u: int) -> None:
-        llg_numpy.fill_next_token_bitmask(matcher, masks, u)
-        if not masks[u].any():  # a matcher in error: never a row of -inf
-            masks[u] = only(eos, words)
+        _fill_next(matcher, masks, u, eos)
         for c in children[u]:
             if not allows(masks[u], tokens[c]):
                 continue
@@ -206,9 +212,7 @@ def certain_chains(
         while token is not None and token != eos and len(chain) < limit:
             if not matcher.consume_token(token):
                 raise RuntimeError(f"the grammar refused its own certain token {token}: {matcher.get_error()}")
-            llg_numpy.fill_next_token_bitmask(matcher, masks, len(chain))
-            if not masks[len(chain)].any():  # a matcher in error: never a row of -inf (as in tree_masks)
-                masks[len(chain)] = only(eos, masks.shape[1])
+            _fill_next(matcher, masks, len(chain), eos)
             chain.append(token)
             token = certain_token(masks[len(chain) - 1])
         matcher.rollback(len(path) + len(chain))

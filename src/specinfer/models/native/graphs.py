@@ -29,17 +29,15 @@ A shape's graph is captured on its first step (after one eager warm-up that comp
 ``max_graphs`` shapes; steps of more than ``max_tokens`` tokens (prefill) or of a shape past that bound run eagerly,
 as do steps that want features (draft heads). :func:`warmup_steps` lists the shapes a server meets (batches of
 requests with trees of power-of-two sizes), which :func:`specinfer.models.native.warmup.warm_graphs` captures at
-start-up, so that a warmed server captures
-nothing while it serves (:class:`GraphStats` counts what it captured when). A capture that fails (logged once,
-:attr:`GraphRunner.capture_error`) turns graphs off for the runner's life: the steps run eagerly, the requests are
-served. Without CUDA the same
-padded path runs eagerly (``capture=False``): that is how the padding is tested on a CPU (``tests/test_graphs.py``).
+start-up, so that a warmed server captures nothing while it serves (:class:`GraphStats` counts what it captured
+when). A capture that fails (logged once, :attr:`GraphRunner.capture_error`) turns graphs off for the runner's life:
+the steps run eagerly, the requests are served. Without CUDA the same padded path runs eagerly (``capture=False``):
+that is how the padding is tested on a CPU (``tests/test_graphs.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import astuple, dataclass, replace
 
 import numpy as np
@@ -214,6 +212,7 @@ class GraphRunner(LocalRunner):
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.limits = limits
+        self._block_size = pool.block_size if isinstance(pool, PagedKVPool) else 0  # 0: contiguous slots
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
         self.capture = capture
@@ -242,13 +241,13 @@ class GraphRunner(LocalRunner):
         """Steps from now on are the warm-up's, until :meth:`end_warmup`: their shapes do not count against
         ``max_graphs``."""
         self._warming = True
-        self._warm_seconds = time.monotonic()
 
-    def end_warmup(self) -> GraphStats:
-        """The warm-up is over: shapes captured from now on are the serving path's (:attr:`stats`)."""
+    def end_warmup(self, seconds: float) -> GraphStats:
+        """The warm-up, which took ``seconds``, is over: shapes captured from now on are the serving path's
+        (:attr:`stats`)."""
         self._warming = False
         self._warm_shapes = self.graphs
-        self._warm_seconds = time.monotonic() - self._warm_seconds
+        self._warm_seconds = seconds
         return self.stats
 
     def run(self, step: PackedStep) -> torch.Tensor:
@@ -256,8 +255,7 @@ class GraphRunner(LocalRunner):
             self.eager_steps += 1
             return super().run(step)
         meta = step.metadata(torch.device("cpu"))
-        block_size = self._pool.block_size if isinstance(self._pool, PagedKVPool) else 0
-        shape = StepShape.covering(step, meta, self.limits, block_size)
+        shape = StepShape.covering(step, meta, self.limits, self._block_size)
         padded = self._steps.get(shape)
         if padded is None:
             late = len(self._steps) - self._warm_shapes  # shapes captured past the warm-up

@@ -52,7 +52,7 @@ def warm_graphs(backend: NativeBackend, max_batch: int, max_nodes: int, seconds:
     finally:
         for rid in ids:
             backend.release(rid)
-        stats = runner.end_warmup()
+        stats = runner.end_warmup(time.monotonic() - started)
     log.info(
         "CUDA graphs warmed up: %d shapes in %.1f s (%d of %d warm-up steps%s)",
         stats.warmup,
