@@ -10,39 +10,31 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specinfer.cli_output import print_logprobs, print_prompt_header
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
-from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
-from specinfer.core.constraints import Constraint, grammars_for
+from specinfer.core.constraints import Constraint
 from specinfer.core.drafts import PAPER_EXPANSION
-from specinfer.tuning import slot_prior, static_expansion
+from specinfer.tuning import static_expansion
+
+if TYPE_CHECKING:
+    from specinfer.engine.loading import EngineModels
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     """Everything ``specinfer generate`` needs, built once from the flags."""
 
-    llm: Path
-    ssms: tuple[Path, ...]
+    models: EngineModels  # the checkpoints and how they run
     expansion: ExpansionConfig | None  # a static tree; None: adaptive (see ``adaptive``) or no speculation
     adaptive: bool  # adaptive speculation (``--expansion auto``): the planner sizes each step's tree
     suffix: bool  # adaptive trees also drafted from the request's own text (core.suffix)
     sampling: SamplingParams
     max_new_tokens: int
-    dtype: str
-    backend: str
-    attention: str
     prompts: tuple[str, ...]
-    offload: bool = False  # the LLM's decoder layers in host memory, streamed layer by layer (docs/offloading.md)
-    offload_reserve_bytes: int = 0
-    # the cost model's cache folder (engine.calibration_cache.cache_dir; none/off: no cache)
-    calibration_cache: str = ""
-    head: Path | None = None  # a draft head of the LLM (specinfer train-head): adaptive trees also draft with it
-    device: str = "cpu"  # torch device of the LLM and the SSMs (cpu, cuda, cuda:N)
     logprobs: int | None = None  # print each output token's logprob and this many alternatives (None: not)
     constraint: Constraint | None = None  # structured outputs: what every output must match (None: anything)
-    quantize: str = "none"  # the LLM's and SSMs' decoder projections: none, int8 or int4 (docs/quantization.md)
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -198,9 +190,23 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
     adaptive = speculate and keyword == "auto"
     if args.head and not args.no_speculation and keyword == "auto":  # a head alone drafts adaptive trees
         speculate = adaptive = True
-    return GenerateConfig(
+    from specinfer.engine.loading import EngineModels
+
+    models = EngineModels(
         llm=Path(llm),
         ssms=tuple(Path(s) for s in ssms),
+        head=Path(args.head) if args.head else None,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+        attention=args.attention,
+        offload=args.offload,
+        offload_reserve_bytes=args.offload_reserve_bytes,
+        quantize=args.quantize,
+        calibration_cache=args.calibration_cache,
+    )
+    return GenerateConfig(
+        models=models,
         expansion=static if speculate and not adaptive else None,
         adaptive=adaptive,
         suffix=not args.no_suffix,
@@ -216,114 +222,17 @@ def build_config(args: argparse.Namespace, llm: Path, ssms: Sequence[Path], prom
             min_p=args.min_p,
         ),
         max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype,
-        backend=args.backend,
-        attention=args.attention,
         prompts=tuple(prompts),
-        offload=args.offload,
-        offload_reserve_bytes=args.offload_reserve_bytes,
-        calibration_cache=args.calibration_cache,
-        head=Path(args.head) if args.head else None,
-        device=args.device,
         logprobs=args.logprobs,
         constraint=constraint_of(args),
-        quantize=args.quantize,
     )
-
-
-def _cost_entry(cfg: GenerateConfig, vocabularies: Sequence[str]):
-    """Where adaptive speculation's cost model is cached between runs (after loading: the key holds the thread
-    count)."""
-    from specinfer.engine.calibration_cache import CalibrationCache, ModelIdentity, ModelRuntime, engine_cost_entry
-
-    def identity(path: Path, offload: bool) -> ModelIdentity:
-        reserve = cfg.offload_reserve_bytes if offload else 0
-        return ModelIdentity.of(
-            path,
-            ModelRuntime(
-                cfg.dtype,
-                cfg.device,
-                cfg.backend,
-                cfg.attention,
-                offload=offload,
-                offload_reserve_bytes=reserve,
-                quantize=cfg.quantize,
-            ),
-        )
-
-    cache = CalibrationCache.from_setting(cfg.calibration_cache, os.environ)
-    return engine_cost_entry(
-        cache, identity(cfg.llm, cfg.offload), [identity(p, False) for p in cfg.ssms], vocabularies
-    )
-
-
-def _load_models(cfg: GenerateConfig, out) -> tuple[object, list, list[str]]:
-    """The LLM, the SSMs (each in the LLM's token IDs) and each SSM's vocabulary method."""
-    from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
-    from specinfer.models.loading import check_checkpoint, load_backend
-
-    llm = load_backend(
-        cfg.llm,
-        "llm",
-        cfg.dtype,
-        cfg.device,
-        backend=cfg.backend,
-        attention=cfg.attention,
-        offload=cfg.offload,
-        offload_reserve_bytes=cfg.offload_reserve_bytes,
-        quantize=cfg.quantize,
-    )
-    if cfg.head is not None:
-        from specinfer.models.head_drafter import with_head
-
-        llm = with_head(llm, cfg.head, cfg.llm)
-    ssms, vocabularies = [], []
-    for i, path in enumerate(cfg.ssms):
-        check_checkpoint(path, f"ssm[{i}]")
-        vmap = draft_vocabulary(cfg.llm, path, f"ssm[{i}]")
-        ssm = load_backend(
-            path,
-            f"ssm[{i}]",
-            cfg.dtype,
-            cfg.device,
-            backend=cfg.backend,
-            attention=cfg.attention,
-            quantize=cfg.quantize,
-        )
-        if vmap is not None:  # another tokenizer: it drafts the tokens both vocabularies spell alike
-            print(
-                f"--- ssm[{i}] has another tokenizer: drafting the {vmap.shared} tokens of its {vmap.ssm_size} "
-                "that the LLM's spells alike",
-                file=out,
-            )
-        ssms.append(in_llm_ids(ssm, vmap))
-        vocabularies.append(vocabulary_method(vmap))
-    return llm, ssms, vocabularies
-
-
-def _engine(cfg: GenerateConfig, llm, ssms: list, vocabularies: list[str], tokenizer):
-    from specinfer.core.planner import OFFLOAD_PLANNER, PlannerConfig
-    from specinfer.engine import EngineConfig, SpeculativeEngine
-    from specinfer.models.loading import eos_token_id
-
-    priors = tuple(
-        slot_prior(p) or DEFAULT_SLOT_PRIOR for p in cfg.ssms
-    )  # adaptive speculation's prior: the SSMs' tuning files
-    planner = (
-        OFFLOAD_PLANNER if cfg.offload else PlannerConfig()
-    )  # offloaded steps cost a transfer whatever their tokens: larger trees pay
-    eos = eos_token_id(cfg.llm)
-    config = EngineConfig(eos_token_id=eos, planner=planner, slot_priors=priors)
-    grammars = grammars_for(tokenizer, llm.vocab_size, eos) if cfg.constraint is not None else None
-    cost_entry = _cost_entry(cfg, vocabularies) if cfg.adaptive else None
-    return SpeculativeEngine(llm, ssms, config, cost_entry=cost_entry, grammars=grammars)
 
 
 def _requests(cfg: GenerateConfig, tokenizer, n_ssms: int) -> list:
     from specinfer.engine import GenerationRequest, SpeculationConfig
 
     spec = (
-        SpeculationConfig(cfg.expansion, ssms=tuple(range(n_ssms)), suffix=cfg.suffix, head=cfg.head is not None)
+        SpeculationConfig(cfg.expansion, ssms=tuple(range(n_ssms)), suffix=cfg.suffix, head=cfg.models.head is not None)
         if cfg.expansion is not None or cfg.adaptive
         else None
     )
@@ -351,19 +260,20 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     import torch
 
     out = out or sys.stdout
+    from specinfer.engine.loading import engine_of, load_models
     from specinfer.models.loading import load_tokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    llm, ssms, vocabularies = _load_models(cfg, out)
-    tokenizer = load_tokenizer(cfg.llm)
+    loaded = load_models(cfg.models, out)
+    tokenizer = load_tokenizer(cfg.models.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
-    engine = _engine(cfg, llm, ssms, vocabularies, tokenizer)
-    requests = _requests(cfg, tokenizer, len(ssms))
+    engine = engine_of(cfg.models, loaded, constraints=cfg.constraint is not None)
+    requests = _requests(cfg, tokenizer, len(loaded.ssms))
     start = time.perf_counter()
     results = engine.generate(requests)
     elapsed = time.perf_counter() - start
-    _print_results(cfg, results, tokenizer, len(ssms), elapsed, out)
+    _print_results(cfg, results, tokenizer, len(loaded.ssms), elapsed, out)
 
 
 def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, elapsed: float, out) -> None:
@@ -386,7 +296,7 @@ def _print_results(cfg: GenerateConfig, results: list, tokenizer, n_ssms: int, e
     total = sum(len(r.output_tokens) for r in results)
     steps = sum(r.llm_steps for r in results)
     if cfg.adaptive:
-        mode = f"adaptive trees over {n_ssms} SSM(s)" + (" and a draft head" if cfg.head is not None else "")
+        mode = f"adaptive trees over {n_ssms} SSM(s)" + (" and a draft head" if cfg.models.head is not None else "")
     else:
         mode = (
             "incremental"
