@@ -2,9 +2,10 @@
 after each path set to -inf before sampling (chi-square against the exact joint of the first tokens, on the tiny
 12-token models of tests/test_stochastic_engine.py and a 12-token tokenizer, one letter per token). Under multi-step
 speculative sampling (the trees kept whole: forbidden nodes are always rejected) and coupled verification (seeded: the
-trees pruned), and under a grammar with a certain token (appended below the trees' leaves). Negative controls:
-verification that ignores the masks, and MSS trees pruned after their draws (a cut that depends on the drawn tokens
-biases the residuals), must both fail."""
+trees pruned), and under a grammar with a certain token (appended below the trees' leaves), the drafts masked by the
+grammar inside the drafters (each node's q the SSM's masked distribution). Negative controls: verification that
+ignores the masks, MSS trees of unmasked drafts pruned after their draws (a cut that depends on the drawn tokens
+biases the residuals), and masked drafts that record the SSM's unmasked q, must all fail."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from specinfer.core import ExpansionConfig, SamplingParams
 from specinfer.core import grammar_states as grammar_states_module
 from specinfer.core.constraints import Constraint, Grammars, GrammarState, allowed_tokens
+from specinfer.core.sampling import SparseDist
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
-from specinfer.models import verification
+from specinfer.models import drafting, verification
 from specinfer.models.reference import ReferenceBackend
 
 EOS = VOCAB - 1  # "</s>"; the letters a..k are tokens 0..10
@@ -118,8 +120,10 @@ def test_verification_blind_to_the_masks_fails(setup, monkeypatch):
 
 @pytest.mark.slow
 def test_mss_trees_pruned_after_their_draws_fail(setup, monkeypatch):
-    """MSS trees cut to the nodes the grammar allows, as greedy ones are: the cut depends on the drawn tokens."""
+    """MSS trees cut to the nodes the grammar allows, as greedy ones are: the cut depends on the drawn tokens. The
+    drafts unmasked (as a drafter without the LLM's tokenizer drafts), or there would be nothing to cut."""
     real = grammar_states_module.GrammarStates.constrain
+    monkeypatch.setattr(grammar_states_module.DraftGrammars, "states", lambda self, jobs: {})
 
     def prune_always(self, batch, jobs, rows):
         prunable = [dataclasses.replace(j, sampling=dataclasses.replace(j.sampling, temperature=0.0)) for j in jobs]
@@ -127,6 +131,23 @@ def test_mss_trees_pruned_after_their_draws_fail(setup, monkeypatch):
         return [dataclasses.replace(p, sampling=j.sampling) for p, j in zip(pruned, jobs, strict=True)]
 
     monkeypatch.setattr(grammar_states_module.GrammarStates, "constrain", prune_always)
+    models_, grammars = setup
+    params = CASES["mss"]
+    counts = sample(models_, grammars, params, CONTROL_SAMPLES)
+    assert chi_square_pvalue(counts, exact_joint(models_[0], grammars, params)) < 1e-6
+
+
+@pytest.mark.slow
+def test_masked_drafts_with_an_unnormalised_q_fail(setup, monkeypatch):
+    """Drafts drawn from the masked distribution whose recorded q is not renormalised (half its mass, as masking the
+    SSM's probabilities instead of its logits would leave it where the grammar forbids half): MSS divides by q."""
+    real = drafting.propose
+
+    def unnormalised(table, width, job, rng, depth):
+        p = real(table, width, job, rng, depth)
+        return p if p.q is None else dataclasses.replace(p, q=SparseDist(p.q.tokens, p.q.probs * 0.5))
+
+    monkeypatch.setattr(drafting, "propose", unnormalised)
     models_, grammars = setup
     params = CASES["mss"]
     counts = sample(models_, grammars, params, CONTROL_SAMPLES)
