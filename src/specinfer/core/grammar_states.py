@@ -30,12 +30,15 @@ CERTAIN_TOKENS = 16  # most certain tokens in one chain: a JSON schema's fixed k
 
 @dataclass(frozen=True)
 class GrammarSpeculation:
-    """How trees are verified under a grammar. ``prune``: drop the nodes the grammar forbids (greedy and coupled
-    verification; False keeps them, never reached, as under MSS: what the pruning saves, measured);
-    ``certain_tokens``: most certain tokens appended below one leaf (0: none)."""
+    """How trees are drafted and verified under a grammar. ``prune``: drop the nodes the grammar forbids (greedy and
+    coupled verification; False keeps them, never reached, as under MSS: what the pruning saves, measured);
+    ``certain_tokens``: most certain tokens appended below one leaf (0: none); ``mask_drafts``: the in-process
+    drafters draft no token the grammar forbids (:class:`DraftGrammars`; False: they draft unmasked and the
+    forbidden nodes are pruned or rejected after drafting: what the masks save, measured)."""
 
     prune: bool = True
     certain_tokens: int = CERTAIN_TOKENS
+    mask_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.certain_tokens < 0:

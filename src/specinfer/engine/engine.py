@@ -105,7 +105,7 @@ class SpeculativeEngine:
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
         self._cost_entry = cost_entry
-        self._executor = LocalExecutor(llm, self.ssms, grammars)
+        self._executor = LocalExecutor(llm, self.ssms, grammars if config.grammar.mask_drafts else None)
         self._core = EngineCore(
             self._executor,
             len(self.ssms),
