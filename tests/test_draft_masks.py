@@ -120,7 +120,7 @@ def test_the_drafters_state_follows_the_committed_output(setup):
     _llm, _ssm, grammars, prompts = setup
     constraint = CONSTRAINTS["schema"]
     drafter = DraftGrammars(grammars)
-    text = grammars.tokenizer.tokenize_str('{"name": "ab", "age": 3')
+    text = grammars.tokenizer.tokenize_str('{"name":"ab","age":3')  # compact JSON
     for output in (text[:2], text[:5], text[:3], text[:7]):  # forwards, back (rebuilt), forwards
         (state,) = drafter.states([job("r", prompts[0], output, constraint, SAMPLINGS["greedy"])]).values()
         expected = grammars.state(constraint, output).after([()])
