@@ -1,14 +1,15 @@
 """Structured outputs under speculation: tokens per LLM step and tokens/s of JSON-schema requests, with and
 without the grammar's help, against unconstrained decoding of the same prompts.
 
-Each tree (the paper's static tree, adaptive trees) runs the same prompts greedily in the in-process engine
-(native backend) four ways: unconstrained; under the schema with the tree kept whole (forbidden nodes verified
-for nothing: ``GrammarSpeculation(prune=False, certain_tokens=0)``); pruned (the nodes the grammar forbids
-dropped before verification); pruned with the grammar's certain tokens appended inside the tree (the default,
-:mod:`specinfer.core.grammar_states`). Every constrained row's outputs must equal the others' (the grammar's
-help changes the steps, never the tokens). It prints a markdown table: tokens per LLM step, tokens/s, and the
-grammar's time per step (the tree walks: masks and certain tokens, on the CPU). Tokens per step are counts;
-tokens/s and milliseconds mean something only on an otherwise idle machine.
+Each tree (the paper's static tree, adaptive trees) runs the same prompts greedily in the in-process engine (native
+backend) five ways: unconstrained; under the schema with unmasked drafts and the tree kept whole (forbidden nodes
+verified for nothing: ``GrammarSpeculation(prune=False, certain_tokens=0, mask_drafts=False)``); pruned (the nodes
+the grammar forbids dropped before verification); pruned with the grammar's certain tokens appended inside the tree;
+the drafts masked inside the drafters, with certain tokens (the default, :mod:`specinfer.core.grammar_states`).
+Every constrained row's outputs must equal the others' (the grammar's help changes the steps, never the tokens). It
+prints a markdown table: tokens per LLM step, tokens/s, and the grammar's time per step (the tree walks: masks and
+certain tokens, on the CPU). Tokens per step are counts; tokens/s and milliseconds mean something only on an
+otherwise idle machine.
 
     python bench/structured.py --pair models/demo --count 8 --new-tokens 96
 """
@@ -48,9 +49,10 @@ SCHEMA = {
 }
 WAYS = {  # row name -> the grammar's help (None: unconstrained requests)
     "unconstrained": None,
-    "schema, whole tree": GrammarSpeculation(prune=False, certain_tokens=0),
-    "schema, pruned": GrammarSpeculation(certain_tokens=0),
-    "schema, pruned + certain tokens": GrammarSpeculation(),
+    "schema, whole tree": GrammarSpeculation(prune=False, certain_tokens=0, mask_drafts=False),
+    "schema, pruned": GrammarSpeculation(certain_tokens=0, mask_drafts=False),
+    "schema, pruned + certain tokens": GrammarSpeculation(mask_drafts=False),
+    "schema, masked drafts + certain tokens": GrammarSpeculation(),
 }
 
 

@@ -92,8 +92,8 @@ def test_merged_head_ssm_suffix_sampling_matches_llm_sampling(models, tmp_path, 
 def uniform_q_head_drafts(original):
     """Deliberately wrong: head trees keep their drawn tokens but record a uniform q over each draw's support."""
 
-    def wrong(head, jobs, results, features):
-        out = original(head, jobs, results, features)
+    def wrong(head, jobs, results, features, grammars=None):
+        out = original(head, jobs, results, features, grammars)
         for i, r in enumerate(out):
             if r.next_tree is None:
                 continue

@@ -2,9 +2,10 @@
 after each path set to -inf before sampling (chi-square against the exact joint of the first tokens, on the tiny
 12-token models of tests/test_stochastic_engine.py and a 12-token tokenizer, one letter per token). Under multi-step
 speculative sampling (the trees kept whole: forbidden nodes are always rejected) and coupled verification (seeded: the
-trees pruned), and under a grammar with a certain token (appended below the trees' leaves). Negative controls:
-verification that ignores the masks, and MSS trees pruned after their draws (a cut that depends on the drawn tokens
-biases the residuals), must both fail."""
+trees pruned), and under a grammar with a certain token (appended below the trees' leaves), the drafts masked by the
+grammar inside the drafters (each node's q the SSM's masked distribution). Negative controls: verification that
+ignores the masks, MSS trees of unmasked drafts pruned after their draws (a cut that depends on the drawn tokens
+biases the residuals), and masked drafts that record the SSM's unmasked q, must all fail."""
 
 from __future__ import annotations
 
@@ -118,8 +119,10 @@ def test_verification_blind_to_the_masks_fails(setup, monkeypatch):
 
 @pytest.mark.slow
 def test_mss_trees_pruned_after_their_draws_fail(setup, monkeypatch):
-    """MSS trees cut to the nodes the grammar allows, as greedy ones are: the cut depends on the drawn tokens."""
+    """MSS trees cut to the nodes the grammar allows, as greedy ones are: the cut depends on the drawn tokens. The
+    drafts unmasked (as a drafter without the LLM's tokenizer drafts), or there would be nothing to cut."""
     real = grammar_states_module.GrammarStates.constrain
+    monkeypatch.setattr(grammar_states_module.DraftGrammars, "states", lambda self, jobs: {})
 
     def prune_always(self, batch, jobs, rows):
         prunable = [dataclasses.replace(j, sampling=dataclasses.replace(j.sampling, temperature=0.0)) for j in jobs]

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from specinfer.checkpoint import model_folder
+from specinfer.checkpoint import eos_token_id, load_tokenizer, model_folder
 from specinfer.core import InvalidArgument
+from specinfer.core.constraints import grammars_for
 from specinfer.llm_verifier.ranks import (
     Launch,
     exit_with_parent,
@@ -130,10 +131,14 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
     llm = load_model(path, "llm", args, args.offload, args.offload_reserve_bytes)
+    grammars = None
     if args.head:
         llm = with_head(llm, args.head, path)
+        # the head's drafts of constrained requests are masked by their grammar
+        grammars = grammars_for(load_tokenizer(path), llm.vocab_size, eos_token_id(path))
     entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes))
-    return LlmVerifierServicer(name, llm, metrics, calibrate_verifier(llm, args.calibrate_tokens, entry))
+    costs = calibrate_verifier(llm, args.calibrate_tokens, entry)
+    return LlmVerifierServicer(name, llm, metrics, costs, grammars)
 
 
 def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:

@@ -10,7 +10,9 @@ import grpc
 
 from specinfer import wire, wire_jobs
 from specinfer.core import VerifyResult
+from specinfer.core.constraints import Grammars
 from specinfer.core.costs import StepCosts
+from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import VerifySpec
 from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
@@ -26,26 +28,36 @@ SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["LlmVerifier"].full_name
 log = logging.getLogger("specinfer.llm_verifier")
 
 
-def verify_counting_hits(llm: CausalLM, jobs: list[VerifySpec]) -> list[tuple[VerifyResult, int]]:
+def verify_counting_hits(
+    llm: CausalLM, jobs: list[VerifySpec], grammars: DraftGrammars | None
+) -> list[tuple[VerifyResult, int]]:
     """:func:`verify_trees`, each verdict with the context tokens the LLM took from its prefix cache
     for that job (read in the model's thread, before another call changes them)."""
-    return [
-        (verdict, llm.prefix_hits(job.request_id)) for verdict, job in zip(verify_trees(llm, jobs), jobs, strict=True)
-    ]
+    verdicts = verify_trees(llm, jobs, grammars)
+    return [(verdict, llm.prefix_hits(job.request_id)) for verdict, job in zip(verdicts, jobs, strict=True)]
 
 
 class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     """The LLM and the contexts of the requests it verifies."""
 
-    def __init__(self, name: str, llm: CausalLM, metrics: ModelMetrics, costs: StepCosts | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        llm: CausalLM,
+        metrics: ModelMetrics,
+        costs: StepCosts | None = None,
+        grammars: Grammars | None = None,
+    ) -> None:
         """``costs``: the LLM's calibrated verify cost model (:func:`~specinfer.serving.runner.calibrate_verifier`),
-        reported by GetInfo."""
+        reported by GetInfo; ``grammars``: its tokenizer's, which mask the draft head's trees of constrained
+        requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: unmasked)."""
         self.name = name
         self.costs = costs
         self.metrics = metrics
         self.vocab_size = llm.vocab_size
         self.runner = ModelRunner(name, llm)  # the thread the model's calls run in (one at a time)
         self._contexts = ContextStore()
+        self._grammars = DraftGrammars(grammars) if grammars is not None else None  # the head's, per request
         metrics.observe_graphs(name, llm.graph_stats)  # the start-up warm-up's, before any call
 
     @property
@@ -63,7 +75,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         call = self._contexts.admit(
             request.items, self.vocab_size, self.llm.max_positions, wire_jobs.verify_job_from_proto
         )
-        verdicts = await self.runner.call(verify_counting_hits, call.jobs) if call.jobs else []
+        verdicts = await self.runner.call(verify_counting_hits, call.jobs, self._grammars) if call.jobs else []
         response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire_jobs.verify_result_to_proto))
         if self.llm.kv_budget is not None:
             response.kv_blocks_free = self.llm.kv_blocks_free or 0
@@ -88,6 +100,8 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
+            if self._grammars is not None:
+                self._grammars.forget(rid)
         await self.runner.release(request.request_ids)
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         return internal_pb2.ReleaseResponse()

@@ -12,8 +12,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from specinfer.checkpoint import check_checkpoint, model_folder
+from specinfer.checkpoint import check_checkpoint, eos_token_id, load_tokenizer, model_folder
 from specinfer.core import InvalidArgument
+from specinfer.core.constraints import Grammars, grammars_for
 from specinfer.models.cross_vocab import draft_vocabulary, in_llm_ids, vocabulary_method
 from specinfer.models.interface import CausalLM
 from specinfer.serving.config import (
@@ -83,7 +84,16 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
     entries = {
         name: drafter_cost_entry(args, model_identity(path, args), methods[name]) for name, path in paths.items()
     }
-    return SsmWorkerServicer(ssms, metrics, calibrate_drafters(ssms, args.calibrate_tokens, entries), priors, methods)
+    costs = calibrate_drafters(ssms, args.calibrate_tokens, entries)
+    return SsmWorkerServicer(ssms, metrics, costs, priors, methods, draft_grammars(args.llm_dir, paths, ssms))
+
+
+def draft_grammars(llm_dir: str, paths: dict[str, str], ssms: dict[str, CausalLM]) -> Grammars | None:
+    """The grammars that mask constrained requests' drafts: those of the LLM's tokenizer (``llm_dir``), else of the
+    first SSM's, whose IDs every SSM here speaks (None without a tokenizer or an EOS token: drafts unmasked)."""
+    source = llm_dir or next(iter(paths.values()))
+    vocab = next(iter(ssms.values())).vocab_size
+    return grammars_for(load_tokenizer(source), vocab, eos_token_id(source))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,9 @@ import grpc
 
 from specinfer import wire, wire_jobs
 from specinfer.core import InvalidArgument
+from specinfer.core.constraints import Grammars
 from specinfer.core.costs import CostTable
+from specinfer.core.grammar_states import DraftGrammars
 from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
@@ -39,11 +41,15 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         draft_costs: Mapping[str, CostTable] | None = None,
         slot_priors: Mapping[str, Sequence[float]] | None = None,
         vocabularies: Mapping[str, str] | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``draft_costs``: each SSM's calibrated pass seconds (:func:`~specinfer.serving.runner.calibrate_drafters`);
         ``slot_priors``: those of the SSMs with an installed tuning file (:func:`specinfer.tuning.slot_prior`).
         ListModels reports both to the request manager's planner, and ``vocabularies``: how each SSM's drafts
-        reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`; missing: shared)."""
+        reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`; missing: shared).
+        ``grammars``: the LLM tokenizer's (the IDs every SSM here drafts in), which mask the drafts of constrained
+        requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: their drafts are pruned after
+        drafting only, by the request manager)."""
         self.metrics = metrics
         self.vocabularies = dict(vocabularies or {})
         self.draft_costs = dict(draft_costs or {})
@@ -59,6 +65,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             metrics.observe_graphs(name, m.graph_stats)  # the start-up warm-up's, before any call
         self._budgets = {name: m.kv_budget for name, m in ssms.items()}
         self._contexts = ContextStore()
+        self._grammars = DraftGrammars(grammars) if grammars is not None else None  # per request, as contexts are
 
     @property
     def models(self) -> list[str]:
@@ -84,7 +91,9 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         )
         passes: list[tuple[int, float]] = []  # appended in the model thread, read after it finished
         drafted = (
-            await runner.call(draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs)))
+            await runner.call(
+                draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs)), self._grammars
+            )
             if call.jobs
             else []
         )
@@ -108,6 +117,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
+            if self._grammars is not None:
+                self._grammars.forget(rid)
         for runner in self._runners.values():
             await runner.release(request.request_ids)
         return internal_pb2.ReleaseResponse()

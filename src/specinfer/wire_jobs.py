@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specinfer.core import DraftTree, InvalidArgument, VerifyResult
+from specinfer.core.constraints import Constraint
 from specinfer.core.drafts import DEFAULT_DRAFT_SUPPORT
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.errors import check_positions, check_token_ids
@@ -50,7 +51,13 @@ def draft_job_to_proto(job: DraftSpec, context: internal_pb2.Context) -> interna
         item.expansion.extend(job.expansion.widths)
     if job.budget is not None:
         _budget_to_proto(job.budget, item)
+    if job.constraint is not None:
+        item.constraint.CopyFrom(constraint_to_proto(job.constraint))
     return item
+
+
+def constraint_to_proto(c: Constraint) -> internal_pb2.Constraint:
+    return internal_pb2.Constraint(kind=c.kind, text=c.text)
 
 
 def _budget_to_proto(b: TreeBudget, item: internal_pb2.SpeculateItem | internal_pb2.HeadDraft) -> None:
@@ -76,6 +83,8 @@ def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> inter
     if job.head is not None:
         _budget_to_proto(job.head.budget, item.head)
         item.head.draft_support = job.head.draft_support
+        if job.head.constraint is not None:
+            item.head.constraint.CopyFrom(constraint_to_proto(job.head.constraint))
     if job.logprobs is not None:
         item.logprobs = job.logprobs
     if job.masks is not None:
@@ -130,7 +139,17 @@ def head_draft_from_proto(item: internal_pb2.VerifyItem, field: str) -> HeadDraf
         return None
     if item.head.draft_support <= 0:
         raise InvalidArgument(f"{field}.head.draft_support", "must be > 0")
-    return HeadDraft(budget, int(item.head.draft_support))
+    return HeadDraft(budget, int(item.head.draft_support), constraint_from_proto(item.head, f"{field}.head"))
+
+
+def constraint_from_proto(item: internal_pb2.SpeculateItem | internal_pb2.HeadDraft, field: str) -> Constraint | None:
+    """The item's constraint, or None (compiled where it is used: an invalid one is refused then, naming its kind)."""
+    if not item.HasField("constraint"):
+        return None
+    try:
+        return Constraint(item.constraint.kind, item.constraint.text)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}.constraint.kind", exc.message) from None
 
 
 @dataclass(frozen=True)
@@ -186,6 +205,7 @@ def draft_job_from_proto(
         int(item.stream),
         budget,
         int(item.output_start),  # past the committed tokens it only means no output yet: nothing to check
+        constraint_from_proto(item, field),
     )
 
 

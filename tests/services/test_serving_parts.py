@@ -163,6 +163,28 @@ def test_wire_adaptive_round_trips():
     assert wire.pass_timings_from_proto(wire.pass_timings_to_proto(passes)) == passes
 
 
+def test_wire_constraints_round_trip():
+    """A draft job's and a head draft's constraint cross the wire; an unknown kind names its field."""
+    from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+    from specinfer.core.constraints import Constraint
+    from specinfer.core.dynamic_trees import TreeBudget
+    from specinfer.core.iteration import DraftSpec, HeadDraft, VerifySpec
+
+    for constraint in (Constraint("json_object"), Constraint("regex", "[a-z]+"), None):
+        job = DraftSpec("r", [1, 2], 3, ExpansionConfig((2,)), SamplingParams(), 8, 1, 0, 1, None, 1, constraint)
+        item = wire_jobs.draft_job_to_proto(job, wire_jobs.context_to_proto("r", job.context_tokens, 0))
+        assert wire_jobs.draft_job_from_proto(item, job.context_tokens, 100, 64, "items[0]") == job
+        head = HeadDraft(TreeBudget(9, 4, 3, 0.0), 8, constraint)
+        verify = VerifySpec("r", [1, 2], DraftTree(TokenTree((3,), (-1,))), SamplingParams(), 1, 0, head)
+        item = wire_jobs.verify_job_to_proto(verify, wire_jobs.context_to_proto("r", verify.context_tokens, 0))
+        assert wire_jobs.head_draft_from_proto(item, "items[0]") == head
+    item = wire_jobs.draft_job_to_proto(job, wire_jobs.context_to_proto("r", job.context_tokens, 0))
+    item.constraint.kind = "yaml"
+    with pytest.raises(InvalidArgument) as err:
+        wire_jobs.draft_job_from_proto(item, job.context_tokens, 100, 64, "items[0]")
+    assert err.value.field == "items[0].constraint.kind"
+
+
 def test_request_manager_planner_from_reports_and_through_calls(services):
     """The request manager's planner starts from the tables the services calibrated at start-up;
     where one reports none, a few real Verify and Speculate calls measure them."""

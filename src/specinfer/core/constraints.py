@@ -170,6 +170,25 @@ def tree_masks(
     return TreeMasks(tuple(reachable), masks)
 
 
+def path_masks(matcher: llguidance.LLMatcher, paths: Sequence[Sequence[int]], words: int, eos: int) -> np.ndarray:
+    """The tokens allowed after each of ``paths`` (token paths below the root of a tree, as :func:`tree_masks`
+    takes it, ``matcher`` holding the state after the root), one mask row per path: each path is consumed, its
+    row filled and the path rolled back (a drafter's frontier: only the rows it drafts from, no walk of the nodes
+    above them). A path that ends with EOS gets EOS alone, as in :func:`tree_masks`. ``matcher`` ends as it began.
+    # [len(paths), W] int32"""
+    masks = np.zeros((len(paths), words), dtype=np.int32)  # [F, W]
+    for row, path in enumerate(paths):
+        if path and path[-1] == eos:
+            masks[row] = only(eos, words)
+            continue
+        for t in path:
+            if not matcher.consume_token(int(t)):
+                raise RuntimeError(f"the grammar refused token {t} of a drafted path: {matcher.get_error()}")
+        _fill_next(matcher, masks, row, eos)
+        matcher.rollback(len(path))
+    return masks
+
+
 def certain_chains(
     matcher: llguidance.LLMatcher,
     tokens: Sequence[int],
@@ -224,10 +243,13 @@ def certain_chains(
 class GrammarState:
     """One request's grammar: the matcher after its committed output (the prompt is not matched)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int, eos: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, words: int, eos: int, constraint: Constraint | None = None
+    ) -> None:
         self.matcher = matcher
         self.words = words
         self.eos = eos
+        self.constraint = constraint  # what the matcher was compiled from
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume committed ``tokens`` (verification only commits what the masks allow)."""
@@ -249,6 +271,10 @@ class GrammarState:
     ) -> dict[int, tuple[tuple[int, ...], np.ndarray]]:
         """:func:`certain_chains` from this state."""
         return certain_chains(self.matcher, tokens, parents, walked, self.eos, room, max_depth, max_chain)
+
+    def after(self, paths: Sequence[Sequence[int]]) -> np.ndarray:
+        """:func:`path_masks` from this state.  # [len(paths), W] int32"""
+        return path_masks(self.matcher, paths, self.words, self.eos)
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next.  # [W] int32"""
@@ -292,7 +318,7 @@ class Grammars:
 
     def state(self, constraint: Constraint, output: Sequence[int] = ()) -> GrammarState:
         """A request's grammar state after its committed ``output``."""
-        state = GrammarState(self._compile(constraint, constraint.kind).deep_copy(), self.words, self.eos)
+        state = GrammarState(self._compile(constraint, constraint.kind).deep_copy(), self.words, self.eos, constraint)
         state.advance(output)
         return state
 

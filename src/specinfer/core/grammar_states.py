@@ -23,19 +23,22 @@ import numpy as np
 
 from specinfer.core.constraints import Grammars, GrammarState
 from specinfer.core.errors import InvalidArgument
-from specinfer.core.iteration import Running, VerifySpec
+from specinfer.core.iteration import DraftSpec, Running, VerifySpec
 
 CERTAIN_TOKENS = 16  # most certain tokens in one chain: a JSON schema's fixed keys and punctuation are shorter
 
 
 @dataclass(frozen=True)
 class GrammarSpeculation:
-    """How trees are verified under a grammar. ``prune``: drop the nodes the grammar forbids (greedy and coupled
-    verification; False keeps them, never reached, as under MSS: what the pruning saves, measured);
-    ``certain_tokens``: most certain tokens appended below one leaf (0: none)."""
+    """How trees are drafted and verified under a grammar. ``prune``: drop the nodes the grammar forbids (greedy and
+    coupled verification; False keeps them, never reached, as under MSS: what the pruning saves, measured);
+    ``certain_tokens``: most certain tokens appended below one leaf (0: none); ``mask_drafts``: the in-process
+    drafters draft no token the grammar forbids (:class:`DraftGrammars`; False: they draft unmasked and the
+    forbidden nodes are pruned or rejected after drafting: what the masks save, measured)."""
 
     prune: bool = True
     certain_tokens: int = CERTAIN_TOKENS
+    mask_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.certain_tokens < 0:
@@ -110,3 +113,59 @@ class GrammarStates:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+
+
+class DraftGrammars:
+    """A drafter's grammar states (an SSM worker's, the in-process executor's, a verifier's draft head's): one per
+    constrained request it drafts for, so that no draft node is a token the request's grammar forbids after its path
+    (:func:`specinfer.models.drafting.draft_trees` masks each pass's rows with :meth:`masks` of the :meth:`states`).
+    A state remembers the output it consumed; a job whose committed output extends it advances it by the new tokens,
+    any other (a new, resumed, preempted or rolled back request) rebuilds it from the job's output, so the drafter
+    never holds a second truth beside the committed tokens. :meth:`forget` drops a request's state when its caches
+    are released. ``grammars``: compiled for the token IDs the drafter drafts in (the LLM's)."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self._states: dict[str, tuple[GrammarState, list[int]]] = {}
+        self.seconds = 0.0  # what the masks took, all passes together
+
+    def _state(self, job: DraftSpec) -> GrammarState:
+        assert job.constraint is not None
+        output = [*job.context_tokens, job.root_token][job.output_start :]
+        held = self._states.get(job.request_id)
+        if held is not None and held[0].constraint == job.constraint and output[: len(held[1])] == held[1]:
+            state, seen = held
+            state.advance(output[len(seen) :])
+        else:
+            state = self.grammars.state(job.constraint, output)
+        self._states[job.request_id] = (state, output)
+        return state
+
+    def states(self, jobs: Sequence[DraftSpec]) -> dict[int, GrammarState]:
+        """The grammar state after each constrained job's committed output, by job index (once per draft call)."""
+        started = time.perf_counter()
+        out = {}
+        for i, job in enumerate(jobs):
+            if job.constraint is None:
+                continue
+            try:
+                out[i] = self._state(job)
+            except RuntimeError as e:  # a committed output the grammar refuses: the job is wrong, not the drafter
+                self._states.pop(job.request_id, None)
+                raise InvalidArgument("constraint", f"the committed output breaks the grammar: {e}") from None
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def masks(self, state: GrammarState, paths: Sequence[Sequence[int]]) -> np.ndarray:
+        """The tokens ``state``'s grammar allows after each of ``paths`` (frontier nodes' paths below the job's
+        root).  # [len(paths), W] int32"""
+        started = time.perf_counter()
+        out = state.after(paths)
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice, Context, Drafted
+from specinfer.core.constraints import Constraint
 from specinfer.core.costs import VerifyShape
 from specinfer.core.drafts import DraftTree, ExpansionConfig, merged_tree_nodes
 from specinfer.core.dynamic_trees import TreeBudget
@@ -54,7 +55,8 @@ class DraftSpec:
     ``context_tokens``: committed tokens without the root. ``draft_support``: most tokens in a sparse
     draft distribution under sampling. The tree is static (``expansion``) or grown best first
     within ``budget`` (:class:`~specinfer.core.dynamic_trees.BestFirstTreeBuilder`). The job draws from
-    ``step_rng(seed, step, stream)``.
+    ``step_rng(seed, step, stream)``. ``constraint``: the request's (structured outputs; None: anything): the
+    drafter proposes no token it forbids (:class:`~specinfer.core.grammar_states.DraftGrammars`).
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class DraftSpec:
     stream: int
     budget: TreeBudget | None = None  # a dynamic tree's budget (adaptive speculation)
     output_start: int = 0  # where the output begins in the committed tokens (context and root): for penalties
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if (self.expansion is None) == (self.budget is None):
@@ -83,10 +86,12 @@ class HeadDraft:
     """What a verify job asks of the verifier's draft head (:mod:`specinfer.models.head_drafter`): once the
     step is verified, the next step's tree from the bonus token, grown best first within ``budget``, with at
     most ``draft_support`` tokens per distribution under sampling, drawn on ``step_rng(seed, step + 1,
-    HEAD_STREAM)`` (the next step's stream: the tree belongs to it)."""
+    HEAD_STREAM)`` (the next step's stream: the tree belongs to it), masked by ``constraint`` (the request's; None:
+    unconstrained) as an SSM's drafts are."""
 
     budget: TreeBudget
     draft_support: int
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class VerifySpec:
             HEAD_STREAM,
             self.head.budget,
             self.output_start,
+            self.head.constraint,
         )
 
 
@@ -262,6 +268,7 @@ def draft_specs(
                     draft_stream(ssm_index),
                     budget,
                     len(r.request.prompt_tokens),
+                    r.request.constraint,
                 )
             )
     return specs

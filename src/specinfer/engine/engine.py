@@ -105,8 +105,9 @@ class SpeculativeEngine:
         self.preemptions = 0  # running requests put back in the queue for lack of KV blocks
         self._costs = costs
         self._cost_entry = cost_entry
+        self._executor = LocalExecutor(llm, self.ssms, grammars if config.grammar.mask_drafts else None)
         self._core = EngineCore(
-            LocalExecutor(llm, self.ssms),
+            self._executor,
             len(self.ssms),
             config.eos_token_id,
             self._build_adaptive,
@@ -268,5 +269,6 @@ class SpeculativeEngine:
     def _release(self, request_id: str) -> None:
         self.llm.release(request_id)
         self._core.forget(request_id)
+        self._executor.forget(request_id)
         for ssm in self.ssms:
             ssm.release(request_id)

@@ -28,6 +28,7 @@ from specinfer.core import (
     draw_without_replacement,
 )
 from specinfer.core.coupled import coupled_children
+from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
 from specinfer.models.head_drafter import HeadDrafter
@@ -35,6 +36,7 @@ from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.on_device import (
     RowHistory,
     adjusted_rows,
+    masked_rows,
     pack,
     processed_probs,
     ranked_top_k,
@@ -120,10 +122,16 @@ def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generato
 
 
 def draft_trees(
-    ssm: CausalLM, jobs: Sequence[DraftSpec], on_pass: Callable[[int, float], None] | None = None
+    ssm: CausalLM,
+    jobs: Sequence[DraftSpec],
+    on_pass: Callable[[int, float], None] | None = None,
+    grammars: DraftGrammars | None = None,
 ) -> list[DraftTree]:
     """One draft tree per job, in job order: static jobs grow their expansion, budgeted ones a
-    best-first dynamic tree. ``on_pass(frontier_tokens, seconds)`` hears of every SSM pass."""
+    best-first dynamic tree. ``on_pass(frontier_tokens, seconds)`` hears of every SSM pass. With ``grammars``
+    (compiled for the token IDs the SSM drafts in), a constrained job's rows are masked by its grammar after each
+    frontier node's path before anything is drafted from them: no node is a token the grammar forbids, a sampled
+    node's q is the masked distribution renormalised (what it was drawn from), and nothing is drafted below EOS."""
     builders = {
         i: (
             TreeBuilder(job.root_token, job.expansion)
@@ -133,6 +141,7 @@ def draft_trees(
         for i, job in enumerate(jobs)
     }
     rngs = [job.rng() for job in jobs]  # one generator per job for all its depths
+    states = grammars.states(jobs) if grammars is not None else {}  # by job index: the constrained ones
     depths = [1] * len(jobs)  # the depth of the children each job's next pass drafts (one pass per depth)
     out: dict[int, DraftTree] = {}
     while builders:
@@ -152,6 +161,11 @@ def draft_trees(
         logits = ssm.forward_tree(items)
         owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
         rows = stack_rows(logits)
+        limits: list[int | None] = [None] * rows.shape[0]  # most children per row (None: the builder's width)
+        if grammars is not None and any(i in states for i in order):
+            # the constrained distribution is the SSM's masked before biases and penalties, as the LLM's is
+            blocks, limits = _grammar_masks(grammars, states, builders, order, items)
+            rows = masked_rows(rows, blocks)
         if any(jobs[i].sampling.adjusts_logits for i in order):
             # the request's biases and penalties on the draft's rows too, as verification will apply them to the
             # LLM's: drafts that follow them are accepted (verification is exact either way)
@@ -160,8 +174,10 @@ def draft_trees(
         at = 0
         for i, item in zip(order, items, strict=True):
             b = builders[i]
+            span = slice(at, at + len(item.tokens))
             proposals = [
-                propose(table, b.width(), jobs[i], rngs[i], depths[i]) for table in tables[at : at + len(item.tokens)]
+                propose(table, b.width() if most is None else min(b.width(), most), jobs[i], rngs[i], depths[i])
+                for table, most in zip(tables[span], limits[span], strict=True)
             ]
             at += len(item.tokens)
             depths[i] += 1
@@ -175,6 +191,25 @@ def draft_trees(
         if on_pass is not None:
             on_pass(sum(len(it.tokens) for it in items), time.perf_counter() - started)
     return [out[i] for i in range(len(jobs))]
+
+
+def _grammar_masks(grammars, states, builders, order, items) -> tuple[list[tuple[int, np.ndarray]], list[int | None]]:
+    """The grammar masks of one SSM pass's rows (:func:`masked_rows`' blocks: each constrained job's frontier, the
+    tokens allowed after each node's path) and the most children of each row: under greedy decoding the top-k would
+    otherwise pass the allowed tokens; none below EOS."""
+    blocks, limits, start = [], [], 0
+    for i, item in zip(order, items, strict=True):
+        state = states.get(i)
+        if state is None:
+            limits += [None] * len(item.tokens)
+        else:
+            paths = [builders[i].path_tokens(node) for node in builders[i].frontier()]
+            masks = grammars.masks(state, paths)  # [F, W]
+            allowed = np.unpackbits(masks.view(np.uint8), axis=1).sum(axis=1)  # [F]
+            limits += [0 if path and path[-1] == state.eos else int(n) for path, n in zip(paths, allowed, strict=True)]
+            blocks.append((start, masks))
+        start += len(item.tokens)
+    return blocks, limits
 
 
 def _draft_histories(jobs, builders, order, items) -> list[RowHistory]:
@@ -191,12 +226,16 @@ def _draft_histories(jobs, builders, order, items) -> list[RowHistory]:
 
 
 def head_drafts(
-    head: HeadDrafter, jobs: Sequence[VerifySpec], results: Sequence[VerifyResult], features: Sequence[torch.Tensor]
+    head: HeadDrafter,
+    jobs: Sequence[VerifySpec],
+    results: Sequence[VerifyResult],
+    features: Sequence[torch.Tensor],
+    grammars: DraftGrammars | None = None,
 ) -> list[VerifyResult]:
     """``results`` with the next step's head trees of the jobs that ask for one: the head first takes the
     features of each job's computed context and accepted path (``features[i]``: its chain rows, then its
     tree's nodes, :meth:`~specinfer.models.native.backend.NativeBackend.forward_tree_features`), then drafts
-    from the bonus tokens, all jobs batched (:func:`draft_trees`)."""
+    from the bonus tokens, all jobs batched (:func:`draft_trees`, masked by ``grammars`` where given)."""
     specs, where = [], []
     for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
         committed = [*job.context_tokens, job.draft.tree.tokens[0], *result.accepted_tokens]
@@ -210,6 +249,6 @@ def head_drafts(
         specs.append(spec)
         where.append(i)
     out = list(results)
-    for i, tree in zip(where, draft_trees(head, specs), strict=True):
+    for i, tree in zip(where, draft_trees(head, specs, None, grammars), strict=True):
         out[i] = replace(out[i], next_tree=tree)
     return out

@@ -79,6 +79,27 @@ def select_rows(rows: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
     return rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
 
 
+def masked_rows(rows: torch.Tensor, blocks: Sequence[tuple[int, np.ndarray]]) -> torch.Tensor:
+    """``rows`` with every token a grammar mask forbids set to -inf: ``blocks`` holds (first row, masks ``[k, W]``
+    int32, :mod:`specinfer.core.constraints`' bit layout) for rows ``first .. first + k - 1``; other rows are left
+    whole, and a mask narrower than the rows allows none of the tokens past it. A row whose allowed tokens all have
+    logit -inf (a cross-tokenizer SSM's row where the grammar allows only tokens it lacks) gets logit 0 at each of
+    them: its distribution is uniform over the allowed tokens, never a row without a finite entry.  # [N, V]"""
+    n, vocab = rows.shape
+    words = (vocab + 31) // 32
+    host = np.full((n, words), -1, dtype=np.int32)  # [N, W] all allowed
+    for start, masks in blocks:
+        end = start + masks.shape[0]
+        host[start:end] = 0
+        host[start:end, : min(words, masks.shape[1])] = masks[:, :words]
+    bits = torch.from_numpy(host).to(rows.device)  # [N, W] one host-to-device copy
+    shifts = torch.arange(32, dtype=torch.int32, device=rows.device)  # [32]
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(n, words * 32)[:, :vocab].bool()  # [N, V]
+    out = rows.masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(out).all(dim=-1, keepdim=True)  # [N, 1]
+    return torch.where(dead & allowed, torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
 def ranked_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of each row, best first, equal values in index order (as
     :func:`specinfer.core.sampling.top_k_tokens`): ``(indices [R, k] int64, values [R, k])``."""

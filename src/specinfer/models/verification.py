@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specinfer.core import DraftTree, TokenTree, VerifyResult
+from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import VerifySpec
 from specinfer.core.requests import TokenLogprob
 from specinfer.core.tree import path_below_root
@@ -34,6 +35,7 @@ from specinfer.models.on_device import (
     adjusted_rows,
     coupled_targets,
     greedy_accept,
+    masked_rows,
     mss_tables,
     pack,
     processed_probs,
@@ -44,15 +46,18 @@ from specinfer.models.on_device import (
 )
 
 
-def verify_trees(llm: CausalLM, jobs: Sequence[VerifySpec]) -> list[VerifyResult]:
+def verify_trees(
+    llm: CausalLM, jobs: Sequence[VerifySpec], grammars: DraftGrammars | None = None
+) -> list[VerifyResult]:
     """Accepted path and bonus token per job, in job order. An LLM with a draft head (:class:`WithHead`) also
-    drafts the next step's tree of each job that asks for one (:attr:`VerifySpec.head`): ``next_tree``."""
+    drafts the next step's tree of each job that asks for one (:attr:`VerifySpec.head`): ``next_tree``, masked by
+    the request's grammar (:attr:`HeadDraft.constraint`) where ``grammars`` is given."""
     if not jobs:
         return []
     items = [TreeForward(j.request_id, j.context_tokens, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
     if isinstance(llm, WithHead) and any(j.head is not None for j in jobs):
         logits, features = llm.llm.forward_tree_features(items)
-        return head_drafts(llm.head, jobs, _verdicts(jobs, logits), features)
+        return head_drafts(llm.head, jobs, _verdicts(jobs, logits), features, grammars)
     return _verdicts(jobs, llm.forward_tree(items))
 
 
@@ -91,18 +96,9 @@ def _paths(tree: TokenTree) -> list[list[int]]:
 def _masked(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:
     """``rows`` with every token a job's grammar forbids after a node set to -inf (:attr:`VerifySpec.masks`),
     before penalties, temperature, top-k and top-p: the constrained distribution.  # [N, V]"""
-    n, vocab = rows.shape
-    words = (vocab + 31) // 32
-    host = np.full((n, words), -1, dtype=np.int32)  # [N, W] all allowed: the rows of unconstrained jobs
-    for job, start in zip(jobs, starts, strict=True):
-        if job.masks is not None:
-            end = start + len(job.draft.tree)
-            host[start:end] = 0  # a mask narrower than the logits allows none of the tokens past it
-            host[start:end, : min(words, job.masks.shape[1])] = job.masks[:, :words]
-    bits = torch.from_numpy(host).to(rows.device)  # [N, W] one host-to-device copy
-    shifts = torch.arange(32, dtype=torch.int32, device=rows.device)  # [32]
-    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(n, words * 32)[:, :vocab].bool()  # [N, V]
-    return rows.masked_fill(~allowed, float("-inf"))
+    return masked_rows(
+        rows, [(start, job.masks) for job, start in zip(jobs, starts, strict=True) if job.masks is not None]
+    )
 
 
 def _adjusted(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> torch.Tensor:

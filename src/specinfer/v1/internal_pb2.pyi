@@ -18,7 +18,7 @@ class Context(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
-    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream", "budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "output_start")
+    __slots__ = ("context", "root_token", "expansion", "sampling", "draft_support", "seed", "step", "stream", "budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "output_start", "constraint")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SpeculateItem(_message.Message):
     BUDGET_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_EDGE_CURVE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     context: Context
     root_token: int
     expansion: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,16 @@ class SpeculateItem(_message.Message):
     budget_min_score: float
     budget_edge_curve: _containers.RepeatedScalarFieldContainer[float]
     output_start: int
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., output_start: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., root_token: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., draft_support: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., stream: _Optional[int] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., output_start: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "text")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("ssm", "items")
@@ -178,20 +188,22 @@ class VerifyItem(_message.Message):
     def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., head: _Optional[_Union[HeadDraft, _Mapping]] = ..., logprobs: _Optional[int] = ..., output_start: _Optional[int] = ..., token_masks: _Optional[bytes] = ...) -> None: ...
 
 class HeadDraft(_message.Message):
-    __slots__ = ("budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "draft_support")
+    __slots__ = ("budget_nodes", "budget_depth", "budget_width", "budget_min_score", "budget_edge_curve", "draft_support", "constraint")
     BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_DEPTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_WIDTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_EDGE_CURVE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     budget_nodes: int
     budget_depth: int
     budget_width: int
     budget_min_score: float
     budget_edge_curve: _containers.RepeatedScalarFieldContainer[float]
     draft_support: int
-    def __init__(self, budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., draft_support: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., budget_width: _Optional[int] = ..., budget_min_score: _Optional[float] = ..., budget_edge_curve: _Optional[_Iterable[float]] = ..., draft_support: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)

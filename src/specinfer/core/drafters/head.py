@@ -129,7 +129,9 @@ class VerifierHeadDrafter(Drafter):
             return job
         curve = adaptive.edge(self.name).knot_values()
         budget = head_budget(adaptive.config, curve, r.remaining, self._kept.get(r.request_id))
-        return job if budget is None else replace(job, head=HeadDraft(budget, speculation.draft_support))
+        if budget is None:
+            return job
+        return replace(job, head=HeadDraft(budget, speculation.draft_support, r.request.constraint))
 
 
 def head_budget(
