@@ -99,3 +99,25 @@ def test_generate_takes_the_gguf_file_as_llm(cache):
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout, out.stdout
+
+
+@needs_file
+def test_int4_keeps_a_q4_1_files_own_weights(folder):
+    """``--quantize int4`` (groups of 32, a scale and a zero each) on a Q4_1 file holds exactly the file's 4-bit
+    weights: llama.cpp's Q4_1 block is 32 inputs of a row at ``q * d + m`` with q in [0, 15] and each block's min and
+    max at q = 0 and 15, so the group's min-max range in 15 steps finds d and m again. The token embeddings, Q8_0 in
+    this file, do not come back: the check can fail."""
+    from safetensors.torch import load_file
+
+    from specinfer.models.native.quant import DEFAULT_GROUP_SIZE, dequantize_int4, quantize_int4
+
+    weights = load_file(str(folder / "model.safetensors"))
+    projections = [k for k, w in weights.items() if w.ndim == 2 and ".layers." in k]
+    assert len(projections) == 30 * 7  # q, k, v, o, gate, up, down of every layer: Q4_1 in the file
+    for name in projections:
+        w = weights[name].float()  # [out, in] the file's dequantized values
+        back = dequantize_int4(*quantize_int4(w, DEFAULT_GROUP_SIZE), DEFAULT_GROUP_SIZE)
+        assert torch.equal(back, w), name
+    table = weights["model.embed_tokens.weight"].float()  # Q8_0: 256 levels per block, not 16
+    back = dequantize_int4(*quantize_int4(table, DEFAULT_GROUP_SIZE), DEFAULT_GROUP_SIZE)
+    assert (back - table).abs().max() > 1e-2 * table.abs().max()
