@@ -62,10 +62,31 @@ def test_rounding_error_is_at_most_half_a_step():
     q4, s4, z4 = quantize_int4(w, 32)
     assert q4.min() >= 0 and q4.max() <= 15
     err = (dequantize_int4(q4, s4, z4, 32) - w).abs().reshape(48, 8, 32)  # [out, groups, group]
-    assert (err <= s4[..., None] / 2 + 1e-6).all()
+    assert (err <= s4.abs()[..., None] / 2 + 1e-6).all()
     # a weight already on the int4 grid (a GGUF Q4_1 model's) comes back as it was, up to fp32 rounding
     on_grid = dequantize_int4(q4, s4, z4, 32)
     assert torch.allclose(dequantize_int4(*quantize_int4(on_grid, 32), 32), on_grid, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", ["Q4_0", "Q4_1"])
+def test_gguf_4_bit_blocks_come_back_as_the_file_holds_them(block):
+    """llama.cpp's own quantizer (the ``gguf`` package's, as a GGUF file's blocks are written) on random weights,
+    dequantized as a reader does; int4 holds exactly those weights in float32, and its packed product (Q4_0 blocks
+    have negative scales where a block's largest magnitude is positive) equals F.linear on them."""
+    gguf = pytest.importorskip("gguf")
+    kind = getattr(gguf.GGMLQuantizationType, block)
+    gen = torch.Generator().manual_seed(2)
+    plain = torch.randn(96, 320, generator=gen) * 0.05  # [out, in] 10 blocks of 32 per row
+    w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(plain.numpy(), kind), kind).copy())
+    assert not torch.equal(w, plain)
+    q, scales, zeros = quantize_int4(w, 32)
+    assert torch.equal(dequantize_int4(q, scales, zeros, 32), w)
+    if block == "Q4_0":  # blocks spanning q = 0 to 15 are held by the min-max range, the others as Q4_0 blocks
+        assert (zeros == 0).float().mean() > 0.5 and (scales < 0).any()
+    packed = quantize(w, "int4", 32, CPU)
+    x = torch.randn(7, 320, generator=gen)
+    want = F.linear(x, w)
+    assert (packed.linear(x) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_padding_adds_zero_rows_and_columns_only():

@@ -6,7 +6,8 @@ Terms, used here and in docs/quantization.md:
 
 - *scheme*: ``int8`` (one scale per output row, symmetric: ``w ~ q * scale`` with ``q`` in [-127, 127]) or
   ``int4`` (per *group* of ``group_size`` consecutive inputs of a row, a scale and a zero: ``w ~ (q - 8) * scale
-  + zero`` with ``q`` in [0, 15], the layout of PyTorch's int4 kernels). ``none``: plain weights.
+  + zero`` with ``q`` in [0, 15], the layout of PyTorch's int4 kernels; a GGUF file's Q4_0 and Q4_1 blocks are
+  groups of 32 of this form, kept as they are: :func:`quantize_int4`). ``none``: plain weights.
 - *quantized layers*: every decoder layer's q/k/v, o, gate/up and down projections (:data:`LAYER_MATRICES`). The
   token embeddings and the LM head stay in the run's dtype: the embeddings are a table lookup, and the LM head is
   read by draft heads and folded with their projections (:meth:`NativeModel.logits_after`), which want it plain.
@@ -117,7 +118,11 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:  # [
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric int4 of ``w``  # [out, in], ``in`` a multiple of ``group_size``: ``(q, scales,
     zeros)``  # [out, in] int32 in [0, 15], [out, in / group_size] each in w's dtype, such that
-    ``w ~ (q - 8) * scale + zero`` per group (the min-max range of the group in 15 steps)."""
+    ``w ~ (q - 8) * scale + zero`` per group: the min-max range of the group in 15 steps, or, where that does not
+    hold the group exactly and llama.cpp's Q4_0 block does, the Q4_0 block (``zero = 0``, the group's largest
+    magnitude at ``q = 0``, ``scale = -that / 8``). So a Q4_1 block (``q * d + m``, its min at 0 and max at 15) and a
+    Q4_0 block come back as the file holds them (tests/test_quant.py, tests/test_gguf.py), and other weights are
+    fitted by the min-max range as before."""
     out_f, in_f = w.shape
     if in_f % group_size:
         raise ValueError(f"{in_f} inputs are not whole groups of {group_size} (pad the weight first)")
@@ -125,8 +130,23 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     lo, hi = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
     scales = ((hi - lo) / 15).clamp(min=1e-6).to(w.dtype)
     zeros = (lo + scales.float() * 8).to(w.dtype)  # the value q = 8 stands for
-    q = ((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).round().clamp(0, 15)
+    q, exact = _int4_fit(groups, scales, zeros)
+    peak = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # [out, groups] signed
+    q0_scales = torch.where(peak == 0, 1e-6, -peak / 8).to(w.dtype)
+    q0_zeros = torch.zeros_like(zeros)
+    q0, q0_exact = _int4_fit(groups, q0_scales, q0_zeros)
+    use_q0 = q0_exact & ~exact  # [out, groups]
+    q = torch.where(use_q0[..., None], q0, q)
+    scales, zeros = torch.where(use_q0, q0_scales, scales), torch.where(use_q0, q0_zeros, zeros)
     return q.to(torch.int32).reshape(out_f, in_f), scales, zeros
+
+
+def _int4_fit(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit values of ``groups``  # [out, groups, size] rounded against the stored ``scales`` and ``zeros``
+    # [out, groups], and whether each group comes back exactly.  # ([out, groups, size] float, [out, groups] bool)"""
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    q = ((groups - z) / s + 8).round().clamp(0, 15)
+    return q, ((q - 8) * s + z == groups).all(dim=2)
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
