@@ -99,12 +99,13 @@ def _engine(cfg: ChatCorpusConfig, longest_prompt: int):
     from specinfer.engine import EngineConfig, SpeculativeEngine
     from specinfer.models.dtypes import DTYPES
     from specinfer.models.loading import eos_token_id, load_backend
+    from specinfer.models.native.backend import NativeOptions
     from specinfer.models.native.kv_pool import KVPool
     from specinfer.models.native.spec import ModelSpec
 
     rows = longest_prompt + cfg.max_new_tokens + 1
     per_row = KVPool.bytes_per_token(ModelSpec.from_dir(cfg.llm), DTYPES[cfg.dtype])
-    kv_bytes = per_row * rows * cfg.batch_size
+    kv_bytes = per_row * (rows + NativeOptions.max_tree_nodes) * cfg.batch_size  # a slot also holds tree rows
     llm = load_backend(cfg.llm, "llm", cfg.dtype, backend="native", kv_cache_bytes=kv_bytes, max_seq_len=rows)
     return SpeculativeEngine(llm, [], EngineConfig(max_batch=cfg.batch_size, eos_token_id=eos_token_id(cfg.llm)))
 
