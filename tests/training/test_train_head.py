@@ -1,5 +1,6 @@
 """specinfer train-head / map-head (issue 37): a head trained end to end from the CLI on the demo LLM, resume,
-a bad flag, and a head mapped onto an inflated copy of a tiny Llama drafting the same logits there."""
+features cached once (--cache-features), a bad flag, and a head mapped onto an inflated copy of a tiny Llama
+drafting the same logits there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from specinfer.models.interface import TreeForward
 from specinfer.models.native.backend import NativeBackend, NativeOptions
 from specinfer.models.tiny import tiny_llama
 from specinfer.training.corpus import stdlib_dir
-from specinfer.training.head import predict
+from specinfer.training.head import Teacher, load_llm, predict
+from specinfer.training.head_cache import FeatureCache
 from specinfer.training.head_map import map_head
 
 DEMO_LLM = Path(__file__).resolve().parents[2] / "models/demo/llm"
@@ -61,6 +63,24 @@ def test_train_head_in_bfloat16_from_a_corpus_of_links(tmp_path):
     assert _train(tmp_path / "head", 2, "--dtype", "bfloat16", corpus=corpus) == 0
     record = json.loads((tmp_path / "head/training.json").read_text())
     assert record["trained_steps"] == 2 and all(math.isfinite(x) for x in record["losses"])
+
+
+@pytest.mark.skipif(not (DEMO_LLM / "config.json").is_file(), reason="no demo LLM")
+def test_cached_features_are_the_llms_per_chunk_and_train_without_logits(tmp_path):
+    """--cache-features: each chunk's features are the LLM's on that chunk alone, a window's are the cache's at
+    its positions; with --kd-weight 0 the steps compute no logits (no accuracy per step), the held-out does."""
+    teacher = Teacher(load_llm(DEMO_LLM, "float32", "cpu", 4, 16))
+    stream = torch.arange(100)  # distinct tokens: a window's first one is its offset
+    cache = FeatureCache.build(teacher, stream, 16, 4)
+    assert cache.features.shape == (96, 256) and torch.equal(cache.stream, stream[:96])
+    torch.testing.assert_close(cache.features[32:48], teacher.features(stream[32:48][None])[0], atol=1e-5, rtol=0)
+    tokens, feats = cache.windows(3, 10, torch.Generator().manual_seed(0))
+    for t, f in zip(tokens, feats, strict=True):
+        assert torch.equal(t, torch.arange(int(t[0]), int(t[0]) + 10)) and torch.equal(f, cache.features[t])
+    assert _train(tmp_path / "head", 2, "--cache-features", "--kd-weight", "0") == 0
+    record = json.loads((tmp_path / "head/training.json").read_text())
+    assert record["accuracy"] == [[], []] and all(math.isfinite(x) for x in record["losses"])
+    assert 0.0 <= record["heldout_depth1_accuracy"] <= 1.0
 
 
 def test_train_head_without_the_llm_folder_is_a_bad_setting(tmp_path, capsys):

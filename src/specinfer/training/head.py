@@ -77,6 +77,7 @@ class TrainHeadConfig:
     heldout_windows: int = 16
     max_corpus_bytes: int = 0
     val_fraction: float = 0.02
+    cache_features: bool = False  # the LLM's features of the stream computed once (training.head_cache)
 
     def validate(self) -> None:
         from specinfer.models.loading import check_checkpoint
@@ -163,18 +164,27 @@ def predict(head: DraftHead, feats: torch.Tensor, embeds: torch.Tensor, unroll: 
 
 
 def step_loss(
-    head: DraftHead, teacher: Teacher, windows: torch.Tensor, s: TrainSettings, noise: float, unroll: int, gen=None
+    head: DraftHead,
+    teacher: Teacher,
+    windows: torch.Tensor,
+    s: TrainSettings,
+    noise: float,
+    unroll: int,
+    gen=None,
+    feats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The loss of a batch of windows  # [B, S] and the head's accuracy at each depth (vs the LLM's argmax).
-    ``gen``: the noise's generator (None: no noise, for measuring)."""
-    feats = teacher.features(windows)  # [B, S, F]
+    ``gen``: the noise's generator (None: no noise, for measuring); ``feats``: the windows' features if known
+    (a :class:`~specinfer.training.head_cache.FeatureCache`). Training with ``kd_weight`` 0 computes no logits
+    (the LM head's products are then most of a step) and reports no accuracy."""
+    feats = teacher.features(windows) if feats is None else feats  # [B, S, F]
     embeds = teacher.embeds(windows[:, 1:])  # [B, S - 1, F]: the token after each pair's feature
+    if s.kd_weight == 0 and gen is not None:
+        preds = predict(head, _noisy(feats[:, :-1], noise, gen), embeds, unroll)
+        return sum(F.smooth_l1_loss(p, feats[:, 1 + d :]) for d, p in enumerate(preds)), []
     with torch.no_grad():
         target_logp = F.log_softmax(teacher.logits(feats[:, 1:]) / s.kd_temperature, -1)  # [B, S - 1, V]
-    inputs = feats[:, :-1]
-    if gen is not None and noise > 0:
-        u = torch.rand(inputs.shape, generator=gen).to(inputs.device) * 2 - 1
-        inputs = inputs + u * (noise * float(inputs.std()))
+    inputs = _noisy(feats[:, :-1], noise, gen)
     loss, accuracy = torch.zeros((), device=feats.device), []
     for depth, pred in enumerate(predict(head, inputs, embeds, unroll)):
         target, logp = feats[:, 1 + depth :], target_logp[:, depth:]
@@ -186,6 +196,14 @@ def step_loss(
         loss = loss + part
         accuracy.append(float((logits.argmax(-1) == logp.argmax(-1)).float().mean()))
     return loss, accuracy
+
+
+def _noisy(inputs: torch.Tensor, noise: float, gen) -> torch.Tensor:
+    """``inputs`` plus uniform noise of ``noise`` times their std (none without a generator)."""
+    if gen is None or noise <= 0:
+        return inputs
+    u = torch.rand(inputs.shape, generator=gen).to(inputs.device) * 2 - 1
+    return inputs + u * (noise * float(inputs.std()))
 
 
 @torch.no_grad()
@@ -272,6 +290,7 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
     device = str(resolve_device(s.device))
     teacher = Teacher(load_llm(cfg.llm, cfg.dtype, device, max(8, s.batch_size), s.seq_len))
     heldout = random_windows(val_stream, cfg.heldout_windows, s.seq_len, torch.Generator().manual_seed(12345))
+    cache = _feature_cache(cfg, teacher, train_stream, log) if cfg.cache_features else None
     head = new_head(cfg, teacher).train()
     opt = _optimizer(head, s)
     start, record = _resume(cfg, head, opt, log)
@@ -283,8 +302,11 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         gen = step_generator(s.seed, step)
-        windows = random_windows(train_stream, s.batch_size, s.seq_len, gen)
-        loss, acc = step_loss(head, teacher, windows, s, cfg.noise, cfg.unroll, gen)
+        if cache is None:
+            windows, feats = random_windows(train_stream, s.batch_size, s.seq_len, gen), None
+        else:
+            windows, feats = cache.windows(s.batch_size, s.seq_len, gen)
+        loss, acc = step_loss(head, teacher, windows, s, cfg.noise, cfg.unroll, gen, feats)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), s.grad_clip)
@@ -307,6 +329,16 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
             _checkpoint(head, opt, done, record, cfg.out, s.keep_checkpoints)
     bar.close()
     return _finish(cfg, head, teacher, heldout, record, start, time.monotonic() - began, log)
+
+
+def _feature_cache(cfg: TrainHeadConfig, teacher: Teacher, stream: torch.Tensor, log):
+    from tqdm import tqdm
+
+    from specinfer.training.head_cache import FeatureCache
+
+    s = cfg.settings
+    with tqdm(total=len(stream), desc="LLM features", unit="tok", file=log, mininterval=5.0) as bar:
+        return FeatureCache.build(teacher, stream, s.seq_len, max(8, s.batch_size), bar)
 
 
 def _finish(cfg: TrainHeadConfig, head, teacher, heldout, record: dict, start: int, seconds: float, log) -> dict:

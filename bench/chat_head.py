@@ -1,0 +1,93 @@
+"""A chat model's draft head on held-out chat prompts, in process, batch 1 (issue 51's "at least 2 tokens per LLM
+step on chat answers"): each prompt of ``--split`` is one user message through the model's chat template, answered
+greedily by three rows of one run:
+
+- ``incremental``: speculation off (one LLM step per token);
+- ``default, no head``: the default adaptive speculation with what it has without a draft model (the suffix
+  tree of the request's own text);
+- ``default + head``: the same with the draft head (``--head``).
+
+Reported per row: tokens per LLM step (counts: the same on any machine), tokens/s (timing: only meaningful on
+an otherwise idle machine) and how many outputs equal incremental decoding's. Writes ``OUT/chat_head.json``.
+
+    python bench/chat_head.py --llm SmolLM2-135M-Instruct.Q4_1.gguf --head models/smollm2/head \\
+        --prompts models/smollm2/prompts.jsonl --new-tokens 96 --dtype float32 --out bench/results/chat-head
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specinfer.checkpoint import load_tokenizer, model_folder
+from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
+from specinfer.models.head_drafter import with_head
+from specinfer.models.loading import eos_token_id, load_backend
+from specinfer.request_manager.api.chat_template import ChatTemplate
+from specinfer.training.chat_corpus import conversation, read_prompts
+
+ROWS = {
+    "incremental": None,
+    "default, no head": SpeculationConfig(None, ssms=(), suffix=True, head=False),
+    "default + head": SpeculationConfig(None, ssms=(), suffix=True, head=True),
+}
+
+
+def run_row(llm, config: EngineConfig, prompts: list[tuple[int, ...]], spec, new_tokens: int) -> dict:
+    """Each prompt alone (batch 1) on a fresh engine: tokens, LLM steps, seconds, outputs."""
+    engine = SpeculativeEngine(llm, [], config)
+    tokens = steps = 0
+    seconds, outputs = 0.0, []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        (res,) = engine.generate([GenerationRequest(f"p{i}", prompt, new_tokens, speculation=spec)])
+        seconds += time.perf_counter() - start
+        tokens, steps = tokens + len(res.output_tokens), steps + res.llm_steps
+        outputs.append(list(res.output_tokens))
+    return {"tokens": tokens, "llm_steps": steps, "seconds": round(seconds, 2), "outputs": outputs}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llm", required=True, help="the chat model's folder or GGUF file")
+    ap.add_argument("--head", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True, help='JSON lines {"prompt": ..., "split": ...}')
+    ap.add_argument("--split", default="heldout")
+    ap.add_argument("--count", type=int, default=0, help="prompts to run (0: all of the split)")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/chat-head"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder = model_folder(args.llm, "llm")
+    template, tok = ChatTemplate.load(folder), load_tokenizer(folder)
+    questions = read_prompts(args.prompts, args.split)[: args.count or None]
+    prompts = [tuple(tok.encode(conversation(template, q)).ids) for q in questions]
+    llm = with_head(load_backend(folder, "llm", args.dtype, backend="native"), args.head, folder)
+    config = EngineConfig(eos_token_id=eos_token_id(folder))
+    rows = {name: run_row(llm, config, prompts, spec, args.new_tokens) for name, spec in ROWS.items()}
+    base = rows["incremental"]
+    print(f"{len(prompts)} {args.split} prompts x {args.new_tokens} new tokens, batch 1, greedy, {args.dtype}")
+    print("| row | tokens / LLM step | tokens/s | x incremental tokens/s | outputs equal to incremental |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in rows.items():
+        r["tokens_per_step"] = round(r["tokens"] / r["llm_steps"], 3)
+        r["tokens_per_second"] = round(r["tokens"] / r["seconds"], 2)
+        r["equal"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"], strict=True))
+        speedup = r["tokens_per_second"] / (base["tokens"] / base["seconds"])
+        equal = f"{r['equal']}/{len(prompts)}"
+        print(f"| {name} | {r['tokens_per_step']} | {r['tokens_per_second']} | {speedup:.2f} | {equal} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    (args.out / "chat_head.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
