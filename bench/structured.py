@@ -7,8 +7,9 @@ verified for nothing: ``GrammarSpeculation(prune=False, certain_tokens=0, mask_d
 the grammar forbids dropped before verification); pruned with the grammar's certain tokens appended inside the tree;
 the drafts masked inside the drafters, with certain tokens (the default, :mod:`specinfer.core.grammar_states`).
 Every constrained row's outputs must equal the others' (the grammar's help changes the steps, never the tokens). It
-prints a markdown table: tokens per LLM step, tokens/s, and the grammar's time per step (the tree walks: masks and
-certain tokens, on the CPU). Tokens per step are counts; tokens/s and milliseconds mean something only on an
+prints a markdown table: tokens per LLM step, tokens/s, the grammar's time per step (the tree walks: masks and
+certain tokens, on the CPU) and the drafters' (the masks of each pass's frontier rows, per LLM step). Tokens per step
+are counts; tokens/s and milliseconds mean something only on an
 otherwise idle machine.
 
     python bench/structured.py --pair models/demo --count 8 --new-tokens 96
@@ -81,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     warm = SpeculativeEngine(llm, [ssm], EngineConfig(eos_token_id=eos), copy.deepcopy(costs), grammars=grammars)
     warm.generate([GenerationRequest(f"warm-{i}", p, 8, constraint=constraint) for i, p in enumerate(prompts)])
-    print("| tree | requests | tokens per LLM step | tokens/s | grammar ms per step |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| tree | requests | tokens per LLM step | tokens/s | grammar ms per step | draft masks ms per step |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for tree in args.trees.split(","):
         outputs = None
         for way, help_ in WAYS.items():
@@ -102,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps = sum(r.llm_steps for r in results)
             grammar_steps, grammar_seconds = engine.grammar_time
             per_step = f"{1e3 * grammar_seconds / grammar_steps:.2f}" if grammar_steps else "-"
-            print(f"| {tree} | {way} | {tokens / steps:.2f} | {tokens / seconds:.1f} | {per_step} |", flush=True)
+            masked = grammar_steps and engine.draft_mask_seconds
+            masks = f"{1e3 * engine.draft_mask_seconds / grammar_steps:.2f}" if masked else "-"
+            row = f"| {tree} | {way} | {tokens / steps:.2f} | {tokens / seconds:.1f} | {per_step} | {masks} |"
+            print(row, flush=True)
             if help_ is not None:
                 got = [r.output_tokens for r in results]
                 if outputs is not None and got != outputs:

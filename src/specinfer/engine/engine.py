@@ -130,6 +130,13 @@ class SpeculativeEngine:
         return self._core.grammars.steps, self._core.grammars.seconds
 
     @property
+    def draft_mask_seconds(self) -> float:
+        """What masking the drafts of constrained requests took in the drafters (SSMs and head), all passes
+        together (:class:`~specinfer.core.grammar_states.DraftGrammars`; 0 when drafts are not masked)."""
+        grammars = self._executor.draft_grammars
+        return grammars.seconds if grammars is not None else 0.0
+
+    @property
     def head_gate(self) -> HeadGate | None:
         """When steps ask the draft head for next trees (:mod:`specinfer.core.head_gate`); None before the
         first adaptive step that may draft with a head."""
