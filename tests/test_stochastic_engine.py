@@ -116,8 +116,9 @@ def marginal(probs: dict[tuple[int, ...], float], keep: int) -> dict[tuple[int, 
     return out
 
 
-def always_accept_verify(llm, jobs):
-    """Deliberately wrong verification: accepts the first drafted child at every node."""
+def always_accept_verify(llm, jobs, grammars=None):
+    """Deliberately wrong verification: accepts the first drafted child at every node (``grammars``: the drafters'
+    grammar states, which the real verify_trees masks a head's drafts with; these requests have no constraint)."""
     logits = llm.forward_tree(
         [TreeForward(j.request_id, j.context_tokens, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
     )
