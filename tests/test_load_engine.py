@@ -1,14 +1,11 @@
 """An engine from checkpoint folders (specinfer.engine.loading): the Python API's engine reads and writes the
 calibration cache entry that ``specinfer generate`` uses, so an adaptive request neither calibrates for tens of
-seconds nor probes again once either of them ran."""
+seconds nor probes again once either of them ran. (The README's example of it runs in
+tests/deploy/test_readme_clients.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -86,18 +83,3 @@ def test_without_a_tokenizer_constraints_are_refused_by_name(tmp_path, pair):
     with pytest.raises(InvalidArgument, match="llm"):
         load_engine(models)
     assert load_engine(models, constraints=False).llm.vocab_size > 0
-
-
-def test_the_readme_python_example_runs(monkeypatch):
-    """The README's "engine from Python" block, as a user pastes it in the repository root."""
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    block = readme[readme.index("The engine from Python") :]
-    code = block[block.index("```python\n") + len("```python\n") : block.index("\n```\n")]
-    monkeypatch.chdir(root)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    lines = printed.getvalue().splitlines()
-    assert len(lines) == 2 and all(line.startswith("[") for line in lines)
-    assert os.environ["SPECINFER_CALIBRATION_CACHE"]  # conftest's folder of this run, not the user's cache

@@ -52,11 +52,14 @@ def test_python_client_generation(tmp_path):
 
 
 def test_engine_snippet_runs_from_the_repository_root():
-    out = run_python(readme_python("SpeculativeEngine("))
-    tokens, per_step = re.fullmatch(r"\[([\d, ]+)\] (\d+\.\d+)\n", out.stdout).groups()
-    assert len(tokens.split(",")) == 64 and float(per_step) >= 1.0, (
-        out.stdout
-    )  # the snippet's max_new_tokens, EOS aside
+    """The "engine from Python" block (``load_engine``): its two requests, adaptive and the paper's static tree,
+    each print 64 tokens (the snippet's max_new_tokens, EOS aside) and their tokens per LLM step."""
+    out = run_python(readme_python("load_engine("))
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        tokens, per_step = re.fullmatch(r"\[([\d, ]+)\] (\d+\.\d+)", line).groups()
+        assert len(tokens.split(",")) == 64 and float(per_step) >= 1.0, out.stdout
 
 
 @pytest.fixture(scope="module")
