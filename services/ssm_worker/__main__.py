@@ -91,6 +91,8 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
 def draft_grammars(llm_dir: str, paths: dict[str, str], ssms: dict[str, CausalLM]) -> Grammars | None:
     """The grammars that mask constrained requests' drafts: those of the LLM's tokenizer (``llm_dir``), else of the
     first SSM's, whose IDs every SSM here speaks (None without a tokenizer or an EOS token: drafts unmasked)."""
+    if not ssms:  # nothing to draft with: the servicer refuses that, naming the setting
+        return None
     source = llm_dir or next(iter(paths.values()))
     vocab = next(iter(ssms.values())).vocab_size
     return grammars_for(load_tokenizer(source), vocab, eos_token_id(source))
