@@ -38,7 +38,7 @@ def _random_head(feature_dim: int = F, vocab: int = V, seed: int = 0) -> DraftHe
 def drafter():
     torch.manual_seed(1)
     unembed, embed = torch.randn(V, F), torch.randn(V, F)
-    drafter = HeadDrafter(_random_head(), lambda proj: lambda x: x @ (unembed @ proj).T, lambda t: embed[t])
+    drafter = HeadDrafter(_random_head(), lambda proj, rows: lambda x: x @ (unembed @ proj).T, lambda t: embed[t])
     drafter.unembed = unembed  # the LM head, for the tests' own teacher-forced logits
     return drafter
 
@@ -74,7 +74,7 @@ def test_state_follows_the_committed_tokens(drafter):
     same pairs absorbed at once do."""
     committed = [3, 9, 4, 22, 7, 8, 1, 2]
     feats = torch.randn(len(committed), F)
-    fresh = HeadDrafter(drafter.head, lambda proj: drafter.logits, drafter.embed_rows)
+    fresh = HeadDrafter(drafter.head, lambda proj, rows: drafter.logits, drafter.embed_rows)
     fresh.absorb("r", committed, 0, feats)
     drafter.absorb("r", committed[:4], 0, feats[:4])
     drafter.absorb("r", [*committed[:4], 30, 31], 4, torch.randn(2, F))  # a path that is then dropped

@@ -13,7 +13,7 @@ from specinfer.checkpoint import model_folder
 from specinfer.core import InvalidArgument
 from specinfer.generate_cmd import add_generation_flags, build_config, run_generate
 from specinfer.remote_cmd import generate_remote, stream
-from specinfer.training.run import add_training_parsers, training_main
+from specinfer.training.run import TRAINING_COMMANDS, add_training_parsers, training_main
 from specinfer.tuning import resolve_expansion, static_expansion
 from specinfer.tuning.run import add_tune_parser, tune_main
 
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_up(args)
         if args.command == "tune":
             return tune_main(args)
-        if args.command in ("train-ssm", "boost-tune", "train-demo", "train-head", "map-head", "chat-corpus"):
+        if args.command in TRAINING_COMMANDS:
             return training_main(args)
         if args.command == "generate" and args.server:
             return generate_remote(args)

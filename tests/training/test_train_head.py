@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specinfer.cli import main
-from specinfer.models.draft_head import DraftHead, HeadConfig, load_head
+from specinfer.models.draft_head import DraftHead, HeadConfig, load_draft_vocab, load_head
 from specinfer.models.interface import TreeForward
 from specinfer.models.native.backend import NativeBackend, NativeOptions
 from specinfer.models.tiny import tiny_llama
@@ -60,9 +60,11 @@ def test_train_head_in_bfloat16_from_a_corpus_of_links(tmp_path):
     corpus.mkdir()
     (corpus / "json").symlink_to(CORPUS, target_is_directory=True)
     (corpus / "loop").symlink_to(corpus, target_is_directory=True)
-    assert _train(tmp_path / "head", 2, "--dtype", "bfloat16", corpus=corpus) == 0
+    assert _train(tmp_path / "head", 2, "--dtype", "bfloat16", "--draft-vocab", "300", corpus=corpus) == 0
     record = json.loads((tmp_path / "head/training.json").read_text())
     assert record["trained_steps"] == 2 and all(math.isfinite(x) for x in record["losses"])
+    vocab = load_draft_vocab(tmp_path / "head", load_head(tmp_path / "head").config.vocab_size)
+    assert vocab is not None and len(vocab) == 300  # --draft-vocab: the corpus's 300 commonest tokens beside the head
 
 
 @pytest.mark.skipif(not (DEMO_LLM / "config.json").is_file(), reason="no demo LLM")

@@ -75,20 +75,22 @@ class _State:
 
 class HeadDrafter:
     """See the module docstring. ``lm_logits_after``: the LLM's LM head after a linear map into features (given
-    the map, a function of the mapped rows: :meth:`~specinfer.models.native.backend.NativeBackend.lm_logits_after`);
-    ``embed_rows``: the LLM's embedding rows; ``max_requests``: the requests whose state it keeps (the least
-    recently used goes first)."""
+    the map and the rows to compute, a function of the mapped rows:
+    :meth:`~specinfer.models.native.backend.NativeBackend.lm_logits_after`); ``embed_rows``: the LLM's embedding
+    rows; ``draft_vocab``  # [K] int64: the tokens it drafts from (:mod:`specinfer.models.draft_head`; None: all);
+    ``max_requests``: the requests whose state it keeps (the least recently used goes first)."""
 
     def __init__(
         self,
         head: DraftHead,
-        lm_logits_after: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+        lm_logits_after: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]],
         embed_rows: Callable[[torch.Tensor], torch.Tensor],
+        draft_vocab: torch.Tensor | None = None,
         max_requests: int = 4096,
     ) -> None:
         self.head = head
         # the head's last product and the LM head as one: logits of the final state  # [N, hidden] -> [N, vocab]
-        self.logits = lm_logits_after(head.out.weight)
+        self.logits = lm_logits_after(head.out.weight, draft_vocab)
         self.embed_rows = embed_rows
         self.max_requests = max_requests
         self._states: OrderedDict[str, _State] = OrderedDict()
@@ -286,7 +288,7 @@ def with_head(llm: CausalLM, path: str | Path, llm_path: str | Path | None = Non
     import json
 
     from specinfer.core.errors import InvalidArgument
-    from specinfer.models.draft_head import is_head_dir, llm_signature, load_head
+    from specinfer.models.draft_head import is_head_dir, llm_signature, load_draft_vocab, load_head
     from specinfer.models.native.backend import NativeBackend
 
     if not isinstance(llm, NativeBackend):
@@ -308,5 +310,9 @@ def with_head(llm: CausalLM, path: str | Path, llm_path: str | Path | None = Non
             raise InvalidArgument(
                 "head", f"{path} was trained for the LLM {c.llm}, not {signature} (specinfer train-head trains one)"
             )
-    drafter = HeadDrafter(head, llm.lm_logits_after, llm.embed_rows)
+    try:
+        draft_vocab = load_draft_vocab(path, c.vocab_size)
+    except ValueError as exc:
+        raise InvalidArgument("head", str(exc)) from None
+    drafter = HeadDrafter(head, llm.lm_logits_after, llm.embed_rows, draft_vocab)
     return WithHead(llm, drafter)

@@ -169,11 +169,14 @@ class ModelRunner:
         async with self._lock:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self.model, *args)
 
-    async def release(self, request_ids: Iterable[str]) -> None:
-        """Free the caches of ``request_ids`` (cheap: runs on the loop, under the lock)."""
+    async def release(self, request_ids: Iterable[str], forget: Callable[[str], None] | None = None) -> None:
+        """Free the caches of ``request_ids`` (cheap: runs on the loop, under the lock), and ``forget`` each: state
+        kept beside the model that its calls use (a drafter's grammar states), so never while a call runs."""
         request_ids = list(request_ids)
         if not request_ids:
             return
         async with self._lock:
             for rid in request_ids:
                 self.model.release(rid)
+                if forget is not None:
+                    forget(rid)

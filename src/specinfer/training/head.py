@@ -78,6 +78,7 @@ class TrainHeadConfig:
     max_corpus_bytes: int = 0
     val_fraction: float = 0.02
     cache_features: bool = False  # the LLM's features of the stream computed once (training.head_cache)
+    draft_vocab: int = 0  # tokens of the draft vocabulary written beside the head (training.head_vocab; 0: none)
 
     def validate(self) -> None:
         from specinfer.models.loading import check_checkpoint
@@ -86,6 +87,8 @@ class TrainHeadConfig:
         check_checkpoint(self.llm, "llm")
         if self.unroll not in (1, 2):
             raise InvalidArgument("unroll", "1 or 2")
+        if self.draft_vocab < 0:
+            raise InvalidArgument("draft-vocab", "must be >= 0 (0: the whole vocabulary)")
         if self.noise < 0 or self.log_every <= 0 or self.heldout_windows <= 0:
             name = "noise" if self.noise < 0 else "log-every" if self.log_every <= 0 else "heldout-windows"
             raise InvalidArgument(name, "must be >= 0" if name == "noise" else "must be > 0")
@@ -277,6 +280,7 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
 
     from specinfer.training.corpus import random_windows, step_generator
     from specinfer.training.distill import resolve_device
+    from specinfer.training.head_vocab import write_draft_vocab
     from specinfer.training.sources import corpus_tokens
 
     log = log or sys.stderr  # resolved per call: a default of sys.stderr would pin the stream at import
@@ -292,6 +296,8 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
     heldout = random_windows(val_stream, cfg.heldout_windows, s.seq_len, torch.Generator().manual_seed(12345))
     cache = _feature_cache(cfg, teacher, train_stream, log) if cfg.cache_features else None
     head = new_head(cfg, teacher).train()
+    if cfg.draft_vocab > head.config.vocab_size:  # refused before training, not after
+        raise InvalidArgument("draft-vocab", f"must be at most the LLM's vocabulary, {head.config.vocab_size}")
     opt = _optimizer(head, s)
     start, record = _resume(cfg, head, opt, log)
     params = sum(p.numel() for p in head.parameters())
@@ -328,7 +334,10 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
             record["seconds"] = round(time.monotonic() - began, 1)
             _checkpoint(head, opt, done, record, cfg.out, s.keep_checkpoints)
     bar.close()
-    return _finish(cfg, head, teacher, heldout, record, start, time.monotonic() - began, log)
+    report = _finish(cfg, head, teacher, heldout, record, start, time.monotonic() - began, log)
+    if cfg.draft_vocab:
+        write_draft_vocab(cfg.out, torch.cat([train_stream, val_stream]), head.config.vocab_size, cfg.draft_vocab, log)
+    return report
 
 
 def _feature_cache(cfg: TrainHeadConfig, teacher: Teacher, stream: torch.Tensor, log):

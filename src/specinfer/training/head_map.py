@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specinfer.core import InvalidArgument
-from specinfer.models.draft_head import DraftHead, llm_signature, load_head, save_head
+from specinfer.models.draft_head import DRAFT_VOCAB_FILE, DraftHead, llm_signature, load_head, save_head
 
 
 def map_head(head: DraftHead, width: int, llm: str = "") -> DraftHead:
@@ -76,5 +77,7 @@ def run_map_head(head_dir: Path, llm_dir: Path, out: Path) -> DraftHead:
     with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
         dtype = str(f.get_tensor(next(iter(f.keys()))).dtype).removeprefix("torch.")
     save_head(mapped, out, {"mapped_from": str(head_dir), "mapped_to": str(llm_dir)}, dtype=dtype)
+    if (head_dir / DRAFT_VOCAB_FILE).is_file():  # the same vocabulary: the same draft vocabulary
+        shutil.copyfile(head_dir / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
     print(f"map-head: {out} (feature width {head.config.feature_dim} -> {mapped.config.feature_dim})")
     return mapped

@@ -1,4 +1,4 @@
-"""Commands: ``specinfer train-ssm``, ``boost-tune``, ``train-demo``, ``train-head``, ``map-head`` and
+"""Commands: ``specinfer train-ssm``, ``boost-tune``, ``train-demo``, ``train-head``, ``map-head``, ``head-vocab`` and
 ``chat-corpus``.
 
 Each builds one frozen config from its flags and runs its job (:mod:`specinfer.training.jobs`,
@@ -15,6 +15,8 @@ from specinfer.training.demo import add_demo_parser, demo_config, run_demo
 from specinfer.training.distill import TrainSettings
 from specinfer.training.jobs import BoostConfig, TrainSsmConfig, run_boost, run_train_ssm
 from specinfer.training.sources import StudentSource
+
+TRAINING_COMMANDS = ("train-ssm", "boost-tune", "train-demo", "train-head", "map-head", "head-vocab", "chat-corpus")
 
 
 def add_settings_flags(
@@ -156,6 +158,19 @@ def _add_head_parsers(sub) -> None:
         default=None,
         help="continue from out/checkpoints (default: when there is one)",
     )
+    h.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="also write a draft vocabulary: the head drafts from the corpus's this many most frequent tokens "
+        "(0: from the whole vocabulary)",
+    )
+    v = sub.add_parser("head-vocab", help="give a trained draft head a draft vocabulary: its corpus's commonest tokens")
+    v.add_argument("--head", required=True, type=Path, help="the head's checkpoint folder (written into)")
+    v.add_argument("--llm", required=True, type=Path, help="the head's LLM (its tokenizer encodes the corpus)")
+    v.add_argument("--corpus", nargs="+", required=True, type=Path, help="text files or folders")
+    v.add_argument("--size", type=int, default=8192, help="tokens in the draft vocabulary")
+    v.add_argument("--max-corpus-bytes", type=int, default=0, help="read at most this much of the corpus (0: all)")
     m = sub.add_parser("map-head", help="map a draft head onto an inflated copy of its LLM (inflate_llm.py)")
     m.add_argument("--head", required=True, type=Path, help="the head's checkpoint folder")
     m.add_argument("--llm", required=True, type=Path, help="the inflated LLM's checkpoint folder")
@@ -181,9 +196,13 @@ def _add_head_parsers(sub) -> None:
 def _head_main(args: argparse.Namespace) -> int:
     from specinfer.training.head import HeadShape, TrainHeadConfig, run_train_head
     from specinfer.training.head_map import run_map_head
+    from specinfer.training.head_vocab import run_head_vocab
 
     if args.command == "map-head":
         run_map_head(args.head, args.llm, args.out)
+        return 0
+    if args.command == "head-vocab":
+        run_head_vocab(args.head, model_folder(args.llm, "llm"), tuple(args.corpus), args.size, args.max_corpus_bytes)
         return 0
     shape = HeadShape(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate)
     cfg = TrainHeadConfig(
@@ -201,6 +220,7 @@ def _head_main(args: argparse.Namespace) -> int:
         args.heldout_windows,
         args.max_corpus_bytes,
         cache_features=args.cache_features,
+        draft_vocab=args.draft_vocab,
     )
     run_train_head(cfg)
     return 0
@@ -210,7 +230,7 @@ def training_main(args: argparse.Namespace) -> int:
     if args.command == "train-demo":
         run_demo(demo_config(args))
         return 0
-    if args.command in ("train-head", "map-head"):
+    if args.command in ("train-head", "map-head", "head-vocab"):
         return _head_main(args)
     if args.command == "chat-corpus":
         from specinfer.training.chat_corpus import ChatCorpusConfig, run_chat_corpus

@@ -123,15 +123,25 @@ class NativeModel:
         """The LM head on features (final-normed hidden states)  # [N, lm_head_dim]; Gemma 2's soft cap."""
         return soft_cap(self._lm_head(features).float(), self.spec.final_softcap)
 
-    def logits_after(self, proj: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def logits_after(
+        self, proj: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """The LM head after a linear map into features ``proj``  # [lm_head_dim, k]: a function of ``x``
         # [N, k] giving :meth:`logits` of ``x @ proj.T``  # [N, vocab] float32. Where ``k`` is narrower than
         the features (a draft head's width), the two products are folded into one ``[vocab, k]`` matrix,
-        multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes."""
+        multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes. ``rows``
+        # [K] int64: only those tokens' logits are computed (a draft vocabulary); the others are -inf."""
+        lm_head = self.w.lm_head if rows is None else self.w.lm_head.index_select(0, rows.to(self.w.lm_head.device))
         if proj.shape[1] >= proj.shape[0]:
-            return lambda x: self.logits(F.linear(x, proj))
-        folded = (self.w.lm_head.float() @ proj.float()).to(self.w.lm_head.dtype)  # [vocab, k]
-        return lambda x: soft_cap(self.linear(x, folded).float(), self.spec.final_softcap)
+            part = lambda x: soft_cap(self.linear(F.linear(x, proj), lm_head).float(), self.spec.final_softcap)  # noqa: E731
+        else:
+            folded = (lm_head.float() @ proj.float()).to(lm_head.dtype)  # [vocab or K, k]
+            part = lambda x: soft_cap(self.linear(x, folded).float(), self.spec.final_softcap)  # noqa: E731
+        if rows is None:
+            return part
+        index, vocab = rows.to(lm_head.device), self.w.lm_head.shape[0]
+        # [N, vocab]: the K computed logits in place, -inf elsewhere
+        return lambda x: torch.full((x.shape[0], vocab), float("-inf"), device=x.device).index_copy_(1, index, part(x))
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, word_embed_dim]
         """The token embedding table's rows of ``tokens``  # [N] int64 (no scale, no positions)."""
