@@ -170,3 +170,45 @@ def test_no_head_draft_node_is_forbidden(setup, model_pair, sampling):
             else:
                 unmasked_forbidden += len(bad)
     assert unmasked_forbidden > 0, "the head's unmasked drafts hold forbidden nodes"
+
+
+def test_a_workers_ssms_keep_their_own_grammar_states_and_forget_them_on_release(setup, model_pair):
+    """Two SSMs of one worker draft the same constrained request at once (each in its model thread): each walks its
+    own grammar state, so both drafts are what a drafter alone draws, with no forbidden node; Release forgets the
+    states under each model's lock."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from specinfer import wire, wire_jobs
+    from specinfer.serving.metrics import ModelMetrics
+    from specinfer.ssm_worker.servicer import SsmWorkerServicer
+    from specinfer.v1 import internal_pb2
+
+    _llm, _ssm, grammars, prompts = setup
+    ssms = {n: load_backend(model_pair.ssm, "ssm", "float32", backend="native", kv_cache_bytes=1 << 26) for n in "ab"}
+    worker = SsmWorkerServicer(ssms, ModelMetrics(CollectorRegistry(), "ssm_worker"), grammars=grammars)
+    constraint, output = CONSTRAINTS["schema"], grammars.tokenizer.tokenize_str('{"name":"')
+    spec = job("both", prompts[0], output, constraint, SAMPLINGS["greedy"])
+
+    async def speculate(name: str) -> DraftTree:
+        context = wire_jobs.context_to_proto(spec.request_id, spec.context_tokens, 0)
+        item = wire_jobs.draft_job_to_proto(spec, context)
+        response = await worker.Speculate(internal_pb2.SpeculateRequest(ssm=name, items=[item]), None)
+        (result,) = response.results
+        return wire.draft_from_proto(result.tree)
+
+    async def run():
+        drafts = await asyncio.gather(*(speculate(n) for n in "ab"))
+        held = [len(worker._grammars[n]) for n in "ab"]
+        await worker.Release(internal_pb2.ReleaseRequest(request_ids=[spec.request_id]), None)
+        return drafts, held
+
+    drafts, held = asyncio.run(run())
+    (alone,) = draft_trees(_ssm, [spec], None, DraftGrammars(grammars))
+    _ssm.release(spec.request_id)
+    for draft in drafts:
+        assert draft.tree == alone.tree
+        assert forbidden_nodes(grammars, constraint, output, draft) == []
+    assert held == [1, 1], "each SSM walked its own state of the request"
+    assert [len(worker._grammars[n]) for n in "ab"] == [0, 0]

@@ -100,9 +100,8 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
-            if self._grammars is not None:
-                self._grammars.forget(rid)
-        await self.runner.release(request.request_ids)
+        # the head's grammar states under the runner's lock: its thread uses them
+        await self.runner.release(request.request_ids, None if self._grammars is None else self._grammars.forget)
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         return internal_pb2.ReleaseResponse()
 

@@ -65,7 +65,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             metrics.observe_graphs(name, m.graph_stats)  # the start-up warm-up's, before any call
         self._budgets = {name: m.kv_budget for name, m in ssms.items()}
         self._contexts = ContextStore()
-        self._grammars = DraftGrammars(grammars) if grammars is not None else None  # per request, as contexts are
+        # per SSM (each runs in its own thread) and per request, as contexts are; None: drafts unmasked
+        self._grammars = {name: DraftGrammars(grammars) for name in ssms} if grammars is not None else None
 
     @property
     def models(self) -> list[str]:
@@ -92,7 +93,10 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         passes: list[tuple[int, float]] = []  # appended in the model thread, read after it finished
         drafted = (
             await runner.call(
-                draft_trees, call.jobs, lambda tokens, secs: passes.append((tokens, secs)), self._grammars
+                draft_trees,
+                call.jobs,
+                lambda tokens, secs: passes.append((tokens, secs)),
+                None if self._grammars is None else self._grammars[request.ssm],
             )
             if call.jobs
             else []
@@ -117,10 +121,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     ) -> internal_pb2.ReleaseResponse:
         for rid in request.request_ids:
             self._contexts.forget(rid)
-            if self._grammars is not None:
-                self._grammars.forget(rid)
-        for runner in self._runners.values():
-            await runner.release(request.request_ids)
+        for name, runner in self._runners.items():  # grammar states under the runner's lock: its thread uses them
+            await runner.release(request.request_ids, None if self._grammars is None else self._grammars[name].forget)
         return internal_pb2.ReleaseResponse()
 
     @rpc_errors
