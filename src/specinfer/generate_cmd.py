@@ -268,7 +268,7 @@ def run_generate(cfg: GenerateConfig, out=None) -> None:
     tokenizer = load_tokenizer(cfg.models.llm)
     if tokenizer is None:
         raise InvalidArgument("llm", "has no tokenizer.json, so text prompts cannot be encoded")
-    engine = engine_of(cfg.models, loaded, constraints=cfg.constraint is not None)
+    engine = engine_of(cfg.models, loaded, constraints=cfg.constraint is not None, tokenizer=tokenizer)
     requests = _requests(cfg, tokenizer, len(loaded.ssms))
     start = time.perf_counter()
     results = engine.generate(requests)

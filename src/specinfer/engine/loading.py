@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
 from specinfer.core.constraints import grammars_for
@@ -35,6 +35,9 @@ from specinfer.engine.calibration_cache import (
 )
 from specinfer.engine.engine import EngineConfig, SpeculativeEngine
 from specinfer.models.interface import CausalLM
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,12 @@ def load_models(models: EngineModels, out: TextIO | None = None) -> LoadedModels
     return LoadedModels(llm, tuple(ssms), tuple(vocabularies))
 
 
-def engine_of(models: EngineModels, loaded: LoadedModels, constraints: bool = True) -> SpeculativeEngine:
+def engine_of(
+    models: EngineModels, loaded: LoadedModels, constraints: bool = True, tokenizer: Tokenizer | None = None
+) -> SpeculativeEngine:
     """An engine over ``loaded`` (the backends of ``models``), with the cost entry of ``models``' calibration cache;
-    ``constraints``: compile the tokenizer's grammars for constrained requests (False: such requests are refused)."""
+    ``constraints``: compile the tokenizer's grammars for constrained requests (False: such requests are refused);
+    ``tokenizer``: the LLM's, where the caller has it loaded (None: read from its folder when constraints need it)."""
     from specinfer.models.loading import eos_token_id, load_tokenizer
     from specinfer.tuning import slot_prior
 
@@ -149,7 +155,7 @@ def engine_of(models: EngineModels, loaded: LoadedModels, constraints: bool = Tr
     config = EngineConfig(eos_token_id=eos, planner=planner, slot_priors=priors)
     grammars = None
     if constraints:
-        tokenizer = load_tokenizer(models.llm)
+        tokenizer = tokenizer or load_tokenizer(models.llm)
         if tokenizer is None:
             raise InvalidArgument("llm", "has no tokenizer.json, so constraints cannot be compiled")
         grammars = grammars_for(tokenizer, loaded.llm.vocab_size, eos)
