@@ -1,11 +1,13 @@
 """A chat model's draft head on held-out chat prompts, in process, batch 1 (issue 51's "at least 2 tokens per LLM
 step on chat answers"): each prompt of ``--split`` is one user message through the model's chat template, answered
-greedily by three rows of one run:
+greedily by these rows, of one run:
 
 - ``incremental``: speculation off (one LLM step per token);
 - ``default, no head``: the default adaptive speculation with what it has without a draft model (the suffix
   tree of the request's own text);
-- ``default + head``: the same with the draft head (``--head``).
+- ``default + head``: the same with a draft head (``--head``; repeated: two rows per head, named by its folder);
+- ``head, gates off``: the same, both measured gates (the head's and the speculation's) asking the head every step:
+  what the head drafts and what its steps cost, where the gates would otherwise keep a head that does not pay off.
 
 Reported per row: tokens per LLM step (counts: the same on any machine), tokens/s (timing: only meaningful on
 an otherwise idle machine) and how many outputs equal incremental decoding's. Writes ``OUT/chat_head.json``.
@@ -20,22 +22,27 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specinfer.checkpoint import load_tokenizer, model_folder
+from specinfer.core.head_gate import HeadGateConfig
+from specinfer.core.planner import PlannerConfig
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
 from specinfer.models.head_drafter import with_head
 from specinfer.models.loading import eos_token_id, load_backend
 from specinfer.request_manager.api.chat_template import ChatTemplate
 from specinfer.training.chat_corpus import conversation, read_prompts
 
-ROWS = {
-    "incremental": None,
-    "default, no head": SpeculationConfig(None, ssms=(), suffix=True, head=False),
-    "default + head": SpeculationConfig(None, ssms=(), suffix=True, head=True),
+HEAD = SpeculationConfig(None, ssms=(), suffix=True, head=True)
+ALWAYS = PlannerConfig(head_gate=HeadGateConfig(measure=False), speculation_gate=HeadGateConfig(measure=False))
+PLAIN_ROWS = {  # name: (speculation, planner: None for the default's)
+    "incremental": (None, None),
+    "default, no head": (SpeculationConfig(None, ssms=(), suffix=True, head=False), None),
 }
+HEAD_ROWS = {"default + head": (HEAD, None), "head, gates off": (HEAD, ALWAYS)}  # per --head
 
 
 def run_row(llm, config: EngineConfig, prompts: list[tuple[int, ...]], spec, new_tokens: int) -> dict:
@@ -57,7 +64,7 @@ def run_row(llm, config: EngineConfig, prompts: list[tuple[int, ...]], spec, new
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llm", required=True, help="the chat model's folder or GGUF file")
-    ap.add_argument("--head", type=Path, required=True)
+    ap.add_argument("--head", type=Path, action="append", required=True, help="a head folder; repeat to compare")
     ap.add_argument("--prompts", type=Path, required=True, help='JSON lines {"prompt": ..., "split": ...}')
     ap.add_argument("--split", default="heldout")
     ap.add_argument("--count", type=int, default=0, help="prompts to run (0: all of the split)")
@@ -71,9 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     template, tok = ChatTemplate.load(folder), load_tokenizer(folder)
     questions = read_prompts(args.prompts, args.split)[: args.count or None]
     prompts = [tuple(tok.encode(conversation(template, q)).ids) for q in questions]
-    llm = with_head(load_backend(folder, "llm", args.dtype, backend="native"), args.head, folder)
+    backend = load_backend(folder, "llm", args.dtype, backend="native")
     config = EngineConfig(eos_token_id=eos_token_id(folder))
-    rows = {name: run_row(llm, config, prompts, spec, args.new_tokens) for name, spec in ROWS.items()}
+    runs = [(name, backend, spec, planner) for name, (spec, planner) in PLAIN_ROWS.items()]
+    for head in args.head:  # each head drafts for the same backend, row after row
+        named = f" ({head.name})" if len(args.head) > 1 else ""
+        runs += [(name + named, with_head(backend, head, folder), *row) for name, row in HEAD_ROWS.items()]
+    rows = {
+        name: run_row(llm, replace(config, planner=planner or config.planner), prompts, spec, args.new_tokens)
+        for name, llm, spec, planner in runs
+    }
     base = rows["incremental"]
     print(f"{len(prompts)} {args.split} prompts x {args.new_tokens} new tokens, batch 1, greedy, {args.dtype}")
     print("| row | tokens / LLM step | tokens/s | x incremental tokens/s | outputs equal to incremental |")
