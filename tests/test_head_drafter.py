@@ -174,3 +174,38 @@ def test_a_head_that_costs_more_than_it_returns_is_switched_off(model_pair, monk
     assert len(passes) == asked, "the head was asked again though it did not pay"
     expected = hf_greedy(model_pair.llm, [prompt], 80, ignore_eos=True)[0]
     assert list(first[0].output_tokens) == expected and list(second[0].output_tokens) == expected[:30]
+
+
+def test_a_head_kept_up_between_its_trees_drafts_as_one_asked_every_step(model_pair, tmp_path):
+    """Steps that do not ask the head for a tree still give it their features (a HeadDraft without a budget): after
+    four such steps its next tree is the one a head asked every step drafts, with a pair for every committed
+    token; steps without any HeadDraft leave those pairs out (the hole keeping up closes)."""
+    from specinfer.core import DraftTree, TokenTree
+    from specinfer.core.dynamic_trees import TreeBudget
+    from specinfer.core.iteration import HeadDraft, VerifySpec
+    from specinfer.models.verification import verify_trees
+
+    llm = load_backend(model_pair.llm, "llm", "float32", backend="native", kv_cache_bytes=1 << 26)
+    head_dir = model_pair.llm.parent / "head"
+    if not (head_dir / "config.json").is_file():
+        head_dir = tmp_path / "head"
+        save_head(_random_head(llm.feature_dim, llm.vocab_size), head_dir)
+    headed = with_head(llm, head_dir, model_pair.llm)
+    ask, keep_up = HeadDraft(TreeBudget(8, 4, 4, 0.0), 8), HeadDraft(None, 8)
+
+    def run(name: str, asks: list) -> tuple:
+        committed = list(model_pair.prompts[0][:30])
+        for step, head in enumerate(asks):
+            root = DraftTree(TokenTree((committed[-1],), (-1,)), ())
+            spec = VerifySpec(name, committed[:-1], root, SamplingParams(), 0, step, head)
+            (result,) = verify_trees(headed, [spec])
+            assert (result.next_tree is not None) == (head is not None and head.budget is not None)
+            committed += [*result.accepted_tokens, result.bonus_token]
+        tree = result.next_tree.tree
+        return (tree.tokens, tree.parents), list(headed.head._states[name].positions), len(committed)
+
+    every, pairs, length = run("every", [ask] * 6)
+    assert pairs == list(range(length - 2))  # pair j: the feature at j and token j + 1, up to the bonus's parent
+    assert run("kept-up", [ask, *[keep_up] * 4, ask]) == (every, pairs, length)
+    _, holed, _ = run("not-kept", [ask, *[None] * 4, ask])
+    assert len(holed) == len(pairs) - 4

@@ -81,7 +81,9 @@ def verify_job_to_proto(job: VerifySpec, context: internal_pb2.Context) -> inter
         output_start=job.output_start,
     )
     if job.head is not None:
-        _budget_to_proto(job.head.budget, item.head)
+        item.head.SetInParent()  # present with no budget: the head keeps up, drafting nothing
+        if job.head.budget is not None:
+            _budget_to_proto(job.head.budget, item.head)
         item.head.draft_support = job.head.draft_support
         if job.head.constraint is not None:
             item.head.constraint.CopyFrom(constraint_to_proto(job.head.constraint))
@@ -131,13 +133,11 @@ def budget_from_proto(item: internal_pb2.SpeculateItem | internal_pb2.HeadDraft,
 
 
 def head_draft_from_proto(item: internal_pb2.VerifyItem, field: str) -> HeadDraft | None:
-    """The item's ask of the verifier's draft head, or None."""
+    """The item's ask of the verifier's draft head (no budget: keep up, draft nothing), or None."""
     if not item.HasField("head"):
         return None
     budget = budget_from_proto(item.head, f"{field}.head")
-    if budget is None:
-        return None
-    if item.head.draft_support <= 0:
+    if budget is not None and item.head.draft_support <= 0:
         raise InvalidArgument(f"{field}.head.draft_support", "must be > 0")
     return HeadDraft(budget, int(item.head.draft_support), constraint_from_proto(item.head, f"{field}.head"))
 

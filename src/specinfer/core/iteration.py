@@ -87,9 +87,11 @@ class HeadDraft:
     step is verified, the next step's tree from the bonus token, grown best first within ``budget``, with at
     most ``draft_support`` tokens per distribution under sampling, drawn on ``step_rng(seed, step + 1,
     HEAD_STREAM)`` (the next step's stream: the tree belongs to it), masked by ``constraint`` (the request's; None:
-    unconstrained) as an SSM's drafts are."""
+    unconstrained) as an SSM's drafts are. ``budget`` None: no tree, the head only *keeps up*: it takes the step's
+    features, so that the pairs of the tokens committed while it was not asked are there when it next drafts (a
+    head attending to a context with its last tokens missing drafts far worse)."""
 
-    budget: TreeBudget
+    budget: TreeBudget | None
     draft_support: int
     constraint: Constraint | None = None
 
@@ -98,7 +100,7 @@ class HeadDraft:
 class VerifySpec:
     """One verify job: check ``draft`` (rooted at the last committed token) after ``context_tokens``
     (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``;
-    ``head``: also draft the next step's tree with the verifier's draft head (None: not); ``masks``: the tokens
+    ``head``: also draft the next step's tree with the verifier's draft head, or keep it up (None: neither); ``masks``: the tokens
     the request's grammar allows after each node (:mod:`specinfer.core.constraints`; None: any)."""
 
     request_id: str
@@ -117,8 +119,8 @@ class VerifySpec:
 
     def head_spec(self, committed: Sequence[int], bonus_token: int) -> DraftSpec | None:
         """The head's draft job once this step committed ``committed`` (context, root and accepted tokens)
-        and ``bonus_token`` (None: no head draft asked)."""
-        if self.head is None:
+        and ``bonus_token`` (None: no head tree asked)."""
+        if self.head is None or self.head.budget is None:
             return None
         return DraftSpec(
             self.request_id,

@@ -233,21 +233,22 @@ def head_drafts(
     grammars: DraftGrammars | None = None,
 ) -> list[VerifyResult]:
     """``results`` with the next step's head trees of the jobs that ask for one: the head first takes the
-    features of each job's computed context and accepted path (``features[i]``: its chain rows, then its
+    features of each job with a :class:`HeadDraft` (a tree asked or not: it keeps up), its computed context and accepted path (``features[i]``: its chain rows, then its
     tree's nodes, :meth:`~specinfer.models.native.backend.NativeBackend.forward_tree_features`), then drafts
     from the bonus tokens, all jobs batched (:func:`draft_trees`, masked by ``grammars`` where given)."""
     specs, where = [], []
     for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
-        committed = [*job.context_tokens, job.draft.tree.tokens[0], *result.accepted_tokens]
-        spec = job.head_spec(committed, result.bonus_token)
-        if spec is None:
+        if job.head is None:
             continue
+        committed = [*job.context_tokens, job.draft.tree.tokens[0], *result.accepted_tokens]
         chain = features[i].shape[0] - len(job.draft.tree)  # context tokens the LLM computed in this call
         rows = [*range(chain), chain, *(chain + u for u in result.accepted_nodes)]
         index = torch.tensor(rows, device=features[i].device)
         head.absorb(job.request_id, committed, len(job.context_tokens) - chain, features[i].index_select(0, index))
-        specs.append(spec)
-        where.append(i)
+        spec = job.head_spec(committed, result.bonus_token)
+        if spec is not None:  # else it only kept up
+            specs.append(spec)
+            where.append(i)
     out = list(results)
     for i, tree in zip(where, draft_trees(head, specs, None, grammars), strict=True):
         out[i] = replace(out[i], next_tree=tree)
