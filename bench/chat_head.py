@@ -1,6 +1,6 @@
 """A chat model's draft head on held-out chat prompts, in process, batch 1 (issue 51's "at least 2 tokens per LLM
 step on chat answers"): each prompt of ``--split`` is one user message through the model's chat template, answered
-greedily by these rows, of one run:
+greedily by these rows, of one run, taking turns prompt by prompt:
 
 - ``incremental``: speculation off (one LLM step per token);
 - ``default, no head``: the default adaptive speculation with what it has without a draft model (the suffix
@@ -45,20 +45,25 @@ PLAIN_ROWS = {  # name: (speculation, planner: None for the default's)
 HEAD_ROWS = {"default + head": (HEAD, None), "head, gates off": (HEAD, ALWAYS)}  # per --head
 
 
-def run_row(llm, config: EngineConfig, prompts: list[tuple[int, ...]], spec, new_tokens: int) -> dict:
-    """Each prompt alone (batch 1) on a fresh engine: tokens, LLM steps, seconds, outputs."""
-    engine = SpeculativeEngine(llm, [], config)
-    if spec is not None:
-        engine.adaptive  # the cost model's start-up calibration, before the clock starts  # noqa: B018
-    tokens = steps = 0
-    seconds, outputs = 0.0, []
+def run_rows(runs: list[tuple], config: EngineConfig, prompts: list[tuple[int, ...]], new_tokens: int) -> dict:
+    """Each prompt alone (batch 1) through each row's engine (one per row, calibrated before the clock), the rows
+    taking turns prompt by prompt, so that a machine whose speed drifts (a shared 2-core CPU moved one row's
+    tokens/s by 1.5x between runs) slows them alike: per row tokens, LLM steps, seconds, outputs."""
+    engines = {}
+    for name, llm, spec, planner in runs:
+        engines[name] = SpeculativeEngine(llm, [], replace(config, planner=planner or config.planner))
+        if spec is not None:
+            engines[name].adaptive  # the cost model's start-up calibration, before the clock starts  # noqa: B018
+    rows = {name: {"tokens": 0, "llm_steps": 0, "seconds": 0.0, "outputs": []} for name in engines}
     for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        (res,) = engine.generate([GenerationRequest(f"p{i}", prompt, new_tokens, speculation=spec)])
-        seconds += time.perf_counter() - start
-        tokens, steps = tokens + len(res.output_tokens), steps + res.llm_steps
-        outputs.append(list(res.output_tokens))
-    return {"tokens": tokens, "llm_steps": steps, "seconds": round(seconds, 2), "outputs": outputs}
+        for r, (name, _llm, spec, _planner) in enumerate(runs):
+            start = time.perf_counter()
+            (res,) = engines[name].generate([GenerationRequest(f"r{r}-p{i}", prompt, new_tokens, speculation=spec)])
+            row = rows[name]
+            row["seconds"] += time.perf_counter() - start
+            row["tokens"], row["llm_steps"] = row["tokens"] + len(res.output_tokens), row["llm_steps"] + res.llm_steps
+            row["outputs"].append(list(res.output_tokens))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,16 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for head in args.head:  # each head drafts for the same backend, row after row
         named = f" ({head.name})" if len(args.head) > 1 else ""
         runs += [(name + named, with_head(backend, head, folder), *row) for name, row in HEAD_ROWS.items()]
-    rows = {
-        name: run_row(llm, replace(config, planner=planner or config.planner), prompts, spec, args.new_tokens)
-        for name, llm, spec, planner in runs
-    }
+    rows = run_rows(runs, config, prompts, args.new_tokens)
     base = rows["incremental"]
     print(f"{len(prompts)} {args.split} prompts x {args.new_tokens} new tokens, batch 1, greedy, {args.dtype}")
     print("| row | tokens / LLM step | tokens/s | x incremental tokens/s | outputs equal to incremental |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         r["tokens_per_step"] = round(r["tokens"] / r["llm_steps"], 3)
+        r["seconds"] = round(r["seconds"], 2)
         r["tokens_per_second"] = round(r["tokens"] / r["seconds"], 2)
         r["equal"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"], strict=True))
         speedup = r["tokens_per_second"] / (base["tokens"] / base["seconds"])

@@ -100,8 +100,9 @@ class HeadDraft:
 class VerifySpec:
     """One verify job: check ``draft`` (rooted at the last committed token) after ``context_tokens``
     (the committed tokens without it), drawing from ``step_rng(seed, step, VERIFY_STREAM)``;
-    ``head``: also draft the next step's tree with the verifier's draft head, or keep it up (None: neither); ``masks``: the tokens
-    the request's grammar allows after each node (:mod:`specinfer.core.constraints`; None: any)."""
+    ``head``: also draft the next step's tree with the verifier's draft head, or keep it up (None: neither);
+    ``masks``: the tokens the request's grammar allows after each node (:mod:`specinfer.core.constraints`; None:
+    any)."""
 
     request_id: str
     context_tokens: Sequence[int]
