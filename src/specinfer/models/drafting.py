@@ -233,8 +233,8 @@ def head_drafts(
     grammars: DraftGrammars | None = None,
 ) -> list[VerifyResult]:
     """``results`` with the next step's head trees of the jobs that ask for one: the head first takes the
-    features of each job with a :class:`~specinfer.core.iteration.HeadDraft` (a tree asked or not: it keeps up), its computed context and
-    accepted path (``features[i]``: its chain rows, then its tree's nodes,
+    features of each job with a :class:`~specinfer.core.iteration.HeadDraft` (a tree asked or not: it keeps up),
+    its computed context and accepted path (``features[i]``: its chain rows, then its tree's nodes,
     :meth:`~specinfer.models.native.backend.NativeBackend.forward_tree_features`), then drafts from the bonus
     tokens, all jobs batched (:func:`draft_trees`, masked by ``grammars`` where given)."""
     specs, where = [], []
