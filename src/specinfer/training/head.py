@@ -293,11 +293,11 @@ def run_train_head(cfg: TrainHeadConfig, log=None) -> dict:
         raise InvalidArgument("corpus", f"too short for windows of {s.seq_len} tokens (train and held-out parts)")
     device = str(resolve_device(s.device))
     teacher = Teacher(load_llm(cfg.llm, cfg.dtype, device, max(8, s.batch_size), s.seq_len))
+    if cfg.draft_vocab > teacher.llm.vocab_size:  # refused before the features are cached and the head trained
+        raise InvalidArgument("draft-vocab", f"must be at most the LLM's vocabulary, {teacher.llm.vocab_size}")
     heldout = random_windows(val_stream, cfg.heldout_windows, s.seq_len, torch.Generator().manual_seed(12345))
     cache = _feature_cache(cfg, teacher, train_stream, log) if cfg.cache_features else None
     head = new_head(cfg, teacher).train()
-    if cfg.draft_vocab > head.config.vocab_size:  # refused before training, not after
-        raise InvalidArgument("draft-vocab", f"must be at most the LLM's vocabulary, {head.config.vocab_size}")
     opt = _optimizer(head, s)
     start, record = _resume(cfg, head, opt, log)
     params = sum(p.numel() for p in head.parameters())

@@ -41,5 +41,5 @@ def run_head_vocab(head: Path, llm: Path, corpus: tuple[Path, ...], size: int, m
     if not is_head_dir(head):
         raise InvalidArgument("head", f"{head} is not a draft-head folder (specinfer train-head writes one)")
     vocab_size = json.loads((head / "config.json").read_text())["vocab_size"]
-    train, held = corpus_tokens(llm, corpus, max_bytes, 0.0, log)
-    write_draft_vocab(head, torch.cat([train, held]), vocab_size, size, log)
+    stream, _ = corpus_tokens(llm, corpus, max_bytes, 0.0, log)  # no held-out part: every token counts
+    write_draft_vocab(head, stream, vocab_size, size, log)

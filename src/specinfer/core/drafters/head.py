@@ -114,23 +114,20 @@ class VerifierHeadDrafter(Drafter):
         request of the batch drafts adaptively with it (None: this step has nothing to decide)."""
         if adaptive is None or not self.enabled:
             return None
-        for r in batch:
-            speculation = r.request.speculation
-            if speculation is not None and speculation.adaptive and speculation.head:
-                if self.gate is None:
-                    self.gate = HeadGate(adaptive.config.head_gate)
-                return self.gate
+        if any(_drafts_with_head(r) for r in batch):
+            if self.gate is None:
+                self.gate = HeadGate(adaptive.config.head_gate)
+            return self.gate
         return None
 
     def _ask(self, r: Running, job: VerifySpec, adaptive: AdaptiveSpeculation) -> VerifySpec:
         """``job``, asking the verifier's head for the next step's tree where the request allows it (where no tree
         fits, the head keeps up)."""
-        speculation = r.request.speculation
-        if speculation is None or not (speculation.adaptive and speculation.head):
+        if not _drafts_with_head(r):
             return job
         curve = adaptive.edge(self.name).knot_values()
         budget = head_budget(adaptive.config, curve, r.remaining, self._kept.get(r.request_id))
-        return replace(job, head=HeadDraft(budget, speculation.draft_support, r.request.constraint))
+        return replace(job, head=HeadDraft(budget, r.request.speculation.draft_support, r.request.constraint))
 
     @staticmethod
     def _keep_up(r: Running, job: VerifySpec) -> VerifySpec:
@@ -138,11 +135,16 @@ class VerifierHeadDrafter(Drafter):
         (:class:`~specinfer.core.iteration.HeadDraft` without a budget): steps that do not ask it for trees (its gate
         or the speculation gate measuring without it) would otherwise leave a hole of the newest pairs in its
         context, and after a block of them its trees committed ~1.1 tokens per step where it commits ~1.7 asked
-        every step (SmolLM2-135M-Instruct's head, BENCHMARKS.md)."""
-        speculation = r.request.speculation
-        if speculation is None or not (speculation.adaptive and speculation.head):
+        every step (SmolLM2-135M-Instruct's head, BENCHMARKS.md). No constraint: nothing is drafted to mask."""
+        if not _drafts_with_head(r):
             return job
-        return replace(job, head=HeadDraft(None, speculation.draft_support, r.request.constraint))
+        return replace(job, head=HeadDraft(None, r.request.speculation.draft_support))
+
+
+def _drafts_with_head(r: Running) -> bool:
+    """Whether the request drafts adaptively with the verifier's head (its speculation allows it)."""
+    speculation = r.request.speculation
+    return speculation is not None and speculation.adaptive and speculation.head
 
 
 def head_budget(

@@ -131,15 +131,16 @@ class NativeModel:
         the features (a draft head's width), the two products are folded into one ``[vocab, k]`` matrix,
         multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes. ``rows``
         # [K] int64: only those tokens' logits are computed (a draft vocabulary); the others are -inf."""
-        lm_head = self.w.lm_head if rows is None else self.w.lm_head.index_select(0, rows.to(self.w.lm_head.device))
+        index = None if rows is None else rows.to(self.w.lm_head.device)  # [K]
+        lm_head = self.w.lm_head if index is None else self.w.lm_head.index_select(0, index)  # [vocab or K, dim]
         if proj.shape[1] >= proj.shape[0]:
             part = lambda x: soft_cap(self.linear(F.linear(x, proj), lm_head).float(), self.spec.final_softcap)  # noqa: E731
         else:
             folded = (lm_head.float() @ proj.float()).to(lm_head.dtype)  # [vocab or K, k]
             part = lambda x: soft_cap(self.linear(x, folded).float(), self.spec.final_softcap)  # noqa: E731
-        if rows is None:
+        if index is None:
             return part
-        index, vocab = rows.to(lm_head.device), self.w.lm_head.shape[0]
+        vocab = self.w.lm_head.shape[0]
         # [N, vocab]: the K computed logits in place, -inf elsewhere
         return lambda x: torch.full((x.shape[0], vocab), float("-inf"), device=x.device).index_copy_(1, index, part(x))
 
