@@ -7,8 +7,9 @@ methods of a concurrency run one after the other, in the order given, after a wa
 speculation gate and the cost model learn the batch size as a user's traffic would teach them). Prints per row:
 committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and p99 (a
 message's gap spread over its tokens; the first message is time to first token, left out), the speed against
-``none`` at that concurrency, and the cost model's median error on the row's verify calls (the request manager's
-``specinfer_cost_model_verify_error_ratio``; ``-`` where no call was predicted).
+``none`` at that concurrency, and the cost model's median error on the row's verify calls and on its whole
+iterations (the request manager's ``specinfer_cost_model_verify_error_ratio`` and
+``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was predicted).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
@@ -35,6 +36,7 @@ from specinfer.launcher import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
 ERROR = "specinfer_cost_model_verify_error_ratio"  # the request manager's histogram of the cost model's errors
+STEP_ERROR = "specinfer_cost_model_step_error_ratio"  # the same on whole iterations
 
 
 @dataclass
@@ -48,13 +50,15 @@ class Row:
     seconds: float = 0.0
 
 
-def request(method: str, prompt: tuple[int, ...], new_tokens: int):
+def request(method: str, prompt: tuple[int, ...], args, seed: int | None):
+    """One request of ``method``; ``seed``: the draw's (with ``--seeded``; None: unseeded, verified by MSS)."""
+    sampling = {"temperature": args.temperature, "seed": seed}
     if method == "default":
-        return Client.request(prompt, new_tokens, ignore_eos=True)
+        return Client.request(prompt, args.new_tokens, ignore_eos=True, **sampling)
     if method == "none":
-        return Client.request(prompt, new_tokens, speculation=False, ignore_eos=True)
+        return Client.request(prompt, args.new_tokens, speculation=False, ignore_eos=True, **sampling)
     widths = ExpansionConfig.parse(PAPER_EXPANSION if method == "paper" else method).widths
-    return Client.request(prompt, new_tokens, expansion=widths, ignore_eos=True)
+    return Client.request(prompt, args.new_tokens, expansion=widths, ignore_eos=True, **sampling)
 
 
 def stream_until(client: Client, method: str, prompts, first: int, step: int, args, stop_at: float, row: Row) -> None:
@@ -64,7 +68,8 @@ def stream_until(client: Client, method: str, prompts, first: int, step: int, ar
         prompt = prompts[k % len(prompts)]
         k += step
         last, lat, count, steps = None, [], 0, 0
-        for msg in client.stream(request(method, prompt, args.new_tokens)):
+        seed = k if args.seeded else None  # seeded requests are verified by coupled verification
+        for msg in client.stream(request(method, prompt, args, seed)):
             now = time.monotonic()
             if msg.token_ids:
                 if last is not None:
@@ -108,6 +113,8 @@ def main() -> None:
     ap.add_argument("--warmup-seconds", type=float, default=10.0, help="of the default, before each concurrency")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--seeded", action="store_true", help="with --temperature: seeded requests (coupled verification)")
     ap.add_argument("--threads", type=int, default=0, help="the verifier's torch threads (0: torch's default)")
     ap.add_argument("--speculation-gate", choices=("on", "off"), default="on", help="the request manager's")
     args = ap.parse_args()
@@ -126,13 +133,15 @@ def main() -> None:
         rm_args=("--max-batch", str(max(levels)), "--speculation-gate", args.speculation_gate),
         head=args.head,
     )
+    draws = "greedy" if not args.temperature else f"temperature {args.temperature}, {'' if args.seeded else 'un'}seeded"
     print(
-        f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, greedy, {args.new_tokens} new tokens, "
+        f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, {draws}, {args.new_tokens} new tokens, "
         f"{args.seconds:.0f} s per row, speculation gate {args.speculation_gate}"
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
+    columns += ("step error p50",)
     print("| concurrency | method | " + " | ".join(columns) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|" + "---:|" * len(columns))
     with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
         rm = stack.process("request-manager")
         for c in levels:
@@ -142,12 +151,13 @@ def main() -> None:
             for m in methods:
                 before = scrape(rm.metrics_address)
                 rows[m] = run(client, m, prompts, c, args)
-                errors[m] = histogram_quantile(before, scrape(rm.metrics_address), ERROR, 0.5)
+                after = scrape(rm.metrics_address)
+                errors[m] = tuple(histogram_quantile(before, after, name, 0.5) for name in (ERROR, STEP_ERROR))
             base = rows.get("none")
             for m, row in rows.items():
                 rate = row.tokens / row.seconds
                 versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None and base.tokens else ""
-                error = f"{errors[m]:.3f}" if errors[m] is not None else "-"
+                error = " | ".join(f"{e:.3f}" if e is not None else "-" for e in errors[m])
                 print(
                     f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
                     f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} |",

@@ -38,6 +38,7 @@ from specinfer.models.loading import eos_token_id, load_backend
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("incremental", "speculative")
+SPECULATE_COUNT = "specinfer_grpc_server_handling_seconds_count{code=OK,method=Speculate"  # the SSM worker's calls
 
 
 class Timed:
@@ -58,8 +59,8 @@ class Timed:
 
 def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
     torch.set_num_threads(args.threads)
-    llm = load_backend(args.llm, "llm", args.dtype, backend="native")
-    ssms = [load_backend(p, "ssm", args.dtype, backend="native") for p in args.ssm]
+    llm = load_backend(args.llm, "llm", args.dtype, backend="native", kv_block_size=args.kv_block_size)
+    ssms = [load_backend(p, "ssm", args.dtype, backend="native", kv_block_size=args.kv_block_size) for p in args.ssm]
     engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=1, eos_token_id=eos_token_id(args.llm)))
     if ssms:
         engine.adaptive  # noqa: B018 - calibrates the cost model now, outside the timed rows
@@ -74,17 +75,19 @@ def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, floa
         warm = GenerationRequest(f"{mode}-warm", prompts[0], 8, speculation=spec, ignore_eos=True)
         engine.generate([warm])
         totals.clear()
-        steps, tokens, seconds = 0, 0, 0.0
+        steps, tokens, nodes, seconds = 0, 0, 0, 0.0
         for i, prompt in enumerate(prompts):
             request = GenerationRequest(f"{mode}-{i}", prompt, args.new_tokens, speculation=spec, ignore_eos=True)
             start = time.perf_counter()
             (result,) = engine.generate([request])
             seconds += time.perf_counter() - start
             steps += len(result.steps)
+            nodes += sum(s.tree_size for s in result.steps)
             tokens += len(result.output_tokens)
         ms = {k: v / steps * 1e3 for k, v in totals.items()}
         rows[mode] = {
             "tokens per step": tokens / steps,
+            "verified nodes per step": nodes / steps,
             "step": seconds / steps * 1e3,
             "LLM model (runner call)": ms["llm model"],
             "LLM backend bookkeeping": ms["llm backend"] - ms["llm model"],
@@ -105,12 +108,13 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
         backend="native",
         expansion="auto",
         threads=args.threads,
+        ssm_threads=args.ssm_threads,
         extra_env=(("SPECINFER_DTYPE", args.dtype),),
         rm_args=("--max-batch", "1"),
     )
     rows = {}
     with Stack(cfg) as stack, Client(stack.address, timeout=3600) as client:
-        rm, verifier = stack.process("request-manager"), stack.process("llm-verifier")
+        rm, verifier, worker = (stack.process(n) for n in ("request-manager", "llm-verifier", "ssm-worker-0"))
         for mode in MODES:
             speculate = mode != "incremental"
 
@@ -118,7 +122,7 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
                 return Client.request(prompt, tokens, speculation=speculate, adaptive=speculate, ignore_eos=True)
 
             client.generate(request(prompts[0], 8))  # warm-up
-            rm0, vf0 = scrape(rm.metrics_address), scrape(verifier.metrics_address)
+            rm0, vf0, sw0 = (scrape(p.metrics_address) for p in (rm, verifier, worker))
             steps, tokens, seconds = 0, 0, 0.0
             for prompt in prompts:
                 start = time.perf_counter()
@@ -126,7 +130,7 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
                 seconds += time.perf_counter() - start
                 steps += done.finished.usage.llm_steps
                 tokens += len(done.token_ids)
-            rm1, vf1 = scrape(rm.metrics_address), scrape(verifier.metrics_address)
+            rm1, vf1, sw1 = (scrape(p.metrics_address) for p in (rm, verifier, worker))
             iterations = delta(rm0, rm1, "specinfer_iteration_seconds_count")
             per = 1e3 / iterations  # ms per iteration of a sum in seconds
             iteration = delta(rm0, rm1, "specinfer_iteration_seconds_sum") * per
@@ -134,8 +138,12 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
             speculate_ms = delta(rm0, rm1, "specinfer_speculate_seconds_sum") * per
             handler = delta(vf0, vf1, "specinfer_grpc_server_handling_seconds_sum{code=OK,method=Verify") * per
             model = delta(vf0, vf1, "specinfer_model_call_seconds_sum") * per
+            drafting = delta(sw0, sw1, "specinfer_grpc_server_handling_seconds_sum{code=OK,method=Speculate") * per
             rows[mode] = {
                 "tokens per step": tokens / steps,
+                "verified nodes per step": delta(vf0, vf1, "specinfer_model_tree_nodes_total") / iterations,
+                "drafted nodes per step": delta(sw0, sw1, "specinfer_model_tree_nodes_total") / iterations,
+                "context misses per step": delta(sw0, sw1, "specinfer_context_cache_misses_total") / iterations,
                 "step (client)": seconds / steps * 1e3,
                 "manager iteration": iteration,
                 "verify round trip": verify,
@@ -143,6 +151,11 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
                 "verifier model call": model,
                 "gRPC + network (round trip - handler)": verify - handler,
                 "SSM worker calls": speculate_ms,
+                "SSM worker handlers": drafting,
+                "SSM calls per step": delta(
+                    sw0, sw1, "specinfer_grpc_server_handling_seconds_count{code=OK,method=Speculate"
+                )
+                / iterations,
                 "manager host (iteration - calls)": iteration - verify - speculate_ms,
                 "client + stream (step - iteration)": seconds / steps * 1e3 - iteration,
             }
@@ -163,6 +176,13 @@ def main() -> None:
     ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ssm-threads", type=int, default=1, help="torch threads of the SSM worker (services)")
+    ap.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=16,
+        help="in process: the KV pools' block size (0: contiguous; the services' default: 16)",
+    )
     ap.add_argument("--prompts", type=Path, default=REPO / "models/demo/prompts.jsonl", help="JSON lines, a text each")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to its last this many tokens")
     ap.add_argument("--count", type=int, default=4, help="prompts (one request at a time)")

@@ -5,6 +5,7 @@ fabricated model outputs): static trees, adaptive ones, head and suffix trees, p
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -380,3 +381,28 @@ def test_each_step_reports_the_cost_models_prediction_before_it_learns() -> None
         _run(plain, [_request("static", SpeculationConfig(ExpansionConfig((1, 1)), (0,)))], 1)[0].verify_predictions
         == ()
     )
+
+
+def test_each_step_reports_the_whole_steps_prediction() -> None:
+    """Where its verify calls were predicted, a step's report also pairs the whole step's predicted seconds with the
+    seconds it took: its verify calls' predictions, its draft passes' (the SSM's table at the passes' frontier
+    tokens) and the overhead outside the models, each as the cost model stood before the step (it learns after)."""
+    executor = ScriptedExecutor()
+    adaptive = _adaptive(1)
+    core = EngineCore(executor, 1, eos_token_id=None, adaptive=adaptive)
+    batch = [_request("auto", _auto((0,)), n=400)]
+    predicted_steps = 0
+    for _ in range(12):
+        costs = copy.deepcopy(adaptive.costs)  # the model before the step
+        drafted = len(executor.drafts)
+        (report,) = _run(core, batch, 1)
+        assert (report.step_prediction is None) == (not report.verify_predictions)
+        if report.step_prediction is None:
+            continue
+        predicted_steps += 1
+        passes = [(ssm, len(specs)) for jobs in executor.drafts[drafted:] for ssm, specs in jobs.items()]
+        draft = sum(costs.draft_seconds(ssm, tokens) for ssm, tokens in passes)
+        predicted, measured = report.step_prediction
+        verify = sum(p for p, _ in report.verify_predictions)
+        assert predicted == pytest.approx(verify + draft + costs.overhead) and measured > 0
+    assert predicted_steps >= 10

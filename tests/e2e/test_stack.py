@@ -190,6 +190,11 @@ def test_adaptive_speculation_equals_transformers_greedy(stack, model_pair, expe
         before, "specinfer_cost_model_verify_error_ratio_count"
     )
     assert 0 < errors <= adaptive_steps
+    # and on the whole iterations (verify, draft passes, the manager's own work): one per iteration it predicted
+    step_errors = total(after, "specinfer_cost_model_step_error_ratio_count") - total(
+        before, "specinfer_cost_model_step_error_ratio_count"
+    )
+    assert 0 < step_errors <= errors
     predicted = total(after, "specinfer_predicted_accepted_tokens_total") - total(
         before, "specinfer_predicted_accepted_tokens_total"
     )

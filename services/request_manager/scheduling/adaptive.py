@@ -159,6 +159,9 @@ class PlannerMetrics:
         for predicted, measured in report.verify_predictions:
             if measured > 0:
                 self.metrics.cost_model_verify_error.observe(abs(predicted - measured) / measured)
+        if report.step_prediction is not None and report.step_prediction[1] > 0:
+            predicted, measured = report.step_prediction
+            self.metrics.cost_model_step_error.observe(abs(predicted - measured) / measured)
         self.publish(adaptive)
 
     def publish(self, adaptive: AdaptiveSpeculation) -> None:

@@ -58,10 +58,12 @@ class DraftStep:
 @dataclass(frozen=True)
 class Proposal:
     """A drafter's trees for a step, by request ID as (drafter key, tree) pairs, and the model seconds it spent
-    (what the cut before verification counts as spent already)."""
+    (what the cut before verification counts as spent already); ``predicted``: the cost model's seconds for those
+    model calls, read before they taught it (0 where nothing was predicted)."""
 
     trees: Mapping[str, Sequence[tuple[DrafterKey, DraftTree]]]
     seconds: float = 0.0
+    predicted: float = 0.0
 
 
 NO_PROPOSAL = Proposal({})

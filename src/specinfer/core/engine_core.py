@@ -111,7 +111,10 @@ class StepReport:
     """What one :meth:`EngineCore.step` did, for the driver's metrics. ``planned_nodes``: the
     planned tree size of each adaptive request (1: its root alone); ``speculate_seconds``: planning,
     drafting and selection; ``verify_seconds``: the verification round; ``verify_predictions``: per verify call that
-    sampled the model (no prompt prefilled), the cost model's seconds for it before it ran, and the seconds it took."""
+    sampled the model (no prompt prefilled), the cost model's seconds for it before it ran, and the seconds it took;
+    ``step_prediction``: the same for the whole step (its verify calls, draft passes and the overhead outside the
+    models, each as the cost model predicted it before the step taught it), None where a call prefilled a prompt or
+    there is no cost model."""
 
     batch_size: int
     planned_nodes: tuple[int, ...]
@@ -119,6 +122,7 @@ class StepReport:
     speculate_seconds: float
     verify_seconds: float
     verify_predictions: tuple[tuple[float, float], ...] = ()
+    step_prediction: tuple[float, float] | None = None
 
 
 class EngineCore:
@@ -199,7 +203,9 @@ class EngineCore:
                 narrowed = drafter.narrow(batch, narrowed, adaptive)
             choices = adaptive.plan(narrowed, static_shape(batch))
         planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
-        drafted, draft_seconds = await self._propose(DraftStep(batch, choices, adaptive, self._adaptive, self.num_ssms))
+        drafted, draft_seconds, draft_predicted = await self._propose(
+            DraftStep(batch, choices, adaptive, self._adaptive, self.num_ssms)
+        )
         if adaptive is not None:
             drafted = select_drafts(batch, drafted, adaptive, draft_seconds)
         jobs: Sequence[VerifySpec] = verify_specs(
@@ -244,10 +250,16 @@ class EngineCore:
             drafter.stepped(len(batch), committed_tokens, seconds, measured)
         if gate is not None and measured:
             gate.observe(len(batch), speculate, committed_tokens, seconds)
+        step_prediction = None
         if self._adaptive is not None:
+            if measured:
+                predicted = sum(p for p, _ in predictions) + draft_predicted + self._adaptive.costs.overhead
+                step_prediction = (predicted, time.perf_counter() - started)
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
-        return StepReport(len(batch), planned, verified, verify_started - started, verify_seconds, tuple(predictions))
+        return StepReport(
+            len(batch), planned, verified, verify_started - started, verify_seconds, tuple(predictions), step_prediction
+        )
 
     def _gate(self, adaptive: AdaptiveSpeculation | None) -> HeadGate | None:
         """The speculation gate, where this step has adaptive requests to decide for (None: nothing to decide, or a
@@ -264,18 +276,19 @@ class EngineCore:
         planner = self._adaptive.config if self._adaptive is not None else PlannerConfig()
         return [step_rows(r.request, 0, self.num_ssms, planner).verify for r in batch]
 
-    async def _propose(self, step: DraftStep) -> tuple[Drafts, float]:
+    async def _propose(self, step: DraftStep) -> tuple[Drafts, float, float]:
         """Every drafter's trees for the batch's requests: (drafter key, tree) pairs by request ID, in drafter
-        order; and the model seconds the drafters spent."""
+        order; the model seconds the drafters spent, and the cost model's prediction of them."""
         drafted: Drafts = {r.request_id: [] for r in step.batch}
-        seconds = 0.0
+        seconds = predicted = 0.0
         for drafter in self.drafters.values():
             proposal = await drafter.propose(step)
             seconds += proposal.seconds
+            predicted += proposal.predicted
             for rid, pairs in proposal.trees.items():
                 if rid in drafted:
                     drafted[rid].extend(pairs)
-        return drafted, seconds
+        return drafted, seconds, predicted
 
 
 def run_to_end(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -127,6 +127,13 @@ class SchedulerMetrics:
             buckets=ERROR_BUCKETS,
             registry=registry,
         )
+        self.cost_model_step_error = Histogram(
+            "specinfer_cost_model_step_error_ratio",
+            "The cost model's error on a whole iteration (verify calls, draft passes and the overhead outside the "
+            "models): |predicted - measured| / measured seconds, predicted before it",
+            buckets=ERROR_BUCKETS,
+            registry=registry,
+        )
         self.planned_tree_nodes = Histogram(
             "specinfer_planned_tree_nodes",
             "Tree nodes the planner gave an adaptive request per step (root included; 1: no speculation)",

@@ -25,13 +25,14 @@ class SsmDrafter(Drafter):
         if not jobs:
             return NO_PROPOSAL
         round_ = await self.executor.draft(jobs)
-        seconds = 0.0
+        seconds = predicted = 0.0
         for ssm, tokens, secs in round_.passes:
             seconds += secs
             if step.learning is not None:
+                predicted += step.learning.costs.draft_seconds(ssm, tokens)  # before this pass teaches it
                 step.learning.observe_draft(ssm, tokens, secs)
         trees: dict[str, list[tuple[DrafterKey, DraftTree]]] = {}
         for ssm in sorted(round_.trees):
             for rid, tree in round_.trees[ssm].items():
                 trees.setdefault(rid, []).append((ssm, tree))
-        return Proposal(trees, seconds)
+        return Proposal(trees, seconds, predicted)
