@@ -9,6 +9,8 @@ tree instead. Runtimes (``--runtimes``):
 - ``native``: our runtime, each matrix product in the form measured fastest at load (``gemm auto``); on a CUDA
   device its steps replay CUDA graphs (``--cuda-graph-tokens``' default);
 - ``native-eager``: the same without CUDA graphs (on a CPU it is ``native``);
+- ``native-plain``: our runtime measured as ``native`` but with no weight packed (``gemm plain``: the plan before
+  oneDNN's packed form was a candidate);
 - ``native-linear``: our runtime with every product through ``F.linear`` (the form before the measurement);
 - ``reference``: transformers' own forward with a tree attention mask (one token = its incremental step).
 
@@ -33,7 +35,7 @@ from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.loading import load_backend
 from specinfer.models.native import NativeBackend, NativeOptions
 
-RUNTIMES = ("native", "native-eager", "native-linear", "reference")
+RUNTIMES = ("native", "native-eager", "native-plain", "native-linear", "reference")
 
 
 def expansion_tree(cfg: ExpansionConfig, root: int, vocab: int, gen: torch.Generator) -> TokenTree:
@@ -114,8 +116,9 @@ def profile_steps(model: CausalLM, batch: int, prefix: int, make_tree, steps: in
 
 def load(runtime: str, args: argparse.Namespace) -> CausalLM:
     dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
-    if runtime == "native-linear":
-        return NativeBackend.load(args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), gemm="linear"))
+    if runtime in ("native-linear", "native-plain"):
+        gemm = runtime.removeprefix("native-")
+        return NativeBackend.load(args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), gemm=gemm))
     if runtime == "native-eager":
         return NativeBackend.load(
             args.llm, NativeOptions(dtype, args.device, int(args.kv_cache_bytes), cuda_graph_tokens=0)

@@ -19,8 +19,14 @@ from specinfer.models.native.gemm import (
     choose,
     gemv_linear,
     measure,
+    pack_weight,
+    packing_available,
+    plan_for,
     row_bucket,
 )
+from specinfer.models.native.weights import LayerWeights, ModelWeights
+
+needs_packing = pytest.mark.skipif(not packing_available(torch.float32), reason="this CPU's oneDNN packs no fp32")
 
 
 def test_row_buckets():
@@ -62,6 +68,72 @@ def test_choose_needs_a_clear_win():
     timings = {(8, 4, 1): (1.0, 0.8, 0.6), (6, 4, 1): (1.0, 0.6, 0.8), (5, 4, 1): (1.0, 0.95, 0.95)}
     plan = choose(timings)
     assert plan.gemv == frozenset({(8, 4)}) and plan.transposed == frozenset({(6, 4, 1)})
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_form_computes_linear(rows, bias):
+    """A packed weight (oneDNN's layout, an opaque tensor of the weight's shape) gives linear's product whatever the
+    plan says: the plan dispatches on the tensor."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(48, 32, generator=gen), torch.randn(rows, 32, generator=gen)
+    b = torch.randn(48, generator=gen) if bias else None
+    packed = pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    for plan in (GemmPlan(), all_transposed([w]), GemmPlan(packed=frozenset({(48, 32)}))):
+        out = plan.linear(x, packed, b)
+        assert out.shape == (rows, 48) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_choose_packs_a_shape_whose_buckets_sum_faster():
+    """Packing is per shape (one layout for every row count): where the packed times summed over the buckets take at
+    most the margin of the best plain forms' sum; the plain forms stay planned for plain weights of the shape."""
+    timings = {(8, 4, 1): (1.0, 0.9, 0.8), (8, 4, 2): (2.0, 1.0), (6, 4, 1): (1.0, 1.0, 1.0), (6, 4, 2): (2.0, 2.0)}
+    packed = {(8, 4, 1): 1.0, (8, 4, 2): 0.7, (6, 4, 1): 1.2, (6, 4, 2): 1.0}
+    plan = choose(timings, packed=packed)
+    # (8, 4): 1.7 packed against 0.8 + 1.0 plain (not 0.9 of it); (6, 4): 2.2 against 3.0
+    assert plan.packed == frozenset({(6, 4)})
+    assert plan.transposed == frozenset({(8, 4, 2)}) and plan.gemv == frozenset({(8, 4)})
+    assert choose(timings).packed == frozenset()
+
+
+def _model_weights(shapes: list[tuple[int, int]]) -> ModelWeights:
+    """Two layers whose four projections have ``shapes`` (qkv, o, up, down), and an LM head shaped like qkv."""
+    norm = torch.ones(4)
+
+    def layer() -> LayerWeights:
+        qkv, o, up, down = (torch.randn(*s) for s in shapes)
+        return LayerWeights(qkv, None, o, None, norm, None, norm, None, up, None, down, None)
+
+    return ModelWeights(torch.randn(10, 4), [layer(), layer()], norm, None, torch.randn(*shapes[0]))
+
+
+@needs_packing
+def test_packing_replaces_the_layers_projections_of_packed_shapes_only():
+    weights = _model_weights([(12, 4), (4, 4), (16, 4), (4, 8)])
+    before = [layer.up_w.clone() for layer in weights.layers]
+    GemmPlan(packed=frozenset({(12, 4), (16, 4)})).pack(weights)
+    for layer, up in zip(weights.layers, before, strict=True):
+        assert layer.qkv_w.is_mkldnn and layer.up_w.is_mkldnn and not layer.o_w.is_mkldnn
+        assert not layer.down_w.is_mkldnn
+        torch.testing.assert_close(GemmPlan().linear(torch.ones(2, 4), layer.up_w), torch.ones(2, 4) @ up.T)
+    assert not weights.lm_head.is_mkldnn, "the LM head is read as a plain matrix (draft heads fold it)"
+    forced = _model_weights([(12, 4), (4, 4), (16, 4), (4, 8)])
+    assert plan_for("packed", forced, torch.device("cpu")).packed == frozenset({(12, 4), (4, 4), (16, 4), (4, 8)})
+    assert plan_for("packed", forced, torch.device("cpu"), packing=False).packed == frozenset()
+
+
+@needs_packing
+def test_measure_times_the_packed_form_of_packable_shapes():
+    weights = [torch.randn(16, 8), torch.randn(8, 16)]
+    packed: dict = {}
+    timings = measure(weights, repeats=1, buckets=(1, 4), packed=packed, packable=frozenset({(16, 8)}))
+    assert set(packed) == {(16, 8, 1), (16, 8, 4)} and all(t > 0 for t in packed.values())
+    assert set(timings) == {(16, 8, 1), (16, 8, 4), (8, 16, 1), (8, 16, 4)}
+    plan = calibrate(weights, torch.device("cpu"), frozenset({(16, 8)}))
+    assert plan.packed <= frozenset({(16, 8)})
 
 
 def test_plan_applies_per_shape_and_bucket(monkeypatch):

@@ -118,9 +118,8 @@ class SchedulerMetrics:
             registry=registry,
         )
 
-    def _add_planner(self, registry: CollectorRegistry) -> None:
-        """Adaptive speculation: the planner's trees, predicted and realised acceptance, drafters, cost model."""
-        # adaptive speculation (the planner; see services/request_manager/scheduling/adaptive.py)
+    def _add_cost_model(self, registry: CollectorRegistry) -> None:
+        """The planner's cost model: its tables, and its errors on verify calls and on whole iterations."""
         self.cost_model_verify_error = Histogram(
             "specinfer_cost_model_verify_error_ratio",
             "The cost model's error on a verify call: |predicted - measured| / measured seconds, predicted before it",
@@ -134,6 +133,23 @@ class SchedulerMetrics:
             buckets=ERROR_BUCKETS,
             registry=registry,
         )
+        self.cost_verify_seconds = Gauge(
+            "specinfer_cost_model_verify_seconds",
+            "The cost model's verify call seconds by tree tokens in the call",
+            ["tokens"],
+            registry=registry,
+        )
+        self.cost_draft_seconds = Gauge(
+            "specinfer_cost_model_draft_seconds",
+            "The cost model's SSM pass seconds by frontier tokens, per SSM",
+            ["ssm", "tokens"],
+            registry=registry,
+        )
+
+    def _add_planner(self, registry: CollectorRegistry) -> None:
+        """Adaptive speculation: the planner's trees, predicted and realised acceptance, drafters, cost model."""
+        # adaptive speculation (the planner; see services/request_manager/scheduling/adaptive.py)
+        self._add_cost_model(registry)
         self.planned_tree_nodes = Histogram(
             "specinfer_planned_tree_nodes",
             "Tree nodes the planner gave an adaptive request per step (root included; 1: no speculation)",
@@ -191,17 +207,5 @@ class SchedulerMetrics:
             "Committed tokens per second the speculation gate measured in steps of this batch-size bucket (its largest "
             "batch) with adaptive speculation on and off (decayed: the last few dozen steps of each arm)",
             ["batch", "arm"],
-            registry=registry,
-        )
-        self.cost_verify_seconds = Gauge(
-            "specinfer_cost_model_verify_seconds",
-            "The cost model's verify call seconds by tree tokens in the call",
-            ["tokens"],
-            registry=registry,
-        )
-        self.cost_draft_seconds = Gauge(
-            "specinfer_cost_model_draft_seconds",
-            "The cost model's SSM pass seconds by frontier tokens, per SSM",
-            ["ssm", "tokens"],
             registry=registry,
         )

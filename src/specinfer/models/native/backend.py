@@ -19,7 +19,7 @@ from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
 from specinfer.kernels.tree_attention import resolve_impl
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
-from specinfer.models.native.gemm import GemmPlan, all_transposed, calibrate
+from specinfer.models.native.gemm import GEMM_CHOICES, GemmPlan, plan_for
 from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
 from specinfer.models.native.model import NativeModel, RopeTables
@@ -31,7 +31,6 @@ from specinfer.models.native.step import LocalRunner, PackedStep, StepRequest, S
 from specinfer.models.native.warmup import WARMUP_BATCH, warm_graphs
 from specinfer.models.native.weights import ModelWeights
 
-GEMM_CHOICES = ("auto", "linear", "transposed")
 DEFAULT_GRAPH_TOKENS = 512  # a decode batch of 64 requests with trees of 8 nodes
 DEFAULT_GRAPH_WARMUP_SECONDS = 60.0
 
@@ -42,8 +41,9 @@ class NativeOptions:
     (0: the model's limit); ``attention``: ``auto`` (Triton on CUDA, PyTorch on CPU),
     ``triton`` or ``torch``; ``max_tree_nodes``: extra rows per slot for tree nodes beyond the
     sequence (a tree's nodes share positions, so they need rows but no positions); ``gemm``:
-    ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`),
-    ``linear`` (always ``F.linear``) or ``transposed`` (``w @ x.T`` up to 128 rows);
+    ``auto`` (measure at load which form of each matrix product is faster, :mod:`.gemm`), ``plain`` (the same,
+    weights never packed), ``linear`` (always ``F.linear``), ``transposed`` (``w @ x.T`` up to 128 rows) or
+    ``packed`` (oneDNN's packed layer weights);
     ``kv_block_size``: 0 for one contiguous slot per request (:mod:`.kv_pool`), else a paged pool
     of KV blocks of that many tokens, taken as requests grow (:mod:`.paged_pool`); ``offload``: keep
     the decoder layers in host memory and stream them to the device layer by layer (:mod:`.offload`);
@@ -156,11 +156,12 @@ def new_pool(
     return (paged if options.kv_block_size else contiguous)(spec, options.dtype, device, *geometry)
 
 
-def gemm_plan(weights: ModelWeights, options: NativeOptions) -> GemmPlan:
-    """The matrix-product forms of a model's weights under ``options`` (measured on a CPU)."""
-    if options.gemm == "auto":
-        return calibrate(weights.matrices(), torch.device(options.device))
-    return all_transposed(weights.matrices()) if options.gemm == "transposed" else GemmPlan()
+def gemm_plan(weights: ModelWeights, options: NativeOptions, offloaded: bool = False) -> GemmPlan:
+    """The matrix-product forms of a model's weights under ``options`` (:func:`.gemm.plan_for`), its layers' projections
+    packed where the plan packs them (none when ``offloaded``: staged by copies into plain buffers)."""
+    plan = plan_for(options.gemm, weights, torch.device(options.device), packing=not offloaded)
+    plan.pack(weights)
+    return plan
 
 
 def rope_tables(spec: ModelSpec, path: Path, device: torch.device) -> RopeTables | None:
@@ -253,9 +254,8 @@ class NativeBackend:
         device = torch.device(options.device)
         weights, layers = device_weights(spec, path, options, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
-        model = NativeModel(
-            spec, weights, rope_tables(spec, path, device), options.attention, gemm_plan(weights, options), layers
-        )
+        gemm = gemm_plan(weights, options, layers is not None)
+        model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm, layers)
         pool = new_pool(spec, options, device, geometry)
         if uses_cuda_graphs(options, device):
             limits = GraphLimits(request_rows(spec, options), max(options.max_tree_nodes, options.cuda_graph_tokens))

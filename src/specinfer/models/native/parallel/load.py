@@ -40,7 +40,7 @@ def _stage(path: Path, spec: ModelSpec, options: NativeOptions, groups: Parallel
         weights, layers = offload_weights(shard, device, options.offload_reserve_bytes)
     else:
         weights = map_tensors(shard, lambda t: t.to(device))
-    gemm = gemm_plan(weights, options)
+    gemm = gemm_plan(weights, options, layers is not None)
     model = StageModel(
         shard_spec(spec, layout),
         weights,
