@@ -22,6 +22,7 @@ A fourth form keeps the weight *packed*: oneDNN's blocked layout for its inner-p
 2048] weight: 9.0 ms for 8 rows against 15.5 transposed and 64 linear; 20 against 29 for 32 rows; BENCHMARKS.md).
 A packed weight has one layout, so the choice is per weight shape, not per row bucket: a shape is packed where its
 packed times summed over the buckets take at most :data:`MARGIN` of the best other forms' sum (:func:`choose`).
+``auto`` tries it on weights of :data:`PACK_MIN_BYTES` or more only.
 Only the decoder layers' projections are packed (:meth:`GemmPlan.pack`): the LM head is also read as a plain
 matrix (draft heads fold it, draft vocabularies take its rows). :meth:`GemmPlan.linear` dispatches on the tensor
 (a packed one is an ``is_mkldnn`` tensor of the weight's shape), so a plan and its weights cannot disagree.
@@ -55,6 +56,9 @@ MARGIN = 0.9  # the transposed form must take at most this fraction of linear's 
 Shape = tuple[int, int]  # (out_features, in_features) of a weight
 GEMM_CHOICES = ("auto", "plain", "linear", "transposed", "packed")
 PROJECTIONS = ("qkv_w", "o_w", "up_w", "down_w")  # a decoder layer's matrices (LayerWeights fields)
+# ``auto`` measures the packed form for weights of at least this size only: smaller products are dispatch-bound, and
+# oneDNN's state costs a process ~30-130 MB of memory (the demo's SSM worker: 0.30 -> 0.43 GB) for nothing there
+PACK_MIN_BYTES = 1 << 22
 
 
 def row_bucket(rows: int) -> int | None:
@@ -265,7 +269,9 @@ def plan_for(choice: str, weights: ModelWeights, device: torch.device, packing: 
         if packing and type(w := getattr(layer, name)) is torch.Tensor
     )
     if choice in ("auto", "plain"):
-        return calibrate(matrices, device, packable if choice == "auto" else frozenset())
+        size = matrices[0].element_size() if matrices else 0
+        large = frozenset(shape for shape in packable if shape[0] * shape[1] * size >= PACK_MIN_BYTES)
+        return calibrate(matrices, device, large if choice == "auto" else frozenset())
     if choice == "packed":
         if device.type != "cpu" or not matrices or not packing_available(matrices[0].dtype):
             raise ValueError(f"gemm packed: oneDNN does not pack these weights on this {device.type}")
