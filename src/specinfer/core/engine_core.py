@@ -254,7 +254,7 @@ class EngineCore:
         if self._adaptive is not None:
             if measured:
                 predicted = sum(p for p, _ in predictions) + draft_predicted + self._adaptive.costs.overhead
-                step_prediction = (predicted, time.perf_counter() - started)
+                step_prediction = (predicted, seconds)  # the step as the gate measured it
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
         return StepReport(
