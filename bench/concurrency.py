@@ -3,13 +3,20 @@
 One stack (``specinfer up``'s processes, one of each, on free ports, the request manager's batch as large as the
 largest concurrency) serves every row. At each concurrency C, C client threads keep one gRPC stream each going
 (greedy requests of ``--new-tokens`` tokens, prompts of the prompt file in turn) for ``--seconds`` per method; the
-methods of a concurrency run one after the other, in the order given, after a warm-up run of the default (the
-speculation gate and the cost model learn the batch size as a user's traffic would teach them). Prints per row:
+methods of a concurrency run one after the other, in the order given (``--repeats`` rounds, every other one in
+reverse order, each row summing its rounds: a machine whose speed drifts favours no method), after a warm-up run of
+the default (the speculation gate and the cost model learn the batch size as a user's traffic would teach them).
+Prints per row:
 committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and p99 (a
 message's gap spread over its tokens; the first message is time to first token, left out), the speed against
 ``none`` at that concurrency, and the cost model's median error on the row's verify calls and on its whole
 iterations (the request manager's ``specinfer_cost_model_verify_error_ratio`` and
-``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was predicted).
+``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was predicted), the mean tree nodes verified per
+request and step (the root included: 1 is no speculation) and the accepted tokens the planner predicted for the
+steps it speculated against those realised (``predicted/realised``: how the acceptance model is calibrated), and
+the mean iteration's milliseconds with its drafting and verification parts, the mean batch of an iteration and the
+share of the row's seconds the manager spent in iterations (``busy``; the rest: admission, finishing requests,
+waiting for work).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
@@ -27,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import histogram_quantile, load_prompts, pct, scrape
+from common import delta, histogram_quantile, load_prompts, pct, scrape
 
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig
@@ -37,6 +44,10 @@ from specinfer.launcher import Stack, StackConfig
 REPO = Path(__file__).resolve().parents[1]
 ERROR = "specinfer_cost_model_verify_error_ratio"  # the request manager's histogram of the cost model's errors
 STEP_ERROR = "specinfer_cost_model_step_error_ratio"  # the same on whole iterations
+TREE = "specinfer_tree_size"  # tree nodes verified per request and step, the root included
+PREDICTED = "specinfer_predicted_accepted_tokens_total"
+REALISED = "specinfer_realised_accepted_tokens_total"
+PARTS = ("iteration", "speculate", "verify")  # the request manager's histograms of an iteration and its two parts
 
 
 @dataclass
@@ -84,8 +95,9 @@ def stream_until(client: Client, method: str, prompts, first: int, step: int, ar
             row.per_token += lat
 
 
-def run(client: Client, method: str, prompts, concurrency: int, args) -> Row:
-    row = Row()
+def run(client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None) -> Row:
+    """``concurrency`` streams of ``method`` for ``args.seconds``, counted into ``row`` (a new one by default)."""
+    row = row if row is not None else Row()
     start = time.monotonic()
     stop_at = start + args.seconds
     threads = [
@@ -96,8 +108,25 @@ def run(client: Client, method: str, prompts, concurrency: int, args) -> Row:
         t.start()
     for t in threads:
         t.join()
-    row.seconds = time.monotonic() - start  # the last streams run past stop_at: their tokens count, so does time
+    row.seconds += time.monotonic() - start  # the last streams run past stop_at: their tokens count, so does time
     return row
+
+
+def diagnose(before: dict[str, float], after: dict[str, float]) -> str:
+    """The row's mean tree nodes per request-step and predicted/realised accepted tokens, as table cells."""
+    steps = delta(before, after, f"{TREE}_count")
+    nodes = f"{delta(before, after, f'{TREE}_sum') / steps:.2f}" if steps else "-"
+    predicted, realised = delta(before, after, PREDICTED), delta(before, after, REALISED)
+    iterations = delta(before, after, "specinfer_iteration_seconds_count")
+    ms = [1e3 * delta(before, after, f"specinfer_{part}_seconds_sum") / max(1.0, iterations) for part in PARTS]
+    return f"{nodes} | {predicted:.0f}/{realised:.0f} | {ms[0]:.1f} ({ms[1]:.1f} + {ms[2]:.1f})"
+
+
+def busy(counted: dict[str, float], seconds: float) -> str:
+    """The mean batch of the row's iterations, and the share of its seconds the manager spent in iterations."""
+    iterations = counted.get("specinfer_batch_size_count{}", 0.0)
+    batch = counted.get("specinfer_batch_size_sum{}", 0.0) / iterations if iterations else 0.0
+    return f"{batch:.2f} | {counted.get('specinfer_iteration_seconds_sum{}', 0.0) / seconds:.0%}"
 
 
 def main() -> None:
@@ -109,7 +138,10 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to its last this many tokens")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
     ap.add_argument("--methods", default="default,none,paper")
-    ap.add_argument("--seconds", type=float, default=20.0, help="per row")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per row and round")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="rounds of the methods per concurrency, alternating their order"
+    )
     ap.add_argument("--warmup-seconds", type=float, default=10.0, help="of the default, before each concurrency")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
@@ -136,10 +168,11 @@ def main() -> None:
     draws = "greedy" if not args.temperature else f"temperature {args.temperature}, {'' if args.seeded else 'un'}seeded"
     print(
         f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, {draws}, {args.new_tokens} new tokens, "
-        f"{args.seconds:.0f} s per row, speculation gate {args.speculation_gate}"
+        f"{args.seconds:.0f} s per row x {args.repeats} rounds, speculation gate {args.speculation_gate}"
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
-    columns += ("step error p50",)
+    columns += ("step error p50", "tree nodes", "predicted/realised accepted", "iteration ms (draft + verify)")
+    columns += ("mean batch", "busy")
     print("| concurrency | method | " + " | ".join(columns) + " |")
     print("|---:|---|" + "---:|" * len(columns))
     with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
@@ -147,12 +180,19 @@ def main() -> None:
         for c in levels:
             if args.warmup_seconds > 0:
                 run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds}))
-            rows, errors = {}, {}
-            for m in methods:
-                before = scrape(rm.metrics_address)
-                rows[m] = run(client, m, prompts, c, args)
-                after = scrape(rm.metrics_address)
-                errors[m] = tuple(histogram_quantile(before, after, name, 0.5) for name in (ERROR, STEP_ERROR))
+            rows = {m: Row() for m in methods}
+            counted: dict[str, dict[str, float]] = {m: {} for m in methods}  # each method's metric deltas, summed
+            for repeat in range(args.repeats):
+                # rounds alternate the methods' order, so a drifting machine does not favour the first
+                for m in methods if repeat % 2 == 0 else methods[::-1]:
+                    before = scrape(rm.metrics_address)
+                    run(client, m, prompts, c, args, rows[m])
+                    after = scrape(rm.metrics_address)
+                    for key, value in after.items():
+                        counted[m][key] = counted[m].get(key, 0.0) + value - before.get(key, 0.0)
+            errors = {
+                m: tuple(histogram_quantile({}, counted[m], n, 0.5) for n in (ERROR, STEP_ERROR)) for m in methods
+            }
             base = rows.get("none")
             for m, row in rows.items():
                 rate = row.tokens / row.seconds
@@ -160,7 +200,8 @@ def main() -> None:
                 error = " | ".join(f"{e:.3f}" if e is not None else "-" for e in errors[m])
                 print(
                     f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
-                    f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} |",
+                    f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} | "
+                    f"{diagnose({}, counted[m])} | {busy(counted[m], row.seconds)} |",
                     flush=True,
                 )
 
