@@ -6,9 +6,8 @@ largest concurrency) serves every row. At each concurrency C, C client threads k
 methods of a concurrency run one after the other, in the order given (``--repeats`` rounds, every other one in
 reverse order, each row summing its rounds: a machine whose speed drifts favours no method), after a warm-up run of
 the default (the speculation gate and the cost model learn the batch size as a user's traffic would teach them).
-Prints per row:
-committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and p99 (a
-message's gap spread over its tokens; the first message is time to first token, left out), the speed against
+Prints per row: committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and
+p99 (a message's gap spread over its tokens; the first message is time to first token, left out), the speed against
 ``none`` at that concurrency, and the cost model's median error on the row's verify calls and on its whole
 iterations (the request manager's ``specinfer_cost_model_verify_error_ratio`` and
 ``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was predicted), the mean tree nodes verified per
@@ -112,21 +111,20 @@ def run(client: Client, method: str, prompts, concurrency: int, args, row: Row |
     return row
 
 
-def diagnose(before: dict[str, float], after: dict[str, float]) -> str:
-    """The row's mean tree nodes per request-step and predicted/realised accepted tokens, as table cells."""
-    steps = delta(before, after, f"{TREE}_count")
-    nodes = f"{delta(before, after, f'{TREE}_sum') / steps:.2f}" if steps else "-"
-    predicted, realised = delta(before, after, PREDICTED), delta(before, after, REALISED)
-    iterations = delta(before, after, "specinfer_iteration_seconds_count")
-    ms = [1e3 * delta(before, after, f"specinfer_{part}_seconds_sum") / max(1.0, iterations) for part in PARTS]
-    return f"{nodes} | {predicted:.0f}/{realised:.0f} | {ms[0]:.1f} ({ms[1]:.1f} + {ms[2]:.1f})"
-
-
-def busy(counted: dict[str, float], seconds: float) -> str:
-    """The mean batch of the row's iterations, and the share of its seconds the manager spent in iterations."""
-    iterations = counted.get("specinfer_batch_size_count{}", 0.0)
-    batch = counted.get("specinfer_batch_size_sum{}", 0.0) / iterations if iterations else 0.0
-    return f"{batch:.2f} | {counted.get('specinfer_iteration_seconds_sum{}', 0.0) / seconds:.0%}"
+def breakdown(counted: dict[str, float], seconds: float) -> str:
+    """What a row is made of, as table cells, from its metric deltas ``counted`` over ``seconds``: mean tree nodes
+    per request-step, predicted/realised accepted tokens, the mean iteration's ms with its drafting and verification
+    parts, the mean batch, and the share of the seconds the manager spent in iterations."""
+    steps = delta({}, counted, f"{TREE}_count")
+    nodes = f"{delta({}, counted, f'{TREE}_sum') / steps:.2f}" if steps else "-"
+    predicted, realised = delta({}, counted, PREDICTED), delta({}, counted, REALISED)
+    iterations = max(1.0, delta({}, counted, "specinfer_batch_size_count"))
+    ms = [1e3 * delta({}, counted, f"specinfer_{part}_seconds_sum") / iterations for part in PARTS]
+    batch = delta({}, counted, "specinfer_batch_size_sum") / iterations
+    return (
+        f"{nodes} | {predicted:.0f}/{realised:.0f} | {ms[0]:.1f} ({ms[1]:.1f} + {ms[2]:.1f}) | "
+        f"{batch:.2f} | {delta({}, counted, 'specinfer_iteration_seconds_sum') / seconds:.0%}"
+    )
 
 
 def main() -> None:
@@ -201,7 +199,7 @@ def main() -> None:
                 print(
                     f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
                     f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} | "
-                    f"{diagnose({}, counted[m])} | {busy(counted[m], row.seconds)} |",
+                    f"{breakdown(counted[m], row.seconds)} |",
                     flush=True,
                 )
 
