@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from devices import TEST_DEVICE  # tests/devices.py
+from test_stochastic_engine import free_speculation  # tests/test_stochastic_engine.py
 from transformers import AutoModelForCausalLM
 
 from specinfer.core import ExpansionConfig, InvalidArgument, SamplingParams
@@ -30,10 +31,12 @@ def setup(model_pair):
         for p in (model_pair.llm, model_pair.ssm)
     ]
     hf = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype=torch.float32)
-    # adaptive requests speculate every step (the speculation gate does not measure): the test checks the logprobs of
-    # tokens speculation committed, which a loaded machine's gate may otherwise turn off
-    planner = PlannerConfig(speculation_gate=HeadGateConfig(measure=False))
-    engine = SpeculativeEngine(models[0], models[1:], EngineConfig(eos_token_id=eos, planner=planner))
+    # adaptive requests speculate every step (the speculation gate does not measure, a frozen cost model makes nodes
+    # almost free): the test checks the logprobs of tokens speculation committed, which a loaded machine's gate or
+    # measured costs may otherwise turn off (in a CI run, adaptive multi-step sampling verified roots alone)
+    planner = PlannerConfig(max_nodes=8, speculation_gate=HeadGateConfig(measure=False))
+    config = EngineConfig(eos_token_id=eos, planner=planner)
+    engine = SpeculativeEngine(models[0], models[1:], config, free_speculation())
     return engine, hf, model_pair.prompts[:6]
 
 
