@@ -2,10 +2,16 @@
 
 One stack (``specinfer up``'s processes, one of each, on free ports, the request manager's batch as large as the
 largest concurrency) serves every row. At each concurrency C, C client threads keep one gRPC stream each going
-(greedy requests of ``--new-tokens`` tokens, prompts of the prompt file in turn) for ``--seconds`` per method; the
-methods of a concurrency run one after the other, in the order given (``--repeats`` rounds, every other one in
-reverse order, each row summing its rounds: a machine whose speed drifts favours no method), after a warm-up run of
-the default (the speculation gate and the cost model learn the batch size as a user's traffic would teach them).
+(requests of ``--new-tokens`` tokens, prompts of the prompt file in turn) for each method; the methods of a
+concurrency run one after the other, in the order given (``--repeats`` rounds, every other one in reverse order, each
+row summing its rounds: a machine whose speed drifts favours no method), after a warm-up run of the default (the
+speculation gate and the cost model learn the batch size as a user's traffic would teach them). A row is measured
+in steady state: its streams start spread over ``--settle-seconds``, unmeasured (not a burst of C prompts
+prefilled at once, after which requests of the same length would start and end together forever), then
+``--seconds`` measured (tokens that arrive in the window, the request manager's metrics
+scraped as it opens and closes); as it closes every stream is cut, so no tail of a few late requests running at a
+small batch counts either (which method's requests finish together and which spread out would otherwise decide
+the row as much as its speed).
 Prints per row: committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and
 p99 (a message's gap spread over its tokens; the first message is time to first token, left out), the speed against
 ``none`` at that concurrency, and the cost model's median error on the row's verify calls and on its whole
@@ -21,7 +27,7 @@ Methods: ``default`` (the server's default speculation: adaptive with the SSMs a
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
 
     python bench/concurrency.py --llm models/demo/llm --ssm models/demo/ssm --prompts models/demo/prompts.jsonl \\
-        --concurrency 1,2,4,8,16,32 --seconds 20 --new-tokens 48
+        --concurrency 1,2,4,8,16,32 --seconds 20 --settle-seconds 15 --new-tokens 48
 """
 
 from __future__ import annotations
@@ -51,13 +57,34 @@ PARTS = ("iteration", "speculate", "verify")  # the request manager's histograms
 
 @dataclass
 class Row:
-    """What the client threads of one (concurrency, method) run counted, under ``lock``."""
+    """What the client threads of one (concurrency, method) run counted, under ``lock``: ``tokens`` and ``per_token``
+    gaps that arrived inside the measured window, ``done_tokens`` and ``done_steps`` of the requests that finished
+    (any time in the run: tokens per step), and the window's ``seconds``."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     tokens: int = 0
-    steps: int = 0
     per_token: list[float] = field(default_factory=list)
+    done_tokens: int = 0
+    done_steps: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Window:
+    """A run's clock: streams start at once, run ``settle`` seconds unmeasured, then ``seconds`` measured; at the end
+    every stream is cut (closing it cancels its request), so no tail of a few late requests counts either."""
+
+    start: float
+    settle: float
+    seconds: float
+
+    @property
+    def opens(self) -> float:
+        return self.start + self.settle
+
+    @property
+    def closes(self) -> float:
+        return self.opens + self.seconds
 
 
 def request(method: str, prompt: tuple[int, ...], args, seed: int | None):
@@ -71,44 +98,60 @@ def request(method: str, prompt: tuple[int, ...], args, seed: int | None):
     return Client.request(prompt, args.new_tokens, expansion=widths, ignore_eos=True, **sampling)
 
 
-def stream_until(client: Client, method: str, prompts, first: int, step: int, args, stop_at: float, row: Row) -> None:
-    """One client thread: streams back to back until ``stop_at`` (prompts ``first``, ``first + step``, ...)."""
+def stream_until(client: Client, method: str, prompts, first: int, step: int, args, window: Window, row: Row) -> None:
+    """One client thread: streams back to back (prompts ``first``, ``first + step``, ...) until ``window`` closes,
+    counting what arrives inside it. Thread ``first`` of ``step`` starts ``first / step`` of the way into the settling
+    time, so the streams' requests start, and end, spread out as a server's traffic does."""
+    time.sleep(max(0.0, window.start + window.settle * first / step - time.monotonic()))
     k = first
-    while time.monotonic() < stop_at:
+    while time.monotonic() < window.closes:
         prompt = prompts[k % len(prompts)]
         k += step
-        last, lat, count, steps = None, [], 0, 0
+        last, lat, count, steps, tokens = None, [], 0, 0, 0
         seed = k if args.seeded else None  # seeded requests are verified by coupled verification
         for msg in client.stream(request(method, prompt, args, seed)):
             now = time.monotonic()
-            if msg.token_ids:
-                if last is not None:
-                    lat += [(now - last) / len(msg.token_ids)] * len(msg.token_ids)
-                count += len(msg.token_ids)
-                last = now
+            if now > window.closes:
+                break  # leaving the loop closes the stream: the request is cancelled
+            n = len(msg.token_ids)
+            tokens += n
+            if n and now >= window.opens:
+                if last is not None:  # the first message's gap is time to first token
+                    lat += [(now - last) / n] * n
+                count += n
+            last = now if n else last
             if msg.HasField("finished"):
                 steps = msg.finished.usage.llm_steps
         with row.lock:
             row.tokens += count
-            row.steps += steps
             row.per_token += lat
+            if steps:
+                row.done_tokens += tokens
+                row.done_steps += steps
 
 
-def run(client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None) -> Row:
-    """``concurrency`` streams of ``method`` for ``args.seconds``, counted into ``row`` (a new one by default)."""
+def run(client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None, rm=None) -> tuple:
+    """``concurrency`` streams of ``method`` through a window of ``args.settle_seconds`` then ``args.seconds``,
+    counted into ``row`` (a new one by default); with ``rm`` (the request manager's process) its metrics are scraped
+    as the window opens and closes. Returns the row and the metric deltas over the window."""
     row = row if row is not None else Row()
-    start = time.monotonic()
-    stop_at = start + args.seconds
+    window = Window(time.monotonic(), args.settle_seconds, args.seconds)
     threads = [
-        threading.Thread(target=stream_until, args=(client, method, prompts, i, concurrency, args, stop_at, row))
+        threading.Thread(target=stream_until, args=(client, method, prompts, i, concurrency, args, window, row))
         for i in range(concurrency)
     ]
     for t in threads:
         t.start()
+    counted: dict[str, float] = {}
+    if rm is not None:
+        time.sleep(max(0.0, window.opens - time.monotonic()))
+        before = scrape(rm.metrics_address)
+        time.sleep(max(0.0, window.closes - time.monotonic()))
+        counted = {key: value - before.get(key, 0.0) for key, value in scrape(rm.metrics_address).items()}
     for t in threads:
         t.join()
-    row.seconds += time.monotonic() - start  # the last streams run past stop_at: their tokens count, so does time
-    return row
+    row.seconds += window.seconds
+    return row, counted
 
 
 def breakdown(counted: dict[str, float], seconds: float) -> str:
@@ -141,6 +184,9 @@ def main() -> None:
         "--repeats", type=int, default=1, help="rounds of the methods per concurrency, alternating their order"
     )
     ap.add_argument("--warmup-seconds", type=float, default=10.0, help="of the default, before each concurrency")
+    ap.add_argument(
+        "--settle-seconds", type=float, default=10.0, help="of each row, before its window (its start-up burst)"
+    )
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -166,7 +212,8 @@ def main() -> None:
     draws = "greedy" if not args.temperature else f"temperature {args.temperature}, {'' if args.seeded else 'un'}seeded"
     print(
         f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, {draws}, {args.new_tokens} new tokens, "
-        f"{args.seconds:.0f} s per row x {args.repeats} rounds, speculation gate {args.speculation_gate}"
+        f"{args.seconds:.0f} s measured per row (after {args.settle_seconds:.0f} s) x {args.repeats} rounds, "
+        f"speculation gate {args.speculation_gate}"
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
     columns += ("step error p50", "tree nodes", "predicted/realised accepted", "iteration ms (draft + verify)")
@@ -177,17 +224,16 @@ def main() -> None:
         rm = stack.process("request-manager")
         for c in levels:
             if args.warmup_seconds > 0:
-                run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds}))
+                warmup = {"seconds": args.warmup_seconds / 2, "settle_seconds": args.warmup_seconds / 2}
+                run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), **warmup}))
             rows = {m: Row() for m in methods}
             counted: dict[str, dict[str, float]] = {m: {} for m in methods}  # each method's metric deltas, summed
             for repeat in range(args.repeats):
                 # rounds alternate the methods' order, so a drifting machine does not favour the first
                 for m in methods if repeat % 2 == 0 else methods[::-1]:
-                    before = scrape(rm.metrics_address)
-                    run(client, m, prompts, c, args, rows[m])
-                    after = scrape(rm.metrics_address)
-                    for key, value in after.items():
-                        counted[m][key] = counted[m].get(key, 0.0) + value - before.get(key, 0.0)
+                    _, window = run(client, m, prompts, c, args, rows[m], rm)
+                    for key, value in window.items():
+                        counted[m][key] = counted[m].get(key, 0.0) + value
             errors = {
                 m: tuple(histogram_quantile({}, counted[m], n, 0.5) for n in (ERROR, STEP_ERROR)) for m in methods
             }
@@ -197,7 +243,7 @@ def main() -> None:
                 versus = f"{rate / (base.tokens / base.seconds):.2f}" if base is not None and base.tokens else ""
                 error = " | ".join(f"{e:.3f}" if e is not None else "-" for e in errors[m])
                 print(
-                    f"| {c} | {m} | {rate:.1f} | {row.tokens / max(1, row.steps):.2f} | "
+                    f"| {c} | {m} | {rate:.1f} | {row.done_tokens / max(1, row.done_steps):.2f} | "
                     f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} | "
                     f"{breakdown(counted[m], row.seconds)} |",
                     flush=True,
