@@ -85,3 +85,17 @@ def test_a_new_bucket_measures_first_what_the_nearest_smaller_bucket_prefers():
     gate = HeadGate(HeadGateConfig(block=4, explore_every=100))
     run(gate, 2, 12, rate_on=10.0, rate_off=20.0)  # batch 2: the head loses
     assert run(gate, 4, 8, rate_on=10.0, rate_off=20.0) == [False] * 8  # so 3-4 measures without it first
+
+
+def test_a_narrow_win_at_a_smaller_bucket_measures_a_larger_one_without_the_head_first():
+    """With ``first_on_margin``, on must have won at the smaller bucket by the margin to be measured first above it:
+    speculation's return shrinks as the batch grows, and the losing arm measured first costs two blocks."""
+    config = HeadGateConfig(block=4, explore_every=100, first_on_margin=0.1)
+    gate = HeadGate(config)
+    run(gate, 8, 12, rate_on=21.0, rate_off=20.0)  # batch 8: on wins by 5 %
+    assert run(gate, 16, 12, rate_on=10.0, rate_off=20.0) == [False] * 8 + [True] * 4  # so 9-16 measures off first
+    gate = HeadGate(config)
+    run(gate, 8, 12, rate_on=24.0, rate_off=20.0)  # by 20 %
+    assert run(gate, 16, 8, rate_on=24.0, rate_off=20.0) == [True] * 8
+    with pytest.raises(ValueError):
+        HeadGateConfig(first_on_margin=-0.1)

@@ -41,16 +41,23 @@ class HeadGateConfig:
     ``first_on_max_batch``: where no smaller batch size has measured both arms yet, batches of up to this
     many requests measure the head first (two blocks), larger ones measure without it first. Only the
     order: both arms are measured before the gate decides. On the 2-core AMX CPU with a 1B-shaped LLM the
-    head paid at batch 1-4 and cost more than it returned at 16 (BENCHMARKS.md, draft heads)."""
+    head paid at batch 1-4 and cost more than it returned at 16 (BENCHMARKS.md, draft heads);
+    ``first_on_margin``: how much faster the on arm must have measured at the nearest smaller bucket for a larger
+    bucket to measure it first (0.1: 10 %). What an arm returns shrinks as the batch grows, and measuring first
+    the arm that loses costs its two blocks at the gap: where on won narrowly at a smaller batch, a larger one
+    is likelier to lose with it, and off steps, the shorter ones, are the cheap arm to measure first."""
 
     block: int = 8
     explore_every: int = 16
     memory: float = 0.95
     measure: bool = True
     first_on_max_batch: int = 4
+    first_on_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block < 2 or self.explore_every < 2 or not 0.0 < self.memory <= 1.0 or self.first_on_max_batch < 0:
+            raise ValueError(f"invalid head gate config {self}")
+        if self.first_on_margin < 0.0:
             raise ValueError(f"invalid head gate config {self}")
 
     @property
@@ -148,13 +155,14 @@ class HeadGate:
         return not best if state.decided % self.config.explore_every == 0 else best
 
     def _first_arm(self, b: int) -> bool:
-        """The arm a bucket measures first: the one the nearest smaller bucket that measured both prefers (what
-        the head returns shrinks as the batch grows, so a head that does not pay at batch 4 is unlikely to at
-        8: a short run at 8 should not spend its first blocks on it), else asking the head up to
-        :attr:`HeadGateConfig.first_on_max_batch` requests and not asking it above."""
+        """The arm a bucket measures first: the one the nearest smaller bucket that measured both prefers, on
+        only by :attr:`HeadGateConfig.first_on_margin` (what the head returns shrinks as the batch grows, so a
+        head that does not pay at batch 4 is unlikely to at 8: a short run at 8 should not spend its first
+        blocks on it), else asking the head up to :attr:`HeadGateConfig.first_on_max_batch` requests and not
+        asking it above."""
         enough = self.config.scored_steps
         for smaller in range(b - 1, -1, -1):
             state = self._buckets.get(smaller)
             if state is not None and state.on.samples >= enough and state.off.samples >= enough:
-                return state.on.rate >= state.off.rate
+                return state.on.rate >= state.off.rate * (1.0 + self.config.first_on_margin)
         return b <= bucket(self.config.first_on_max_batch)

@@ -48,7 +48,8 @@ class PlannerConfig:
     whichever of asking or not measures more committed tokens per second at the batch size);
     ``speculation_gate``: the same measured choice between speculating for the adaptive requests and not at all
     (their roots alone), per batch-size bucket: the backstop where the cost model's plan still loses (a CPU whose
-    verify cost grows with tokens, at a large batch); speculation is measured first at every batch size;
+    verify cost grows with tokens, at a large batch); speculation is measured first at every batch size, unless a
+    smaller batch size measured it less than 10 % faster than its roots alone;
     ``explore_costs``: every this many iterations plan and cut on the cost model's optimistic copy
     (:meth:`~specinfer.core.costs.StepCosts.optimistic`), so sizes that no real step measured, whose seed
     may be a calibration taken under load, get measured (0: never)."""
@@ -57,7 +58,7 @@ class PlannerConfig:
     max_depth: int = 8
     hysteresis: float = 0.05
     head_gate: HeadGateConfig = HeadGateConfig()
-    speculation_gate: HeadGateConfig = HeadGateConfig(explore_every=32, first_on_max_batch=1 << 16)
+    speculation_gate: HeadGateConfig = HeadGateConfig(explore_every=32, first_on_max_batch=1 << 16, first_on_margin=0.1)
     explore_costs: int = 8
 
     def __post_init__(self) -> None:
