@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
-from specinfer.core.iteration import VERIFY_STREAM, Running, draft_specs, draft_stream, step_rng, verify_specs
+from specinfer.core.costs import CostTable, StepCosts
+from specinfer.core.iteration import (
+    VERIFY_STREAM,
+    Running,
+    VerifySpec,
+    draft_specs,
+    draft_stream,
+    gate_seconds,
+    step_rng,
+    verify_specs,
+)
 from specinfer.core.requests import GenerationRequest, SpeculationConfig, StepStats
 
 
@@ -63,3 +73,21 @@ def test_commit_stops_counts_and_adds_up():
     r.commit(cut)
     assert r.output == [1, 2, 3, 1] and r.remaining == 6
     assert r.stats == StepStats(llm_steps=2, accepted=4, tree_size=6, committed=4)
+
+
+def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_priced_seconds():
+    """Verify seconds are 0.01 a token (no context term): a step of 12 tree tokens that admitted a 4-token prompt
+    (its context before the root), which took 0.5 s, is scored 0.46 s; a prompt longer than the call's tree tokens,
+    or no call, leaves the step unscored."""
+    costs = StepCosts(CostTable({1: 0.01, 64: 0.64}), 0.0, {}, frozen=True)
+    chain = DraftTree(TokenTree((6, 1, 2, 3), (-1, 0, 1, 2)))
+
+    def job(rid: str, context: int, step: int) -> VerifySpec:
+        return VerifySpec(rid, list(range(context)), chain, SamplingParams(), 5, step)
+
+    decoding = [job("a", 20, 3), job("b", 30, 7)]
+    assert gate_seconds([(decoding, 0.4)], 0.5, costs) == 0.5
+    admitting = [*decoding, job("new", 4, 0)]  # 12 tree tokens and 4 prompt tokens (the root is the fifth)
+    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs) - 0.46) < 1e-9
+    assert gate_seconds([([job("a", 20, 3), job("new", 40, 0)], 0.45)], 0.5, costs) is None  # 40 > 8 tree tokens
+    assert gate_seconds([], 0.5, costs) is None

@@ -42,6 +42,7 @@ from specinfer.core.iteration import (
     StepOutcome,
     VerifySpec,
     adaptive_contexts,
+    gate_seconds,
     select_drafts,
     static_shape,
     verify_shape,
@@ -248,8 +249,10 @@ class EngineCore:
         seconds = time.perf_counter() - started
         for drafter in self.drafters.values():
             drafter.stepped(len(batch), committed_tokens, seconds, measured)
-        if gate is not None and measured:
-            gate.observe(len(batch), speculate, committed_tokens, seconds)
+        if gate is not None and self._adaptive is not None:  # a step that prefilled prompts scored without them
+            scored = gate_seconds([(c, s) for _, c, s in verified.timings], seconds, self._adaptive.costs)
+            if scored is not None:
+                gate.observe(len(batch), speculate, committed_tokens, scored)
         step_prediction = None
         if self._adaptive is not None:
             if measured:

@@ -118,8 +118,8 @@ class HeadGate:
         return block.on
 
     def observe(self, batch_size: int, on: bool, tokens: int, seconds: float) -> None:
-        """A step :meth:`decide` answered ``on`` for committed ``tokens`` in ``seconds`` (leave out steps
-        that prefilled a prompt: their time is the prompt's)."""
+        """A step :meth:`decide` answered ``on`` for committed ``tokens`` in ``seconds`` (a step that prefilled a
+        prompt: without the prompt's seconds, :func:`~specinfer.core.iteration.gate_seconds`, or left out)."""
         block = self._block
         if block is None or block.steps <= 1 or block.on != on or block.bucket != bucket(batch_size):
             return  # the block's first step carries the other arm's trees

@@ -22,7 +22,7 @@ import numpy as np
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice, Context, Drafted
 from specinfer.core.constraints import Constraint
-from specinfer.core.costs import VerifyShape
+from specinfer.core.costs import StepCosts, VerifyShape
 from specinfer.core.drafts import DraftTree, ExpansionConfig, merged_tree_nodes
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.merge import combine_drafts
@@ -348,6 +348,33 @@ def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
     return VerifyShape(
         sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
     )
+
+
+def gate_seconds(
+    timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts
+) -> float | None:
+    """The seconds of a step the speculation gate scores, from its verify calls (each call's jobs and seconds) and
+    the step's ``seconds``: all of them where no call prefilled a prompt; where one did, less the prompts' seconds as
+    the cost model prices them (the call with its prompt tokens less the call without them). Only while each such
+    call's prompt tokens are no more than its tree tokens, so that the price, read past the sizes the model measured,
+    stays a minor part of the step; beyond, and with no call, None (not scored). At a large batch most steps admit a
+    request: leaving them all out left the gate a few steps to decide on (minutes at 32 streams of a 1B model on a
+    CPU), while the arm it measured ran."""
+    if not timings:
+        return None
+    prefill = 0.0
+    for jobs, call_seconds in timings:
+        prompts = [len(j.context_tokens) for j in jobs if j.step == 0]
+        if not prompts:
+            continue
+        nodes = sum(len(j.draft.tree) for j in jobs)
+        if sum(prompts) > nodes:
+            return None
+        work = sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
+        prompt_work = sum(p * (p - 1) // 2 for p in prompts)  # a prompt's row i attends to the i rows before it
+        with_prompts = costs.verify_seconds(VerifyShape(nodes + sum(prompts), work + prompt_work))
+        prefill += min(call_seconds, max(0.0, with_prompts - costs.verify_seconds(VerifyShape(nodes, work))))
+    return seconds - prefill if seconds > prefill else None
 
 
 def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftTree]]) -> list[VerifySpec]:
