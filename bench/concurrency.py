@@ -71,8 +71,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Window:
-    """A run's clock: streams start at once, run ``settle`` seconds unmeasured, then ``seconds`` measured; at the end
-    every stream is cut (closing it cancels its request), so no tail of a few late requests counts either."""
+    """A run's clock: streams start spread over ``settle`` seconds, unmeasured, then ``seconds`` are measured; at the
+    end every stream is cut (closing it cancels its request), so no tail of a few late requests counts either."""
 
     start: float
     settle: float
@@ -130,7 +130,9 @@ def stream_until(client: Client, method: str, prompts, first: int, step: int, ar
                 row.done_steps += steps
 
 
-def run(client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None, rm=None) -> tuple:
+def run(
+    client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None, rm=None
+) -> tuple[Row, dict[str, float]]:
     """``concurrency`` streams of ``method`` through a window of ``args.settle_seconds`` then ``args.seconds``,
     counted into ``row`` (a new one by default); with ``rm`` (the request manager's process) its metrics are scraped
     as the window opens and closes. Returns the row and the metric deltas over the window."""
@@ -185,7 +187,7 @@ def main() -> None:
     )
     ap.add_argument("--warmup-seconds", type=float, default=10.0, help="of the default, before each concurrency")
     ap.add_argument(
-        "--settle-seconds", type=float, default=10.0, help="of each row, before its window (its start-up burst)"
+        "--settle-seconds", type=float, default=10.0, help="of each row, its streams starting spread over them"
     )
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto")

@@ -55,9 +55,13 @@ class HeadGateConfig:
     first_on_margin: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.block < 2 or self.explore_every < 2 or not 0.0 < self.memory <= 1.0 or self.first_on_max_batch < 0:
-            raise ValueError(f"invalid head gate config {self}")
-        if self.first_on_margin < 0.0:
+        if (
+            self.block < 2
+            or self.explore_every < 2
+            or not 0.0 < self.memory <= 1.0
+            or self.first_on_max_batch < 0
+            or self.first_on_margin < 0.0
+        ):
             raise ValueError(f"invalid head gate config {self}")
 
     @property

@@ -345,6 +345,11 @@ def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
     not describe, and folding it in would make tree tokens look expensive."""
     if any(j.step == 0 for j in jobs):
         return None
+    return _tree_shape(jobs)
+
+
+def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
+    """The tree tokens of ``jobs`` and their context work (each node attends to its request's context and root)."""
     return VerifyShape(
         sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
     )
@@ -353,13 +358,10 @@ def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
 def gate_seconds(
     timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts
 ) -> float | None:
-    """The seconds of a step the speculation gate scores, from its verify calls (each call's jobs and seconds) and
-    the step's ``seconds``: all of them where no call prefilled a prompt; where one did, less the prompts' seconds as
-    the cost model prices them (the call with its prompt tokens less the call without them). Only while each such
-    call's prompt tokens are no more than its tree tokens, so that the price, read past the sizes the model measured,
-    stays a minor part of the step; beyond, and with no call, None (not scored). At a large batch most steps admit a
-    request: leaving them all out left the gate a few steps to decide on (minutes at 32 streams of a 1B model on a
-    CPU), while the arm it measured ran."""
+    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less the prompts'
+    seconds as the cost model prices them, where a call prefilled prompts of no more tokens than its trees (the
+    price stays a minor part); None where one prefilled more, or with no call. At a large batch most steps admit a
+    request: leaving them all out left the gate minutes to decide (32 streams, 1B model, CPU)."""
     if not timings:
         return None
     prefill = 0.0
@@ -367,13 +369,12 @@ def gate_seconds(
         prompts = [len(j.context_tokens) for j in jobs if j.step == 0]
         if not prompts:
             continue
-        nodes = sum(len(j.draft.tree) for j in jobs)
-        if sum(prompts) > nodes:
+        tree = _tree_shape(jobs)
+        if sum(prompts) > tree.tokens:
             return None
-        work = sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
         prompt_work = sum(p * (p - 1) // 2 for p in prompts)  # a prompt's row i attends to the i rows before it
-        with_prompts = costs.verify_seconds(VerifyShape(nodes + sum(prompts), work + prompt_work))
-        prefill += min(call_seconds, max(0.0, with_prompts - costs.verify_seconds(VerifyShape(nodes, work))))
+        with_prompts = costs.verify_seconds(VerifyShape(tree.tokens + sum(prompts), tree.context_work + prompt_work))
+        prefill += min(call_seconds, max(0.0, with_prompts - costs.verify_seconds(tree)))
     return seconds - prefill if seconds > prefill else None
 
 
