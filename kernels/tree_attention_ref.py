@@ -165,16 +165,18 @@ def tree_attention_ref(
 
 
 def _cached_additive_mask(
-    meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype, window: int | None
+    meta: TreeAttentionMetadata, b: int, device: torch.device, dtype: torch.dtype, window: int | None, repeat: int = 1
 ) -> torch.Tensor:
     """Request b's query mask as an additive float mask (0 = attend, -inf = not), built once per metadata (i.e.
-    per verify step) and window, and reused by every layer. Float, not bool: CPU SDPA is several times slower with
-    bool masks."""
-    key = (b, f"{device}/{dtype}/{window}")
+    per verify step), window and ``repeat``, and reused by every layer. Float, not bool: CPU SDPA is several times
+    slower with bool masks. ``repeat``: the mask stacked that many times over its rows (the query rows of a GQA
+    group folded into one head, :func:`tree_attention_sdpa`).  # [repeat * nq, prefix_len + n]"""
+    key = (b, f"{device}/{dtype}/{window}/{repeat}")
     mask = meta._dense_masks.get(key)
     if mask is None:
         allowed = _query_mask(meta, b, device, window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        mask = mask if repeat == 1 else mask.repeat(repeat, 1)
         meta._dense_masks[key] = mask
     return mask
 
@@ -203,22 +205,50 @@ def tree_attention_sdpa(
     for b in range(meta.batch_size):
         if not meta.num_queries[b]:
             continue  # a padding segment (metadata.pad_metadata)
-        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)
-        # head-major copies: the token-major cache slices are strided, which CPU SDPA handles far slower
-        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
+        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)  # [nq, H, D], [L, H_kv, D] x 2
         plain = softcap is None and window is None
         causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
-        # one query at the end of a chain (an incremental step) sees every key: no mask to build or add
-        sees_all = plain and meta.is_chain[b] and meta.num_queries[b] == 1
-        mask = None if causal or sees_all else _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
+        if softcap is None and not (causal and group > 1):
+            ob = _grouped_sdpa(meta, b, qb, kb, vb, scale, causal, window, group)  # [nq, H, D]
+            out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob
+            continue
+        # head-major copies: soft-capped attention, and a GQA model's causal chain (a prompt's prefill)
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
         if softcap is None:
-            ob = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
-            )
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         else:
+            mask = _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
             ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap, group)
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
     return out
+
+
+def _grouped_sdpa(
+    meta: TreeAttentionMetadata,
+    b: int,
+    q: torch.Tensor,  # [nq, heads, D]
+    k: torch.Tensor,  # [L, kv_heads, D]
+    v: torch.Tensor,  # [L, kv_heads, D]
+    scale: float,
+    causal: bool,
+    window: int | None,
+    group: int,
+) -> torch.Tensor:  # [nq, heads, D]
+    """Request b's attention without soft cap through SDPA, each GQA group's queries folded into the rows of one
+    head: ``[1, kv_heads, group * nq, D]`` against that head's keys, read in place (strided views of the
+    token-major cache, no head-major copies). Query head h reads KV head ``h // group``, so the fold is a view of
+    the queries; CPU SDPA's ``enable_gqa`` instead repeats every key and value ``group`` times, which made a
+    one-query step of a GQA model 3-5x slower in bf16 (BENCHMARKS.md, "Attention on a CPU without copies").
+    ``causal`` only with ``group`` 1: folded rows are not in token order."""
+    nq, heads, dim = q.shape
+    kv_heads = heads // group
+    qh = q.view(nq, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * nq, dim)
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D], strided views
+    # one query at the end of a chain (an incremental step) sees every key: no mask to build or add
+    sees_all = causal or (window is None and meta.is_chain[b] and meta.num_queries[b] == 1)
+    mask = None if sees_all else _cached_additive_mask(meta, b, q.device, q.dtype, window, group)  # [group * nq, L]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
+    return o.view(kv_heads, group, nq, dim).permute(2, 0, 1, 3).reshape(nq, heads, dim)
 
 
 def _softcapped_attention(

@@ -307,11 +307,13 @@ def test_reference_chain_is_causal_attention(seed: int) -> None:
     assert err < FP32_TOL, f"seed={seed} prefix={prefix} n={n}: {err:.3g}"
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 3, 4])
 def test_sdpa_path_matches_reference(seed: int, group: int) -> None:
+    """Trees, an incremental step (one node behind a prefix: no mask) and a causal chain; with GQA groups, whose
+    queries the path folds into one head's rows (and a causal chain it runs unfolded)."""
     rng = np.random.default_rng(seed)
-    trees = [mixed_tree(rng) for _ in range(5)] + [chain(7)]
-    prefix = [int(rng.integers(0, 300)) for _ in trees[:-1]] + [0]  # the last one takes the is_causal branch
+    trees = [mixed_tree(rng) for _ in range(5)] + [chain(1), chain(7)]
+    prefix = [int(rng.integers(1, 300)) for _ in trees[:-1]] + [0]  # the last one takes the is_causal branch
     batch = make_batch(rng, trees, prefix, 2, group, 64, torch.float32, torch.device("cpu"))
     out = tree_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, impl="torch")
     check_against_ref(batch, out, FP32_TOL, f"seed={seed} sdpa path")
