@@ -14,6 +14,11 @@ greedy and batch 1, row after row (interleaved per prompt):
 - with ``--through-services``, ours again through the local stack (``specinfer up``'s processes),
   after all the other rows: the stack's idle processes would take CPU from them.
 
+A public model without a draft model, on the weights people run: ``--ssm none`` (llama.cpp incremental, ours
+incremental and ``auto``), ``--gguf FILE`` (llama.cpp runs that file, e.g. a package's Q4_1 GGUF, instead of the
+``--llm`` folder converted) and ``--quantize int8|int4`` (our weight-only quantization of ``--llm``, in this
+process).
+
 tokens/s are *decode* rates: the prompt's prefill is left out (llama.cpp's own "eval"/"decoded"
 timings; ours: the time after each request's first LLM step, which prefills and already speculates,
 as in bench/compare.py). Tokens per step: llama.cpp
@@ -53,7 +58,13 @@ INCREMENTAL = ("llama.cpp", "incremental (llama-completion)")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llm", type=Path, default=DEMO / "llm", help="Hugging Face folder of the LLM")
-    ap.add_argument("--ssm", type=Path, default=DEMO / "ssm", help="Hugging Face folder of the SSM (llama.cpp's draft)")
+    ap.add_argument(
+        "--ssm", default=str(DEMO / "ssm"), help="Hugging Face folder of the SSM (llama.cpp's draft); none: no SSM rows"
+    )
+    ap.add_argument(
+        "--gguf", type=Path, help="llama.cpp's LLM from this GGUF file (a quantized one) instead of --llm converted"
+    )
+    ap.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="our LLM's weights")
     ap.add_argument("--prompts", type=Path, default=DEMO / "prompts.jsonl", help="JSON lines with 'prompt' or 'text'")
     ap.add_argument("--count", type=int, default=5, help="prompts to run (the first N)")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -75,6 +86,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.draft_p_min = [float(x) for x in args.draft_p_min.split(",") if x.strip()]
     if args.count <= 0 or args.new_tokens <= 0 or args.threads <= 0:
         ap.error("--count, --new-tokens and --threads must be positive")
+    args.ssm = None if args.ssm == "none" else Path(args.ssm)
+    if args.quantize != "none" and args.through_services:
+        ap.error("--quantize: our rows in this process only")
     return args
 
 
@@ -160,7 +174,7 @@ def markdown(rows: list[dict]) -> str:
 def llama_cases(args: argparse.Namespace) -> list[tuple[str, int, float]]:
     """(setting, draft max, p-min); draft max 0: incremental."""
     cases = [(INCREMENTAL[1], 0, 0.0)]
-    for n in args.draft_max:
+    for n in args.draft_max if args.ssm is not None else ():
         cases += [(f"speculative draft-max {n} p-min {p:g}", n, p) for p in args.draft_p_min]
     return cases
 
@@ -187,7 +201,7 @@ def collect(args: argparse.Namespace, tools: Toolchain, ggufs: tuple[Path, Path]
     our_methods = methods(args.trees.split(";"), args.ssm)
     engine = None
     if not args.skip_ours:
-        engine = InProcess(args.llm, args.ssm, args.dtype, args.threads)
+        engine = InProcess(args.llm, args.ssm, args.dtype, args.threads, args.quantize)
         engine.warm_up(prompts[0], our_methods)
     for i, prompt in enumerate(prompts):
         for setting, n, p in llama_cases(args):
@@ -216,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, args.count)
     tools = Toolchain(args.cache, jobs=args.jobs)
     tools.prepare()
-    ggufs = (tools.convert(args.llm, args.dtype), tools.convert(args.ssm, args.dtype))
+    llm_gguf = args.gguf.resolve() if args.gguf else tools.convert(args.llm, args.dtype)
+    ggufs = (llm_gguf, tools.convert(args.ssm, args.dtype) if args.ssm is not None else None)
     bench = None if args.no_bench else tools.bench(ggufs[0], args.new_tokens, args.threads)
     samples = collect(args, tools, ggufs, prompts)
     rows = summarise(samples, bench)
@@ -224,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "llm": str(args.llm),
         "ssm": str(args.ssm),
-        "ggufs": [str(g) for g in ggufs],
+        "ggufs": [str(g) for g in ggufs if g is not None],
+        "quantize": args.quantize,
         "prompts": str(args.prompts),
         "count": len(prompts),
         "new_tokens": args.new_tokens,

@@ -37,18 +37,25 @@ class Sample:
     text: str
 
 
-def methods(trees: Sequence[str], ssm: Path) -> list[Method]:
-    """Incremental, each static tree (``tuned``: the SSM's installed tuning, else the paper's), auto."""
+def methods(trees: Sequence[str], ssm: Path | None) -> list[Method]:
+    """Incremental, each static tree (``tuned``: the SSM's installed tuning, else the paper's), auto; without an SSM,
+    incremental and auto (drafts from the request's own text)."""
     from specinfer.tuning import resolve_expansion
+
+    if ssm is None:
+        return [Method("incremental"), Method("auto")]
 
     widths = list(dict.fromkeys(resolve_expansion(t, [ssm]) for t in trees if t.strip()))
     return [Method("incremental"), *(Method("tree", w) for w in widths), Method("auto")]
 
 
 class InProcess:
-    """The LLM and the SSM loaded once; one engine serves every method (batch 1)."""
+    """The LLM (``quantize``: its weights, docs/quantization.md) and the SSM (None: none) loaded once; one engine
+    serves every method (batch 1)."""
 
-    def __init__(self, llm: Path, ssm: Path, dtype: str, threads: int, log=print) -> None:
+    def __init__(
+        self, llm: Path, ssm: Path | None, dtype: str, threads: int, quantize: str = "none", log=print
+    ) -> None:
         import torch
 
         from specinfer.core.acceptance import DEFAULT_SLOT_PRIOR
@@ -59,15 +66,15 @@ class InProcess:
 
         torch.set_num_threads(threads)
         self.tokenizer = load_tokenizer(llm)
-        self.llm = load_backend(llm, "llm", dtype, backend="native")
-        self.ssm = load_backend(ssm, "ssm", dtype, backend="native")
+        self.llm = load_backend(llm, "llm", dtype, backend="native", quantize=quantize)
+        ssms = [] if ssm is None else [load_backend(ssm, "ssm", dtype, backend="native")]
+        self.ssm_ids = tuple(range(len(ssms)))
         started = time.perf_counter()
-        costs = calibrate_costs(self.llm, [self.ssm], max_verify_tokens=64)
+        costs = calibrate_costs(self.llm, ssms, max_verify_tokens=64)
         log(f"ours: cost model calibrated in {time.perf_counter() - started:.1f} s (before any clock starts)")
-        config = EngineConfig(
-            max_batch=1, eos_token_id=eos_token_id(llm), slot_priors=(slot_prior(ssm) or DEFAULT_SLOT_PRIOR,)
-        )
-        self.engine = SpeculativeEngine(self.llm, [self.ssm], config, costs)
+        priors = () if ssm is None else (slot_prior(ssm) or DEFAULT_SLOT_PRIOR,)
+        config = EngineConfig(max_batch=1, eos_token_id=eos_token_id(llm), slot_priors=priors)
+        self.engine = SpeculativeEngine(self.llm, ssms, config, costs)
         self.count = 0
 
     def run(self, prompt: str, method: Method, new_tokens: int) -> Sample:
@@ -76,9 +83,9 @@ class InProcess:
 
         spec = None
         if method.kind == "auto":
-            spec = SpeculationConfig(None, (0,))
+            spec = SpeculationConfig(None, self.ssm_ids)
         elif method.kind == "tree":
-            spec = SpeculationConfig(ExpansionConfig.parse(method.expansion), (0,))
+            spec = SpeculationConfig(ExpansionConfig.parse(method.expansion), self.ssm_ids)
         self.count += 1
         ids = tuple(self.tokenizer.encode(prompt).ids)
         request = GenerationRequest(f"peer-{self.count}", ids, new_tokens, SamplingParams(temperature=0.0), spec)
@@ -107,14 +114,14 @@ class InProcess:
 class ThroughServices:
     """The local stack (LLM verifier, SSM worker, request manager as processes), gRPC streaming."""
 
-    def __init__(self, llm: Path, ssm: Path, dtype: str, threads: int, log=print) -> None:
+    def __init__(self, llm: Path, ssm: Path | None, dtype: str, threads: int, log=print) -> None:
         from specinfer.client import Client
         from specinfer.launcher import Stack, StackConfig
 
         state = Path(tempfile.mkdtemp(prefix="specinfer-peer-"))  # outside the repository
         cfg = StackConfig(
             llm=llm,
-            ssms=(ssm,),
+            ssms=() if ssm is None else (ssm,),
             port=0,
             state_dir=state,
             expansion="auto",

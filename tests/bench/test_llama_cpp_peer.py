@@ -104,6 +104,21 @@ def test_flags_defaults_and_sweeps():
         peer.parse_args(["--dtype", "float16"])
 
 
+def test_flags_without_ssm_a_gguf_and_our_quantization(tmp_path):
+    """``--ssm none``: llama.cpp incremental only, ours incremental and auto; ``--gguf`` names llama.cpp's file;
+    ``--quantize`` is ours in this process only."""
+    ours = _load("ours", "ours")
+    args = peer.parse_args(["--ssm", "none", "--gguf", str(tmp_path / "m.gguf"), "--quantize", "int4"])
+    assert args.ssm is None and args.gguf == tmp_path / "m.gguf" and args.quantize == "int4"
+    assert peer.llama_cases(args) == [(peer.INCREMENTAL[1], 0, 0.0)]
+    assert [m.kind for m in ours.methods(["1,1,3", "tuned"], None)] == ["incremental", "auto"]
+    assert peer.parse_args([]).ssm == REPO / "models/demo/ssm" and peer.parse_args([]).quantize == "none"
+    with pytest.raises(SystemExit):
+        peer.parse_args(["--quantize", "int8", "--through-services"])
+    with pytest.raises(SystemExit):
+        peer.parse_args(["--quantize", "int2"])
+
+
 def test_prompts_read_prompt_or_text(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a\n"}) + "\n\n" + json.dumps({"id": "x", "text": "b"}) + "\n")
