@@ -56,6 +56,7 @@ def test_a_gguf_file_becomes_a_cached_checkpoint_folder_with_its_chat_template(f
 
     config, tok = AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     assert config.model_type == "llama" and config.num_hidden_layers == 30 and config.hidden_size == 576
+    assert config.architectures == ["LlamaForCausalLM"]  # as a checkpoint's own config names its class
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nHi<|im_end|>" in chat and chat.endswith("<|im_start|>assistant\n"), chat
     start = time.monotonic()

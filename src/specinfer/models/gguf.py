@@ -25,7 +25,7 @@ from pathlib import Path
 from specinfer.core import InvalidArgument
 
 GGUF_SUFFIX = ".gguf"
-FORMAT = 1  # of the converted folders: a change of what is written makes new cache entries
+FORMAT = 2  # of the converted folders: a change of what is written makes new cache entries (2: architectures)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -90,6 +90,9 @@ def _convert(source: Path, out: Path, field: str) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the weights written are plain float32
     config["torch_dtype"] = "float32"
+    # transformers' reader leaves it None; tools that read a checkpoint folder by its class (llama.cpp's converter,
+    # transformers' pipelines) need it
+    config["architectures"] = [type(model).__name__]
     config["specinfer_source"] = {"gguf": str(source), "format": FORMAT}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save_pretrained(out)
