@@ -321,3 +321,21 @@ def test_coupled_targets_match_the_host_reference():
         for r in range(40)
     ]
     assert got == want
+
+
+def test_the_device_walk_and_the_host_walk_agree():
+    """A CPU step walks its greedy trees on the host (``_greedy_part_on_host``); a GPU step on the device, every tree
+    at once (``_greedy_part_on_device``). Run here on CPU tensors, both give each job's end node and bonus token."""
+    from specinfer.models.verification import _greedy_part_on_device, _greedy_part_on_host
+
+    rng = np.random.default_rng(5)
+    vocab, accepted = 3, 0  # small: long accepted paths
+    for round_ in range(50):
+        trees = [random_tree(rng, int(rng.integers(1, 30)), vocab) for _ in range(int(rng.integers(1, 6)))]
+        jobs = [VerifySpec(f"r{round_}-{g}", [1], DraftTree(t), SamplingParams(), 0, 0) for g, t in enumerate(trees)]
+        argmax = torch.from_numpy(rng.integers(0, vocab, sum(len(t) for t in trees)))
+        host = _greedy_part_on_host(argmax.numpy(), jobs)
+        device = _greedy_part_on_device(argmax, jobs)
+        assert all(torch.equal(h, d) for h, d in zip(host, device, strict=True)), (host, device)
+        accepted += int((host[0] > 0).sum())
+    assert accepted > 20  # the walks go somewhere

@@ -26,7 +26,7 @@ from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import VerifySpec
 from specinfer.core.requests import TokenLogprob
 from specinfer.core.tree import path_below_root
-from specinfer.core.verify import bonus_draws, mss_tries, walk_stochastic
+from specinfer.core.verify import bonus_draws, mss_tries, verify_greedy, walk_stochastic
 from specinfer.models.drafting import head_drafts
 from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM, TreeForward
@@ -174,9 +174,18 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
 
 
 def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> list[torch.Tensor]:
-    """Greedy and coupled verification of ``jobs`` (their trees' rows begin at ``starts``) on the device:
-    each walk's end (a node of its tree) and the LLM's token there, the bonus.  # [G], [G]"""
+    """Greedy and coupled verification of ``jobs`` (their trees' rows begin at ``starts``): each walk's end (a node of
+    its tree) and the LLM's token there, the bonus; walked on the device, or on the host where the rows are.
+    # [G], [G]"""
     argmax = _targets(rows, jobs, starts)  # [Ng]
+    if rows.device.type == "cpu":
+        return _greedy_part_on_host(argmax.numpy(), jobs)
+    return _greedy_part_on_device(argmax, jobs)
+
+
+def _greedy_part_on_device(argmax: torch.Tensor, jobs: Sequence[VerifySpec]) -> list[torch.Tensor]:
+    """:func:`_greedy_part`'s walks on ``argmax``'s device, every tree at once (no host round trip): ``argmax``,
+    every node's target, tree after tree.  # [Ng]"""
     tokens, parents, segments, firsts, depth, at = [], [], [], [], 0, 0
     for g, job in enumerate(jobs):
         tree = job.draft.tree
@@ -187,10 +196,25 @@ def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequenc
         depth = max(depth, int(tree.depths.max()))
         at += len(tree)
     meta = torch.tensor([tokens, parents, segments], dtype=torch.long).to(
-        rows.device
+        argmax.device
     )  # [3, Ng] one host-to-device copy
     ends = greedy_accept(argmax, meta[0], meta[1], meta[2], len(jobs), depth)
     return [ends - meta.new_tensor(firsts), argmax[ends]]
+
+
+def _greedy_part_on_host(argmax: np.ndarray, jobs: Sequence[VerifySpec]) -> list[torch.Tensor]:
+    """:func:`_greedy_part`'s walks where the rows are host memory (a CPU): each tree walked by
+    :func:`~specinfer.core.verify.verify_greedy`, microseconds a tree, where the device walk's twenty-odd tensor
+    operations cost a CPU step 0.2-0.3 ms (BENCHMARKS.md, "Greedy walks on the host on a CPU"). ``argmax``: every
+    node's target, tree after tree.  # [Ng]"""
+    ends, bonus, at = [], [], 0
+    for job in jobs:
+        tree = job.draft.tree
+        walk = verify_greedy(tree, argmax[at : at + len(tree)])
+        ends.append(walk.accepted_nodes[-1] if walk.accepted_nodes else 0)
+        bonus.append(walk.bonus_token)
+        at += len(tree)
+    return [torch.tensor(ends), torch.tensor(bonus)]
 
 
 def _greedy_result(draft: DraftTree, end: int, bonus: int) -> VerifyResult:
