@@ -38,11 +38,11 @@ DEFAULT_PAIR = REPO.parent / "shared/models/pycode-a"
 
 
 def load_prompts(path: Path, tokenizer_dir: Path, count: int, max_tokens: int) -> list[tuple[int, ...]]:
-    """The first ``count`` prompts of a JSON-lines file (a ``text`` field each), tokenized with
+    """The first ``count`` prompts of a JSON-lines file (a ``text`` or ``prompt`` field each), tokenized with
     ``tokenizer_dir``'s tokenizer, each cut to its last ``max_tokens`` tokens (0: whole)."""
     tok = load_tokenizer(tokenizer_dir)
-    lines = path.read_text().splitlines()[:count]
-    prompts = [tuple(tok.encode(json.loads(line)["text"]).ids) for line in lines]
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    prompts = [tuple(tok.encode(row["text"] if "text" in row else row["prompt"]).ids) for row in rows]
     return [p[-max_tokens:] for p in prompts] if max_tokens > 0 else prompts
 
 

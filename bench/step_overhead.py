@@ -59,7 +59,9 @@ class Timed:
 
 def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
     torch.set_num_threads(args.threads)
-    llm = load_backend(args.llm, "llm", args.dtype, backend="native", kv_block_size=args.kv_block_size)
+    llm = load_backend(
+        args.llm, "llm", args.dtype, backend="native", kv_block_size=args.kv_block_size, quantize=args.quantize
+    )
     ssms = [load_backend(p, "ssm", args.dtype, backend="native", kv_block_size=args.kv_block_size) for p in args.ssm]
     engine = SpeculativeEngine(llm, ssms, EngineConfig(max_batch=1, eos_token_id=eos_token_id(args.llm)))
     if ssms:
@@ -71,7 +73,7 @@ def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, floa
         Timed(totals, "ssm calls", ssm, "forward_tree")
     rows = {}
     for mode in MODES:
-        spec = None if mode == "incremental" else SpeculationConfig(None)
+        spec = None if mode == "incremental" else SpeculationConfig(None, tuple(range(len(ssms))))
         warm = GenerationRequest(f"{mode}-warm", prompts[0], 8, speculation=spec, ignore_eos=True)
         engine.generate([warm])
         totals.clear()
@@ -109,20 +111,28 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
         expansion="auto",
         threads=args.threads,
         ssm_threads=args.ssm_threads,
-        extra_env=(("SPECINFER_DTYPE", args.dtype),),
+        extra_env=(("SPECINFER_DTYPE", args.dtype), ("SPECINFER_QUANTIZE", args.quantize)),
         rm_args=("--max-batch", "1"),
     )
     rows = {}
     with Stack(cfg) as stack, Client(stack.address, timeout=3600) as client:
-        rm, verifier, worker = (stack.process(n) for n in ("request-manager", "llm-verifier", "ssm-worker-0"))
-        for mode in MODES:
+        rm, verifier = stack.process("request-manager"), stack.process("llm-verifier")
+        # without an SSM worker the request manager refuses speculation: incremental alone
+        worker = stack.process("ssm-worker-0") if args.ssm else None
+
+        def scrape_all() -> tuple[dict[str, float], ...]:
+            return (scrape(rm.metrics_address), scrape(verifier.metrics_address)) + (
+                (scrape(worker.metrics_address),) if worker is not None else ({},)
+            )
+
+        for mode in MODES if worker is not None else MODES[:1]:
             speculate = mode != "incremental"
 
             def request(prompt, tokens, speculate=speculate):
                 return Client.request(prompt, tokens, speculation=speculate, adaptive=speculate, ignore_eos=True)
 
             client.generate(request(prompts[0], 8))  # warm-up
-            rm0, vf0, sw0 = (scrape(p.metrics_address) for p in (rm, verifier, worker))
+            rm0, vf0, sw0 = scrape_all()
             steps, tokens, seconds = 0, 0, 0.0
             for prompt in prompts:
                 start = time.perf_counter()
@@ -130,7 +140,7 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
                 seconds += time.perf_counter() - start
                 steps += done.finished.usage.llm_steps
                 tokens += len(done.token_ids)
-            rm1, vf1, sw1 = (scrape(p.metrics_address) for p in (rm, verifier, worker))
+            rm1, vf1, sw1 = scrape_all()
             iterations = delta(rm0, rm1, "specinfer_iteration_seconds_count")
             per = 1e3 / iterations  # ms per iteration of a sum in seconds
             iteration = delta(rm0, rm1, "specinfer_iteration_seconds_sum") * per
@@ -173,7 +183,14 @@ def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", type=Path, default=REPO / "models/demo/llm")
-    ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
+    ap.add_argument(
+        "--ssm",
+        action="append",
+        default=None,
+        help="an SSM folder; repeat for several; none: no SSM (the default "
+        "speculation then drafts from the request's own text)",
+    )
+    ap.add_argument("--quantize", default="none", help="the LLM's weights (none, int8, int4; SPECINFER_QUANTIZE)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ssm-threads", type=int, default=1, help="torch threads of the SSM worker (services)")
@@ -183,17 +200,20 @@ def main() -> None:
         default=16,
         help="in process: the KV pools' block size (0: contiguous; the services' default: 16)",
     )
-    ap.add_argument("--prompts", type=Path, default=REPO / "models/demo/prompts.jsonl", help="JSON lines, a text each")
+    ap.add_argument(
+        "--prompts", type=Path, default=REPO / "models/demo/prompts.jsonl", help="JSON lines, a text or prompt each"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to its last this many tokens")
     ap.add_argument("--count", type=int, default=4, help="prompts (one request at a time)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--paths", default="in-process,services", help="in-process, services, or both (comma list)")
     args = ap.parse_args()
-    args.ssm = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
+    args.ssm = [Path(p) for p in args.ssm if p != "none"] if args.ssm is not None else [REPO / "models/demo/ssm"]
     prompts = load_prompts(args.prompts, args.llm, args.count, args.prompt_tokens)
     paths = args.paths.split(",")
     print(
-        f"LLM {args.llm}, SSMs {[str(p) for p in args.ssm]}, {args.dtype}, {args.threads} threads, batch 1, "
+        f"LLM {args.llm} (quantize {args.quantize}), SSMs {[str(p) for p in args.ssm]}, {args.dtype}, "
+        f"{args.threads} threads, batch 1, "
         f"{args.count} prompts x {args.new_tokens} new tokens, greedy; ms per LLM step"
     )
     if "in-process" in paths:

@@ -46,7 +46,13 @@ from specinfer.serving.config import (
     server_security,
 )
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import calibrate_verifier, load_model, model_identity, verifier_cost_entry
+from specinfer.serving.runner import (
+    ModelThread,
+    calibrate_verifier,
+    load_model,
+    model_identity,
+    verifier_cost_entry,
+)
 from specinfer.serving.security import ServerSecurity
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 
@@ -130,15 +136,16 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
-    llm = load_model(path, "llm", args, args.offload, args.offload_reserve_bytes)
+    thread = ModelThread(name, args.torch_threads)  # every torch call of the model, its loading first, runs there
+    llm = thread.run(load_model, path, "llm", args, args.offload, args.offload_reserve_bytes)
     grammars = None
     if args.head:
-        llm = with_head(llm, args.head, path)
+        llm = thread.run(with_head, llm, args.head, path)
         # the head's drafts of constrained requests are masked by their grammar
         grammars = grammars_for(load_tokenizer(path), llm.vocab_size, eos_token_id(path))
     entry = verifier_cost_entry(args, model_identity(path, args, args.offload, args.offload_reserve_bytes))
-    costs = calibrate_verifier(llm, args.calibrate_tokens, entry)
-    return LlmVerifierServicer(name, llm, metrics, costs, grammars)
+    costs = thread.run(calibrate_verifier, llm, args.calibrate_tokens, entry)
+    return LlmVerifierServicer(name, llm, metrics, costs, grammars, thread)
 
 
 def plan_parallel(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch | None:

@@ -20,7 +20,7 @@ from specinfer.models.verification import verify_trees
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
-from specinfer.serving.runner import ModelRunner
+from specinfer.serving.runner import ModelRunner, ModelThread
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["LlmVerifier"].full_name
@@ -47,15 +47,17 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         metrics: ModelMetrics,
         costs: StepCosts | None = None,
         grammars: Grammars | None = None,
+        thread: ModelThread | None = None,
     ) -> None:
         """``costs``: the LLM's calibrated verify cost model (:func:`~specinfer.serving.runner.calibrate_verifier`),
         reported by GetInfo; ``grammars``: its tokenizer's, which mask the draft head's trees of constrained
-        requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: unmasked)."""
+        requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: unmasked); ``thread``: the one that
+        loaded ``llm``, where its calls run (:class:`~specinfer.serving.runner.ModelThread`; None: a new one)."""
         self.name = name
         self.costs = costs
         self.metrics = metrics
         self.vocab_size = llm.vocab_size
-        self.runner = ModelRunner(name, llm)  # the thread the model's calls run in (one at a time)
+        self.runner = ModelRunner(name, llm, thread)  # the thread the model's calls run in (one at a time)
         self._contexts = ContextStore()
         self._grammars = DraftGrammars(grammars) if grammars is not None else None  # the head's, per request
         metrics.observe_graphs(name, llm.graph_stats)  # the start-up warm-up's, before any call

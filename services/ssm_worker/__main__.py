@@ -27,7 +27,13 @@ from specinfer.serving.config import (
     server_security,
 )
 from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
-from specinfer.serving.runner import calibrate_drafters, drafter_cost_entry, load_model, model_identity
+from specinfer.serving.runner import (
+    ModelThread,
+    calibrate_drafters,
+    drafter_cost_entry,
+    load_model,
+    model_identity,
+)
 from specinfer.serving.server import ServerConfig, serve, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
 from specinfer.tuning import slot_prior
@@ -69,10 +75,12 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
     paths = {name: str(model_folder(path, f"ssm.{name}")) for name, path in parse_named_paths(args.ssm, "ssm").items()}
     ssms: dict[str, CausalLM] = {}
     methods = {}
+    # each SSM's torch calls, its loading first, run in its own thread (ModelThread: one OpenMP team a thread)
+    threads = {name: ModelThread(name, args.torch_threads) for name in paths}
     for name, path in paths.items():
         check_checkpoint(path, f"ssm.{name}")  # before the LLM's vocabulary is compared with its own
         vmap = draft_vocabulary(args.llm_dir, path, f"ssm.{name}") if args.llm_dir else None
-        model = load_model(path, f"ssm.{name}", args)
+        model = threads[name].run(load_model, path, f"ssm.{name}", args)
         ssms[name] = in_llm_ids(model, vmap)
         methods[name] = vocabulary_method(vmap)
         if vmap is not None:
@@ -84,8 +92,11 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
     entries = {
         name: drafter_cost_entry(args, model_identity(path, args), methods[name]) for name, path in paths.items()
     }
-    costs = calibrate_drafters(ssms, args.calibrate_tokens, entries)
-    return SsmWorkerServicer(ssms, metrics, costs, priors, methods, draft_grammars(args.llm_dir, paths, ssms))
+    costs = {}
+    for name, ssm in ssms.items():
+        costs |= threads[name].run(calibrate_drafters, {name: ssm}, args.calibrate_tokens, {name: entries[name]})
+    grammars = draft_grammars(args.llm_dir, paths, ssms)
+    return SsmWorkerServicer(ssms, metrics, costs, priors, methods, grammars, threads)
 
 
 def draft_grammars(llm_dir: str, paths: dict[str, str], ssms: dict[str, CausalLM]) -> Grammars | None:

@@ -19,7 +19,7 @@ from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.rpc import rpc_errors
-from specinfer.serving.runner import ModelRunner
+from specinfer.serving.runner import ModelRunner, ModelThread
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["SsmWorker"].full_name
@@ -42,6 +42,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         slot_priors: Mapping[str, Sequence[float]] | None = None,
         vocabularies: Mapping[str, str] | None = None,
         grammars: Grammars | None = None,
+        threads: Mapping[str, ModelThread] | None = None,
     ) -> None:
         """``draft_costs``: each SSM's calibrated pass seconds (:func:`~specinfer.serving.runner.calibrate_drafters`);
         ``slot_priors``: those of the SSMs with an installed tuning file (:func:`specinfer.tuning.slot_prior`).
@@ -49,7 +50,8 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         reach the LLM's token IDs (:func:`specinfer.models.cross_vocab.vocabulary_method`; missing: shared).
         ``grammars``: the LLM tokenizer's (the IDs every SSM here drafts in), which mask the drafts of constrained
         requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: their drafts are pruned after
-        drafting only, by the request manager)."""
+        drafting only, by the request manager). ``threads``: each SSM's, which loaded it and runs its calls
+        (:class:`~specinfer.serving.runner.ModelThread`; missing: a new one)."""
         self.metrics = metrics
         self.vocabularies = dict(vocabularies or {})
         self.draft_costs = dict(draft_costs or {})
@@ -60,7 +62,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         if len(set(sizes.values())) > 1:
             raise InvalidArgument("ssm", f"the SSMs' vocabulary sizes differ: {sizes}")
         self.vocab_size = next(iter(sizes.values()))
-        self._runners = {name: ModelRunner(name, m) for name, m in ssms.items()}
+        self._runners = {name: ModelRunner(name, m, (threads or {}).get(name)) for name, m in ssms.items()}
         for name, m in ssms.items():
             metrics.observe_graphs(name, m.graph_stats)  # the start-up warm-up's, before any call
         self._budgets = {name: m.kv_budget for name, m in ssms.items()}

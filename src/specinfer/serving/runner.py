@@ -142,6 +142,28 @@ def drafter_cost_entry(settings: argparse.Namespace, identity: ModelIdentity, vo
     return CostEntry(calibration_cache(settings), CalibrationKey.build("drafter", (identity,), params))
 
 
+class ModelThread:
+    """The one thread that does a model's torch work in a service: its loading and start-up calibration
+    (:meth:`run`), then every call (:class:`ModelRunner`).
+
+    PyTorch runs the parallel part of a CPU operation on an OpenMP thread team of the thread that calls it. Once a
+    second thread of a process has launched parallel work, the parallel regions of both are slower for as long as the
+    process lives: on the 2-core EPYC, SmolLM2 (int4, bf16) decoded at 24 ms a token in one thread, and at 42 ms
+    after a single parallel sum in another thread (BENCHMARKS.md, "One OpenMP team per service"). A service that loaded
+    its model on its main thread and called it from another paid that on every step. ``threads``: its torch threads
+    (0: the process's count)."""
+
+    def __init__(self, name: str, threads: int = 0) -> None:
+        threads = threads if threads > 0 else torch.get_num_threads()
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
+        )
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the thread, waited for: start-up work, before the event loop serves."""
+        return self.executor.submit(fn, *args).result()
+
+
 class ModelRunner:
     """A model whose blocking calls run one at a time in a worker thread.
 
@@ -152,17 +174,15 @@ class ModelRunner:
     call for the same request waits or runs frees the cache that call leaves behind.
     """
 
-    def __init__(self, name: str, model: CausalLM) -> None:
+    def __init__(self, name: str, model: CausalLM, thread: ModelThread | None = None) -> None:
+        """``thread``: the one that loaded ``model`` (:class:`ModelThread`); None: a new one."""
         self.name = name
         self.model = model
         self._lock = asyncio.Lock()
         # One long-lived thread per model, not the loop's shared pool: OpenMP keeps a thread team
         # (and its thread count) per calling thread, so hopping between pool threads cost the
-        # forward pass ~20% on a CPU. The count set for the process applies to this thread too.
-        threads = torch.get_num_threads()
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
-        )
+        # forward pass ~20% on a CPU; and the thread that loaded it: one team a process (ModelThread).
+        self._thread = (thread or ModelThread(name)).executor
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(model, *args)`` in the model's thread, after any call already running."""

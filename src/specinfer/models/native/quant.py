@@ -78,6 +78,11 @@ class QuantizedWeight:
         """The activations' dtype the kernels take (that of the scales)."""
         return self.scales.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where its tensors are, as a plain weight's ``device``."""
+        return self.packed.device
+
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, w, b)`` for ``x``  # [M, in] with ``w`` the dequantized weight; returns  # [M, out]."""
         if self.pad_in:
