@@ -81,7 +81,7 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
         check_checkpoint(path, f"ssm.{name}")  # before the LLM's vocabulary is compared with its own
         vmap = draft_vocabulary(args.llm_dir, path, f"ssm.{name}") if args.llm_dir else None
         model = threads[name].run(load_model, path, f"ssm.{name}", args)
-        ssms[name] = in_llm_ids(model, vmap)
+        ssms[name] = threads[name].run(in_llm_ids, model, vmap)  # tensors of vocabulary size
         methods[name] = vocabulary_method(vmap)
         if vmap is not None:
             log.info(
