@@ -324,18 +324,24 @@ def test_coupled_targets_match_the_host_reference():
 
 
 def test_the_device_walk_and_the_host_walk_agree():
-    """A CPU step walks its greedy trees on the host (``_greedy_part_on_host``); a GPU step on the device, every tree
-    at once (``_greedy_part_on_device``). Run here on CPU tensors, both give each job's end node and bonus token."""
-    from specinfer.models.verification import _greedy_part_on_device, _greedy_part_on_host
+    """A CPU step copies every node's target and walks each greedy tree on the host; a GPU step walks them all on the
+    device and copies the ends and bonus tokens (``_GreedyPlan``). Run here on CPU tensors, both give the same
+    verdicts."""
+    from specinfer.models.verification import _GreedyPlan
 
     rng = np.random.default_rng(5)
     vocab, accepted = 3, 0  # small: long accepted paths
     for round_ in range(50):
         trees = [random_tree(rng, int(rng.integers(1, 30)), vocab) for _ in range(int(rng.integers(1, 6)))]
         jobs = [VerifySpec(f"r{round_}-{g}", [1], DraftTree(t), SamplingParams(), 0, 0) for g, t in enumerate(trees)]
-        argmax = torch.from_numpy(rng.integers(0, vocab, sum(len(t) for t in trees)))
-        host = _greedy_part_on_host(argmax.numpy(), jobs)
-        device = _greedy_part_on_device(argmax, jobs)
-        assert all(torch.equal(h, d) for h, d in zip(host, device, strict=True)), (host, device)
-        accepted += int((host[0] > 0).sum())
+        starts = np.cumsum([0] + [len(t) for t in trees])[:-1].tolist()
+        rows = torch.from_numpy(rng.normal(size=(sum(len(t) for t in trees), vocab)).astype(np.float32))
+        verdicts = []
+        for on_host in (True, False):
+            plan = _GreedyPlan(jobs, on_host)
+            host = torch.cat([p.reshape(-1).double() for p in plan.device_part(rows, starts)]).numpy()
+            assert host.size == plan.host_values
+            verdicts.append(plan.results(host))
+        assert verdicts[0] == verdicts[1]
+        accepted += sum(v.num_accepted for v in verdicts[0])
     assert accepted > 20  # the walks go somewhere

@@ -70,19 +70,20 @@ def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> lis
     greedy = [i for i, j in enumerate(jobs) if j.sampling.prunable]  # greedy and coupled: a walk towards fixed targets
     sampled = [i for i, j in enumerate(jobs) if not j.sampling.prunable]  # multi-step speculative sampling
     parts: list[torch.Tensor] = []
-    if greedy:
-        parts += _greedy_part(rows, [jobs[i] for i in greedy], [starts[i] for i in greedy])
+    walks = _GreedyPlan([jobs[i] for i in greedy], rows.device.type == "cpu") if greedy else None
+    if walks is not None:
+        parts += walks.device_part(rows, [starts[i] for i in greedy])
     mss = _MssPlan([jobs[i] for i in sampled]) if sampled else None
     if mss is not None:
         parts += mss.device_part(rows, [starts[i] for i in sampled])
     host = to_host(pack(parts))  # the step's one device-to-host copy
     results: dict[int, VerifyResult] = {}
-    if greedy:
-        ends, bonus = host[: len(greedy)].astype(np.int64), host[len(greedy) : 2 * len(greedy)].astype(np.int64)
-        for g, i in enumerate(greedy):
-            results[i] = _greedy_result(jobs[i].draft, int(ends[g]), int(bonus[g]))
+    taken = 0 if walks is None else walks.host_values
+    if walks is not None:
+        for i, result in zip(greedy, walks.results(host[:taken]), strict=True):
+            results[i] = result
     if mss is not None:
-        for i, result in zip(sampled, mss.results(host[2 * len(greedy) :]), strict=True):
+        for i, result in zip(sampled, mss.results(host[taken:]), strict=True):
             results[i] = result
     out = [results[i] for i in range(len(jobs))]
     return _with_logprobs(raw, jobs, starts, out) if any(j.logprobs is not None for j in jobs) else out
@@ -173,19 +174,9 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
     return targets
 
 
-def _greedy_part(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[int]) -> list[torch.Tensor]:
-    """Greedy and coupled verification of ``jobs`` (their trees' rows begin at ``starts``): each walk's end (a node of
-    its tree) and the LLM's token there, the bonus; walked on the device, or on the host where the rows are.
-    # [G], [G]"""
-    argmax = _targets(rows, jobs, starts)  # [Ng]
-    if rows.device.type == "cpu":
-        return _greedy_part_on_host(argmax.numpy(), jobs)
-    return _greedy_part_on_device(argmax, jobs)
-
-
 def _greedy_part_on_device(argmax: torch.Tensor, jobs: Sequence[VerifySpec]) -> list[torch.Tensor]:
-    """:func:`_greedy_part`'s walks on ``argmax``'s device, every tree at once (no host round trip): ``argmax``,
-    every node's target, tree after tree.  # [Ng]"""
+    """Greedy and coupled walks of ``jobs`` on ``argmax``'s device, every tree at once: each walk's end (a node of its
+    tree) and the LLM's token there, the bonus. ``argmax``: every node's target, tree after tree.  # [Ng] -> [G], [G]"""
     tokens, parents, segments, firsts, depth, at = [], [], [], [], 0, 0
     for g, job in enumerate(jobs):
         tree = job.draft.tree
@@ -202,19 +193,34 @@ def _greedy_part_on_device(argmax: torch.Tensor, jobs: Sequence[VerifySpec]) -> 
     return [ends - meta.new_tensor(firsts), argmax[ends]]
 
 
-def _greedy_part_on_host(argmax: np.ndarray, jobs: Sequence[VerifySpec]) -> list[torch.Tensor]:
-    """:func:`_greedy_part`'s walks where the rows are host memory (a CPU): each tree walked by
-    :func:`~specinfer.core.verify.verify_greedy`, microseconds a tree, where the device walk's twenty-odd tensor
-    operations cost a CPU step 0.2-0.3 ms (BENCHMARKS.md, "Greedy walks on the host on a CPU"). ``argmax``: every
-    node's target, tree after tree.  # [Ng]"""
-    ends, bonus, at = [], [], 0
-    for job in jobs:
-        tree = job.draft.tree
-        walk = verify_greedy(tree, argmax[at : at + len(tree)])
-        ends.append(walk.accepted_nodes[-1] if walk.accepted_nodes else 0)
-        bonus.append(walk.bonus_token)
-        at += len(tree)
-    return [torch.tensor(ends), torch.tensor(bonus)]
+class _GreedyPlan:
+    """Greedy and coupled verification of one step's prunable jobs: the device's part and the walks. ``on_host``
+    (the rows are on a CPU): the device's part is every node's target alone, and each tree is walked on the host after
+    the step's one copy (:func:`~specinfer.core.verify.verify_greedy`, microseconds a tree, where the device walk's
+    twenty-odd tensor operations cost a CPU step 0.2-0.3 ms: BENCHMARKS.md, "Greedy walks on the host on a CPU").
+    Otherwise every tree is walked on the device at once and the copy holds each walk's end and bonus token."""
+
+    def __init__(self, jobs: Sequence[VerifySpec], on_host: bool) -> None:
+        self.jobs = list(jobs)
+        self.on_host = on_host
+        nodes = sum(len(j.draft.tree) for j in self.jobs)
+        self.host_values = nodes if on_host else 2 * len(self.jobs)  # what results() reads of the step's copy
+
+    def device_part(self, rows: torch.Tensor, starts: Sequence[int]) -> list[torch.Tensor]:
+        """``rows`` are the step's, the jobs' trees begin at ``starts``: the targets  # [Ng], or the walks' ends
+        and bonus tokens  # [G], [G]."""
+        targets = _targets(rows, self.jobs, starts)  # [Ng]
+        return [targets] if self.on_host else _greedy_part_on_device(targets, self.jobs)
+
+    def results(self, host: np.ndarray) -> list[VerifyResult]:
+        """The verdicts from :meth:`device_part`'s values in host memory  # [host_values]."""
+        if self.on_host:
+            ends = np.cumsum([len(j.draft.tree) for j in self.jobs])
+            targets = np.split(host.astype(np.int64), ends[:-1])
+            return [verify_greedy(j.draft.tree, t) for j, t in zip(self.jobs, targets, strict=True)]
+        g = len(self.jobs)
+        ends, bonus = host[:g].astype(np.int64), host[g : 2 * g].astype(np.int64)
+        return [_greedy_result(j.draft, int(e), int(b)) for j, e, b in zip(self.jobs, ends, bonus, strict=True)]
 
 
 def _greedy_result(draft: DraftTree, end: int, bonus: int) -> VerifyResult:
