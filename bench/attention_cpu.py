@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.kernels import build_paged_tree_metadata, tree_attention
-from specinfer.kernels.tree_attention_ref import dense_tree_mask
+from specinfer.kernels.tree_attention_ref import _cached_additive_mask, _request_views
 
 PATH = sys.modules["specinfer.kernels.tree_attention"]  # the module whose tree_attention_sdpa part 2 swaps
 HEAD_DIM = 64
@@ -32,28 +32,18 @@ BLOCK = 16  # KV block size of the paged pool, the services' default
 
 
 def copied_sdpa(q, k_cache, v_cache, meta, sm_scale=None, softcap=None, window=None):
-    """The form replaced: per request, head-major contiguous copies and SDPA's ``enable_gqa`` (no soft cap or window:
-    the models this bench runs have neither)."""
+    """The form replaced: per request, head-major contiguous copies and SDPA's ``enable_gqa``, with the path's own
+    gather and its masks cached per step (no soft cap or window: the models this bench runs have neither)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[-2]
     for b in range(meta.batch_size):
-        q0, q1, length = meta.q_starts[b], meta.q_starts[b + 1], meta.kv_len(b)
-        if meta.paged:
-            blocks = meta.block_table[b, : -(-length // meta.block_size)]
-            kb = k_cache.index_select(0, blocks).flatten(0, 1)[:length]  # [L, kv_heads, D]
-            vb = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
-        else:
-            kb, vb = (c[meta.kv_starts[b] : meta.kv_starts[b] + length] for c in (k_cache, v_cache))
-        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q[q0:q1], kb, vb))  # [1, heads, len, D]
-        nq, n = q1 - q0, len(meta.parents[b])
-        causal = meta.is_chain[b] and meta.prefix_lens[b] == 0 and nq == n
-        one = nq == 1 and meta.is_chain[b]
-        mask = None
-        if not (causal or one):
-            allowed = dense_tree_mask(meta.parents[b], meta.prefix_lens[b])[n - nq :]  # [nq, L]
-            mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)  # [nq, H, D], [L, kv_heads, D] x 2
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qb, kb, vb))  # [1, heads, len, D]
+        causal = meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
+        one = meta.is_chain[b] and meta.num_queries[b] == 1
+        mask = None if causal or one else _cached_additive_mask(meta, b, q.device, q.dtype, None)  # [nq, L]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, enable_gqa=group > 1)
-        out[q0:q1] = ob[0].transpose(0, 1)
+        out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
     return out
 
 

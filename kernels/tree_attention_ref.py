@@ -238,7 +238,7 @@ def _grouped_sdpa(
     head: ``[1, kv_heads, group * nq, D]`` against that head's keys, read in place (strided views of the
     token-major cache, no head-major copies). Query head h reads KV head ``h // group``, so the fold is a view of
     the queries; CPU SDPA's ``enable_gqa`` instead repeats every key and value ``group`` times, which made a
-    one-query step of a GQA model 3-5x slower in bf16 (BENCHMARKS.md, "Attention on a CPU without copies").
+    one-query step of a GQA model 1.3-3x slower in bf16 (BENCHMARKS.md, "Attention on a CPU without copies").
     ``causal`` only with ``group`` 1: folded rows are not in token order."""
     nq, heads, dim = q.shape
     kv_heads = heads // group
