@@ -160,7 +160,7 @@ class NativeModel:
         return F.embedding(tokens, self.w.embed)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
-        return self.linear(h, self.w.lm_head)
+        return self.linear(h, self.w.lm_head if self.w.logits_head is None else self.w.logits_head)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the partial outputs of a row-parallel layer (o_proj, down_proj) over the shards."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from specinfer.core import InvalidArgument
+from specinfer.models.native.quant import QuantizedWeight
 from specinfer.models.native.weights import LayerWeights, ModelWeights, map_tensors, named_tensors
 
 RESERVE_FLAG = "offload-reserve-bytes"
@@ -58,9 +59,8 @@ def layer_bytes(layer: LayerWeights) -> int:
 
 def resident_tensors(weights: ModelWeights) -> list[torch.Tensor]:
     """The weights that stay on the device (see the module docstring): everything but the decoder layers."""
-    return [
-        t for f in dataclasses.fields(weights) if f.name != "layers" and (t := getattr(weights, f.name)) is not None
-    ]
+    resident = [getattr(weights, f.name) for f in dataclasses.fields(weights) if f.name != "layers"]
+    return [t for w in resident if w is not None for t in (w.tensors().values() if type(w) is QuantizedWeight else [w])]
 
 
 @dataclass(frozen=True)
@@ -214,12 +214,13 @@ def offload_weights(host: ModelWeights, device: torch.device, reserve: int) -> t
     :class:`OffloadedLayers`. Refused (:func:`check_reserve`) before anything reaches the device when
     the device bytes exceed ``reserve``."""
     check_reserve(model_budget(host), reserve)
-    moved: dict[int, torch.Tensor] = {}  # id of a host tensor -> its device copy: tied tensors stay one
+    # id of a host tensor -> its device copy: tied tensors stay one
+    moved: dict[int, torch.Tensor | QuantizedWeight] = {}
     changes = {}
     for f in dataclasses.fields(host):
         t = getattr(host, f.name)
         if f.name != "layers" and t is not None:
             if id(t) not in moved:
-                moved[id(t)] = t.to(device)
+                moved[id(t)] = t.map(lambda x: x.to(device)) if isinstance(t, QuantizedWeight) else t.to(device)
             changes[f.name] = moved[id(t)]
     return dataclasses.replace(host, **changes), OffloadedLayers(host.layers, device)

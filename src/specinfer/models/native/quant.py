@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.core.errors import InvalidArgument
+from specinfer.kernels import cpu_qgemm
 
 if TYPE_CHECKING:
     from specinfer.models.native.weights import ModelWeights
@@ -67,6 +68,9 @@ class QuantizedWeight:
     pad_in: int = 0  # zero input columns the product appends (int4)
     pad_out: int = 0  # padded output rows the product drops (int4)
     cuda: bool = False  # packed for CUDA's int4 kernel (int8's layout is the same on both)
+    # packed in the block layouts of our CPU kernels (specinfer.kernels.cpu_qgemm), whose activations and outputs
+    # are in this dtype (their scales are not); None: PyTorch's kernels, in the scales' dtype
+    blocks_dtype: torch.dtype | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,8 +79,8 @@ class QuantizedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype the kernels take (that of the scales)."""
-        return self.scales.dtype
+        """The activations' dtype the kernels take (that of the scales, for PyTorch's kernels)."""
+        return self.blocks_dtype or self.scales.dtype
 
     @property
     def device(self) -> torch.device:
@@ -84,7 +88,11 @@ class QuantizedWeight:
         return self.packed.device
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, b)`` for ``x``  # [M, in] with ``w`` the dequantized weight; returns  # [M, out]."""
+        """``F.linear(x, w, b)`` for ``x``  # [M, in] with ``w`` the dequantized weight; returns  # [M, out].
+        (Our CPU kernels quantize ``x`` per block of 32 first: :mod:`specinfer.kernels.cpu_qgemm`.)"""
+        if self.blocks_dtype is not None:  # pads the inputs itself, no padded outputs
+            out = cpu_qgemm.linear(x, self.scheme, self.packed, self.scales, self.blocks_dtype)  # [M, out]
+            return out if b is None else out + b
         if self.pad_in:
             x = F.pad(x, (0, self.pad_in))  # [M, in_padded]
         if self.scheme == "int8":
@@ -206,10 +214,37 @@ def pack_int4(
     )
 
 
-def quantize(w: torch.Tensor, scheme: str, group_size: int, device: torch.device) -> QuantizedWeight:
+def blocks_serve(scheme: str, group_size: int, device: torch.device) -> bool:
+    """Whether our CPU kernels (:mod:`specinfer.kernels.cpu_qgemm`) multiply ``scheme`` on ``device``: a CPU they
+    run on, int8, or int4 in groups of 32 (their block)."""
+    if device.type != "cpu" or scheme not in ("int8", "int4") or (scheme == "int4" and group_size != cpu_qgemm.BLOCK):
+        return False
+    return cpu_qgemm.library() is not None
+
+
+def pack_blocks(w: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """``w``  # [out, in] on the CPU quantized by ``scheme`` (int4: groups of 32) in our CPU kernels' layout, its
+    inputs padded with zero weights to whole blocks of 32; the same rounding as PyTorch's layouts."""
+    out_f, in_f = w.shape
+    padded = F.pad(w, (0, -in_f % cpu_qgemm.BLOCK))  # [out, in_padded]
+    if scheme == "int8":
+        q, scales = quantize_int8(w)  # the scales of the unpadded rows
+        packed, block_scales = F.pad(q, (0, padded.shape[1] - in_f)).contiguous(), scales.float()
+    else:
+        packed, block_scales = cpu_qgemm.pack_int4(*quantize_int4(padded, cpu_qgemm.BLOCK))
+    group = cpu_qgemm.BLOCK if scheme == "int4" else 0
+    return QuantizedWeight(scheme, packed, block_scales, out_f, in_f, group, blocks_dtype=w.dtype)
+
+
+def quantize(
+    w: torch.Tensor, scheme: str, group_size: int, device: torch.device, blocks: bool | None = None
+) -> QuantizedWeight:
     """``w``  # [out, in] quantized by ``scheme`` (``int8`` or ``int4`` with ``group_size``), packed for ``device``'s
-    kernels and kept where ``w`` is (offloading quantizes for the GPU in host memory)."""
+    kernels and kept where ``w`` is (offloading quantizes for the GPU in host memory). ``blocks``: our CPU kernels'
+    layout (True), PyTorch's (False), or ours where they serve (None: :func:`blocks_serve`)."""
     keep = w.device
+    if blocks if blocks is not None else blocks_serve(scheme, group_size, device):
+        return pack_blocks(w.cpu(), scheme).map(lambda t: t.to(keep))
     w = w.to(device)
     if scheme == "int8":
         return pack_int8(*quantize_int8(w), device).map(lambda t: t.to(keep))
@@ -231,11 +266,23 @@ def quantize_weights(weights: ModelWeights, scheme: str, group_size: int, device
     return dataclasses.replace(weights, layers=layers)
 
 
-def slow_on_cpu(scheme: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``scheme``'s kernels take PyTorch's slow path: on a CPU, activations other than bfloat16 (measured on
-    an AVX2 EPYC, torch 2.13: a [2048, 2048] int8 product of one row took 3.1 ms in fp32 and 0.24 ms in bf16, the
-    plain fp32 product 0.7 ms). Right for the exactness tests (fp32), wrong for speed."""
-    return scheme != "none" and device.type == "cpu" and dtype != torch.bfloat16
+def quantize_head(weights: ModelWeights, scheme: str, device: torch.device) -> ModelWeights:
+    """``weights`` with, where the layers are quantized (``scheme`` not ``none``) and our CPU kernels serve int8 on
+    ``device``, the LM head also kept int8 for the model's own logits beside its plain copy (``logits_head``; as
+    llama.cpp's files keep it in Q8_0: on SmolLM2-135M the bf16 head took 3.3 ms of a 23 ms token). Draft heads keep
+    folding the plain one. Else ``weights`` itself."""
+    if scheme == "none" or not blocks_serve("int8", 0, device):
+        return weights
+    return dataclasses.replace(weights, logits_head=quantize(weights.lm_head, "int8", 0, device))
+
+
+def slow_on_cpu(scheme: str, group_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``scheme``'s kernels take PyTorch's slow path: on a CPU our kernels do not serve
+    (:func:`blocks_serve`), activations other than bfloat16 (measured on an AVX2 EPYC, torch 2.13: a [2048, 2048]
+    int8 product of one row took 3.1 ms in fp32 and 0.24 ms in bf16, the plain fp32 product 0.7 ms)."""
+    if scheme == "none" or device.type != "cpu" or blocks_serve(scheme, group_size, device):
+        return False
+    return dtype != torch.bfloat16
 
 
 def check_quantize(scheme: str, group_size: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -73,6 +73,9 @@ class ModelWeights:
     positions: torch.Tensor | None = None  # OPT learned positions [max_positions + 2, hidden]
     project_in: torch.Tensor | None = None  # OPT [hidden, word_embed_dim]
     project_out: torch.Tensor | None = None  # OPT [word_embed_dim, hidden]
+    # [vocab, word_embed_dim] the LM head kept int8 for the model's own logits where the layers are quantized and our
+    # CPU kernels serve (quant.quantize_weights); None: lm_head. Draft heads fold and slice the plain lm_head.
+    logits_head: QuantizedWeight | None = None
 
     def matrices(self) -> list[torch.Tensor]:
         """Every plain weight the forward pass multiplies activations by (``x @ w.T``); quantized ones have their
