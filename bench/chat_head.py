@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=0, help="prompts to run (0: all of the split)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="the LLM's layers kept so")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/chat-head"))
     args = ap.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     template, tok = ChatTemplate.load(folder), load_tokenizer(folder)
     questions = read_prompts(args.prompts, args.split)[: args.count or None]
     prompts = [tuple(tok.encode(conversation(template, q)).ids) for q in questions]
-    backend = load_backend(folder, "llm", args.dtype, backend="native")
+    backend = load_backend(folder, "llm", args.dtype, backend="native", quantize=args.quantize)
     config = EngineConfig(eos_token_id=eos_token_id(folder))
     runs = [(name, backend, spec, planner) for name, (spec, planner) in PLAIN_ROWS.items()]
     for head in args.head:  # each head drafts for the same backend, row after row
@@ -91,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs += [(name + named, with_head(backend, head, folder), *row) for name, row in HEAD_ROWS.items()]
     rows = run_rows(runs, config, prompts, args.new_tokens)
     base = rows["incremental"]
-    print(f"{len(prompts)} {args.split} prompts x {args.new_tokens} new tokens, batch 1, greedy, {args.dtype}")
+    weights = "" if args.quantize == "none" else f", layers {args.quantize}"
+    print(f"{len(prompts)} {args.split} prompts x {args.new_tokens} new tokens, batch 1, greedy, {args.dtype}{weights}")
     print("| row | tokens / LLM step | tokens/s | x incremental tokens/s | outputs equal to incremental |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in rows.items():

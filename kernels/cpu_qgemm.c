@@ -12,10 +12,10 @@
  *                               values q in [0, 15];
  *         dm  fp16  [N, 2, K / 32]: each row's block scales d, then its block offsets m; the weight is q * d + m;
  *         block dot = d * xd * sum(q * xq) + m * xs.
- *   int8: qs  int8  [N, K]: values in [-127, 127];
- *         d   fp32  [N]: per row, the weight is q * d;
- *         row dot = d * sum over blocks of xd * sum(q * xq).
- * Block sums are exact int32; the scaled sums are fp32 in a fixed order (at q4_gemm and q8_gemm).
+ *   int8: qs  int8  [N, K]: values in [-127, 127] (llama.cpp's Q8_0);
+ *         d   fp16  [N, K / 32]: each block's scale; the weight is q * d;
+ *         block dot = d * xd * sum(q * xq).
+ * Block sums are exact int32; the scaled sums are fp32 in a fixed order (at pass()).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -120,116 +120,108 @@ static inline int hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* The int4 weight row's blocks b0 .. b0 + count - 1 as 32 unsigned bytes each, in input order. */
-static inline void unpack4(const uint8_t *wq, int b0, int count, __m256i *out) {
+/* Weight row o's blocks b0 .. b0 + count - 1 as vpmaddubsw's unsigned operand: int4 values as they are; int8 values'
+ * magnitudes, their signs kept in sign[] to move onto the activations. */
+static inline __attribute__((always_inline)) void load_blocks(const uint8_t *wq, const int bits, int b0, int count,
+                                                              __m256i *w, __m256i *sign) {
     const __m128i low = _mm_set1_epi8(0x0f);
     for (int i = 0; i < count; i++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (b0 + i) * 16));
-        out[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        if (bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (size_t)(b0 + i) * 16));
+            w[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        } else {
+            sign[i] = _mm256_loadu_si256((const __m256i *)(wq + (size_t)(b0 + i) * QK));
+            w[i] = _mm256_sign_epi8(sign[i], sign[i]);
+        }
     }
 }
 
-/* Rows r0 .. r0 + rows - 1 of x against int4 weight row o: see q4_gemm. */
-static inline __attribute__((always_inline)) void q4_pass(const Activations *ap, int r0, const int rows, int o, int n,
-                                                          int k, const uint8_t *wq, const uint16_t *wd,
-                                                          const uint16_t *wm, void *y, int y_bf16) {
-    const Activations a = *ap;
+/* The exact integer sum of a weight block's products with row xq's block (int8: x takes the weight's signs). */
+static inline __attribute__((always_inline)) __m256i block_sums(__m256i w, __m256i sign, const int8_t *xq,
+                                                                const int bits) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    if (bits == 8) xv = _mm256_sign_epi8(xv, sign);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));  /* [8] int32 */
+}
+
+/* Rows r0 .. r0 + rows - 1 of x against weight row o (bits 4: qs [K / 2], d and m [K / 32] each; bits 8: qs [K],
+ * d [K / 32]). Per row: for each group of 8 blocks, acc += float(the 8 blocks' integer sums) * (d * xd) and, int4,
+ * macc += m * xs, lane-wise; the blocks past the last whole group add d * xd * sum (+ m * xs) to a scalar tail in
+ * block order; the result is (hsum(acc) + hsum(macc)) + tail. Inlined with rows and bits constant. */
+static inline __attribute__((always_inline)) void pass(const Activations *a, int r0, const int rows, const int bits,
+                                                       int o, int n, int k, const uint8_t *wq, const uint16_t *wd,
+                                                       const uint16_t *wm, void *y, int y_bf16) {
     const int nb = k / QK, whole = nb / GROUP * GROUP;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS], macc[ROWS];
     float tail[ROWS];
     for (int r = 0; r < rows; r++) {
         acc[r] = macc[r] = _mm256_setzero_ps();
         tail[r] = 0.0f;
     }
-    __m256i w[GROUP], p[GROUP];
+    __m256i w[GROUP], sign[GROUP], p[GROUP];
     for (int b = 0; b < whole; b += GROUP) {
-        unpack4(wq, b, GROUP, w);
+        load_blocks(wq, bits, b, GROUP, w, sign);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b)));
-        __m256 mm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b)));
+        __m256 mm = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b))) : d;
         for (int r = 0; r < rows; r++) {
             size_t row = (size_t)(r0 + r);
-            const int8_t *xq = a.q + row * k + (size_t)b * QK;
-            for (int i = 0; i < GROUP; i++)
-                p[i] = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(w[i], _mm256_loadu_si256((const __m256i *)(xq + i * QK))), ones);
-            __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a.xd + row * nb + b));
+            const int8_t *xq = a->q + row * k + (size_t)b * QK;
+            for (int i = 0; i < GROUP; i++) p[i] = block_sums(w[i], sign[i], xq + i * QK, bits);
+            __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a->xd + row * nb + b));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), scale, acc[r]);
-            macc[r] = _mm256_fmadd_ps(mm, _mm256_loadu_ps(a.xs + row * nb + b), macc[r]);
+            if (bits == 4) macc[r] = _mm256_fmadd_ps(mm, _mm256_loadu_ps(a->xs + row * nb + b), macc[r]);
         }
     }
     for (int b = whole; b < nb; b++) {
-        unpack4(wq, b, 1, w);
-        float d = _cvtsh_ss(wd[b]), mm = _cvtsh_ss(wm[b]);
+        load_blocks(wq, bits, b, 1, w, sign);
+        float d = _cvtsh_ss(wd[b]), mm = bits == 4 ? _cvtsh_ss(wm[b]) : 0.0f;
         for (int r = 0; r < rows; r++) {
             size_t row = (size_t)(r0 + r);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(a.q + row * k + (size_t)b * QK));
-            int sum = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(w[0], xv), ones));
-            tail[r] += d * a.xd[row * nb + b] * (float)sum + mm * a.xs[row * nb + b];
+            int sum = hsum_i32(block_sums(w[0], sign[0], a->q + row * k + (size_t)b * QK, bits));
+            tail[r] += d * a->xd[row * nb + b] * (float)sum + (bits == 4 ? mm * a->xs[row * nb + b] : 0.0f);
         }
     }
     for (int r = 0; r < rows; r++)
         store(y, y_bf16, (size_t)(r0 + r) * n + o, (hsum8(acc[r]) + hsum8(macc[r])) + tail[r]);
 }
 
-/* int4: returns 0, or -1 when out of memory.
- * Per (row, output): for each group of 8 blocks, acc += float(the 8 blocks' integer sums) * (d * xd) and
- * macc += m * xs, lane-wise; the blocks past the last whole group add d * xd * sum + m * xs to a scalar tail in
- * block order; the result is (hsum(acc) + hsum(macc)) + tail. */
-int q4_gemm(int m, int n, int k_x, int k, const void *x, int x_bf16, const uint8_t *qs, const uint16_t *dm, void *y,
-            int y_bf16, int threads) {
+/* y = x @ W^T for a weight of `bits` (4 or 8) in its layout (top of the file): x quantized per block first, then
+ * output rows split between `threads`. Returns 0, or -1 when out of memory. */
+static int gemm(const int bits, int m, int n, int k_x, int k, const void *x, int x_bf16, const uint8_t *qs,
+                const uint16_t *dm, void *y, int y_bf16, int threads) {
     Activations a;
     if (quantize_rows(x, x_bf16, m, k_x, k, &a, threads)) {
         free_rows(&a);
         return -1;
     }
     const int nb = k / QK;
+    const size_t row_bytes = bits == 4 ? (size_t)k / 2 : (size_t)k, scales = bits == 4 ? 2 * (size_t)nb : (size_t)nb;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int o = 0; o < n; o++) {
-        const uint8_t *wq = qs + (size_t)o * (k / 2);
-        const uint16_t *wd = dm + (size_t)o * nb * 2, *wm = wd + nb;
+        const uint8_t *wq = qs + (size_t)o * row_bytes;
+        const uint16_t *wd = dm + (size_t)o * scales, *wm = wd + nb;
         for (int r0 = 0; r0 < m; r0 += ROWS) {
-            if (m - r0 == 1)
-                q4_pass(&a, r0, 1, o, n, k, wq, wd, wm, y, y_bf16);  /* one row (a decode step): its own code */
+            int rows = m - r0 < ROWS ? m - r0 : ROWS;
+            if (rows == 1 && bits == 4)  /* one row (a decode step): code of its own */
+                pass(&a, r0, 1, 4, o, n, k, wq, wd, wm, y, y_bf16);
+            else if (rows == 1)
+                pass(&a, r0, 1, 8, o, n, k, wq, wd, wm, y, y_bf16);
+            else if (bits == 4)
+                pass(&a, r0, rows, 4, o, n, k, wq, wd, wm, y, y_bf16);
             else
-                q4_pass(&a, r0, m - r0 < ROWS ? m - r0 : ROWS, o, n, k, wq, wd, wm, y, y_bf16);
+                pass(&a, r0, rows, 8, o, n, k, wq, wd, wm, y, y_bf16);
         }
     }
     free_rows(&a);
     return 0;
 }
 
-/* int8: returns 0, or -1 when out of memory. Per (row, output): acc += float(the block's integer sums) * xd for
- * each block in order, lane-wise, and the result d * hsum(acc). */
-int q8_gemm(int m, int n, int k_x, int k, const void *x, int x_bf16, const int8_t *qs, const float *d, void *y,
+int q4_gemm(int m, int n, int k_x, int k, const void *x, int x_bf16, const uint8_t *qs, const uint16_t *dm, void *y,
             int y_bf16, int threads) {
-    Activations a;
-    if (quantize_rows(x, x_bf16, m, k_x, k, &a, threads)) {
-        free_rows(&a);
-        return -1;
-    }
-    const int nb = k / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int o = 0; o < n; o++) {
-        const int8_t *wq = qs + (size_t)o * k;
-        for (int r0 = 0; r0 < m; r0 += ROWS) {
-            int rows = m - r0 < ROWS ? m - r0 : ROWS;
-            __m256 acc[ROWS];
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(wq + (size_t)b * QK));
-                __m256i aw = _mm256_sign_epi8(w, w);  /* |w|: vpmaddubsw's unsigned operand */
-                for (int r = 0; r < rows; r++) {
-                    size_t row = (size_t)(r0 + r);
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(a.q + row * k + (size_t)b * QK));
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a.xd[row * nb + b]), acc[r]);
-                }
-            }
-            for (int r = 0; r < rows; r++) store(y, y_bf16, (size_t)(r0 + r) * n + o, d[o] * hsum8(acc[r]));
-        }
-    }
-    free_rows(&a);
-    return 0;
+    return gemm(4, m, n, k_x, k, x, x_bf16, qs, dm, y, y_bf16, threads);
+}
+
+int q8_gemm(int m, int n, int k_x, int k, const void *x, int x_bf16, const int8_t *qs, const uint16_t *d, void *y,
+            int y_bf16, int threads) {
+    return gemm(8, m, n, k_x, k, x, x_bf16, (const uint8_t *)qs, d, y, y_bf16, threads);
 }

@@ -12,7 +12,8 @@ block's dot product is integer multiply-adds (``vpmaddubsw``), then one float mu
   its low nibble and value ``j + 16`` in its high one (values ``q`` in [0, 15], llama.cpp's Q4_1 order); ``dm``
   float16 ``[N, 2, K / 32]``, each row's block scales ``d`` then its block offsets ``m``: the weight is
   ``q * d + m``.
-- *int8 layout*: ``qs`` int8 ``[N, K]``, values in [-127, 127]; ``d`` float32 ``[N]``: the weight is ``q * d``.
+- *int8 layout*: ``qs`` int8 ``[N, K]``, values in [-127, 127]; ``d`` float16 ``[N, K / 32]``, each block's scale
+  (llama.cpp's Q8_0): the weight is ``q * d`` (:func:`quantize_int8`).
 - ``K`` is the inputs padded to whole blocks (zero weights); the activations are padded inside the kernel.
 
 A row's result depends on that row and the weight alone (threads split the output rows, never the inputs), so the
@@ -132,6 +133,18 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tup
     return qs.contiguous(), dm.contiguous()
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w``  # [N, K], K a multiple of 32, in the int8 layout: per block of 32 inputs ``d = max|w| / 127`` stored in
+    float16 and ``q = round(w / d)`` against the stored ``d``, as llama.cpp's Q8_0 (a Q8_0 file's dequantized blocks
+    come back as it holds them). Returns ``(qs, d)``  # [N, K] int8, [N, K / 32] float16."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(dim=-1) / 127).to(torch.float16)  # [N, blocks]
+    inv = torch.where(d != 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
 def unpack_int4(qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """The weight ``[N, K]`` (float32) the int4 layout ``(qs, dm)`` stands for: ``q * d + m`` per block."""
     n = qs.shape[0]
@@ -166,7 +179,7 @@ def reference_linear(x: torch.Tensor, scheme: str, qs: torch.Tensor, scales: tor
         return (dots * (d[None] * xd.double()[:, None]) + m[None] * xs[:, None]).sum(-1)
     q = qs.reshape(n, -1, BLOCK).double()
     dots = torch.einsum("rbj,nbj->rnb", xq.double(), q)  # [M, N, blocks]
-    return (dots * xd.double()[:, None]).sum(-1) * scales.double()[None]
+    return (dots * (scales.double()[None] * xd.double()[:, None])).sum(-1)
 
 
 def linear(

@@ -54,9 +54,11 @@ def _request_views(
     length = meta.kv_len(b)
     if meta.paged:
         assert meta.block_table is not None
-        blocks = meta.block_table[b, : blocks_for(length, meta.block_size)].to(
-            k_cache.device
-        )  # [num_request_blocks] int32 (no copy when same device)
+        key = (b, str(k_cache.device))
+        blocks = meta._request_blocks.get(key)  # [num_request_blocks] int32, cut once per step (not per layer)
+        if blocks is None:
+            blocks = meta.block_table[b, : blocks_for(length, meta.block_size)].to(k_cache.device)
+            meta._request_blocks[key] = blocks
         return (
             q[q0:q1],
             k_cache.index_select(0, blocks).flatten(0, 1)[:length],
@@ -201,7 +203,8 @@ def tree_attention_sdpa(
     group = _check_shapes(q, k_cache, v_cache, meta)
     check_score_options(softcap, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    out = torch.empty_like(q)
+    # one request with every row: its output is the output (no copy into a new one)
+    out = None if meta.batch_size == 1 and meta.num_queries[0] == q.shape[0] else torch.empty_like(q)
     for b in range(meta.batch_size):
         if not meta.num_queries[b]:
             continue  # a padding segment (metadata.pad_metadata)
@@ -210,6 +213,8 @@ def tree_attention_sdpa(
         causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
         if softcap is None and not (causal and group > 1):
             ob = _grouped_sdpa(meta, b, qb, kb, vb, scale, causal, window, group)  # [nq, H, D]
+            if out is None:
+                return ob
             out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob
             continue
         # head-major copies: soft-capped attention, and a GQA model's causal chain (a prompt's prefill)
@@ -219,6 +224,8 @@ def tree_attention_sdpa(
         else:
             mask = _cached_additive_mask(meta, b, q.device, q.dtype, window)  # [nq, L]
             ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap, group)
+        if out is None:
+            return ob[0].transpose(0, 1)
         out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob[0].transpose(0, 1)
     return out
 
@@ -242,12 +249,17 @@ def _grouped_sdpa(
     ``causal`` only with ``group`` 1: folded rows are not in token order."""
     nq, heads, dim = q.shape
     kv_heads = heads // group
-    qh = q.view(nq, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * nq, dim)
+    if nq == 1:  # [1, H, D] is already [1, kv_heads, group, D] in memory: views, no permutes
+        qh = q.view(1, kv_heads, group, dim)
+    else:
+        qh = q.view(nq, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * nq, dim)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D], strided views
     # one query at the end of a chain (an incremental step) sees every key: no mask to build or add
     sees_all = causal or (window is None and meta.is_chain[b] and meta.num_queries[b] == 1)
     mask = None if sees_all else _cached_additive_mask(meta, b, q.device, q.dtype, window, group)  # [group * nq, L]
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
+    if nq == 1:
+        return o.reshape(1, heads, dim)  # a view where SDPA's output is head-major
     return o.view(kv_heads, group, nq, dim).permute(2, 0, 1, 3).reshape(nq, heads, dim)
 
 

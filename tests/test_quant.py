@@ -103,6 +103,19 @@ def test_gguf_4_bit_blocks_come_back_as_the_file_holds_them(block):
     assert torch.equal(cpu_qgemm.unpack_int4(*cpu_qgemm.pack_int4(q, scales, zeros)), w)
 
 
+@BLOCKS
+def test_gguf_q8_0_blocks_come_back_as_the_file_holds_them():
+    """llama.cpp's Q8_0 quantizer on random weights, dequantized as a reader does: our kernels' int8 layout (a
+    float16 scale per block of 32) holds exactly those weights."""
+    gguf = pytest.importorskip("gguf")
+    kind = gguf.GGMLQuantizationType.Q8_0
+    plain = torch.randn(64, 320, generator=torch.Generator().manual_seed(5)) * 0.05
+    w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(plain.numpy(), kind), kind).copy())
+    assert not torch.equal(w, plain)
+    qs, d = cpu_qgemm.quantize_int8(w)
+    assert torch.equal((qs.float().reshape(64, 10, 32) * d.float()[..., None]).reshape(64, 320), w)
+
+
 def test_padding_adds_zero_rows_and_columns_only():
     w = torch.randn(100, 688)
     p = pad_int4(w, 128)

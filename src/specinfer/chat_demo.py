@@ -108,7 +108,12 @@ def _chat_through_stack(args: argparse.Namespace, llm: Path, head: Path | None, 
     print("=== starting the local stack (LLM verifier with the head, request manager + Redis)", file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="specinfer-demo-") as state:
         port = free_tcp_port()
-        config = StackConfig(llm, (), 1, 0, Path(state), args.backend, args.expansion, head=head, http_port=port)
+        # the model flags reach the verifier as they reach the engine in process (--quantize int4: the file's own
+        # 4-bit weights, kept 4-bit)
+        model_args = ("--dtype", args.dtype, "--quantize", args.quantize)
+        config = StackConfig(
+            llm, (), 1, 0, Path(state), args.backend, args.expansion, head=head, http_port=port, model_args=model_args
+        )
         with Stack(config) as stack:
             for p in stack.processes:
                 print(f"    {p.name:16s} {p.address}", file=out, flush=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specinfer.kernels import cpu_qgemm
-from specinfer.models.native.quant import quantize_int4, quantize_int8
+from specinfer.models.native.quant import quantize_int4
 
 pytestmark = pytest.mark.skipif(
     cpu_qgemm.unavailable_reason() is not None, reason=f"our CPU kernels: {cpu_qgemm.unavailable_reason()}"
@@ -21,8 +21,7 @@ def _weight(scheme: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Te
     w = torch.nn.functional.pad(torch.randn(n, k, generator=gen) * 0.05, (0, -k % cpu_qgemm.BLOCK))
     if scheme == "int4":
         return cpu_qgemm.pack_int4(*quantize_int4(w, cpu_qgemm.BLOCK))
-    q, d = quantize_int8(w)
-    return q.contiguous(), d.float()
+    return cpu_qgemm.quantize_int8(w)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])

@@ -4,7 +4,8 @@ run's dtype.
 
 Terms, used here and in docs/quantization.md:
 
-- *scheme*: ``int8`` (one scale per output row, symmetric: ``w ~ q * scale`` with ``q`` in [-127, 127]) or
+- *scheme*: ``int8`` (one scale per output row, symmetric: ``w ~ q * scale`` with ``q`` in [-127, 127]; in our CPU
+  kernels' layout one per block of 32 inputs, llama.cpp's Q8_0) or
   ``int4`` (per *group* of ``group_size`` consecutive inputs of a row, a scale and a zero: ``w ~ (q - 8) * scale
   + zero`` with ``q`` in [0, 15], the layout of PyTorch's int4 kernels; a GGUF file's Q4_0 and Q4_1 blocks are
   groups of 32 of this form, kept as they are: :func:`quantize_int4`). ``none``: plain weights.
@@ -57,7 +58,8 @@ class QuantizedWeight:
     ``packed``: int8: the ``[out, in]`` int8 values; int4: the kernel's packed layout of the padded
     ``[out_padded, in_padded]`` 4-bit values (CPU and CUDA layouts differ: ``cuda`` says which). ``scales``: int8:
     ``[out]``; int4: ``[in_padded / group_size, out_padded, 2]``, each group's scale and zero. ``group_size``: 0 for
-    int8."""
+    int8. In our CPU kernels' layouts (``blocks_dtype`` set) the two are theirs instead
+    (:mod:`specinfer.kernels.cpu_qgemm`: int8 with a float16 scale per block of 32 inputs)."""
 
     scheme: str
     packed: torch.Tensor
@@ -223,13 +225,13 @@ def blocks_serve(scheme: str, group_size: int, device: torch.device) -> bool:
 
 
 def pack_blocks(w: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """``w``  # [out, in] on the CPU quantized by ``scheme`` (int4: groups of 32) in our CPU kernels' layout, its
-    inputs padded with zero weights to whole blocks of 32; the same rounding as PyTorch's layouts."""
+    """``w``  # [out, in] on the CPU quantized by ``scheme`` in our CPU kernels' layout, its inputs padded with zero
+    weights to whole blocks of 32: int4 in groups of 32 rounded as PyTorch's layout is, int8 with a scale per block
+    of 32 (llama.cpp's Q8_0; PyTorch's int8 has one per row)."""
     out_f, in_f = w.shape
     padded = F.pad(w, (0, -in_f % cpu_qgemm.BLOCK))  # [out, in_padded]
     if scheme == "int8":
-        q, scales = quantize_int8(w)  # the scales of the unpadded rows
-        packed, block_scales = F.pad(q, (0, padded.shape[1] - in_f)).contiguous(), scales.float()
+        packed, block_scales = cpu_qgemm.quantize_int8(padded)
     else:
         packed, block_scales = cpu_qgemm.pack_int4(*quantize_int4(padded, cpu_qgemm.BLOCK))
     group = cpu_qgemm.BLOCK if scheme == "int4" else 0
