@@ -46,6 +46,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qgemm.c")
+# built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.c"))
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
@@ -87,7 +89,8 @@ def library() -> ctypes.CDLL | None:
     if cc is None:
         log.info("no C compiler: int4/int8 products use PyTorch's kernels")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(text + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_qgemm-{key}.so"
     try:
         if not path.exists():
@@ -99,6 +102,10 @@ def library() -> ctypes.CDLL | None:
     for name in ("q4_gemm", "q8_gemm"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    lib.tree_attend.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+    lib.tree_attend.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
+    lib.tree_attend.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.tree_attend.restype = ctypes.c_int
     return lib
 
 
@@ -107,7 +114,7 @@ def _build(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        command = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        command = [cc, *FLAGS, *(str(source) for source in SOURCES), "-o", str(out), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")

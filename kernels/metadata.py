@@ -101,6 +101,8 @@ class TreeAttentionMetadata:
     _dense_masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # per (request, device): its KV blocks in logical order, cut from block_table once per step, read by every layer
     _request_blocks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # per (request, window): each query row's visible cache rows (kernels/cpu_attention.py), built once per step
+    _row_keys: dict[tuple[int, int | None], tuple] = field(default_factory=dict, init=False, repr=False)
     # Paged layout only (defaults: contiguous).
     block_size: int = 0  # token slots per KV block; 0: contiguous layout
     # [B, max_blocks_per_request] int32, physical KV block of each logical block, -1 padded

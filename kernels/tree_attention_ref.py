@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specinfer.core.kv_budget import blocks_for
 from specinfer.core.tree import ancestor_matrix
 
+from . import cpu_attention
 from .metadata import TreeAttentionMetadata, is_chain, token_positions
 
 
@@ -208,6 +209,13 @@ def tree_attention_sdpa(
     for b in range(meta.batch_size):
         if not meta.num_queries[b]:
             continue  # a padding segment (metadata.pad_metadata)
+        if cpu_attention.serves(q, k_cache, meta, b):  # decode and verify rows on a CPU: row by row, row-invariant
+            qb = q[meta.q_starts[b] : meta.q_starts[b + 1]]  # [nq, H, D]
+            ob = cpu_attention.attend(qb, k_cache, v_cache, meta, b, scale, softcap, window)
+            if out is None:
+                return ob
+            out[meta.q_starts[b] : meta.q_starts[b + 1]] = ob
+            continue
         qb, kb, vb = _request_views(q, k_cache, v_cache, meta, b)  # [nq, H, D], [L, H_kv, D] x 2
         plain = softcap is None and window is None
         causal = plain and meta.is_chain[b] and meta.prefix_lens[b] == 0 and meta.num_queries[b] == len(meta.parents[b])
