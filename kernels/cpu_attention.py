@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specinfer.core.tree import ancestor_matrix
+
 from . import cpu_qgemm
 from .metadata import TreeAttentionMetadata, token_positions
 
@@ -49,13 +51,10 @@ def row_keys(meta: TreeAttentionMetadata, b: int, window: int | None) -> tuple[t
     else:
         rows = meta.kv_starts[b] + positions
     token_pos = token_positions(parents, prefix)  # [prefix + n] RoPE positions (a node: prefix + depth)
+    ancestors = ancestor_matrix(parents)  # [n, n]: row i's ancestors and itself (parents precede children: root first)
     lists = []
     for i in range(n - nq, n):
-        path, j = [], i
-        while j >= 0:  # ancestors and itself, root first
-            path.append(prefix + j)
-            j = parents[j]
-        visible = np.concatenate([np.arange(prefix), np.asarray(path[::-1], dtype=np.int64)])
+        visible = np.concatenate([np.arange(prefix), prefix + np.flatnonzero(ancestors[i])])
         if window is not None:
             visible = visible[token_pos[visible] > token_pos[prefix + i] - window]
         lists.append(rows[visible])

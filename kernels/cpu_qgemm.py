@@ -57,6 +57,11 @@ _ARGS += [ctypes.c_int, ctypes.c_int]
 
 def unavailable_reason() -> str | None:
     """Why these kernels cannot run here, or None where they can (the library is then built or loaded)."""
+    return _gate() or (None if library() is not None else "the C kernels did not build (see the log)")
+
+
+def _gate() -> str | None:
+    """Why this machine or setting rules the kernels out before any build, or None."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -65,7 +70,7 @@ def unavailable_reason() -> str | None:
         return f"the CPU lacks AVX2 (torch's capability: {torch.backends.cpu.get_cpu_capability()})"
     if not _compiler():
         return "no C compiler ($CC or cc)"
-    return None if library() is not None else "the C kernels did not build (see the log)"
+    return None
 
 
 def _compiler() -> str | None:
@@ -81,14 +86,12 @@ def _cache_dir() -> Path:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built once per source, compiler and flags, then loaded from the cache), or None where
     they cannot run here (the reason logged once)."""
-    if os.environ.get(ENV, "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    if platform.system() != "Linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    reason = _gate()
+    if reason is not None:
+        log.info("our int4/int8 CPU kernels do not run here (%s): PyTorch's kernels serve", reason)
         return None
     cc = _compiler()
-    if cc is None:
-        log.info("no C compiler: int4/int8 products use PyTorch's kernels")
-        return None
+    assert cc is not None
     text = b"".join(source.read_bytes() for source in SOURCES)
     key = hashlib.sha256(text + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_qgemm-{key}.so"
@@ -152,11 +155,16 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k).contiguous(), d.contiguous()
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """The int4 layout's values ``q``  # [N, blocks, 32] uint8, each block's inputs in order."""
+    pairs = qs.reshape(qs.shape[0], -1, BLOCK // 2)  # [N, blocks, 16]
+    return torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)
+
+
 def unpack_int4(qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """The weight ``[N, K]`` (float32) the int4 layout ``(qs, dm)`` stands for: ``q * d + m`` per block."""
     n = qs.shape[0]
-    pairs = qs.reshape(n, -1, BLOCK // 2)  # [N, blocks, 16]
-    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).float()  # [N, blocks, 32], values 0..31 in order
+    q = _nibbles(qs).float()  # [N, blocks, 32]
     d, m = dm.float().unbind(1)  # [N, blocks] each
     return (q * d[..., None] + m[..., None]).reshape(n, -1)
 
@@ -178,8 +186,7 @@ def reference_linear(x: torch.Tensor, scheme: str, qs: torch.Tensor, scales: tor
     xq, xd = quantize_activations(x, k)  # [M, blocks, 32], [M, blocks]
     n = qs.shape[0]
     if scheme == "int4":
-        pairs = qs.reshape(n, -1, BLOCK // 2)
-        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).double()  # [N, blocks, 32]
+        q = _nibbles(qs).double()  # [N, blocks, 32]
         d, m = scales.double().unbind(1)  # [N, blocks]
         dots = torch.einsum("rbj,nbj->rnb", xq.double(), q)  # [M, N, blocks] integer sums
         xs = xd.double() * xq.double().sum(-1)  # [M, blocks]
