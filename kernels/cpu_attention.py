@@ -24,16 +24,25 @@ MAX_ROWS = 64  # query rows of a request above which SDPA serves (a long prompt 
 
 def serves(q: torch.Tensor, k_cache: torch.Tensor, meta: TreeAttentionMetadata, b: int) -> bool:
     """Whether request b's rows go through this kernel: a CPU where the library runs, float32 or bfloat16, a head
-    size of whole 8s (at most 512), and a decode or verify step (at most :data:`MAX_ROWS` rows that are not a
-    prompt's whole causal chain)."""
-    nq, n = meta.num_queries[b], len(meta.parents[b])
-    prompt = meta.is_chain[b] and meta.prefix_lens[b] == 0 and nq == n
-    if q.device.type != "cpu" or q.shape[-1] % 8 or q.shape[-1] > 512 or nq > MAX_ROWS or prompt:
+    size of whole 8s (at most 512), and a decode or verify step (:func:`row_by_row`)."""
+    if q.device.type != "cpu" or q.shape[-1] % 8 or q.shape[-1] > 512 or not row_by_row(meta, b):
         return False
     kinds = (torch.float32, torch.bfloat16)
     if q.dtype not in kinds or k_cache.dtype not in kinds or not k_cache.is_contiguous():
         return False
     return cpu_qgemm.library() is not None
+
+
+def row_by_row(meta: TreeAttentionMetadata, b: int) -> bool:
+    """Whether request b's rows are a decode or verify step's, which go row by row: at most :data:`MAX_ROWS`, and not
+    a prompt's whole causal chain (which SDPA serves)."""
+    return segment_row_by_row(meta.num_queries[b], meta.parents[b], meta.prefix_lens[b], meta.is_chain[b])
+
+
+def segment_row_by_row(queries: int, parents: tuple[int, ...], prefix: int, chain: bool) -> bool:
+    """:func:`row_by_row` of one attention segment: its query rows, parent array, cached prefix and whether it is a
+    chain."""
+    return queries <= MAX_ROWS and not (chain and prefix == 0 and queries == len(parents))
 
 
 def row_keys(meta: TreeAttentionMetadata, b: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:

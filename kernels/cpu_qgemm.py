@@ -46,8 +46,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qgemm.c")
-# built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention)
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.c"))
+# built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention) and the fused
+# CPU decoder stack (specinfer.kernels.cpu_layers); the header holds what they share
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.c"), SOURCE.with_name("cpu_layers.c"))
+HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
@@ -92,7 +94,7 @@ def library() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     assert cc is not None
-    text = b"".join(source.read_bytes() for source in SOURCES)
+    text = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
     key = hashlib.sha256(text + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_qgemm-{key}.so"
     try:
@@ -109,6 +111,11 @@ def library() -> ctypes.CDLL | None:
     lib.tree_attend.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
     lib.tree_attend.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.tree_attend.restype = ctypes.c_int
+    lib.decoder_layers.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
+    lib.decoder_layers.argtypes += [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.decoder_layers.restype = ctypes.c_int
+    lib.dense_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.dense_gemm.restype = None
     return lib
 
 
@@ -117,7 +124,7 @@ def _build(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        command = [cc, *FLAGS, *(str(source) for source in SOURCES), "-o", str(out), "-lm"]
+        command = [cc, *FLAGS, f"-I{SOURCE.parent}", *(str(source) for source in SOURCES), "-o", str(out), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")

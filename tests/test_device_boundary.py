@@ -234,14 +234,16 @@ def test_servicers_read_model_outputs_only_at_the_boundary(models, model_pair):
     for j in jobs:
         llm.release(j.request_id)
         ssm.release(j.request_id)
-    for plain, sent in zip(draft_trees(ssm, jobs), drafts, strict=True):  # q crossed the wire in float32
+    # q crossed the wire in float32, and the rerun's prompts hit the prefix cache: the rest of each is a chunk behind
+    # cached blocks, computed as decode rows are (on an AVX2 CPU by the fused layers), not as a whole prompt: rounding
+    for plain, sent in zip(draft_trees(ssm, jobs), drafts, strict=True):
         assert plain.tree == sent.tree and [(g.parent, g.children) for g in plain.groups] == [
             (g.parent, g.children) for g in sent.groups
         ]
         for a, b in zip(plain.groups, sent.groups, strict=True):
             assert (a.q is None) == (b.q is None)
             if a.q is not None:
-                assert np.array_equal(a.q.tokens, b.q.tokens) and np.allclose(a.q.probs, b.q.probs, rtol=1e-6)
+                assert np.array_equal(a.q.tokens, b.q.tokens) and np.allclose(a.q.probs, b.q.probs, rtol=1e-5)
     verdicts = verify_trees(
         llm,
         [

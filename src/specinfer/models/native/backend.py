@@ -55,7 +55,8 @@ class NativeOptions:
     many packed tokens replay CUDA graphs (:mod:`.graphs`; 0: never); ``cuda_graph_warmup_seconds``: at load, the
     graphs of the shapes a server meets are captured for at most this long (:func:`.warmup.warm_graphs`; 0: none,
     each shape is captured on its first step); ``quantize``: the decoder layers' projections kept as ``int8`` or
-    ``int4`` (groups of ``quantize_group_size`` inputs) instead of ``none`` (:mod:`.quant`)."""
+    ``int4`` (groups of ``quantize_group_size`` inputs) instead of ``none`` (:mod:`.quant`); ``fused_layers``: decode
+    and verify steps through the fused CPU decoder layers where they can run the model (:mod:`.fused`)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -72,6 +73,7 @@ class NativeOptions:
     cuda_graph_warmup_seconds: float = DEFAULT_GRAPH_WARMUP_SECONDS
     quantize: str = "none"
     quantize_group_size: int = DEFAULT_GROUP_SIZE
+    fused_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZE_CHOICES:
@@ -116,11 +118,8 @@ def check_kv_budget(spec: ModelSpec, options: NativeOptions) -> None:
     need = per_row * blocks_for(rows, unit) * unit
     if options.kv_cache_bytes >= need:
         return
-    fitting_rows = (
-        options.kv_cache_bytes // (per_row * unit) * unit
-        if options.kv_block_size
-        else options.kv_cache_bytes // per_row
-    )
+    fitting_rows = options.kv_cache_bytes // (per_row * unit) * unit if options.kv_block_size else None
+    fitting_rows = options.kv_cache_bytes // per_row if fitting_rows is None else fitting_rows
     longest = fitting_rows - options.max_tree_nodes  # the rows a request's tree nodes need besides its positions
     shorter = f", or --max-seq-len {longest} or less" if longest > 0 else ""
     raise InvalidArgument(
@@ -136,11 +135,11 @@ def pool_geometry(spec: ModelSpec, options: NativeOptions) -> tuple[int, int]:
     slots (:func:`pool_slots`), or KV blocks of ``kv_block_size`` rows for a paged pool; raises
     :class:`InvalidArgument` when it holds no request (:func:`check_kv_budget`)."""
     check_kv_budget(spec, options)
-    if options.kv_block_size:
-        return options.kv_block_size, options.kv_cache_bytes // (
-            KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size
-        )
-    return pool_slots(spec, options)
+    if not options.kv_block_size:
+        return pool_slots(spec, options)
+    return options.kv_block_size, options.kv_cache_bytes // (
+        KVPool.bytes_per_token(spec, options.dtype) * options.kv_block_size
+    )
 
 
 def new_pool(
@@ -255,7 +254,8 @@ class NativeBackend:
         weights, layers = device_weights(spec, path, options, device)
         # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
         gemm = gemm_plan(weights, options, layers is not None)
-        model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm, layers)
+        rope, fused = rope_tables(spec, path, device), options.fused_layers
+        model = NativeModel(spec, weights, rope, options.attention, gemm, layers, fused)
         pool = new_pool(spec, options, device, geometry)
         if uses_cuda_graphs(options, device):
             limits = GraphLimits(request_rows(spec, options), max(options.max_tree_nodes, options.cuda_graph_tokens))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata, soft_cap, tree_attention
+from specinfer.models.native.fused import build as build_fused
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.offload import OffloadedLayers, ResidentLayers
@@ -46,10 +47,12 @@ class NativeModel:
         attention_impl: str,
         gemm: GemmPlan | None = None,
         layers: OffloadedLayers | None = None,
+        fused: bool = True,
     ) -> None:
         """``rope``: None for OPT (learned positions). ``layers``: where the decoder layers come from
         when offloaded (:mod:`.offload`; ``weights.layers`` are then in host memory); None:
-        ``weights.layers``, on the device."""
+        ``weights.layers``, on the device. ``fused``: run the decode and verify steps through the fused CPU layers
+        where they can run this model (:mod:`.fused`)."""
         self.spec = spec
         self.w = weights
         self.layers = ResidentLayers(weights.layers) if layers is None else layers
@@ -69,6 +72,7 @@ class NativeModel:
         self.blocks = spec.family.blocks(spec, weights.embed.dtype)
         # without query/key norms, queries and keys are side by side in the qkv product: one RoPE over both
         self._rope_qk_together = self.blocks.qk_norm is None
+        self.fused = build_fused(self) if fused else None  # None: every step per operation
 
     def forward(
         self,
@@ -96,6 +100,8 @@ class NativeModel:
         pool: PoolTensors,
     ) -> torch.Tensor:
         """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""
+        if self.fused is not None and self.fused.serves(h, meta):
+            return self.fused.run(h, positions, cache_rows, meta, pool)
         ropes = self._ropes(positions, h.dtype)  # once per step, shared by every layer
         layer = self.blocks.layer
         for i in range(len(self.layers)):
@@ -160,6 +166,8 @@ class NativeModel:
         return F.embedding(tokens, self.w.embed)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
+        if self.fused is not None and self.fused.dense_head is not None:
+            return self.fused.logits(h)
         return self.linear(h, self.w.lm_head if self.w.logits_head is None else self.w.logits_head)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ import torch
 
 from specinfer.core.tree import node_depths
 from specinfer.kernels import TreeAttentionMetadata, build_paged_tree_metadata, build_tree_metadata
+from specinfer.kernels.cpu_attention import segment_row_by_row
+from specinfer.kernels.metadata import is_chain
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.paged_pool import AnyKVPool, physical_rows
 
@@ -110,6 +112,33 @@ class PackedStep:
             seg_tables if block_size else (),
         )
 
+    def subset(self, keep: Sequence[bool]) -> tuple[PackedStep, list[int], list[int]]:
+        """The step of the segments ``keep`` marks, with the rows it keeps and the positions of its logit rows among
+        this step's: ``(step, rows, logit positions)``."""
+        rows: list[int] = []
+        start = 0
+        for queries, kept in zip(self.seg_queries, keep, strict=True):
+            if kept:
+                rows.extend(range(start, start + queries))
+            start += queries
+        index = {r: j for j, r in enumerate(rows)}
+        positions = [i for i, r in enumerate(self.logit_rows) if r in index]
+        segments = [i for i, kept in enumerate(keep) if kept]
+        pick = lambda column: tuple(column[i] for i in segments)  # noqa: E731
+        step = PackedStep(
+            tuple(self.tokens[r] for r in rows),
+            tuple(self.positions[r] for r in rows),
+            tuple(self.cache_rows[r] for r in rows),
+            pick(self.seg_parents),
+            pick(self.seg_prefix),
+            pick(self.seg_starts),
+            pick(self.seg_queries),
+            tuple(index[self.logit_rows[i]] for i in positions),
+            self.block_size,
+            pick(self.seg_tables) if self.block_size else (),
+        )
+        return step, rows, positions
+
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device``."""
         return tuple(
@@ -130,6 +159,25 @@ class PackedStep:
         return build_tree_metadata(
             self.seg_parents, self.seg_prefix, self.seg_starts, device, num_queries=self.seg_queries
         )
+
+
+def split_for_fused(step: PackedStep) -> list[tuple[PackedStep, list[int], list[int]]] | None:
+    """A step whose segments the fused CPU layers serve only in part (:mod:`.fused`: decode and verify segments, not
+    a prompt's causal chain or a chunk of more than 64 rows), as two steps (:meth:`PackedStep.subset`), the others
+    first, so that each row takes its own path whatever else is in its batch; None where the step is not mixed, or
+    where a request's served segment precedes one of its own that is not (its K/V must come first)."""
+    served = [
+        segment_row_by_row(q, parents, prefix, is_chain(parents))
+        for q, parents, prefix in zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True)
+    ]
+    if all(served) or not any(served):
+        return None
+    for i in range(len(served) - 1):
+        follows = step.seg_prefix[i + 1] == step.seg_prefix[i] + len(step.seg_parents[i])
+        where = step.seg_tables if step.block_size else step.seg_starts
+        if served[i] and not served[i + 1] and follows and where[i] == where[i + 1]:
+            return None
+    return [step.subset([not s for s in served]), step.subset(served)]
 
 
 class StepRunner(Protocol):
@@ -156,13 +204,38 @@ class LocalRunner:
         return self._pool
 
     def run(self, step: PackedStep) -> torch.Tensor:
-        tokens, positions, rows, logit_rows = step.tensors(self.device)
-        return self.model.forward(
-            tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
-        )  # [N, vocab]
+        parts = split_for_fused(step) if self.model.fused is not None else None
+        if parts is None:
+            tokens, positions, rows, logit_rows = step.tensors(self.device)
+            return self.model.forward(
+                tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
+            )  # [N, vocab]
+        return self._joined(step, parts)[0]
 
     def run_features(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of ``step.logit_rows`` and the features of every row (:meth:`NativeModel.forward_features`).
         # [N, vocab] float32, [T, lm_head_dim]"""
-        tokens, positions, rows, logit_rows = step.tensors(self.device)
-        return self.model.forward_features(tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows)
+        parts = split_for_fused(step) if self.model.fused is not None else None
+        if parts is None:
+            tokens, positions, rows, logit_rows = step.tensors(self.device)
+            return self.model.forward_features(
+                tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
+            )
+        return self._joined(step, parts)
+
+    def _joined(
+        self, step: PackedStep, parts: list[tuple[PackedStep, list[int], list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and features of ``step`` run as ``parts`` (:func:`split_for_fused`), in order."""
+        logits = features = None
+        for part, rows, positions in parts:
+            tokens, pos, cache_rows, logit_rows = part.tensors(self.device)
+            out, feats = self.model.forward_features(
+                tokens, pos, cache_rows, part.metadata(self.device), self._pool, logit_rows
+            )  # [n, vocab], [t, dim]
+            if logits is None:
+                logits = out.new_empty(len(step.logit_rows), out.shape[1])
+                features = feats.new_empty(len(step.tokens), feats.shape[1])
+            logits[positions] = out
+            features[rows] = feats
+        return logits, features

@@ -1,0 +1,248 @@
+/* Helpers shared by our CPU kernels (cpu_qgemm.c, cpu_attention.c, cpu_layers.c): bf16 conversions, 8-lane loads,
+ * sums and exp, and the pieces of the weight-only int4/int8 product (see cpu_qgemm.c's comment for the scheme and
+ * the weight layouts). Every function is static inline: each kernel file is its own translation unit. */
+#ifndef SPECINFER_CPU_KERNELS_H
+#define SPECINFER_CPU_KERNELS_H
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch's conversion */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum8(__m256 v) {  /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One row of x (k_x values, zero beyond) as int8 blocks: q [K], xd [K / 32], xs [K / 32]. */
+static inline void quantize_row(const void *x, int bf16, int k_x, int k, int8_t *q, float *xd, float *xs) {
+    float buf[QK];
+    for (int b = 0; b < k / QK; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            int i = b * QK + j;
+            float v = i >= k_x ? 0.0f : bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            buf[j] = v;
+            amax = fmaxf(amax, fabsf(v));
+        }
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(buf[j] * id);  /* round half to even (the default rounding mode) */
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        xd[b] = d;
+        xs[b] = d * (float)sum;
+    }
+}
+
+typedef struct {
+    int8_t *q;
+    float *xd, *xs;
+} Activations;
+
+static inline int quantize_rows(const void *x, int bf16, int m, int k_x, int k, Activations *a, int threads) {
+    int nb = k / QK;
+    a->q = (int8_t *)malloc((size_t)m * k);
+    a->xd = (float *)malloc(sizeof(float) * (size_t)m * nb);
+    a->xs = (float *)malloc(sizeof(float) * (size_t)m * nb);
+    if (!a->q || !a->xd || !a->xs) return -1;
+    size_t esize = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+    for (int r = 0; r < m; r++)
+        quantize_row((const char *)x + (size_t)r * k_x * esize, bf16, k_x, k, a->q + (size_t)r * k, a->xd + (size_t)r * nb,
+                     a->xs + (size_t)r * nb);
+    return 0;
+}
+
+static inline void free_rows(Activations *a) {
+    free(a->q);
+    free(a->xd);
+    free(a->xs);
+}
+
+static inline void store(void *y, int bf16, size_t i, float v) {
+    if (bf16)
+        ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+#define ROWS 8  /* rows of x per pass over a weight row: each weight block is unpacked once for them */
+#define GROUP 8 /* blocks whose integer sums are reduced together, then scaled by one vector multiply-add */
+
+/* Lane i of the result is the sum of the eight int32 lanes of p[i] (integer sums: exact in any order). */
+static inline __m256i reduce8(const __m256i *p) {
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+static inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Weight row o's blocks b0 .. b0 + count - 1 as vpmaddubsw's unsigned operand: int4 values as they are; int8 values'
+ * magnitudes, their signs kept in sign[] to move onto the activations. */
+static inline __attribute__((always_inline)) void load_blocks(const uint8_t *wq, const int bits, int b0, int count,
+                                                              __m256i *w, __m256i *sign) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int i = 0; i < count; i++) {
+        if (bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (size_t)(b0 + i) * 16));
+            w[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        } else {
+            sign[i] = _mm256_loadu_si256((const __m256i *)(wq + (size_t)(b0 + i) * QK));
+            w[i] = _mm256_sign_epi8(sign[i], sign[i]);
+        }
+    }
+}
+
+/* The exact integer sum of a weight block's products with row xq's block (int8: x takes the weight's signs). */
+static inline __attribute__((always_inline)) __m256i block_sums(__m256i w, __m256i sign, const int8_t *xq,
+                                                                const int bits) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    if (bits == 8) xv = _mm256_sign_epi8(xv, sign);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));  /* [8] int32 */
+}
+
+/* Rows r0 .. r0 + rows - 1 of x against one weight row (bits 4: qs [K / 2], d and m [K / 32] each; bits 8: qs [K],
+ * d [K / 32]) into out[0 .. rows). Per row: for each group of 8 blocks, acc += float(the 8 blocks' integer sums) *
+ * (d * xd) and, int4, macc += m * xs, lane-wise; the blocks past the last whole group add d * xd * sum (+ m * xs) to
+ * a scalar tail in block order; the result is (hsum(acc) + hsum(macc)) + tail. Inlined with rows and bits constant. */
+static inline __attribute__((always_inline)) void pass(const Activations *a, int r0, const int rows, const int bits,
+                                                       int k, const uint8_t *wq, const uint16_t *wd,
+                                                       const uint16_t *wm, float *out) {
+    const int nb = k / QK, whole = nb / GROUP * GROUP;
+    __m256 acc[ROWS], macc[ROWS];
+    float tail[ROWS];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = macc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    __m256i w[GROUP], sign[GROUP], p[GROUP];
+    for (int b = 0; b < whole; b += GROUP) {
+        load_blocks(wq, bits, b, GROUP, w, sign);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b)));
+        __m256 mm = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b))) : d;
+        for (int r = 0; r < rows; r++) {
+            size_t row = (size_t)(r0 + r);
+            const int8_t *xq = a->q + row * k + (size_t)b * QK;
+            for (int i = 0; i < GROUP; i++) p[i] = block_sums(w[i], sign[i], xq + i * QK, bits);
+            __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a->xd + row * nb + b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), scale, acc[r]);
+            if (bits == 4) macc[r] = _mm256_fmadd_ps(mm, _mm256_loadu_ps(a->xs + row * nb + b), macc[r]);
+        }
+    }
+    for (int b = whole; b < nb; b++) {
+        load_blocks(wq, bits, b, 1, w, sign);
+        float d = _cvtsh_ss(wd[b]), mm = bits == 4 ? _cvtsh_ss(wm[b]) : 0.0f;
+        for (int r = 0; r < rows; r++) {
+            size_t row = (size_t)(r0 + r);
+            int sum = hsum_i32(block_sums(w[0], sign[0], a->q + row * k + (size_t)b * QK, bits));
+            tail[r] += d * a->xd[row * nb + b] * (float)sum + (bits == 4 ? mm * a->xs[row * nb + b] : 0.0f);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = (hsum8(acc[r]) + hsum8(macc[r])) + tail[r];
+}
+
+
+static inline __m256 load8(const void *p, int bf16, size_t i) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial, 2^n by the exponent). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+
+/* Attention of one query row and head over its n visible keys (cache rows keys[0 .. n), in order) into out [dim]
+ * fp32: s_j = (q . k_j) * scale (8 lanes, then a fixed horizontal sum), optionally softcap * tanh(s_j / softcap);
+ * m = max s_j; p_j = exp(s_j - m); l = sum p_j (8 lanes over j, then horizontal); out = (sum_j p_j v_j) / l.
+ * q: the row's head (fp32 or bf16); base: the KV head's offset within a cache row of `stride` values; s: scratch of
+ * n + 8 floats. The result depends on the query, the keys and their order alone. */
+static inline void attend_row_head(const void *q, int q_bf16, const void *k, const void *v, int kv_bf16, size_t stride,
+                                   size_t base, const int32_t *keys, int64_t n, int lanes, float scale, float softcap,
+                                   float *s, float *out) {
+    __m256 qv[64];
+    for (int i = 0; i < lanes; i++) qv[i] = load8(q, q_bf16, (size_t)i * 8);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        size_t row = (size_t)keys[j] * stride + base;
+        __m256 acc = _mm256_mul_ps(qv[0], load8(k, kv_bf16, row));
+        for (int i = 1; i < lanes; i++) acc = _mm256_fmadd_ps(qv[i], load8(k, kv_bf16, row + (size_t)i * 8), acc);
+        float sj = hsum8(acc) * scale;
+        if (softcap > 0.0f) sj = softcap * tanhf(sj / softcap);
+        s[j] = sj;
+        m = sj > m ? sj : m;
+    }
+    __m256 mv = _mm256_set1_ps(m), lsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, p);
+        lsum = _mm256_add_ps(lsum, p);
+    }
+    float tail = 0.0f;
+    if (j < n) {  /* the last partial group through the same exp, padded lanes dropped */
+        float pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t t = j; t < n; t++) pad[t - j] = s[t] - m;
+        _mm256_storeu_ps(pad, exp8(_mm256_loadu_ps(pad)));
+        for (int64_t t = j; t < n; t++) {
+            s[t] = pad[t - j];
+            tail += pad[t - j];
+        }
+    }
+    float l = hsum8(lsum) + tail;
+    __m256 o[64];
+    for (int i = 0; i < lanes; i++) o[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        size_t row = (size_t)keys[t] * stride + base;
+        __m256 p = _mm256_set1_ps(s[t]);
+        for (int i = 0; i < lanes; i++) o[i] = _mm256_fmadd_ps(p, load8(v, kv_bf16, row + (size_t)i * 8), o[i]);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / l);
+    for (int i = 0; i < lanes; i++) _mm256_storeu_ps(out + (size_t)i * 8, _mm256_mul_ps(o[i], inv));
+}
+#endif

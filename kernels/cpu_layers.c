@@ -1,0 +1,284 @@
+/* Every decoder layer of a Llama-family model (RMSNorm, q/k/v with optional biases and per-head q/k norms, RoPE,
+ * tree attention over the KV pool, o_proj, SwiGLU MLP) for one step's rows, in one call and one OpenMP team, on an
+ * x86-64 CPU with AVX2, FMA and F16C.
+ *
+ * Why: the same layer as PyTorch operations is about 60 dispatched operations, each a few microseconds of host work
+ * whatever its size, so on a many-layer model a one-token step was mostly host work (BENCHMARKS.md, "Fused CPU
+ * decoder layers"). Here a layer is nine parallel loops separated by barriers, none of which returns to Python.
+ *
+ * Every row is computed alone: products give each (row, output) one reduction in a fixed order (tiles share weight
+ * loads, never sums), attention reads the row's own visible keys (attend_row_head), norms and the MLP act per row.
+ * So a row's result depends on that row and what it attends to, not on the step's other rows or the threads: a tree
+ * verified in one step gets, bit for bit, what one-token steps give the same tokens.
+ *
+ * Layouts: h [t, hidden] fp32 or bf16 (the residual stream, updated in place; computed in fp32 and rounded to bf16
+ * where the model's dtype is bf16, at the points PyTorch's layer rounds); products per Weight.kind: dense fp32 or
+ * bf16 [n, k] (k a multiple of 8), or our int4 / int8 block layouts (cpu_kernels.h, cpu_qgemm.c); q/k/v output
+ * [q heads | kv heads | kv heads] x dim; K and V caches of a layer: rows of [kv_heads, dim] (fp32 or bf16), the row
+ * of step row r at cache_rows[r]; RoPE of row r from positions[r] and inv_freq [rotary_dim / 2] (times rope_scale),
+ * x * cos + [x2, x1] * signed_sin with sin's first half negated; a layer's visible keys: list Layer.keys of
+ * offsets / keys (offsets [t + 1]).
+ */
+#include "cpu_kernels.h"
+
+enum { DENSE_F32 = 0, DENSE_BF16 = 1, INT4 = 4, INT8 = 8 };
+
+typedef struct {
+    int kind, n, k;     /* k: inputs (the block layouts: padded to whole blocks of 32) */
+    const void *w;      /* dense [n, k]; int4 qs [n, k / 2]; int8 qs [n, k] */
+    const uint16_t *s;  /* int4 dm [n, 2, k / 32]; int8 d [n, k / 32]; dense: unused */
+    const float *bias;  /* [n] or NULL */
+} Weight;
+
+typedef struct {
+    Weight qkv, o, up, down;
+    const float *norm1, *norm2;    /* [hidden] */
+    const float *q_norm, *k_norm;  /* [dim] or NULL */
+    void *k_cache, *v_cache;
+    int keys;                      /* which of the step's visible-key lists this layer reads (its window's) */
+} Layer;
+
+typedef struct {
+    int hidden, heads, kv_heads, dim, inter, rotary_dim, h_bf16, kv_bf16;
+    float eps, scale, softcap;
+} Shape;
+
+static inline float rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* y = x * (1 / sqrt(mean(x^2) + eps)), rounded, times w, rounded (as PyTorch's rms_norm in the model's dtype). */
+static inline void rms_norm(const float *x, const float *w, int n, float eps, float *y, int bf) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float sum = hsum8(acc);
+    for (; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (i = 0; i < n; i++) y[i] = rnd(rnd(x[i] * inv, bf) * w[i], bf);
+}
+
+/* RoPE of one head x [rd leading values rotated] in place: x * cos + [x2, x1] * signed_sin. */
+static inline void rope(float *x, const float *cos, const float *ssin, int rd, int bf) {
+    const int half = rd / 2;
+    float tmp[512];
+    for (int i = 0; i < rd; i++) tmp[i] = x[i];
+    for (int i = 0; i < rd; i++) x[i] = rnd(tmp[i] * cos[i] + tmp[i < half ? i + half : i - half] * ssin[i], bf);
+}
+
+#define OUTS 4   /* dense: weight rows per tile */
+#define DROWS 2  /* dense: activation rows per tile */
+
+/* Dense tile: rows r0 .. r0 + rows of x (fp32, ld ldx) against weight rows o0 .. o0 + outs; each (row, output) is
+ * one 8-lane FMA chain over k in order, then hsum8, whatever the tile. out[r * OUTS + j]. */
+static inline __attribute__((always_inline)) void dense_tile(const float *x, int ldx, int r0, const int rows,
+                                                             const void *w, const int bf16, int o0, const int outs,
+                                                             int k, float *out) {
+    __m256 acc[DROWS][OUTS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < outs; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int i = 0; i < k; i += 8) {
+        __m256 wv[OUTS];
+        for (int j = 0; j < outs; j++) wv[j] = load8(w, bf16, (size_t)(o0 + j) * k + i);
+        for (int r = 0; r < rows; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)(r0 + r) * ldx + i);
+            for (int j = 0; j < outs; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < outs; j++) out[r * OUTS + j] = hsum8(acc[r][j]);
+}
+
+/* The epilogue of output (r, o): + bias, rounded; with accumulate, added to y (the residual stream), rounded. */
+static inline void emit(float *y, int n, int r, int o, float v, const float *bias, int accumulate, int bf) {
+    v = rnd(bias ? v + bias[o] : v, bf);
+    size_t i = (size_t)r * n + o;
+    y[i] = accumulate ? rnd(y[i] + v, bf) : v;
+}
+
+/* y [t, n] (=, or += with accumulate) x [t, k] @ W^T, the output rows split across the team (an orphaned omp for:
+ * called inside the parallel region). x: fp32 rows of ldx (dense), or `a`, the rows quantized (block layouts). */
+static void product(const Weight *w, int t, const float *x, int ldx, const Activations *a, float *y, int accumulate,
+                    int bf) {
+    const int n = w->n, k = w->k;
+    if (w->kind == INT4 || w->kind == INT8) {
+        const int bits = w->kind, nb = k / QK;
+        const size_t row_bytes = bits == 4 ? (size_t)k / 2 : (size_t)k, scales = bits == 4 ? 2 * (size_t)nb : (size_t)nb;
+#pragma omp for schedule(static)
+        for (int o = 0; o < n; o++) {
+            const uint8_t *wq = (const uint8_t *)w->w + (size_t)o * row_bytes;
+            const uint16_t *wd = w->s + (size_t)o * scales, *wm = wd + nb;
+            for (int r0 = 0; r0 < t; r0 += ROWS) {
+                int rows = t - r0 < ROWS ? t - r0 : ROWS;
+                float out[ROWS];
+                if (rows == 1 && bits == 4)
+                    pass(a, r0, 1, 4, k, wq, wd, wm, out);
+                else if (rows == 1)
+                    pass(a, r0, 1, 8, k, wq, wd, wm, out);
+                else if (bits == 4)
+                    pass(a, r0, rows, 4, k, wq, wd, wm, out);
+                else
+                    pass(a, r0, rows, 8, k, wq, wd, wm, out);
+                for (int r = 0; r < rows; r++) emit(y, n, r0 + r, o, out[r], w->bias, accumulate, bf);
+            }
+        }
+        return;
+    }
+    const int bf16 = w->kind == DENSE_BF16;
+#pragma omp for schedule(static)
+    for (int ob = 0; ob < (n + OUTS - 1) / OUTS; ob++) {
+        const int o0 = ob * OUTS, outs = n - o0 < OUTS ? n - o0 : OUTS;
+        for (int r0 = 0; r0 < t; r0 += DROWS) {
+            const int rows = t - r0 < DROWS ? t - r0 : DROWS;
+            float out[DROWS * OUTS];
+            if (outs == OUTS && rows == DROWS)
+                dense_tile(x, ldx, r0, DROWS, w->w, bf16, o0, OUTS, k, out);
+            else if (outs == OUTS)
+                dense_tile(x, ldx, r0, 1, w->w, bf16, o0, OUTS, k, out);
+            else
+                for (int j = 0; j < outs; j++)
+                    for (int r = 0; r < rows; r++) dense_tile(x, ldx, r0 + r, 1, w->w, bf16, o0 + j, 1, k, out + r * OUTS + j);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < outs; j++) emit(y, n, r0 + r, o0 + j, out[r * OUTS + j], w->bias, accumulate, bf);
+        }
+    }
+}
+
+/* Row r of x (fp32, `cols` values) as the product's input: quantized into a (block layouts), else read as it is. */
+static inline void prepare(const Weight *w, const float *x, int cols, int r, Activations *a) {
+    if (w->kind == INT4 || w->kind == INT8)
+        quantize_row(x, 0, cols, w->k, a->q + (size_t)r * w->k, a->xd + (size_t)r * (w->k / QK),
+                     a->xs + (size_t)r * (w->k / QK));
+}
+
+/* y = (each row of res RMS-normed with `norm` into x, and for the block layouts quantized into a) @ W^T. */
+static void norm_product(const Shape *sh, const float *norm, const Weight *w, int t, const float *res, float *x,
+                         int ldx, Activations *a, float *y) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < t; r++) {
+        rms_norm(res + (size_t)r * sh->hidden, norm, sh->hidden, sh->eps, x + (size_t)r * ldx, sh->h_bf16);
+        prepare(w, x + (size_t)r * ldx, sh->hidden, r, a);
+    }
+    product(w, t, x, ldx, a, y, 0, sh->h_bf16);
+}
+
+static inline int maxi(int a, int b) { return a > b ? a : b; }
+
+/* One layer over the step's rows, inside the team's parallel region (every loop an omp for with its barrier). */
+static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, int ldx, float *qkv, float *att,
+                  float *gu, Activations *a, const float *cos, const float *sin, const int64_t *cache_rows,
+                  const int64_t *offsets, const int32_t *keys, float *s) {
+    const int H = sh->heads, KV = sh->kv_heads, D = sh->dim, I = sh->inter, bf = sh->h_bf16;
+    const int nqkv = L->qkv.n, rd = sh->rotary_dim;
+    const size_t stride = (size_t)KV * D;
+    norm_product(sh, L->norm1, &L->qkv, t, res, x, ldx, a, qkv);
+#pragma omp for schedule(static)
+    for (int task = 0; task < t * (H + KV); task++) {  /* query and key heads: norms, RoPE; keys and values cached */
+        const int r = task / (H + KV), hh = task % (H + KV);
+        float *head = qkv + (size_t)r * nqkv + (size_t)hh * D;
+        const float *norm = hh < H ? L->q_norm : L->k_norm;
+        if (norm) rms_norm(head, norm, D, sh->eps, head, bf);
+        if (rd) rope(head, cos + (size_t)r * rd, sin + (size_t)r * rd, rd, bf);
+        if (hh < H) continue;
+        const float *value = qkv + (size_t)r * nqkv + (size_t)(H + KV) * D + (size_t)(hh - H) * D;
+        const size_t at = (size_t)cache_rows[r] * stride + (size_t)(hh - H) * D;
+        for (int i = 0; i < D; i++) {
+            if (sh->kv_bf16) {
+                ((uint16_t *)L->k_cache)[at + i] = f32_to_bf16(head[i]);
+                ((uint16_t *)L->v_cache)[at + i] = f32_to_bf16(value[i]);
+            } else {
+                ((float *)L->k_cache)[at + i] = head[i];
+                ((float *)L->v_cache)[at + i] = value[i];
+            }
+        }
+    }
+#pragma omp for schedule(static)
+    for (int task = 0; task < t * H; task++) {
+        const int r = task / H, hh = task % H;
+        float *out = att + ((size_t)r * H + hh) * D;
+        attend_row_head(qkv + (size_t)r * nqkv + (size_t)hh * D, 0, L->k_cache, L->v_cache, sh->kv_bf16, stride,
+                        (size_t)(hh / (H / KV)) * D, keys + offsets[r], offsets[r + 1] - offsets[r], D / 8, sh->scale,
+                        sh->softcap, s, out);
+        if (bf)
+            for (int i = 0; i < D; i++) out[i] = rnd(out[i], 1);
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < t; r++) prepare(&L->o, att + (size_t)r * H * D, H * D, r, a);
+    product(&L->o, t, att, H * D, a, res, 1, bf);
+    norm_product(sh, L->norm2, &L->up, t, res, x, ldx, a, gu);
+#pragma omp for schedule(static)
+    for (int r = 0; r < t; r++) {  /* SwiGLU: silu(gate) * up */
+        const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+        float *y = x + (size_t)r * ldx;
+        for (int j = 0; j < I; j++) y[j] = rnd(rnd(g[j] / (1.0f + expf(-g[j])), bf) * u[j], bf);
+        prepare(&L->down, y, I, r, a);
+    }
+    product(&L->down, t, x, ldx, a, res, 1, bf);
+}
+
+/* Runs layers[0 .. n_layers) over h [t, hidden] in place. offsets[i] / keys[i]: visible-key list i (a layer reads
+ * list Layer.keys), max_keys the longest row of any. Returns 0, or -1 when out of memory. */
+int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, void *h, const int64_t *positions,
+                   const float *inv_freq, float rope_scale, const int64_t *cache_rows, const int64_t *const *offsets,
+                   const int32_t *const *keys, int max_keys, int threads) {
+    const int hid = sh->hidden, qd = sh->heads * sh->dim;
+    const int ldx = maxi(maxi(hid, sh->inter), qd);
+    int kmax = 0, nqkv = 0;
+    for (int l = 0; l < n_layers; l++) {
+        const Weight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].up, &layers[l].down};
+        for (int i = 0; i < 4; i++) kmax = maxi(kmax, ws[i]->k);
+        nqkv = maxi(nqkv, layers[l].qkv.n);
+    }
+    float *res = malloc(sizeof(float) * (size_t)t * hid), *x = malloc(sizeof(float) * (size_t)t * ldx);
+    float *qkv = malloc(sizeof(float) * (size_t)t * nqkv), *att = malloc(sizeof(float) * (size_t)t * qd);
+    float *gu = malloc(sizeof(float) * (size_t)t * 2 * sh->inter);
+    Activations a = {malloc((size_t)t * kmax), malloc(sizeof(float) * (size_t)t * (kmax / QK + 1)),
+                     malloc(sizeof(float) * (size_t)t * (kmax / QK + 1))};
+    const int rd = sh->rotary_dim, half = rd / 2;
+    float *cos = malloc(sizeof(float) * ((size_t)t * rd + 1)), *sin = malloc(sizeof(float) * ((size_t)t * rd + 1));
+    int failed = !res || !x || !qkv || !att || !gu || !a.q || !a.xd || !a.xs || !cos || !sin;
+    if (!failed) {
+        for (int r = 0; r < t; r++)  /* each row's RoPE from its position alone (a table op's lanes would not be) */
+            for (int i = 0; i < half; i++) {
+                const float f = (float)positions[r] * inv_freq[i], c = cosf(f) * rope_scale, sn = sinf(f) * rope_scale;
+                cos[(size_t)r * rd + i] = cos[(size_t)r * rd + half + i] = c;
+                sin[(size_t)r * rd + i] = -sn;
+                sin[(size_t)r * rd + half + i] = sn;
+            }
+        for (size_t i = 0; i < (size_t)t * hid; i++)
+            res[i] = sh->h_bf16 ? bf16_to_f32(((const uint16_t *)h)[i]) : ((const float *)h)[i];
+#pragma omp parallel num_threads(threads)
+        {
+            float *s = malloc(sizeof(float) * ((size_t)max_keys + 8));
+            if (!s) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            if (!failed)  /* every thread reads the same flag after the barrier: all run the loops, or none */
+                for (int l = 0; l < n_layers; l++)
+                    layer(sh, &layers[l], t, res, x, ldx, qkv, att, gu, &a, cos, sin, cache_rows,
+                          offsets[layers[l].keys], keys[layers[l].keys], s);
+            free(s);
+        }
+        if (!failed)
+            for (size_t i = 0; i < (size_t)t * hid; i++) {
+                if (sh->h_bf16)
+                    ((uint16_t *)h)[i] = f32_to_bf16(res[i]);
+                else
+                    ((float *)h)[i] = res[i];
+            }
+    }
+    free(res), free(x), free(qkv), free(att), free(gu), free(cos), free(sin), free_rows(&a);
+    return failed ? -1 : 0;
+}
+
+/* y [m, n] = x [m, k] (fp32) @ W^T for a dense fp32 or bf16 weight [n, k] (k a multiple of 8), by the layers' own
+ * products: each output one reduction in a fixed order, whatever m (the LM head of a model the layers run, so that
+ * its logits are row-invariant too). */
+void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, float *y, int threads) {
+    const Weight weight = {w_bf16 ? DENSE_BF16 : DENSE_F32, n, k, w, NULL, NULL};
+#pragma omp parallel num_threads(threads)
+    product(&weight, m, x, k, NULL, y, 0, 0);
+}

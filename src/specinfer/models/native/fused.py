@@ -1,0 +1,149 @@
+"""Fused CPU decoder layers: a Llama-family model's every layer in one C call per decode or verify step
+(:mod:`specinfer.kernels.cpu_layers`), where the per-operation path costs about 60 dispatched PyTorch operations a
+layer (BENCHMARKS.md, "Fused CPU decoder layers").
+
+:func:`build` decides once per model whether the C layers can run it, and :class:`FusedLayers` runs the steps they
+serve: every request of the step a decode or verify step (the row-by-row attention's; a prompt's causal chain and
+chunks of more than 64 rows run per operation, :func:`specinfer.kernels.cpu_attention.row_by_row`). A mixed step is
+split by the runner (:func:`specinfer.models.native.step.split_for_fused`), so that a row takes the same path
+whatever else is in its batch: its result, bit for bit, depends on the row alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from specinfer.kernels import TreeAttentionMetadata, cpu_layers, cpu_qgemm
+from specinfer.models.native.families import llama
+from specinfer.models.native.kv_pool import PoolTensors
+from specinfer.models.native.offload import ResidentLayers
+
+if TYPE_CHECKING:
+    from specinfer.models.native.model import NativeModel
+
+log = logging.getLogger(__name__)
+
+
+def dense_served() -> bool:
+    """Whether plain fp32/bf16 weights go through the C layers here: on CPUs whose best instructions are AVX2 (the C
+    products' own), not where oneDNN/MKL multiply with AVX-512 or AMX, which the verify step's many rows need."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def why_not(model: NativeModel) -> str | None:
+    """Why the C layers cannot run ``model``, or None where they can."""
+    from specinfer.models.native.model import NativeModel
+
+    spec, w = model.spec, model.w
+    if cpu_qgemm.library() is None:
+        return "no C kernels here"
+    if model.attention_impl == "triton":
+        return "the Triton attention asked for"
+    if type(model) is not NativeModel or not isinstance(model.layers, ResidentLayers):
+        return "a tensor-parallel shard or offloaded layers"
+    if model.blocks.layer is not llama._layer or model.rope is None or model.rope.local_inv_freq is not None:
+        return f"{spec.arch} layers (the C layers are the Llama family's)"
+    if w.embed.device.type != "cpu" or w.embed.dtype not in (torch.float32, torch.bfloat16):
+        return f"{w.embed.device.type} {w.embed.dtype}"
+    if spec.head_dim % 8 or spec.head_dim > 512 or spec.heads % spec.kv_heads:
+        return f"head_dim {spec.head_dim}"
+    dense = dense_served()
+    for layer in w.layers:
+        if layer.up_b is not None or layer.down_b is not None:
+            return "MLP biases"
+        for m in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w):
+            if cpu_layers.weight_kind(m, dense) is None:
+                return f"a {type(m).__name__} weight the C layers do not read (dense ones: on AVX2 CPUs only)"
+    return None
+
+
+def build(model: NativeModel) -> FusedLayers | None:
+    """The C layers of ``model``, or None where they cannot run it (the reason logged)."""
+    reason = why_not(model)
+    if reason is not None:
+        log.info("fused CPU decoder layers off for this model: %s", reason)
+        return None
+    return FusedLayers(model)
+
+
+class FusedLayers:
+    """A model's layer records (weights' and norms' addresses, built once; the KV pool's bound at the first step on
+    a pool) and the step's call."""
+
+    def __init__(self, model: NativeModel) -> None:
+        spec = model.spec
+        self.dtype = model.w.embed.dtype
+        self.rope = model.rope
+        self.inv_freq = model.rope.inv_freq.float().contiguous()  # [rotary_dim / 2]
+        self._keep: list[torch.Tensor] = []  # what the records point at
+        dense = dense_served()
+        windows = sorted(set(spec.layer_windows), key=lambda x: -1 if x is None else x)
+        self.windows = tuple(windows)  # the step's visible-key lists, one per distinct window
+        self.records = (cpu_layers.Layer * spec.layers)()
+        for i, layer in enumerate(model.w.layers):
+            r = self.records[i]
+            for name, m, b in (("qkv", layer.qkv_w, layer.qkv_b), ("o", layer.o_w, layer.o_b)):
+                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m, dense), b, self._keep))
+            for name, m in (("up", layer.up_w), ("down", layer.down_w)):
+                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m, dense), None, self._keep))
+            for name, norm in (("norm1", layer.norm1_w), ("norm2", layer.norm2_w)):
+                setattr(r, name, self._address(norm))
+            r.q_norm, r.k_norm = self._address(layer.q_norm_w), self._address(layer.k_norm_w)
+            r.keys = self.windows.index(spec.layer_windows[i])
+        scale = model._sm_scale if model._sm_scale is not None else spec.head_dim**-0.5
+        self.shape = cpu_layers.Shape(
+            spec.hidden_size, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate_size, spec.rotary_dim,
+            int(self.dtype == torch.bfloat16), 0, spec.norm_eps, scale, spec.attn_softcap or 0.0,
+        )  # fmt: skip
+        self._pool: tuple[int, int] | None = None  # the bound pool's K and V addresses
+        head = model.w.lm_head if model.w.logits_head is None else model.w.logits_head
+        # a dense LM head through the C products too, so that logits are row-invariant as the layers are
+        dense_kinds = (cpu_layers.DENSE_F32, cpu_layers.DENSE_BF16)
+        self.dense_head = head if cpu_layers.weight_kind(head, dense) in dense_kinds else None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        """The dense LM head on final-normed ``h``  # [N, hidden] (:attr:`dense_head` set)."""
+        return cpu_layers.dense_linear(h, self.dense_head)
+
+    def _address(self, x: torch.Tensor | None) -> int:
+        if x is None:
+            return 0
+        x = x.detach().float().contiguous()
+        self._keep.append(x)
+        return x.data_ptr()
+
+    def serves(self, h: torch.Tensor, meta: TreeAttentionMetadata) -> bool:
+        """Whether this step runs here (see the module)."""
+        # every row a query row (a padded step's padding tokens are not: its runner pads for CUDA graphs)
+        rows = h.shape[0] == sum(meta.num_queries)
+        return h.device.type == "cpu" and h.dtype == self.dtype and rows and cpu_layers.serves_rows(meta)
+
+    def run(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T] int64
+        cache_rows: torch.Tensor,  # [T] int64
+        meta: TreeAttentionMetadata,
+        pool: PoolTensors,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Every layer over ``h`` (a new tensor: the embedding's), K/V into ``pool``."""
+        if self._pool != (pool.k.data_ptr(), pool.v.data_ptr()):
+            self._bind(pool)
+        keys = [cpu_layers.step_keys(meta, window) for window in self.windows]
+        rope = self.rope
+        return cpu_layers.run(
+            self.shape, self.records, h.contiguous(), positions, self.inv_freq, rope.scale, cache_rows, keys
+        )
+
+    def _bind(self, pool: PoolTensors) -> None:
+        contiguous = pool.k.is_contiguous() and pool.v.is_contiguous()
+        if not contiguous or pool.k.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("the fused CPU layers need contiguous fp32 or bf16 KV pools")
+        for i in range(len(self.records)):
+            self.records[i].k_cache = pool.k[i].data_ptr()
+            self.records[i].v_cache = pool.v[i].data_ptr()
+        self.shape.kv_bf16 = int(pool.k.dtype == torch.bfloat16)
+        self._pool = (pool.k.data_ptr(), pool.v.data_ptr())

@@ -1,0 +1,148 @@
+"""The fused CPU decoder layers (kernels/cpu_layers.c, specinfer.models.native.fused) against the model's own
+per-operation layers, and their row invariance: a verified tree's rows equal one-token steps bit for bit, and a
+request's rows do not depend on what else is in its batch (a mixed step is split, specinfer.models.native.step).
+
+The configurations are the Llama family's variants the C layers take: q/k/v biases and sliding-window layers
+(Qwen2), per-head q/k norms (Qwen3), partial RoPE (Phi-3), grouped-query attention; each with dense fp32 and bf16
+weights and our int4 and int8 block layouts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rope_configs import PARTIAL_ROPE  # tests/rope_configs.py
+from test_model_families import COMMON  # tests/test_model_families.py: the tiny configs' common shape
+from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+from specinfer.kernels import cpu_qgemm
+from specinfer.models.interface import TreeForward
+from specinfer.models.native import NativeBackend, NativeOptions
+from specinfer.models.native.step import PackedStep, StepRequest, split_for_fused
+
+pytestmark = pytest.mark.skipif(
+    cpu_qgemm.unavailable_reason() is not None, reason=f"C kernels: {cpu_qgemm.unavailable_reason()}"
+)
+
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, attention_bias=True),
+    "qwen2-window": lambda: Qwen2Config(
+        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
+    "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+    "phi3-partial-rope": lambda: Phi3Config(**COMMON, num_key_value_heads=4, rope_parameters=PARTIAL_ROPE),
+}
+WEIGHTS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int4"), ("float32", "int8"), ("bfloat16", "int4")]
+PROMPT = [5, 17, 33, 9, 60, 21, 44, 8, 71, 30, 12]
+TREE = ([40, 41, 50, 51, 52, 53], [-1, 0, 0, 1, 3, 2])  # branches 40-41-51-52 and 40-50-53
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "bias" in name:
+                p.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path
+
+
+def _load(path, dtype: str, quantize: str, fused: bool = True, block: int = 4) -> NativeBackend:
+    options = NativeOptions(
+        dtype=getattr(torch, dtype),
+        kv_cache_bytes=1 << 24,
+        kv_block_size=block,
+        quantize=quantize,
+        gemm="linear",
+        fused_layers=fused,
+        prefix_caching=False,  # a hit would make the rest of a prompt a served chunk: the steps' prompts would differ
+    )
+    backend = NativeBackend.load(path, options)
+    if quantize != "none":  # our block layouts go through the C layers wherever they run
+        assert (backend._local_model().fused is not None) == fused
+    return backend
+
+
+def _tree(backend: NativeBackend, rid: str) -> torch.Tensor:
+    """The logits of TREE's nodes behind PROMPT (the prompt computed first, in the same call).  # [6, vocab]"""
+    return backend.forward_tree([TreeForward(rid, PROMPT, *TREE)])[0]
+
+
+def _branch_steps(backend: NativeBackend, rid: str) -> torch.Tensor:
+    """The logits of TREE's nodes each from one-token steps down its branch.  # [6, vocab]"""
+    tokens, parents = TREE
+    rows = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        for depth, token in enumerate(path):
+            out = backend.forward_tree([TreeForward(f"{rid}{i}", PROMPT + path[:depth], [token], [-1])])[0]
+        rows.append(out[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype, quantize", WEIGHTS)
+def test_fused_layers_equal_the_per_operation_layers(checkpoint, dtype, quantize):
+    if dtype == "bfloat16" and quantize == "none" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
+    fused, ops = _load(checkpoint, dtype, quantize), _load(checkpoint, dtype, quantize, fused=False)
+    a, b = _tree(fused, "r"), _tree(ops, "r")
+    # fp32 dense: rounding only; bf16 and quantized activations: one rounding step apart at most on some inputs
+    exact = (dtype, quantize) == ("float32", "none")
+    assert (a - b).abs().max() <= (1e-4 if exact else 0.05) * b.abs().max()
+    if exact:
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype, quantize", WEIGHTS)
+@pytest.mark.parametrize("block", [0, 4])
+def test_a_verified_tree_equals_one_token_steps_bit_for_bit(checkpoint, dtype, quantize, block):
+    backend = _load(checkpoint, dtype, quantize, block=block)
+    if backend._local_model().fused is None:
+        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
+    assert torch.equal(_tree(backend, "t"), _branch_steps(backend, "s"))
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_a_request_in_a_mixed_batch_gets_its_own_logits(checkpoint, quantize):
+    """A verify step beside another request's prompt (a step split in two) equals the same step alone."""
+    backend = _load(checkpoint, "float32", quantize)
+    if backend._local_model().fused is None:
+        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
+    for rid in ("a", "c"):  # the same history for a and c: the prompt alone, one node pending
+        backend.forward_tree([TreeForward(rid, PROMPT[:-1], [PROMPT[-1]], [-1])])
+    alone = backend.forward_tree([TreeForward("a", PROMPT, [40, 41], [-1, 0])])[0]
+    beside_a_prompt = backend.forward_tree(
+        [TreeForward("c", PROMPT, [40, 41], [-1, 0]), TreeForward("b", [9, 8, 7, 6, 5, 4, 3], [7], [-1])]
+    )[0]
+    assert torch.equal(beside_a_prompt, alone)
+
+
+def test_split_for_fused_runs_prompts_first_and_keeps_every_row():
+    decode = StepRequest(kv_start=0, cached=20, chain=(), tokens=(7, 8), parents=(-1, 0))
+    prompt = StepRequest(kv_start=100, cached=0, chain=(1, 2, 3), tokens=(4,), parents=(-1,))
+    step = PackedStep.from_trees([decode, prompt])
+    (first, rows1, logits1), (second, rows2, logits2) = split_for_fused(step)
+    assert first.seg_prefix == (0,) and rows1 == [2, 3, 4] and second.seg_prefix == (20, 3) and rows2 == [0, 1, 5]
+    assert sorted(rows1 + rows2) == list(range(len(step.tokens)))
+    assert sorted(logits1 + logits2) == list(range(len(step.logit_rows)))
+    for part, rows in ((first, rows1), (second, rows2)):
+        assert part.tokens == tuple(step.tokens[r] for r in rows)
+        assert part.cache_rows == tuple(step.cache_rows[r] for r in rows)
+    assert split_for_fused(PackedStep.from_trees([decode])) is None  # nothing to split
+    # a served chunk of a request's context before its own tree of more than 64 rows: not split (order matters)
+    big = StepRequest(kv_start=0, cached=20, chain=(1, 2), tokens=tuple(range(70)), parents=(-1, *range(69)))
+    assert split_for_fused(PackedStep.from_trees([big, prompt])) is None
+
+
+def test_models_the_c_layers_do_not_run_stay_per_operation(checkpoint):
+    assert _load(checkpoint, "float32", "int4", fused=False)._local_model().fused is None
+    triton = NativeOptions(kv_cache_bytes=1 << 24, quantize="int4", attention="triton")
+    assert NativeBackend.load(checkpoint, triton)._local_model().fused is None
