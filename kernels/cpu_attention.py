@@ -59,6 +59,24 @@ def row_keys(meta: TreeAttentionMetadata, b: int, window: int | None) -> tuple[t
         rows = table[positions // meta.block_size] * meta.block_size + positions % meta.block_size
     else:
         rows = meta.kv_starts[b] + positions
+    if meta.is_chain[b] and window is None:  # row i sees every position up to its own (a decode step: all of them)
+        lists = [rows[: prefix + i + 1] for i in range(n - nq, n)]
+    else:
+        lists = _tree_lists(parents, prefix, nq, rows, window)
+    offsets = np.zeros(nq + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in lists])
+    keys = np.concatenate(lists).astype(np.int32)
+    cached = (torch.from_numpy(offsets), torch.from_numpy(keys), int(max(len(x) for x in lists)))
+    meta._row_keys[(b, window)] = cached
+    return cached
+
+
+def _tree_lists(
+    parents: tuple[int, ...], prefix: int, nq: int, rows: np.ndarray, window: int | None
+) -> list[np.ndarray]:
+    """Each query row's visible cache rows (of ``rows``, the request's logical positions'): the prefix, then the row's
+    ancestors and itself, within ``window`` of its position."""
+    n = len(parents)
     token_pos = token_positions(parents, prefix)  # [prefix + n] RoPE positions (a node: prefix + depth)
     ancestors = ancestor_matrix(parents)  # [n, n]: row i's ancestors and itself (parents precede children: root first)
     lists = []
@@ -67,12 +85,7 @@ def row_keys(meta: TreeAttentionMetadata, b: int, window: int | None) -> tuple[t
         if window is not None:
             visible = visible[token_pos[visible] > token_pos[prefix + i] - window]
         lists.append(rows[visible])
-    offsets = np.zeros(nq + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(x) for x in lists])
-    keys = np.concatenate(lists).astype(np.int32)
-    cached = (torch.from_numpy(offsets), torch.from_numpy(keys), int(max(len(x) for x in lists)))
-    meta._row_keys[(b, window)] = cached
-    return cached
+    return lists
 
 
 def attend(
