@@ -55,6 +55,8 @@ def why_not(model: NativeModel) -> str | None:
         if layer.up_b is not None or layer.down_b is not None:
             return "MLP biases"
         for m in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w):
+            if isinstance(m, torch.Tensor) and m.is_mkldnn:
+                return "weights in oneDNN's packed layout (--gemm plain keeps them plain)"
             if cpu_layers.weight_kind(m, dense) is None:
                 return f"a {type(m).__name__} weight the C layers do not read (dense ones: on AVX2 CPUs only)"
     return None
