@@ -1,9 +1,8 @@
 """Native backend: our own blocks, a preallocated KV pool and the fused tree-attention kernel.
 
-Implements :class:`specinfer.models.interface.CausalLM`. One forward pass packs, for every
-request, up to two *segments* for the attention kernel: the context tokens the cache lacks (a
-chain: prefill, or a rebuild after a lost cache) and the new tree nodes, which attend to the
-whole context, to their pending ancestors and to themselves.
+Implements :class:`specinfer.models.interface.CausalLM`. One forward pass packs, for every request, up to two
+*segments* for the attention kernel: the context tokens the cache lacks (a chain: prefill, or a rebuild after a lost
+cache) and the new tree nodes, which attend to the whole context, to their pending ancestors and to themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from specinfer.core.kv_budget import KVBudget, PrefixCacheStats, blocks_for
 from specinfer.kernels.tree_attention import resolve_impl
 from specinfer.models.interface import TreeForward
 from specinfer.models.kv_store import RequestCache
+from specinfer.models.native.fused import dense_candidate
 from specinfer.models.native.gemm import GEMM_CHOICES, GemmPlan, plan_for
 from specinfer.models.native.graphs import GraphLimits, GraphRunner, GraphStats
 from specinfer.models.native.kv_pool import KVPool, SlotStorage
@@ -155,10 +155,10 @@ def new_pool(
     return (paged if options.kv_block_size else contiguous)(spec, options.dtype, device, *geometry)
 
 
-def gemm_plan(weights: ModelWeights, options: NativeOptions, offloaded: bool = False) -> GemmPlan:
+def gemm_plan(weights: ModelWeights, options: NativeOptions, plain: bool = False) -> GemmPlan:
     """The matrix-product forms of a model's weights under ``options`` (:func:`.gemm.plan_for`), its layers' projections
-    packed where the plan packs them (none when ``offloaded``: staged by copies into plain buffers)."""
-    plan = plan_for(options.gemm, weights, torch.device(options.device), packing=not offloaded)
+    packed where the plan packs them (none when ``plain``: offloaded, or read by the fused CPU layers)."""
+    plan = plan_for(options.gemm, weights, torch.device(options.device), packing=not plain)
     plan.pack(weights)
     return plan
 
@@ -252,10 +252,10 @@ class NativeBackend:
         geometry = pool_geometry(spec, options)  # a budget that holds no request fails before the weights load
         device = torch.device(options.device)
         weights, layers = device_weights(spec, path, options, device)
-        # the plan keys matrices by shape, so it holds for the staging buffers (shaped like the host layers it measured)
-        gemm = gemm_plan(weights, options, layers is not None)
-        rope, fused = rope_tables(spec, path, device), options.fused_layers
-        model = NativeModel(spec, weights, rope, options.attention, gemm, layers, fused)
+        # plans key shapes (so hold for staging buffers); plain weights where offloaded or read by the fused CPU layers
+        fused = options.fused_layers
+        gemm = gemm_plan(weights, options, layers is not None or (fused and dense_candidate(spec, device, options)))
+        model = NativeModel(spec, weights, rope_tables(spec, path, device), options.attention, gemm, layers, fused)
         pool = new_pool(spec, options, device, geometry)
         if uses_cuda_graphs(options, device):
             limits = GraphLimits(request_rows(spec, options), max(options.max_tree_nodes, options.cuda_graph_tokens))

@@ -20,8 +20,10 @@ from specinfer.kernels import TreeAttentionMetadata, cpu_layers, cpu_qgemm
 from specinfer.models.native.families import llama
 from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.offload import ResidentLayers
+from specinfer.models.native.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from specinfer.models.native.backend import NativeOptions
     from specinfer.models.native.model import NativeModel
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,16 @@ def dense_served() -> bool:
     """Whether plain fp32/bf16 weights go through the C layers here: on CPUs whose best instructions are AVX2 (the C
     products' own), not where oneDNN/MKL multiply with AVX-512 or AMX, which the verify step's many rows need."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def dense_candidate(spec: ModelSpec, device: torch.device, options: NativeOptions) -> bool:
+    """Whether the C layers may read ``spec``'s plain weights on ``device`` under ``options`` (decided before the
+    weights are planned: the backend then keeps them out of oneDNN's packed layout, which the C layers cannot read)."""
+    if device.type != "cpu" or options.attention == "triton" or options.gemm == "packed":  # packed: asked for
+        return False
+    if not isinstance(spec.family, llama.LlamaFamily):
+        return False
+    return dense_served() and cpu_qgemm.library() is not None
 
 
 def why_not(model: NativeModel) -> str | None:
