@@ -90,8 +90,8 @@ class FusedLayers:
     def __init__(self, model: NativeModel) -> None:
         spec = model.spec
         self.dtype = model.w.embed.dtype
-        self.rope = model.rope
         self.inv_freq = model.rope.inv_freq.float().contiguous()  # [rotary_dim / 2]
+        self.rope_scale = model.rope.scale
         self._keep: list[torch.Tensor] = []  # what the records point at
         dense = dense_served()
         windows = sorted(set(spec.layer_windows), key=lambda x: -1 if x is None else x)
@@ -147,9 +147,8 @@ class FusedLayers:
         if self._pool != (pool.k.data_ptr(), pool.v.data_ptr()):
             self._bind(pool)
         keys = [cpu_layers.step_keys(meta, window) for window in self.windows]
-        rope = self.rope
         return cpu_layers.run(
-            self.shape, self.records, h.contiguous(), positions, self.inv_freq, rope.scale, cache_rows, keys
+            self.shape, self.records, h.contiguous(), positions, self.inv_freq, self.rope_scale, cache_rows, keys
         )
 
     def _bind(self, pool: PoolTensors) -> None:
