@@ -16,8 +16,15 @@
  * bf16 [n, k] (k a multiple of 8), or our int4 / int8 block layouts (cpu_kernels.h, cpu_qgemm.c); q/k/v output
  * [q heads | kv heads | kv heads] x dim; K and V caches of a layer: rows of [kv_heads, dim] (fp32 or bf16), the row
  * of step row r at cache_rows[r]; RoPE of row r from positions[r] and inv_freq [rotary_dim / 2] (times rope_scale),
- * x * cos + [x2, x1] * signed_sin with sin's first half negated; a layer's visible keys: list Layer.keys of
- * offsets / keys (offsets [t + 1]).
+ * x * cos + [x2, x1] * signed_sin with sin's first half negated; a layer's visible keys: list Layer.keys of the
+ * lists built_keys makes from the step's segments, one per distinct sliding window.
+ *
+ * Segments (one int32 array, `seg`): a header of nseg records {n, prefix, queries, parents_at, table_at, kv_start},
+ * then the parent arrays and block tables they point at (offsets into the same array). Segment s holds n nodes after
+ * `prefix` cached positions; its last `queries` nodes are the step's rows (segment after segment, in order). Node u
+ * sits at logical position prefix + u and token (RoPE) position prefix + depth(u); its parent -1 is the context.
+ * Logical position p is pool row table[p / block_size] * block_size + p % block_size (paged, block_size > 0), else
+ * kv_start + p.
  */
 #include "cpu_kernels.h"
 
@@ -217,11 +224,77 @@ static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, 
     product(&L->down, t, x, ldx, a, res, 1, bf);
 }
 
-/* Runs layers[0 .. n_layers) over h [t, hidden] in place. offsets[i] / keys[i]: visible-key list i (a layer reads
- * list Layer.keys), max_keys the longest row of any. Returns 0, or -1 when out of memory. */
+typedef struct {
+    int64_t *offsets;  /* [t + 1] */
+    int32_t *keys;     /* each row's visible pool rows, row after row */
+    int longest;
+} KeyLists;
+
+static inline int32_t pool_row(const int32_t *table, int block_size, int kv_start, int p) {
+    return block_size ? table[p / block_size] * block_size + p % block_size : kv_start + p;
+}
+
+/* Every row's visible keys under `window` (0: none): the cached prefix positions within the window, then the row's
+ * ancestors and itself, root first, within the window (a key is visible when its token position is above the row's
+ * minus window). The order is the one the attention sums in, so it is the same whatever else the step holds.
+ * Returns 0, -1 when out of memory, -2 when the segments' rows are not t. */
+static int build_keys(const int32_t *seg, int nseg, int block_size, int window, int t, KeyLists *out) {
+    int max_n = 1, rows = 0;
+    for (int s = 0; s < nseg; s++) {
+        max_n = maxi(max_n, seg[6 * s]);
+        rows += seg[6 * s + 2];
+    }
+    if (rows != t) return -2;
+    int *depth = malloc(sizeof(int) * (size_t)max_n), *path = malloc(sizeof(int) * (size_t)max_n);
+    out->offsets = malloc(sizeof(int64_t) * ((size_t)t + 1));
+    out->keys = NULL;
+    out->longest = 0;
+    if (!depth || !path || !out->offsets) {
+        free(depth), free(path);
+        return -1;
+    }
+    for (int pass = 0; pass < 2; pass++) {  /* count, then fill */
+        int64_t at = 0;
+        int r = 0;
+        for (int s = 0; s < nseg; s++) {
+            const int32_t *h = seg + 6 * s, *parents = seg + h[3], *table = seg + h[4];
+            const int n = h[0], prefix = h[1], queries = h[2], kv_start = h[5];
+            for (int u = 0; u < n; u++) depth[u] = parents[u] < 0 ? 0 : depth[parents[u]] + 1;
+            for (int u = n - queries; u < n; u++, r++) {
+                const int lo = window ? maxi(0, prefix + depth[u] - window + 1) : 0;
+                int m = 0;
+                for (int v = u; v >= 0; v = parents[v]) path[m++] = v;  /* u up to its root */
+                int count = prefix > lo ? prefix - lo : 0;
+                for (int i = 0; i < m; i++) count += !window || depth[path[i]] > depth[u] - window;
+                if (pass) {
+                    int32_t *k = out->keys + at;
+                    for (int p = lo; p < prefix; p++) *k++ = pool_row(table, block_size, kv_start, p);
+                    for (int i = m - 1; i >= 0; i--)
+                        if (!window || depth[path[i]] > depth[u] - window)
+                            *k++ = pool_row(table, block_size, kv_start, prefix + path[i]);
+                } else {
+                    out->offsets[r] = at;
+                    out->longest = maxi(out->longest, count);
+                }
+                at += count;
+            }
+        }
+        if (!pass) {
+            out->offsets[t] = at;
+            out->keys = malloc(sizeof(int32_t) * ((size_t)at + 1));
+            if (!out->keys) break;
+        }
+    }
+    free(depth), free(path);
+    return out->keys ? 0 : -1;
+}
+
+/* Runs layers[0 .. n_layers) over h [t, hidden] in place. The step's segments (see the top) give each row's visible
+ * keys, one list per window of windows[0 .. n_windows) (0: none; a layer reads list Layer.keys). Returns 0, -1 when
+ * out of memory, -2 when the segments' query rows are not t. */
 int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, void *h, const int64_t *positions,
-                   const float *inv_freq, float rope_scale, const int64_t *cache_rows, const int64_t *const *offsets,
-                   const int32_t *const *keys, int max_keys, int threads) {
+                   const float *inv_freq, float rope_scale, const int64_t *cache_rows, const int32_t *seg, int nseg,
+                   int block_size, const int32_t *windows, int n_windows, int threads) {
     const int hid = sh->hidden, qd = sh->heads * sh->dim;
     const int ldx = maxi(maxi(hid, sh->inter), qd);
     int kmax = 0, nqkv = 0;
@@ -238,7 +311,14 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
     const int rd = sh->rotary_dim, half = rd / 2;
     float *cos = malloc(sizeof(float) * ((size_t)t * rd + 1)), *sin = malloc(sizeof(float) * ((size_t)t * rd + 1));
     int failed = !res || !x || !qkv || !att || !gu || !a.q || !a.xd || !a.xs || !cos || !sin;
-    if (!failed) {
+    KeyLists lists[8] = {{0}};  /* a model has at most a few distinct windows (fused.py checks <= 8) */
+    int max_keys = 0, bad = n_windows < 1 || n_windows > 8;
+    for (int i = 0; i < n_windows && !failed && !bad; i++) {
+        const int e = build_keys(seg, nseg, block_size, windows[i], t, &lists[i]);
+        failed = e == -1, bad = e == -2;
+        max_keys = maxi(max_keys, lists[i].longest);
+    }
+    if (!failed && !bad) {
         for (int r = 0; r < t; r++)  /* each row's RoPE from its position alone (a table op's lanes would not be) */
             for (int i = 0; i < half; i++) {
                 const float f = (float)positions[r] * inv_freq[i], c = cosf(f) * rope_scale, sn = sinf(f) * rope_scale;
@@ -259,7 +339,7 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
             if (!failed)  /* every thread reads the same flag after the barrier: all run the loops, or none */
                 for (int l = 0; l < n_layers; l++)
                     layer(sh, &layers[l], t, res, x, ldx, qkv, att, gu, &a, cos, sin, cache_rows,
-                          offsets[layers[l].keys], keys[layers[l].keys], s);
+                          lists[layers[l].keys].offsets, lists[layers[l].keys].keys, s);
             free(s);
         }
         if (!failed)
@@ -271,7 +351,8 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
             }
     }
     free(res), free(x), free(qkv), free(att), free(gu), free(cos), free(sin), free_rows(&a);
-    return failed ? -1 : 0;
+    for (int i = 0; i < 8; i++) free(lists[i].offsets), free(lists[i].keys);
+    return bad ? -2 : failed ? -1 : 0;
 }
 
 /* y [m, n] = x [m, k] (fp32) @ W^T for a dense fp32 or bf16 weight [n, k] (k a multiple of 8), by the layers' own

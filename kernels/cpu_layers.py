@@ -1,5 +1,6 @@
 """Every decoder layer of a Llama-family model in one C call per step on an x86-64 CPU (``cpu_layers.c``, built with
-:mod:`.cpu_qgemm`'s library): the ctypes mirror of its structures, the weights it reads, and the step's visible keys.
+:mod:`.cpu_qgemm`'s library): the ctypes mirror of its structures, the weights it reads, and the step's attention
+segments (from which the C code builds each row's visible keys).
 
 A *layer record* (:class:`Layer`) holds the addresses of one layer's weights, norms and KV caches; the model builds
 the records once (:mod:`specinfer.models.native.fused`) and each step passes them with the step's rows. What the C
@@ -10,6 +11,8 @@ every row computed alone, so a verified tree equals one-token steps bit for bit.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -70,24 +73,57 @@ def weight(w: object, kind: int, bias: torch.Tensor | None, keep: list) -> Weigh
     return Weight(kind, values.shape[0], k, values.data_ptr(), address(scales), address(b))
 
 
-def step_keys(meta: TreeAttentionMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Every query row's visible keys of the step, rows in packed order (:func:`cpu_attention.row_keys` of each request,
-    concatenated): ``(offsets, keys, longest)``  # [T + 1] int64, [total] int32; cached on ``meta`` per window."""
-    cached = meta._row_keys.get((-1, window))
-    if cached is not None:
-        return cached
-    offsets, keys, longest, base = [torch.zeros(1, dtype=torch.int64)], [], 0, 0
-    for b in range(meta.batch_size):
-        if not meta.num_queries[b]:
-            continue
-        o, k, n = cpu_attention.row_keys(meta, b, window)
-        offsets.append(o[1:] + base)
-        keys.append(k)
-        base += int(o[-1])
-        longest = max(longest, n)
-    cached = (torch.cat(offsets), torch.cat(keys), longest)
-    meta._row_keys[(-1, window)] = cached
-    return cached
+@dataclass(frozen=True)
+class Segments:
+    """A step's attention segments as the C layers read them (``cpu_layers.c``, at its top): one int32 array of a
+    header of records ``(n, prefix, queries, parents_at, table_at, kv_start)``, then the parent arrays and block tables
+    they point at; ``block_size``: the paged pool's (0: contiguous, rows from ``kv_start``); ``rows``: the query rows
+    (the last ``queries`` nodes of each segment, segment after segment)."""
+
+    data: torch.Tensor  # [6 * count + parents + tables] int32
+    count: int
+    block_size: int
+    rows: int
+
+    @staticmethod
+    def of(
+        parents: Sequence[Sequence[int]],
+        prefix: Sequence[int],
+        queries: Sequence[int],
+        block_size: int,
+        tables: Sequence[Sequence[int]] = (),
+        kv_starts: Sequence[int] = (),
+    ) -> Segments:
+        """The segments of per-segment parent arrays, cached prefixes, query rows and either block tables (paged) or
+        pool starts (contiguous); segments without queries are left out."""
+        keep = [i for i, q in enumerate(queries) if q]
+        header: list[int] = []
+        body: list[int] = []
+        at = 6 * len(keep)
+        for i in keep:
+            table = tables[i] if block_size else ()
+            header += (
+                len(parents[i]),
+                prefix[i],
+                queries[i],
+                at,
+                at + len(parents[i]),
+                0 if block_size else kv_starts[i],
+            )
+            body += parents[i]
+            body += table
+            at += len(parents[i]) + len(table)
+        data = torch.tensor(header + body, dtype=torch.int32)
+        return Segments(data, len(keep), block_size, sum(queries[i] for i in keep))
+
+    @staticmethod
+    def of_metadata(meta: TreeAttentionMetadata) -> Segments:
+        """The segments of a step's attention metadata."""
+        tables = meta.block_tables if meta.paged else ()
+        return Segments.of(
+            meta.parents, meta.prefix_lens, meta.num_queries, meta.block_size if meta.paged else 0, tables,
+            meta.kv_starts,
+        )  # fmt: skip
 
 
 def run(
@@ -98,22 +134,21 @@ def run(
     inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
     rope_scale: float,
     cache_rows: torch.Tensor,  # [T] int64
-    keys: list[tuple[torch.Tensor, torch.Tensor, int]],  # visible-key lists (:func:`step_keys`), as layers index them
+    segments: Segments,
+    windows: torch.Tensor,  # [W] int32: each visible-key list's window (0: none), as layers index them
 ) -> torch.Tensor:
     """Every layer of ``layers`` over ``h``, in place; returns ``h``."""
     lib = cpu_qgemm.library()
     assert lib is not None, "cpu_layers.run without its library (check cpu_qgemm.library() first)"
-    if any(o.shape[0] != h.shape[0] + 1 for o, _, _ in keys):
-        raise ValueError("cpu_layers.run: a visible-key list per row of h is needed (every row a query)")
-    n = len(keys)
-    offsets = (ctypes.c_void_p * n)(*(o.data_ptr() for o, _, _ in keys))
-    lists = (ctypes.c_void_p * n)(*(k.data_ptr() for _, k, _ in keys))
-    longest = max(m for _, _, m in keys)
+    if segments.rows != h.shape[0]:
+        raise ValueError("cpu_layers.run: every row of h must be a segment's query row")
     failed = lib.decoder_layers(
         ctypes.addressof(shape), ctypes.addressof(layers), len(layers), h.shape[0], h.data_ptr(), positions.data_ptr(),
-        inv_freq.data_ptr(), rope_scale, cache_rows.data_ptr(), ctypes.addressof(offsets), ctypes.addressof(lists),
-        longest, torch.get_num_threads(),
+        inv_freq.data_ptr(), rope_scale, cache_rows.data_ptr(), segments.data.data_ptr(), segments.count,
+        segments.block_size, windows.data_ptr(), windows.numel(), torch.get_num_threads(),
     )  # fmt: skip
+    if failed == -2:
+        raise ValueError("cpu_layers.run: the segments' query rows are not h's rows")
     if failed:
         raise MemoryError("cpu_layers: no memory for a step's buffers")
     return h

@@ -112,7 +112,8 @@ def library() -> ctypes.CDLL | None:
     lib.tree_attend.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.tree_attend.restype = ctypes.c_int
     lib.decoder_layers.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
-    lib.decoder_layers.argtypes += [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.decoder_layers.argtypes += [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.decoder_layers.argtypes += [ctypes.c_void_p] + [ctypes.c_int] * 2
     lib.decoder_layers.restype = ctypes.c_int
     lib.dense_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.dense_gemm.restype = None

@@ -146,3 +146,26 @@ def test_models_the_c_layers_do_not_run_stay_per_operation(checkpoint):
     assert _load(checkpoint, "float32", "int4", fused=False)._local_model().fused is None
     triton = NativeOptions(kv_cache_bytes=1 << 24, quantize="int4", attention="triton")
     assert NativeBackend.load(checkpoint, triton)._local_model().fused is None
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_a_steps_segments_give_what_its_attention_metadata_gives(checkpoint, block):
+    """The fused layers build each row's visible keys from the step's segments in C (the runner's path for a step
+    they serve whole); the same step through its attention metadata gives the same logits, bit for bit: a verify
+    tree behind pending nodes, and a context chain behind a cached prefix longer than Qwen2's window."""
+    backend = _load(checkpoint, "float32", "int4", block=block)
+    model, pool, cpu = backend._local_model(), backend.runner.pool, torch.device("cpu")
+    tables = ((3, 1, 4, 0, 2, 5), (7, 9, 8, 6)) if block else ((), ())
+    step = PackedStep.from_trees(
+        [
+            StepRequest(0, 12, (), (5, 6, 7), (-1, 0, 1, 1), tables[0]),
+            StepRequest(0 if block else 40, 9, (1, 2), (3,), (-1,), tables[1]),
+        ],
+        block,
+    )
+    tokens, positions, rows, logit_rows = step.tensors(cpu)
+    by_segments = model.forward(tokens, positions, rows, step.segments(), pool, logit_rows)
+    by_metadata = model.forward(tokens, positions, rows, step.metadata(cpu), pool, logit_rows)
+    assert torch.equal(by_segments, by_metadata)
+    with pytest.raises(ValueError, match="query row"):
+        model.fused.run(model.embed(tokens[:2], positions[:2]), positions[:2], rows[:2], step.segments(), pool)

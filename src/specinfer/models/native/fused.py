@@ -60,6 +60,8 @@ def why_not(model: NativeModel) -> str | None:
         return f"{spec.arch} layers (the C layers are the Llama family's)"
     if w.embed.device.type != "cpu" or w.embed.dtype not in (torch.float32, torch.bfloat16):
         return f"{w.embed.device.type} {w.embed.dtype}"
+    if len(set(spec.layer_windows)) > 8:
+        return "more than 8 distinct sliding windows"
     if spec.head_dim % 8 or spec.head_dim > 512 or spec.heads % spec.kv_heads:
         return f"head_dim {spec.head_dim}"
     dense = dense_served()
@@ -94,8 +96,9 @@ class FusedLayers:
         self.rope_scale = model.rope.scale
         self._keep: list[torch.Tensor] = []  # what the records point at
         dense = dense_served()
-        windows = sorted(set(spec.layer_windows), key=lambda x: -1 if x is None else x)
-        self.windows = tuple(windows)  # the step's visible-key lists, one per distinct window
+        windows = tuple(sorted(set(spec.layer_windows), key=lambda x: -1 if x is None else x))
+        # the step's visible-key lists, one per distinct window (0: none), which the C code builds from its segments
+        self.windows = torch.tensor([w or 0 for w in windows], dtype=torch.int32)
         self.records = (cpu_layers.Layer * spec.layers)()
         for i, layer in enumerate(model.w.layers):
             r = self.records[i]
@@ -106,7 +109,7 @@ class FusedLayers:
             for name, norm in (("norm1", layer.norm1_w), ("norm2", layer.norm2_w)):
                 setattr(r, name, self._address(norm))
             r.q_norm, r.k_norm = self._address(layer.q_norm_w), self._address(layer.k_norm_w)
-            r.keys = self.windows.index(spec.layer_windows[i])
+            r.keys = windows.index(spec.layer_windows[i])
         scale = model._sm_scale if model._sm_scale is not None else spec.head_dim**-0.5
         self.shape = cpu_layers.Shape(
             spec.hidden_size, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate_size, spec.rotary_dim,
@@ -129,8 +132,11 @@ class FusedLayers:
         self._keep.append(x)
         return x.data_ptr()
 
-    def serves(self, h: torch.Tensor, meta: TreeAttentionMetadata) -> bool:
-        """Whether this step runs here (see the module)."""
+    def serves(self, h: torch.Tensor, meta: TreeAttentionMetadata | cpu_layers.Segments) -> bool:
+        """Whether this step runs here (see the module); ``meta`` of :class:`~cpu_layers.Segments` come only for steps
+        the runner found served (:func:`specinfer.models.native.step.fused_segments`)."""
+        if isinstance(meta, cpu_layers.Segments):
+            return True
         # every row a query row (a padded step's padding tokens are not: its runner pads for CUDA graphs)
         rows = h.shape[0] == sum(meta.num_queries)
         return h.device.type == "cpu" and h.dtype == self.dtype and rows and cpu_layers.serves_rows(meta)
@@ -140,16 +146,17 @@ class FusedLayers:
         h: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T] int64
         cache_rows: torch.Tensor,  # [T] int64
-        meta: TreeAttentionMetadata,
+        meta: TreeAttentionMetadata | cpu_layers.Segments,
         pool: PoolTensors,
     ) -> torch.Tensor:  # [T, hidden]
         """Every layer over ``h`` (a new tensor: the embedding's), K/V into ``pool``."""
         if self._pool != (pool.k.data_ptr(), pool.v.data_ptr()):
             self._bind(pool)
-        keys = [cpu_layers.step_keys(meta, window) for window in self.windows]
+        segments = meta if isinstance(meta, cpu_layers.Segments) else cpu_layers.Segments.of_metadata(meta)
         return cpu_layers.run(
-            self.shape, self.records, h.contiguous(), positions, self.inv_freq, self.rope_scale, cache_rows, keys
-        )
+            self.shape, self.records, h.contiguous(), positions, self.inv_freq, self.rope_scale, cache_rows, segments,
+            self.windows,
+        )  # fmt: skip
 
     def _bind(self, pool: PoolTensors) -> None:
         contiguous = pool.k.is_contiguous() and pool.v.is_contiguous()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.kernels import TreeAttentionMetadata, soft_cap, tree_attention
+from specinfer.kernels.cpu_layers import Segments
 from specinfer.models.native.fused import build as build_fused
 from specinfer.models.native.gemm import GemmPlan
 from specinfer.models.native.kv_pool import PoolTensors
@@ -79,7 +80,7 @@ class NativeModel:
         tokens: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         cache_rows: torch.Tensor,  # [T] int64, pool row where each token's K/V go
-        meta: TreeAttentionMetadata,
+        meta: TreeAttentionMetadata | Segments,  # Segments: a step the fused CPU layers serve whole
         pool: PoolTensors,
         logit_rows: torch.Tensor,  # [N] int64, rows whose logits are wanted
     ) -> torch.Tensor:  # [N, vocab] float32
@@ -96,7 +97,7 @@ class NativeModel:
         h: torch.Tensor,
         positions: torch.Tensor,
         cache_rows: torch.Tensor,
-        meta: TreeAttentionMetadata,
+        meta: TreeAttentionMetadata | Segments,
         pool: PoolTensors,
     ) -> torch.Tensor:
         """Every decoder layer over ``h``  # [T, hidden]; layer i's K/V go to ``pool`` layer i."""

@@ -21,6 +21,7 @@ import torch
 from specinfer.core.tree import node_depths
 from specinfer.kernels import TreeAttentionMetadata, build_paged_tree_metadata, build_tree_metadata
 from specinfer.kernels.cpu_attention import segment_row_by_row
+from specinfer.kernels.cpu_layers import Segments
 from specinfer.kernels.metadata import is_chain
 from specinfer.models.native.model import NativeModel
 from specinfer.models.native.paged_pool import AnyKVPool, physical_rows
@@ -140,10 +141,15 @@ class PackedStep:
         return step, rows, positions
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device``."""
-        return tuple(
-            torch.tensor(x, dtype=torch.long, device=device)
-            for x in (self.tokens, self.positions, self.cache_rows, self.logit_rows)
+        """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device`` (views of one copy)."""
+        t = len(self.tokens)
+        packed = torch.tensor(self.tokens + self.positions + self.cache_rows + self.logit_rows, dtype=torch.long)
+        return packed.to(device).split((t, t, t, len(self.logit_rows)))
+
+    def segments(self) -> Segments:
+        """The step's attention segments as the fused CPU layers read them (no attention metadata built)."""
+        return Segments.of(
+            self.seg_parents, self.seg_prefix, self.seg_queries, self.block_size, self.seg_tables, self.seg_starts
         )
 
     def metadata(self, device: torch.device) -> TreeAttentionMetadata:
@@ -161,15 +167,23 @@ class PackedStep:
         )
 
 
-def split_for_fused(step: PackedStep) -> list[tuple[PackedStep, list[int], list[int]]] | None:
-    """A step whose segments the fused CPU layers serve only in part (:mod:`.fused`: decode and verify segments, not
-    a prompt's causal chain or a chunk of more than 64 rows), as two steps (:meth:`PackedStep.subset`), the others
-    first, so that each row takes its own path whatever else is in its batch; None where the step is not mixed, or
-    where a request's served segment precedes one of its own that is not (its K/V must come first)."""
-    served = [
+def fused_served(step: PackedStep) -> list[bool]:
+    """Per segment of ``step``, whether the fused CPU layers serve it (:mod:`.fused`: decode and verify segments, not
+    a prompt's causal chain or a chunk of more than 64 rows)."""
+    return [
         segment_row_by_row(q, parents, prefix, is_chain(parents))
         for q, parents, prefix in zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True)
     ]
+
+
+def split_for_fused(
+    step: PackedStep, served: list[bool] | None = None
+) -> list[tuple[PackedStep, list[int], list[int]]] | None:
+    """A step whose segments the fused CPU layers serve only in part (``served``: :func:`fused_served`'s, computed if
+    not given), as two steps (:meth:`PackedStep.subset`), the others first, so that each row takes its own path whatever
+    else is in its batch; None where the step is not mixed, or where a request's served segment precedes one of its
+    own that is not (its K/V must come first)."""
+    served = fused_served(step) if served is None else served
     if all(served) or not any(served):
         return None
     for i in range(len(served) - 1):
@@ -204,12 +218,13 @@ class LocalRunner:
         return self._pool
 
     def run(self, step: PackedStep) -> torch.Tensor:
-        parts = split_for_fused(step) if self.model.fused is not None else None
+        served = fused_served(step) if self.model.fused is not None and step.tokens else None
+        parts = split_for_fused(step, served) if served is not None else None
         if parts is None:
             tokens, positions, rows, logit_rows = step.tensors(self.device)
-            return self.model.forward(
-                tokens, positions, rows, step.metadata(self.device), self._pool, logit_rows
-            )  # [N, vocab]
+            # a step the fused layers serve whole reads its segments, without attention metadata (host work per step)
+            meta = step.segments() if served is not None and all(served) else step.metadata(self.device)
+            return self.model.forward(tokens, positions, rows, meta, self._pool, logit_rows)  # [N, vocab]
         return self._joined(step, parts)[0]
 
     def run_features(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor]:
