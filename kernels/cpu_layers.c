@@ -363,3 +363,10 @@ void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, 
 #pragma omp parallel num_threads(threads)
     product(&weight, m, x, k, NULL, y, 0, 0);
 }
+
+/* y [m, n] = each row of x [m, n] (fp32) RMS-normed with w [n], rounded to bf16 where bf (the model's final norm,
+ * as the layers' norms: a fused model's every path normalizes its last hidden states here, so the logits of a row
+ * do not depend on which path, per step or per operation, computed them). */
+void rms_norm_rows(int m, int n, const float *x, const float *w, float eps, int bf, float *y) {
+    for (int r = 0; r < m; r++) rms_norm(x + (size_t)r * n, w, n, eps, y + (size_t)r * n, bf);
+}

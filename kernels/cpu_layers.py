@@ -168,6 +168,19 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of ``h``  # [M, N] fp32 or bf16 RMS-normed with ``w``  # [N] fp32, in h's dtype, by the layers' own
+    norm (``cpu_layers.c``).  # [M, N]"""
+    lib = cpu_qgemm.library()
+    assert lib is not None, "cpu_layers.rms_norm_rows without its library"
+    x = h.float().contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm_rows(
+        x.shape[0], x.shape[1], x.data_ptr(), w.data_ptr(), eps, int(h.dtype == torch.bfloat16), y.data_ptr()
+    )
+    return y.to(h.dtype)
+
+
 def serves_rows(meta: TreeAttentionMetadata) -> bool:
     """Whether every request of the step is a decode or verify step the row-by-row attention serves."""
     return all(not meta.num_queries[b] or cpu_attention.row_by_row(meta, b) for b in range(meta.batch_size)) and any(

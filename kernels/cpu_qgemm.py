@@ -117,6 +117,10 @@ def library() -> ctypes.CDLL | None:
     lib.decoder_layers.restype = ctypes.c_int
     lib.dense_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.dense_gemm.restype = None
+    lib.rms_norm_rows.argtypes = (
+        [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    )
+    lib.rms_norm_rows.restype = None
     return lib
 
 

@@ -120,6 +120,14 @@ class FusedLayers:
         # a dense LM head through the C products too, so that logits are row-invariant as the layers are
         dense_kinds = (cpu_layers.DENSE_F32, cpu_layers.DENSE_BF16)
         self.dense_head = head if cpu_layers.weight_kind(head, dense) in dense_kinds else None
+        # the final norm in C too (microseconds a step less than a dispatched operation), for every path of the model
+        final = model.w.final_norm_w
+        self.final_norm = final.detach().float().contiguous() if model.blocks.final is llama._final else None
+        self.eps = spec.norm_eps
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """The model's final norm of ``h``  # [T, hidden] (:attr:`final_norm` set)."""
+        return cpu_layers.rms_norm_rows(h, self.final_norm, self.eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """The dense LM head on final-normed ``h``  # [N, hidden] (:attr:`dense_head` set)."""

@@ -123,7 +123,7 @@ class NativeModel:
         norm, which the LM head reads (what a draft head, :mod:`specinfer.models.draft_head`, drafts from).
         # [N, vocab] float32, [T, lm_head_dim]"""
         h = self.run_layers(self.embed(tokens, positions), positions, cache_rows, meta, pool)
-        features = self.blocks.final(self, h)  # [T, lm_head_dim]
+        features = self._final(h)  # [T, lm_head_dim]
         return self.logits(features[logit_rows]), features
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
@@ -158,13 +158,18 @@ class NativeModel:
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]; Gemma 2 soft-caps the logits
         (in fp32, where transformers does it in the model's dtype: the same in the fp32 tests, finer otherwise)."""
-        return soft_cap(self._lm_head(self.blocks.final(self, h[logit_rows])).float(), self.spec.final_softcap)
+        return soft_cap(self._lm_head(self._final(h[logit_rows])).float(), self.spec.final_softcap)
 
     # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the
     # whole vocabulary and full-width row-parallel layers, so nothing is communicated.
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:  # [T, word_embed_dim]
         return F.embedding(tokens, self.w.embed)
+
+    def _final(self, h: torch.Tensor) -> torch.Tensor:  # [N, lm_head_dim]
+        if self.fused is not None and self.fused.final_norm is not None:
+            return self.fused.norm(h)
+        return self.blocks.final(self, h)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
         if self.fused is not None and self.fused.dense_head is not None:
