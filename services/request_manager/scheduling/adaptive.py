@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,7 @@ log = logging.getLogger("specinfer.request_manager")
 CALIBRATION_SIZES = tuple(
     b for b in BUCKETS if b <= 32
 )  # tree nodes of the synthetic verify calls (and requests of the draft calls)
+TABLES_EVERY_SECONDS = 1.0  # a step publishes the cost model's tables at most this often (their gauges, PlannerMetrics)
 CALIBRATION_CONTEXT = 32  # context tokens of each synthetic request
 CALIBRATION_REPEATS = 3  # timed calls per size, after a warm-up call; the median is kept
 
@@ -151,6 +153,7 @@ class PlannerMetrics:
         self._source: AdaptiveSpeculation | None = None  # whose totals _published counts
         self._published = (0.0, 0, 0, np.zeros(0))  # totals already counted in the metrics
         self._drafters: dict[str, dict[DrafterKey, int]] = {}  # per-drafter totals already counted, by counter
+        self._tables_at = -math.inf  # when the cost model's tables were last published (time.monotonic)
 
     def step(self, adaptive: AdaptiveSpeculation, report: StepReport) -> None:
         """One engine-core step's planned tree sizes, then :meth:`publish`."""
@@ -162,10 +165,12 @@ class PlannerMetrics:
         if report.step_prediction is not None and report.step_prediction[1] > 0:
             predicted, measured = report.step_prediction
             self.metrics.cost_model_step_error.observe(abs(predicted - measured) / measured)
-        self.publish(adaptive)
+        self.publish(adaptive, tables=time.monotonic() - self._tables_at >= TABLES_EVERY_SECONDS)
 
-    def publish(self, adaptive: AdaptiveSpeculation) -> None:
-        """Bring the metrics up to date: prediction and acceptance counters, the cost model's tables."""
+    def publish(self, adaptive: AdaptiveSpeculation, tables: bool = True) -> None:
+        """Bring the metrics up to date: prediction and acceptance counters, and (``tables``) the cost model's
+        tables, which a step publishes at most every :data:`TABLES_EVERY_SECONDS` (a gauge per table entry: a tenth of
+        a millisecond of the manager's host work a step, where one-token steps take a few)."""
         m, totals = self.metrics, adaptive.totals
         if adaptive is not self._source:  # a new planner (SSMs joined): its totals start at zero
             self._source, self._published = adaptive, (0.0, 0, 0, np.zeros_like(totals.position_accepted))
@@ -190,6 +195,9 @@ class PlannerMetrics:
         self._published = (totals.predicted_accepted, totals.accepted, totals.cut, totals.position_accepted.copy())
         for ssm, share in adaptive.kept_share.items():
             m.kept_share.labels(self._name(ssm)).set(share)
+        if not tables:
+            return
+        self._tables_at = time.monotonic()
         described = adaptive.costs.describe()
         for tokens, seconds in described["verify_seconds"].items():
             m.cost_verify_seconds.labels(str(tokens)).set(seconds)

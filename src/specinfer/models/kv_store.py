@@ -77,10 +77,13 @@ class RequestCache:
             if new_round:
                 self._drop_pending()
             return []
-        common = 0
-        limit = min(len(context), len(self.context_tokens))
-        while common < limit and context[common] == self.context_tokens[common]:
-            common += 1
+        cached = len(self.context_tokens)
+        if context[:cached] == self.context_tokens:  # the usual step: the cache's context, then more (one C compare)
+            common = cached
+        else:
+            common, limit = 0, min(len(context), cached)
+            while common < limit and context[common] == self.context_tokens[common]:
+                common += 1
         if common < len(self.context_tokens):
             del self.context_tokens[self.storage.truncate_context(common) :]
         else:
