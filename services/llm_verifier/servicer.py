@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -73,6 +74,17 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     async def Verify(
         self, request: internal_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.VerifyResponse:
+        return await self._verify(request)
+
+    @rpc_errors
+    async def VerifyStream(
+        self, requests: AsyncIterator[internal_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[internal_pb2.VerifyResponse]:
+        """:meth:`Verify` of each request of the stream, in order; the first error ends the stream with its status."""
+        async for request in requests:
+            yield await self._verify(request)
+
+    async def _verify(self, request: internal_pb2.VerifyRequest) -> internal_pb2.VerifyResponse:
         started = time.monotonic()
         call = self._contexts.admit(
             request.items, self.vocab_size, self.llm.max_positions, wire_jobs.verify_job_from_proto

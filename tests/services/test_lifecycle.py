@@ -16,7 +16,10 @@ from specinfer.llm_verifier.__main__ import main as llm_verifier_main
 from specinfer.ssm_worker.__main__ import main as ssm_worker_main
 
 SERVICES = {"ssm_worker": "specinfer.v1.SsmWorker", "llm_verifier": "specinfer.v1.LlmVerifier"}
-METHODS = {"ssm_worker": {"Speculate", "Release", "ListModels"}, "llm_verifier": {"Verify", "Release", "GetInfo"}}
+METHODS = {
+    "ssm_worker": {"Speculate", "Release", "ListModels"},
+    "llm_verifier": {"Verify", "VerifyStream", "Release", "GetInfo"},
+}
 
 
 @pytest.mark.parametrize("which", list(SERVICES))

@@ -202,3 +202,56 @@ def test_invalid_argument_names_the_field(services, local, model_pair, case):
     good = internal_pb2.VerifyRequest(items=[verify_item(j, 1, 0) for j in jobs])
     assert not any(r.cache_miss for r in services.llm_stub.Verify(good, timeout=30).results)
     release(services.llm_stub, [j.request_id for j in jobs])
+
+
+def test_verify_calls_over_a_stream_answer_what_unary_calls_answer(services, local, model_pair):
+    """The request manager's StreamedUnary (services/request_manager/cluster/streamed.py) against the real verifier:
+    each exchange answers what a Verify call answers; an invalid request ends its stream with the status Verify
+    returns, naming the field, and the next call opens another; a call past its timeout is DEADLINE_EXCEEDED; a
+    server without the stream method gets unary calls."""
+    import asyncio
+
+    from specinfer.request_manager.cluster.streamed import StreamedUnary
+    from specinfer.v1 import internal_pb2_grpc
+
+    streamed_jobs = drafted_jobs(local, model_pair, GREEDY, "streamed", count=2)
+    unary_jobs = [VerifySpec(fresh_id("unary"), j.context_tokens, j.draft, GREEDY, 40 + i, i) for i, j in
+                  enumerate(streamed_jobs)]  # fmt: skip
+
+    def request(jobs):
+        return internal_pb2.VerifyRequest(items=[verify_item(j, 40 + i, i) for i, j in enumerate(jobs)])
+
+    def verdicts(response):
+        return [(tuple(r.accepted_tokens), r.bonus_token) for r in response.results]
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(services.llm_verifier.address) as channel:
+            stub = internal_pb2_grpc.LlmVerifierStub(channel)
+            verify = StreamedUnary(stub.VerifyStream, stub.Verify, ())
+            for _ in range(2):  # the second exchange on the same stream: the contexts are known, as for unary calls
+                assert verdicts(await verify(request(streamed_jobs), 30)) == verdicts(
+                    await stub.Verify(request(unary_jobs), timeout=30)
+                )
+            bad = request(streamed_jobs)
+            bad.items[0].tree.parents[0] = 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verify(bad, 30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[0].tree" in err.value.details()
+            assert all(not r.cache_miss for r in (await verify(request(streamed_jobs), 30)).results)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verify(request(streamed_jobs), 1e-6)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert verify.streams
+            # the SSM worker has no such stream method: the calls go unary (here to the verifier's Verify)
+            async with grpc.aio.insecure_channel(services.ssm_worker.address) as other:
+                missing = other.stream_stream(
+                    "/specinfer.v1.LlmVerifier/VerifyStream",
+                    internal_pb2.VerifyRequest.SerializeToString,
+                    internal_pb2.VerifyResponse.FromString,
+                )
+                fallback = StreamedUnary(missing, stub.Verify, ())
+                assert all(not r.cache_miss for r in (await fallback(request(unary_jobs), 30)).results)
+                assert not fallback.streams
+
+    asyncio.run(scenario())
+    release(services.llm_stub, [j.request_id for j in streamed_jobs + unary_jobs])

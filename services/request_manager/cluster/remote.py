@@ -30,6 +30,7 @@ from .discovery import DNS_REFRESH_SECONDS
 from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
+from .streamed import StreamedUnary
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -58,6 +59,7 @@ class Verifiers(ReplicaPool):
     ) -> None:
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
         self._stubs: dict[str, internal_pb2_grpc.LlmVerifierStub] = {}
+        self._verify_calls: dict[str, StreamedUnary] = {}  # each replica's Verify calls, over one stream
         self.infos: dict[str, internal_pb2.LlmInfo] = {}  # address -> what it reported when it joined
         self.reference: internal_pb2.LlmInfo | None = None  # the first replica's report: what every replica must match
         # where each request runs and the replicas' KV block counts: this pool only reports to it and asks it
@@ -92,13 +94,15 @@ class Verifiers(ReplicaPool):
             )
         self.reference = ref or info
         super()._join(address, channel, info)
-        self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
+        stub = self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
+        self._verify_calls[address] = StreamedUnary(stub.VerifyStream, stub.Verify, self.auth.metadata)
         self.infos[address] = info
         self.placement_map.join(address, wire.kv_budget_from_proto(info), info.kv_blocks_free)
 
     def _leave(self, address: str) -> None:
         super()._leave(address)
         del self._stubs[address], self.infos[address]
+        self._verify_calls.pop(address).close()
         self.placement_map.leave(address)
 
     def _report_taken_out(self, address: str, error: BaseException) -> None:
@@ -148,7 +152,7 @@ class Verifiers(ReplicaPool):
             raise VerifierUnavailable("no LLM verifier is live")
         started = asyncio.get_running_loop().time()
         # stubs and trackers are taken now: a refresh may drop a replica while its call runs
-        jobs = [self._verify_on(self._stubs[a], self.tracker(a), cs) for a, cs in by_replica.items()]
+        jobs = [self._verify_on(self._verify_calls[a], self.tracker(a), cs) for a, cs in by_replica.items()]
         verdicts: dict[str, Verdict] = {}
         timings = []
         errors = []
@@ -187,7 +191,7 @@ class Verifiers(ReplicaPool):
         return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))
 
     async def _verify_on(
-        self, stub: internal_pb2_grpc.LlmVerifierStub, tracker: ContextTracker, calls: Sequence[VerifySpec]
+        self, verify: StreamedUnary, tracker: ContextTracker, calls: Sequence[VerifySpec]
     ) -> tuple[dict[str, Verdict], float, int | None]:
         """The verdicts, the round trip in seconds and the KV blocks the replica said were free (None: it has no
         budget)."""
@@ -199,7 +203,7 @@ class Verifiers(ReplicaPool):
             request.items.extend(
                 wire_jobs.verify_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)
             )
-            response = await stub.Verify(request, timeout=self.timeout, metadata=self.auth.metadata)
+            response = await verify(request, self.timeout)
             free[0] = response.kv_blocks_free if response.HasField("kv_blocks_free") else None
             return response.results
 

@@ -107,7 +107,8 @@ def _status(context: grpc.aio.ServicerContext, error: BaseException | None) -> g
 
 
 class _TimingInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every call by method; unary and server-streaming handlers (all ours)."""
+    """Counts and times every call by method: unary and server-streaming handlers, and each exchange of a
+    bidirectional stream of one response per request."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
@@ -153,7 +154,38 @@ class _TimingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
             )
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(
+                self._per_message(service, method, handler.stream_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         return handler  # other shapes (none of ours) pass through untimed
+
+    def _per_message(self, service: str, method: str, inner: Callable) -> Callable:
+        """A bidirectional stream whose every request is answered by one response (LlmVerifier.VerifyStream), each
+        exchange counted and timed as a call would be: from its request's arrival to its response."""
+        metrics = self.metrics
+
+        async def stream(requests, context):
+            arrivals: list[float] = []
+
+            async def arriving():
+                async for request in requests:
+                    metrics.grpc_started.labels(service, method).inc()
+                    arrivals.append(time.perf_counter())
+                    yield request
+
+            try:
+                async for response in inner(arriving(), context):
+                    metrics.observe_call(service, method, grpc.StatusCode.OK, time.perf_counter() - arrivals.pop(0))
+                    yield response
+            except BaseException as exc:  # the exchange in progress ends with the stream's status
+                for at in arrivals:
+                    metrics.observe_call(service, method, _status(context, exc), time.perf_counter() - at)
+                raise
+
+        return stream
 
 
 class ModelMetrics:

@@ -199,6 +199,11 @@ class LlmVerifierStub:
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specinfer.v1.LlmVerifier/VerifyStream',
+                request_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specinfer.v1.LlmVerifier/Release',
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.ReleaseRequest.SerializeToString,
@@ -221,6 +226,15 @@ class LlmVerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify calls over one long-lived stream: each request is answered, in order, by one response, what Verify
+        would answer. An error ends the stream with the status Verify would have returned; the caller opens a new
+        one. (A stream message's round trip costs about half a unary call's.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -238,6 +252,11 @@ def add_LlmVerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.FromString,
+                    response_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specinfer_dot_v1_dot_internal__pb2.VerifyRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_internal__pb2.VerifyResponse.SerializeToString,
             ),
@@ -277,6 +296,33 @@ class LlmVerifier:
             request,
             target,
             '/specinfer.v1.LlmVerifier/Verify',
+            specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
+            specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specinfer.v1.LlmVerifier/VerifyStream',
             specinfer_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
             specinfer_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
             options,

@@ -1,0 +1,75 @@
+"""Unary calls sent over one long-lived gRPC stream (:class:`StreamedUnary`): the request manager's verify calls.
+
+Why: on the 2-core VMs of BENCHMARKS.md a unary call's round trip costs about 1 ms of gRPC's own work whatever it
+carries (a new HTTP/2 stream, its headers and trailers, several thread hand-offs on each side), and a message on an
+open bidirectional stream about half that; a one-token step makes one verify call, so this is a fixed cost of
+every step through the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary call with that status raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class StreamedUnary:
+    """A unary method's calls, one at a time, each the next request on one bidirectional stream of the same
+    messages (``stream_method``, whose server answers each request with one response, in order) and the stream's
+    next response. A call behaves as the unary call would: it raises :class:`grpc.aio.AioRpcError` with the status the
+    server ended the stream with (then the next call opens a new stream), DEADLINE_EXCEEDED after ``timeout`` seconds
+    (the stream is cancelled), and a server without the stream method (UNIMPLEMENTED: an older release) gets the
+    unary call (``unary_method``) from then on. ``metadata``: every stream's and call's (credentials)."""
+
+    def __init__(
+        self, stream_method: Callable[..., Any], unary_method: Callable[..., Any], metadata: Sequence[tuple[str, str]]
+    ) -> None:
+        self._open = stream_method
+        self._unary = unary_method
+        self._metadata = metadata
+        self._call: Any = (
+            None  # the open stream (grpc.aio.StreamStreamCall), None before the first call or after an error
+        )
+        self._lock = asyncio.Lock()  # one exchange at a time: responses come in request order
+        self.streams = True  # False once the server said it has no stream method
+
+    async def __call__(self, request: Any, timeout: float) -> Any:
+        if not self.streams:
+            return await self._unary(request, timeout=timeout, metadata=self._metadata)
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._exchange(request), timeout)
+            except asyncio.TimeoutError:
+                self.close()
+                raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
+            except grpc.aio.AioRpcError as exc:
+                self.close()
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.streams = False
+            except BaseException:  # cancelled: the stream may hold an unread response
+                self.close()
+                raise
+        return await self._unary(request, timeout=timeout, metadata=self._metadata)
+
+    async def _exchange(self, request: Any) -> Any:
+        if self._call is None:
+            self._call = self._open(metadata=self._metadata)  # no deadline: the stream outlives each call's
+        await self._call.write(request)
+        response = await self._call.read()
+        if response is grpc.aio.EOF:  # the server ended the stream without an error status (it should not)
+            raise _error(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+        return response
+
+    def close(self) -> None:
+        """End the open stream, if any (the replica left, or the stream failed)."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
