@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
@@ -87,6 +87,18 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
     async def Speculate(
         self, request: internal_pb2.SpeculateRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.SpeculateResponse:
+        return await self._speculate(request)
+
+    @rpc_errors
+    async def SpeculateStream(
+        self, requests: AsyncIterator[internal_pb2.SpeculateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[internal_pb2.SpeculateResponse]:
+        """:meth:`Speculate` of each request of the stream, in order; the first error ends the stream with its
+        status."""
+        async for request in requests:
+            yield await self._speculate(request)
+
+    async def _speculate(self, request: internal_pb2.SpeculateRequest) -> internal_pb2.SpeculateResponse:
         started = time.monotonic()
         runner = self._runner(request.ssm)
         call = self._contexts.admit(

@@ -17,7 +17,7 @@ from specinfer.ssm_worker.__main__ import main as ssm_worker_main
 
 SERVICES = {"ssm_worker": "specinfer.v1.SsmWorker", "llm_verifier": "specinfer.v1.LlmVerifier"}
 METHODS = {
-    "ssm_worker": {"Speculate", "Release", "ListModels"},
+    "ssm_worker": {"Speculate", "SpeculateStream", "Release", "ListModels"},
     "llm_verifier": {"Verify", "VerifyStream", "Release", "GetInfo"},
 }
 

@@ -310,3 +310,41 @@ def test_invalid_argument_names_the_field(services, model_pair, case):
     services.ssm_stub.Release(
         internal_pb2.ReleaseRequest(request_ids=[i.context.request_id for i in good.items]), timeout=10
     )
+
+
+def test_speculate_calls_over_a_stream_match_draft_trees(services, local_ssms, model_pair):
+    """SpeculateStream through the request manager's StreamedUnary: each exchange drafts what draft_trees drafts,
+    for each SSM on its own stream; an unknown SSM ends the stream with Speculate's status, and the next call works."""
+    import asyncio
+
+    from specinfer.request_manager.cluster.streamed import StreamedUnary
+    from specinfer.v1 import internal_pb2_grpc
+
+    drafts = {ssm: some_drafts(model_pair, SAMPLING, f"streamed-{ssm}") for ssm in ("ssm", "ssm2")}
+
+    def request(ssm: str) -> internal_pb2.SpeculateRequest:
+        return internal_pb2.SpeculateRequest(ssm=ssm, items=[d.item() for d in drafts[ssm]])
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(services.ssm_worker.address) as channel:
+            stub = internal_pb2_grpc.SsmWorkerStub(channel)
+            calls = {ssm: StreamedUnary(stub.SpeculateStream, stub.Speculate, ()) for ssm in drafts}
+            responses = await asyncio.gather(*(calls[ssm](request(ssm), 60) for ssm in drafts))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await calls["ssm"](internal_pb2.SpeculateRequest(ssm="nope", items=[]), 60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            again = await calls["ssm"](request("ssm"), 60)  # a new stream; the contexts are known
+            assert all(calls[ssm].streams for ssm in drafts)
+            return responses, again
+
+    (first, second), again = asyncio.run(scenario())
+    for ssm, response in (("ssm", first), ("ssm2", second)):
+        want = draft_trees(local_ssms[ssm], [d.job() for d in drafts[ssm]])
+        for result, expected in zip(response.results, want, strict=True):
+            assert not result.cache_miss
+            assert_same_draft(wire.draft_from_proto(result.tree), expected)
+    assert not any(r.cache_miss for r in again.results)
+    for ssm in drafts:
+        services.ssm_stub.Release(
+            internal_pb2.ReleaseRequest(request_ids=[d.request_id for d in drafts[ssm]]), timeout=10
+        )

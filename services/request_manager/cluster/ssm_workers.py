@@ -19,11 +19,12 @@ from specinfer import wire, wire_jobs
 from specinfer.core import DraftTree
 from specinfer.core.iteration import DraftSpec
 from specinfer.serving.security import ClientAuth
-from specinfer.v1 import internal_pb2, internal_pb2_grpc
+from specinfer.v1 import internal_pb2
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
 from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
+from .streamed import StreamedUnary
 from .worker_pool import WorkerPool
 
 log = logging.getLogger("specinfer.request_manager")
@@ -72,7 +73,10 @@ class SsmWorkers(WorkerPool):
             if not by_worker:
                 break  # no worker left for this SSM: the remaining requests verify their root alone
             # stubs and trackers are taken now: a refresh may drop a worker while its call runs
-            jobs = [self._speculate_on(self._stubs[a], self._trackers[a], ssm, cs) for a, cs in by_worker.items()]
+            jobs = [
+                self._speculate_on(self.speculate_call(a, ssm), self._trackers[a], ssm, cs)
+                for a, cs in by_worker.items()
+            ]
             started = asyncio.get_running_loop().time()
             pending = []
             for (address, cs), part in zip(
@@ -99,7 +103,7 @@ class SsmWorkers(WorkerPool):
         return out
 
     async def _speculate_on(
-        self, stub: internal_pb2_grpc.SsmWorkerStub, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]
+        self, speculate: StreamedUnary, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]
     ) -> Drafts:
         passes: list[tuple[int, float]] = []
 
@@ -107,7 +111,7 @@ class SsmWorkers(WorkerPool):
             request = internal_pb2.SpeculateRequest(
                 ssm=ssm, items=[wire_jobs.draft_job_to_proto(c, ctx) for c, ctx in zip(pending, contexts, strict=True)]
             )
-            response = await stub.Speculate(request, timeout=self.speculate_timeout, metadata=self.auth.metadata)
+            response = await speculate(request, self.speculate_timeout)
             passes.extend(wire.pass_timings_from_proto(response.passes))
             return response.results
 

@@ -23,6 +23,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 from .discovery import DNS_REFRESH_SECONDS
 from .failover import PROBE_SECONDS
 from .replica_pool import JOIN_SECONDS, ReplicaPool
+from .streamed import StreamedUnary
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -46,6 +47,8 @@ class WorkerPool(ReplicaPool):
         worker's sets it)."""
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds, join_seconds)
         self._stubs: dict[str, internal_pb2_grpc.SsmWorkerStub] = {}
+        # each worker's Speculate calls per SSM, over one stream each (a worker's SSMs draft concurrently)
+        self._speculate_calls: dict[tuple[str, str], StreamedUnary] = {}
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = vocab_size
@@ -79,7 +82,19 @@ class WorkerPool(ReplicaPool):
     def _leave(self, address: str) -> None:
         super()._leave(address)
         del self._stubs[address], self._served[address]
+        for key in [k for k in self._speculate_calls if k[0] == address]:
+            self._speculate_calls.pop(key).close()
         self._index()
+
+    def speculate_call(self, address: str, ssm: str) -> StreamedUnary:
+        """The Speculate calls to the worker at ``address`` for ``ssm`` (one stream, opened at the first call)."""
+        call = self._speculate_calls.get((address, ssm))
+        if call is None:
+            stub = self._stubs[address]
+            call = self._speculate_calls[(address, ssm)] = StreamedUnary(
+                stub.SpeculateStream, stub.Speculate, self.auth.metadata
+            )
+        return call
 
     def _index(self) -> None:
         self.models = {}

@@ -39,6 +39,11 @@ class SsmWorkerStub:
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.FromString,
                 _registered_method=True)
+        self.SpeculateStream = channel.stream_stream(
+                '/specinfer.v1.SsmWorker/SpeculateStream',
+                request_serializer=specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specinfer.v1.SsmWorker/Release',
                 request_serializer=specinfer_dot_v1_dot_internal__pb2.ReleaseRequest.SerializeToString,
@@ -56,6 +61,13 @@ class SsmWorkerServicer:
 
     def Speculate(self, request, context):
         """Builds one draft tree per item, all items batched through the SSM depth by depth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SpeculateStream(self, request_iterator, context):
+        """Speculate calls over one long-lived stream, as LlmVerifier.VerifyStream carries Verify calls.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +91,11 @@ def add_SsmWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Speculate': grpc.unary_unary_rpc_method_handler(
                     servicer.Speculate,
+                    request_deserializer=specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.FromString,
+                    response_serializer=specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.SerializeToString,
+            ),
+            'SpeculateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SpeculateStream,
                     request_deserializer=specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.SerializeToString,
             ),
@@ -118,6 +135,33 @@ class SsmWorker:
             request,
             target,
             '/specinfer.v1.SsmWorker/Speculate',
+            specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.SerializeToString,
+            specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpeculateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specinfer.v1.SsmWorker/SpeculateStream',
             specinfer_dot_v1_dot_internal__pb2.SpeculateRequest.SerializeToString,
             specinfer_dot_v1_dot_internal__pb2.SpeculateResponse.FromString,
             options,
