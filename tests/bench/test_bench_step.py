@@ -24,5 +24,6 @@ def test_bench_step_times_and_profiles_each_tree():
     )
     assert [p[0] for p in profiled] == ["1", "16"], proc.stdout
     for _, calls, host_ms, device_ms, top in profiled:
-        # a 4-layer step makes hundreds of operator calls; on the CPU no device time; matrix products among the top
-        assert int(calls) > 100 and float(host_ms) > 0 and float(device_ms) == 0 and "aten::" in top
+        # a real count: dozens of operator calls a step where the fused C layers run the 4 layers (the embedding, the
+        # step's tensors, the LM head's output), hundreds per operation; on the CPU no device time
+        assert int(calls) > 20 and float(host_ms) > 0 and float(device_ms) == 0 and "aten::" in top
