@@ -53,6 +53,8 @@ def main() -> None:
     first = min(generate(1) for _ in range(args.repeats))
     whole = min(generate(1 + args.new_tokens) for _ in range(args.repeats))
     decode = (whole - first) / args.new_tokens
+    if decode <= 0:  # the prompt's timing moved by more than the decode steps took
+        raise SystemExit(f"the decode steps ({whole - first:.4f} s) drowned in timing noise: raise --new-tokens")
 
     model = llm.runner.model
     weights = streamed_weights(model)
