@@ -97,6 +97,70 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
         for (int j = 0; j < outs; j++) out[r * OUTS + j] = hsum8(acc[r][j]);
 }
 
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+/* One 32-input chunk of a bf16 tile (mask m over the chunk's inputs: all 32, or the last chunk's). */
+static inline __attribute__((always_inline)) void chunk_bf16(__m512 acc[DROWS][OUTS], const float *x, int ldx, int r0,
+                                                             const int rows, const uint16_t *w, int o0, const int outs,
+                                                             int k, int i, __mmask32 m) {
+    __m512bh wv[OUTS];
+    for (int j = 0; j < outs; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (size_t)(o0 + j) * k + i);
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)(r0 + r) * ldx + i;
+        const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m, xr), hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), xr + 16);
+        const __m512bh xv = _mm512_cvtne2ps_pbh(hi, lo);
+        for (int j = 0; j < outs; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+}
+#endif
+
+/* One 16-input chunk of an fp32-product tile (fp32 weights, or bf16 ones widened). */
+static inline __attribute__((always_inline)) void chunk_f32(__m512 acc[DROWS][OUTS], const float *x, int ldx, int r0,
+                                                            const int rows, const void *w, const int bf16, int o0,
+                                                            const int outs, int k, int i, __mmask16 m) {
+    __m512 wv[OUTS];
+    for (int j = 0; j < outs; j++) {
+        const size_t at = (size_t)(o0 + j) * k + i;
+        wv[j] = bf16 ? _mm512_castsi512_ps(
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + at)), 16))
+                     : _mm512_maskz_loadu_ps(m, (const float *)w + at);
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)(r0 + r) * ldx + i);
+        for (int j = 0; j < outs; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+}
+
+/* The dense tile on AVX-512 (the library is built with it where the CPU has it, cpu_qgemm.py): each (row, output) one
+ * 16-lane chain over k in order (with AVX512-BF16 and bf16 weights, 16 lanes of bf16 pair products: the layers' bf16
+ * inputs are bf16 values already, so converting them loses nothing), the last chunk masked, then a fixed-order lane
+ * sum, whatever the tile. Same contract as dense_tile. */
+static inline __attribute__((always_inline)) void dense_tile512(const float *x, int ldx, int r0, const int rows,
+                                                                const void *w, const int bf16, int o0, const int outs,
+                                                                int k, float *out) {
+    __m512 acc[DROWS][OUTS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < outs; j++) acc[r][j] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    if (bf16) {
+        int i = 0;
+        for (; i + 32 <= k; i += 32) chunk_bf16(acc, x, ldx, r0, rows, w, o0, outs, k, i, 0xffffffffu);
+        if (i < k) chunk_bf16(acc, x, ldx, r0, rows, w, o0, outs, k, i, (__mmask32)((1u << (k - i)) - 1));
+    } else
+#endif
+    {
+        int i = 0;
+        for (; i + 16 <= k; i += 16) chunk_f32(acc, x, ldx, r0, rows, w, bf16, o0, outs, k, i, 0xffff);
+        if (i < k) chunk_f32(acc, x, ldx, r0, rows, w, bf16, o0, outs, k, i, (__mmask16)((1u << (k - i)) - 1));
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < outs; j++) out[r * OUTS + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#define DENSE_TILE dense_tile512
+#else
+#define DENSE_TILE dense_tile
+#endif
+
 /* The epilogue of output (r, o): + bias, rounded; with accumulate, added to y (the residual stream), rounded. */
 static inline void emit(float *y, int n, int r, int o, float v, const float *bias, int accumulate, int bf) {
     v = rnd(bias ? v + bias[o] : v, bf);
@@ -140,12 +204,12 @@ static void product(const Weight *w, int t, const float *x, int ldx, const Activ
             const int rows = t - r0 < DROWS ? t - r0 : DROWS;
             float out[DROWS * OUTS];
             if (outs == OUTS && rows == DROWS)
-                dense_tile(x, ldx, r0, DROWS, w->w, bf16, o0, OUTS, k, out);
+                DENSE_TILE(x, ldx, r0, DROWS, w->w, bf16, o0, OUTS, k, out);
             else if (outs == OUTS)
-                dense_tile(x, ldx, r0, 1, w->w, bf16, o0, OUTS, k, out);
+                DENSE_TILE(x, ldx, r0, 1, w->w, bf16, o0, OUTS, k, out);
             else
                 for (int j = 0; j < outs; j++)
-                    for (int r = 0; r < rows; r++) dense_tile(x, ldx, r0 + r, 1, w->w, bf16, o0 + j, 1, k, out + r * OUTS + j);
+                    for (int r = 0; r < rows; r++) DENSE_TILE(x, ldx, r0 + r, 1, w->w, bf16, o0 + j, 1, k, out + r * OUTS + j);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < outs; j++) emit(y, n, r0 + r, o0 + j, out[r * OUTS + j], w->bias, accumulate, bf);
         }

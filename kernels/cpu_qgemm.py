@@ -53,6 +53,9 @@ HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+# where the CPU has them, the dense products' AVX-512 tiles (and AVX512-BF16's pair products for bf16 weights)
+AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
+AVX512_BF16 = {"avx512_bf16": "-mavx512bf16"}
 _ARGS = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int, ctypes.c_int]
 
@@ -75,6 +78,21 @@ def _gate() -> str | None:
     return None
 
 
+@functools.cache
+def isa_flags() -> tuple[str, ...]:
+    """The compiler flags for this CPU's instructions beyond AVX2 that the kernels use: AVX-512 (F, BW and VL: all
+    three or none), then AVX512-BF16 on top; none where /proc/cpuinfo does not list them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    if not set(AVX512) <= have:
+        return ()
+    return (*AVX512.values(), *(flag for name, flag in AVX512_BF16.items() if name in have))
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -95,7 +113,7 @@ def library() -> ctypes.CDLL | None:
     cc = _compiler()
     assert cc is not None
     text = b"".join(source.read_bytes() for source in (*SOURCES, HEADER))
-    key = hashlib.sha256(text + cc.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + cc.encode() + " ".join((*FLAGS, *isa_flags())).encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_qgemm-{key}.so"
     try:
         if not path.exists():
@@ -129,7 +147,16 @@ def _build(cc: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        command = [cc, *FLAGS, f"-I{SOURCE.parent}", *(str(source) for source in SOURCES), "-o", str(out), "-lm"]
+        command = [
+            cc,
+            *FLAGS,
+            *isa_flags(),
+            f"-I{SOURCE.parent}",
+            *(str(source) for source in SOURCES),
+            "-o",
+            str(out),
+            "-lm",
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise OSError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")

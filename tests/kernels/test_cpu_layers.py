@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Con
 from specinfer.kernels import cpu_qgemm
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import NativeBackend, NativeOptions
-from specinfer.models.native.step import PackedStep, StepRequest, split_for_fused
+from specinfer.models.native.fused import row_cap
+from specinfer.models.native.spec import ModelSpec
+from specinfer.models.native.step import PackedStep, StepRequest, fused_served, split_for_fused
 
 pytestmark = pytest.mark.skipif(
     cpu_qgemm.unavailable_reason() is not None, reason=f"C kernels: {cpu_qgemm.unavailable_reason()}"
@@ -90,9 +92,9 @@ def _branch_steps(backend: NativeBackend, rid: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype, quantize", WEIGHTS)
 def test_fused_layers_equal_the_per_operation_layers(checkpoint, dtype, quantize):
-    if dtype == "bfloat16" and quantize == "none" and torch.backends.cpu.get_cpu_capability() != "AVX2":
-        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
     fused, ops = _load(checkpoint, dtype, quantize), _load(checkpoint, dtype, quantize, fused=False)
+    if fused._local_model().fused is None:
+        pytest.skip("dense weights go through the C layers on AVX2 and AVX-512 CPUs only")
     a, b = _tree(fused, "r"), _tree(ops, "r")
     # fp32 dense: rounding only; bf16 and quantized activations: one rounding step apart at most on some inputs
     exact = (dtype, quantize) == ("float32", "none")
@@ -106,7 +108,7 @@ def test_fused_layers_equal_the_per_operation_layers(checkpoint, dtype, quantize
 def test_a_verified_tree_equals_one_token_steps_bit_for_bit(checkpoint, dtype, quantize, block):
     backend = _load(checkpoint, dtype, quantize, block=block)
     if backend._local_model().fused is None:
-        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
+        pytest.skip("dense weights go through the C layers on AVX2 and AVX-512 CPUs only")
     assert torch.equal(_tree(backend, "t"), _branch_steps(backend, "s"))
 
 
@@ -115,7 +117,7 @@ def test_a_request_in_a_mixed_batch_gets_its_own_logits(checkpoint, quantize):
     """A verify step beside another request's prompt (a step split in two) equals the same step alone."""
     backend = _load(checkpoint, "float32", quantize)
     if backend._local_model().fused is None:
-        pytest.skip("dense weights go through the C layers on AVX2 CPUs only")
+        pytest.skip("dense weights go through the C layers on AVX2 and AVX-512 CPUs only")
     for rid in ("a", "c"):  # the same history for a and c: the prompt alone, one node pending
         backend.forward_tree([TreeForward(rid, PROMPT[:-1], [PROMPT[-1]], [-1])])
     alone = backend.forward_tree([TreeForward("a", PROMPT, [40, 41], [-1, 0])])[0]
@@ -169,3 +171,40 @@ def test_a_steps_segments_give_what_its_attention_metadata_gives(checkpoint, blo
     assert torch.equal(by_segments, by_metadata)
     with pytest.raises(ValueError, match="query row"):
         model.fused.run(model.embed(tokens[:2], positions[:2]), positions[:2], rows[:2], step.segments(), pool)
+
+
+def _llama_spec(hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> ModelSpec:
+    return ModelSpec.from_config(
+        LlamaConfig(
+            hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, vocab_size=1000,
+        ).to_dict()
+    )  # fmt: skip
+
+
+def test_dense_steps_of_many_rows_leave_the_c_layers_on_avx512_cpus_only():
+    """AVX2 CPUs and our int4/int8 layouts: no cap. AVX-512 CPUs (PyTorch's GEMMs with AMX): a small model's C layers
+    take verify steps of many rows, a 1B-shaped model's only one-row steps; a step above the cap leaves wholly."""
+    demo, one_b = _llama_spec(256, 688, 4, 4, 4), _llama_spec(2048, 8192, 16, 32, 8)
+    assert row_cap(demo, False, "AVX2") is None and row_cap(one_b, True, "AVX512") is None
+    assert 8 <= row_cap(demo, False, "AVX512") <= 64 and row_cap(one_b, False, "AVX512") == 1
+    tree = StepRequest(kv_start=0, cached=20, chain=(), tokens=(7, 8, 9), parents=(-1, 0, 0))
+    prompt = StepRequest(kv_start=100, cached=0, chain=(1, 2, 3), tokens=(4,), parents=(-1,))
+    step = PackedStep.from_trees([tree, prompt])
+    # the tree's 3 rows and the prompt's last token (after its chain, which stays per operation): 4 rows served
+    assert fused_served(step) == fused_served(step, 4) == [True, False, True]
+    assert fused_served(step, 3) == [False, False, False]
+
+
+def test_a_step_above_the_row_cap_runs_per_operation(checkpoint, monkeypatch):
+    backend = _load(checkpoint, "float32", "none")
+    fused = backend._local_model().fused
+    if fused is None:
+        pytest.skip("dense weights go through the C layers on AVX2 and AVX-512 CPUs only")
+    calls = []
+    run = fused.run
+    monkeypatch.setattr(fused, "run", lambda *args: calls.append(args[0].shape[0]) or run(*args))
+    fused.max_rows = 5
+    _tree(backend, "big")  # the prompt per operation, then 6 nodes: above the cap
+    backend.forward_tree([TreeForward("small", PROMPT, [40, 41], [-1, 0])])
+    assert calls == [2]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specinfer.kernels import TreeAttentionMetadata, cpu_layers, cpu_qgemm
+from specinfer.kernels import TreeAttentionMetadata, cpu_attention, cpu_layers, cpu_qgemm
 from specinfer.models.native.families import llama
 from specinfer.models.native.kv_pool import PoolTensors
 from specinfer.models.native.offload import ResidentLayers
@@ -30,9 +30,32 @@ log = logging.getLogger(__name__)
 
 
 def dense_served() -> bool:
-    """Whether plain fp32/bf16 weights go through the C layers here: on CPUs whose best instructions are AVX2 (the C
-    products' own), not where oneDNN/MKL multiply with AVX-512 or AMX, which the verify step's many rows need."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    """Whether plain fp32/bf16 weights go through the C layers here: on x86-64 CPUs with AVX2 or AVX-512 (the C
+    products' tiles: 8-lane FMA, or 16-lane and AVX512-BF16 pair products where the library is built with them). On
+    AVX-512 CPUs PyTorch's GEMMs (MKL, oneDNN with AMX) multiply many rows faster, so a step of many rows goes per
+    operation there (:func:`row_cap`)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+# Dense weights on an AVX-512 CPU: the most a step's rows may cost in the C products beyond one row's, in multiply-adds
+# a layer, before PyTorch's operations take the step. Their GEMMs stream the weights once for all rows (AMX) where the
+# C tiles compute every row (about 25 GMAC/s a core: bench/fused_layers.py, BENCHMARKS.md "Fused layers on AVX-512"),
+# and their layer costs about 0.3 ms of dispatch more (60 operations): 0.3 ms at ~50 GMAC/s (two cores) is 15 M.
+EXTRA_ROW_MACS = 15_000_000
+
+
+def row_cap(spec: ModelSpec, quantized: bool, capability: str) -> int | None:
+    """The most rows of a step the C layers take (a larger step runs per operation, all of its rows, the LM head's
+    too), or None for no cap: on AVX2 CPUs (the C tiles are the fastest products there) and for our int4/int8 layouts
+    (PyTorch has no kernel of its own for them). At least 1 (a decode step) and at most
+    :data:`~specinfer.kernels.cpu_attention.MAX_ROWS`. ``capability``: PyTorch's CPU capability (``AVX2``,
+    ``AVX512``)."""
+    if quantized or capability == "AVX2":
+        return None
+    d = spec.head_dim
+    qkv = spec.hidden_size * (spec.heads + 2 * spec.kv_heads) * d
+    macs = qkv + spec.heads * d * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size  # a layer's
+    return max(1, min(cpu_attention.MAX_ROWS, 1 + EXTRA_ROW_MACS // macs))
 
 
 def dense_candidate(spec: ModelSpec, device: torch.device, options: NativeOptions) -> bool:
@@ -72,7 +95,7 @@ def why_not(model: NativeModel) -> str | None:
             if isinstance(m, torch.Tensor) and m.is_mkldnn:
                 return "weights in oneDNN's packed layout (--gemm plain keeps them plain)"
             if cpu_layers.weight_kind(m, dense) is None:
-                return f"a {type(m).__name__} weight the C layers do not read (dense ones: on AVX2 CPUs only)"
+                return f"a {type(m).__name__} weight the C layers do not read (dense ones: on AVX2 or AVX-512 CPUs)"
     return None
 
 
@@ -124,6 +147,15 @@ class FusedLayers:
         final = model.w.final_norm_w
         self.final_norm = final.detach().float().contiguous() if model.blocks.final is llama._final else None
         self.eps = spec.norm_eps
+        quantized = any(
+            cpu_layers.weight_kind(layer.up_w, dense) in (cpu_layers.INT4, cpu_layers.INT8) for layer in model.w.layers
+        )
+        # None: every step the C layers can serve (a test may lower it)
+        self.max_rows = row_cap(spec, quantized, torch.backends.cpu.get_cpu_capability())
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows (or an LM head call of that many) is within :attr:`max_rows`."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         """The model's final norm of ``h``  # [T, hidden] (:attr:`final_norm` set)."""
@@ -146,7 +178,7 @@ class FusedLayers:
         if isinstance(meta, cpu_layers.Segments):
             return True
         # every row a query row (a padded step's padding tokens are not: its runner pads for CUDA graphs)
-        rows = h.shape[0] == sum(meta.num_queries)
+        rows = h.shape[0] == sum(meta.num_queries) and self.takes(h.shape[0])
         return h.device.type == "cpu" and h.dtype == self.dtype and rows and cpu_layers.serves_rows(meta)
 
     def run(

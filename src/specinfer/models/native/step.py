@@ -167,13 +167,17 @@ class PackedStep:
         )
 
 
-def fused_served(step: PackedStep) -> list[bool]:
+def fused_served(step: PackedStep, max_rows: int | None = None) -> list[bool]:
     """Per segment of ``step``, whether the fused CPU layers serve it (:mod:`.fused`: decode and verify segments, not
-    a prompt's causal chain or a chunk of more than 64 rows)."""
-    return [
+    a prompt's causal chain or a chunk of more than 64 rows; none where those segments hold more than ``max_rows``
+    rows, :attr:`.fused.FusedLayers.max_rows`)."""
+    served = [
         segment_row_by_row(q, parents, prefix, is_chain(parents))
         for q, parents, prefix in zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True)
     ]
+    if max_rows is not None and sum(q for q, s in zip(step.seg_queries, served, strict=True) if s) > max_rows:
+        return [False] * len(served)
+    return served
 
 
 def split_for_fused(
@@ -218,7 +222,8 @@ class LocalRunner:
         return self._pool
 
     def run(self, step: PackedStep) -> torch.Tensor:
-        served = fused_served(step) if self.model.fused is not None and step.tokens else None
+        fused = self.model.fused
+        served = fused_served(step, fused.max_rows) if fused is not None and step.tokens else None
         parts = split_for_fused(step, served) if served is not None else None
         if parts is None:
             tokens, positions, rows, logit_rows = step.tensors(self.device)
@@ -230,7 +235,8 @@ class LocalRunner:
     def run_features(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of ``step.logit_rows`` and the features of every row (:meth:`NativeModel.forward_features`).
         # [N, vocab] float32, [T, lm_head_dim]"""
-        parts = split_for_fused(step) if self.model.fused is not None else None
+        fused = self.model.fused
+        parts = split_for_fused(step, fused_served(step, fused.max_rows)) if fused is not None else None
         if parts is None:
             tokens, positions, rows, logit_rows = step.tensors(self.device)
             return self.model.forward_features(
