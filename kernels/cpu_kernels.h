@@ -60,10 +60,23 @@ static inline void quantize_row(const void *x, int bf16, int k_x, int k, int8_t 
 typedef struct {
     int8_t *q;
     float *xd, *xs;
+    uint32_t *xv;  /* dense bf16 products on AMX: the rows packed as B tiles (cpu_amx.c), or NULL */
 } Activations;
+
+/* cpu_amx.c (its top comment says what each does) */
+int amx_enable(void);
+int amx_on(void);
+void amx_begin(void);
+void amx_end(void);
+void amx_pack_chunk(const float *x, int ldx, int t, int k, int g, int c, uint32_t *xv);
+void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups, float *out);
+
+/* Bytes of the B tiles of t rows of k inputs (amx_pack_chunk's layout). */
+static inline size_t amx_packed_bytes(int t, int k) { return (size_t)((t + 15) / 16) * (size_t)((k + 31) / 32) * 1024; }
 
 static inline int quantize_rows(const void *x, int bf16, int m, int k_x, int k, Activations *a, int threads) {
     int nb = k / QK;
+    a->xv = NULL;
     a->q = (int8_t *)malloc((size_t)m * k);
     a->xd = (float *)malloc(sizeof(float) * (size_t)m * nb);
     a->xs = (float *)malloc(sizeof(float) * (size_t)m * nb);
@@ -77,6 +90,7 @@ static inline int quantize_rows(const void *x, int bf16, int m, int k_x, int k, 
 }
 
 static inline void free_rows(Activations *a) {
+    free(a->xv);
     free(a->q);
     free(a->xd);
     free(a->xs);

@@ -181,6 +181,61 @@ static inline void emit(float *y, int n, int r, int o, float v, const float *bia
     y[i] = accumulate ? rnd(y[i] + v, bf) : v;
 }
 
+#ifdef __AVX512F__  /* (AMX CPUs have AVX-512: cpu_qgemm.py builds AMX on top of it) */
+/* rnd8's 16 lanes. */
+static inline __m512 rnd16(__m512 v, int bf) {
+    if (!bf) return v;
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __m512 r = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, v);  /* NaN stays NaN */
+}
+
+/* emit() of outputs o0 .. o0 + 16 of row r, their values at col[16 j] (a column of an AMX output tile), 16 lanes. */
+static inline void emit16(float *y, int n, int r, int o0, const float *col, const float *bias, int accumulate, int bf) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+    __m512 v = _mm512_i32gather_ps(at, col, 4);
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + o0));
+    float *dst = y + (size_t)r * n + o0;
+    v = rnd16(v, bf);
+    if (accumulate) v = rnd16(_mm512_add_ps(_mm512_loadu_ps(dst), v), bf);
+    _mm512_storeu_ps(dst, v);
+}
+
+/* product()'s dense bf16 weights on AMX (cpu_amx.c): the rows packed once (every thread a share, then the loop's
+ * barrier), each whole 16 outputs by the tiles, the outputs past them by the AVX-512 tile (for every step alike). */
+static void amx_product(const Weight *w, int t, const float *x, int ldx, uint32_t *xv, float *y, int accumulate,
+                        int bf) {
+    const int n = w->n, k = w->k, groups = (t + 15) / 16, chunks = (k + 31) / 32, whole = n / 16 * 16;
+#pragma omp for schedule(static) collapse(2)
+    for (int g = 0; g < groups; g++)
+        for (int c = 0; c < chunks; c++) amx_pack_chunk(x, ldx, t, k, g, c, xv);
+    amx_begin();
+#pragma omp for schedule(static)
+    for (int ob = 0; ob < whole / 16; ob++) {
+        float out[4 * 256];  /* [4 row groups][16 outputs][16 rows] */
+        for (int g0 = 0; g0 < groups; g0 += 4) {
+            const int gs = groups - g0 < 4 ? groups - g0 : 4;
+            amx_block((const uint16_t *)w->w, k, 16 * ob, xv + (size_t)g0 * chunks * 256, gs, out);
+            for (int g = 0; g < gs; g++)
+                for (int m = 0; m < 16 && 16 * (g0 + g) + m < t; m++)
+                    emit16(y, n, 16 * (g0 + g) + m, 16 * ob, out + g * 256 + m, w->bias, accumulate, bf);
+        }
+    }
+    amx_end();
+#pragma omp for schedule(static)
+    for (int o = whole; o < n; o++)
+        for (int r = 0; r < t; r++) {
+            float v[DROWS * OUTS];
+            DENSE_TILE(x, ldx, r, 1, w->w, 1, o, 1, k, v);
+            emit(y, n, r, o, v[0], w->bias, accumulate, bf);
+        }
+}
+
+#endif
+
 /* y [t, n] (=, or += with accumulate) x [t, k] @ W^T, the output rows split across the team (an orphaned omp for:
  * called inside the parallel region). x: fp32 rows of ldx (dense), or `a`, the rows quantized (block layouts). */
 static void product(const Weight *w, int t, const float *x, int ldx, const Activations *a, float *y, int accumulate,
@@ -212,6 +267,12 @@ static void product(const Weight *w, int t, const float *x, int ldx, const Activ
         return;
     }
     const int bf16 = w->kind == DENSE_BF16;
+#ifdef __AVX512F__
+    if (bf16 && a && a->xv && n >= 16) {
+        amx_product(w, t, x, ldx, a->xv, y, accumulate, bf);
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int ob = 0; ob < (n + OUTS - 1) / OUTS; ob++) {
         const int o0 = ob * OUTS, outs = n - o0 < OUTS ? n - o0 : OUTS;
@@ -250,6 +311,36 @@ static void norm_product(const Shape *sh, const float *norm, const Weight *w, in
 }
 
 static inline int maxi(int a, int b) { return a > b ? a : b; }
+
+/* Eight lanes rounded to bf16 and back (nearest even, as f32_to_bf16). */
+static inline __m256 rnd8(__m256 v, int bf) {
+    if (!bf) return v;
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  /* NaN stays NaN */
+}
+
+/* y [n] = silu(gate) * up, rounded as PyTorch's layer rounds, of one row's gu = [gate | up] (each n): silu(g) =
+ * g * sigmoid(g), sigmoid from e = exp(-|g|) (1 / (1 + e), or e / (1 + e) below 0), eight lanes at a time (a scalar
+ * expf per value was most of a verify row's cost), the last n % 8 values alone. */
+static inline void swiglu(const float *gu, int n, float *y, int bf) {
+    const float *g = gu, *u = gu + n;
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j), one = _mm256_set1_ps(1.0f);
+        const __m256 e = exp8(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv) * _mm256_set1_ps(-1.0f));
+        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+        const __m256 silu = rnd8(_mm256_mul_ps(gv, sig), bf);
+        _mm256_storeu_ps(y + j, rnd8(_mm256_mul_ps(silu, _mm256_loadu_ps(u + j)), bf));
+    }
+    for (; j < n; j++) {
+        const float e = expf(-fabsf(g[j])), sig = (g[j] >= 0.0f ? 1.0f : e) / (1.0f + e);
+        y[j] = rnd(rnd(g[j] * sig, bf) * u[j], bf);
+    }
+}
 
 /* One layer over the step's rows, inside the team's parallel region (every loop an omp for with its barrier). */
 static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, int ldx, float *qkv, float *att,
@@ -294,10 +385,9 @@ static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, 
     product(&L->o, t, att, H * D, a, res, 1, bf);
     norm_product(sh, L->norm2, &L->up, t, res, x, ldx, a, gu);
 #pragma omp for schedule(static)
-    for (int r = 0; r < t; r++) {  /* SwiGLU: silu(gate) * up */
-        const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+    for (int r = 0; r < t; r++) {
         float *y = x + (size_t)r * ldx;
-        for (int j = 0; j < I; j++) y[j] = rnd(rnd(g[j] / (1.0f + expf(-g[j])), bf) * u[j], bf);
+        swiglu(gu + (size_t)r * 2 * I, I, y, bf);
         prepare(&L->down, y, I, r, a);
     }
     product(&L->down, t, x, ldx, a, res, 1, bf);
@@ -386,10 +476,11 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
     float *qkv = malloc(sizeof(float) * (size_t)t * nqkv), *att = malloc(sizeof(float) * (size_t)t * qd);
     float *gu = malloc(sizeof(float) * (size_t)t * 2 * sh->inter);
     Activations a = {malloc((size_t)t * kmax), malloc(sizeof(float) * (size_t)t * (kmax / QK + 1)),
-                     malloc(sizeof(float) * (size_t)t * (kmax / QK + 1))};
+                     malloc(sizeof(float) * (size_t)t * (kmax / QK + 1)), NULL};
+    if (amx_on()) a.xv = malloc(amx_packed_bytes(t, kmax));
     const int rd = sh->rotary_dim, half = rd / 2;
     float *cos = malloc(sizeof(float) * ((size_t)t * rd + 1)), *sin = malloc(sizeof(float) * ((size_t)t * rd + 1));
-    int failed = !res || !x || !qkv || !att || !gu || !a.q || !a.xd || !a.xs || !cos || !sin;
+    int failed = !res || !x || !qkv || !att || !gu || !a.q || !a.xd || !a.xs || !cos || !sin || (amx_on() && !a.xv);
     KeyLists lists[8] = {{0}};  /* a model has at most a few distinct windows (fused.py checks <= 8) */
     int max_keys = 0, bad = n_windows < 1 || n_windows > 8;
     for (int i = 0; i < n_windows && !failed && !bad; i++) {
@@ -439,8 +530,10 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
  * its logits are row-invariant too). */
 void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, float *y, int threads) {
     const Weight weight = {w_bf16 ? DENSE_BF16 : DENSE_F32, n, k, w, NULL, NULL};
+    Activations a = {NULL, NULL, NULL, w_bf16 && amx_on() ? malloc(amx_packed_bytes(m, k)) : NULL};
 #pragma omp parallel num_threads(threads)
-    product(&weight, m, x, k, NULL, y, 0, 0);
+    product(&weight, m, x, k, &a, y, 0, 0);
+    free(a.xv);
 }
 
 /* y [m, n] = each row of x [m, n] (fp32) RMS-normed with w [n], rounded to bf16 where bf (the model's final norm,

@@ -154,6 +154,12 @@ def run(
     return h
 
 
+def amx() -> bool:
+    """Whether the library's dense bf16 products run on AMX tiles in this process (``kernels/cpu_amx.c``)."""
+    lib = cpu_qgemm.library()
+    return lib is not None and bool(lib.amx_on())
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x``  # [M, K] times a dense fp32 or bf16 ``w``  # [N, K] (K a multiple of 8) transposed, by the layers' own
     products (each output one reduction in a fixed order, whatever M).  # [M, N] float32"""

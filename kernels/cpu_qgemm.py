@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_qgemm.c")
 # built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention) and the fused
 # CPU decoder stack (specinfer.kernels.cpu_layers); the header holds what they share
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.c"), SOURCE.with_name("cpu_layers.c"))
+SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in ("attention", "layers", "amx")))
 HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
@@ -56,6 +56,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 # where the CPU has them, the dense products' AVX-512 tiles (and AVX512-BF16's pair products for bf16 weights)
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
 AVX512_BF16 = {"avx512_bf16": "-mavx512bf16"}
+AMX = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}  # both or neither: the fused layers' bf16 products
 _ARGS = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int, ctypes.c_int]
 
@@ -81,7 +82,7 @@ def _gate() -> str | None:
 @functools.cache
 def isa_flags() -> tuple[str, ...]:
     """The compiler flags for this CPU's instructions beyond AVX2 that the kernels use: AVX-512 (F, BW and VL: all
-    three or none), then AVX512-BF16 on top; none where /proc/cpuinfo does not list them."""
+    three or none), then AVX512-BF16 and AMX (tiles and bf16) on top; none where /proc/cpuinfo does not list them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -90,7 +91,8 @@ def isa_flags() -> tuple[str, ...]:
     have = set(line.partition(":")[2].split())
     if not set(AVX512) <= have:
         return ()
-    return (*AVX512.values(), *(flag for name, flag in AVX512_BF16.items() if name in have))
+    amx = AMX.values() if set(AMX) <= have else ()
+    return (*AVX512.values(), *(flag for name, flag in AVX512_BF16.items() if name in have), *amx)
 
 
 def _compiler() -> str | None:
@@ -139,6 +141,9 @@ def library() -> ctypes.CDLL | None:
         [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     )
     lib.rms_norm_rows.restype = None
+    lib.amx_on.restype = lib.amx_enable.restype = ctypes.c_int
+    if lib.amx_enable():  # asks the kernel for the tile state once, before any product (the answer holds)
+        log.info("the fused layers' bf16 products run on AMX tiles")
     return lib
 
 

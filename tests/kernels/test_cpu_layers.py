@@ -15,7 +15,7 @@ from rope_configs import PARTIAL_ROPE  # tests/rope_configs.py
 from test_model_families import COMMON  # tests/test_model_families.py: the tiny configs' common shape
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-from specinfer.kernels import cpu_qgemm
+from specinfer.kernels import cpu_layers, cpu_qgemm
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import NativeBackend, NativeOptions
 from specinfer.models.native.fused import row_cap
@@ -183,11 +183,14 @@ def _llama_spec(hidden: int, inter: int, layers: int, heads: int, kv_heads: int)
 
 
 def test_dense_steps_of_many_rows_leave_the_c_layers_on_avx512_cpus_only():
-    """AVX2 CPUs and our int4/int8 layouts: no cap. AVX-512 CPUs (PyTorch's GEMMs with AMX): a small model's C layers
-    take verify steps of many rows, a 1B-shaped model's only one-row steps; a step above the cap leaves wholly."""
+    """AVX2 CPUs, our int4/int8 layouts and bf16 on AMX tiles: no cap. Otherwise on AVX-512 CPUs (PyTorch's GEMMs
+    faster on many rows): a small model's C layers take verify steps of many rows, a 1B-shaped model's only one-row
+    steps; a step above the cap leaves wholly."""
     demo, one_b = _llama_spec(256, 688, 4, 4, 4), _llama_spec(2048, 8192, 16, 32, 8)
-    assert row_cap(demo, False, "AVX2") is None and row_cap(one_b, True, "AVX512") is None
-    assert 8 <= row_cap(demo, False, "AVX512") <= 64 and row_cap(one_b, False, "AVX512") == 1
+    f32, bf16, int4 = cpu_layers.DENSE_F32, cpu_layers.DENSE_BF16, cpu_layers.INT4
+    assert row_cap(demo, f32, "AVX2", False) is None and row_cap(one_b, int4, "AVX512", False) is None
+    assert row_cap(one_b, bf16, "AVX512", True) is None  # AMX tiles: many rows cost about one
+    assert 8 <= row_cap(demo, f32, "AVX512", True) <= 64 and row_cap(one_b, bf16, "AVX512", False) == 1
     tree = StepRequest(kv_start=0, cached=20, chain=(), tokens=(7, 8, 9), parents=(-1, 0, 0))
     prompt = StepRequest(kv_start=100, cached=0, chain=(1, 2, 3), tokens=(4,), parents=(-1,))
     step = PackedStep.from_trees([tree, prompt])
@@ -208,3 +211,18 @@ def test_a_step_above_the_row_cap_runs_per_operation(checkpoint, monkeypatch):
     _tree(backend, "big")  # the prompt per operation, then 6 nodes: above the cap
     backend.forward_tree([TreeForward("small", PROMPT, [40, 41], [-1, 0])])
     assert calls == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(64, 96), (37, 200), (16, 32), (1000, 72)])
+def test_the_dense_products_are_row_invariant_and_near_pytorchs(dtype, n, k):
+    """Each row of a many-row product equals that row alone, bit for bit, on whichever tiles this CPU has (AVX2,
+    AVX-512, AMX: ``cpu_layers.amx()``), with outputs and inputs past whole tiles; and near PyTorch's fp32 product
+    of the same bf16-rounded inputs (the layers' bf16 inputs are bf16 values)."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).to(dtype)  # [n, k]
+    x = torch.randn(40, k).to(dtype).float()  # [40, k] fp32, bf16 values where dtype is bf16
+    y = cpu_layers.dense_linear(x, w)  # [40, n]
+    for r in (0, 15, 16, 17, 39):
+        assert torch.equal(cpu_layers.dense_linear(x[r : r + 1], w)[0], y[r])
+    assert torch.allclose(y, x @ w.float().T, rtol=1e-4, atol=1e-4 * k**0.5)

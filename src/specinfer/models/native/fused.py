@@ -37,20 +37,23 @@ def dense_served() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-# Dense weights on an AVX-512 CPU: the most a step's rows may cost in the C products beyond one row's, in multiply-adds
-# a layer, before PyTorch's operations take the step. Their GEMMs stream the weights once for all rows (AMX) where the
-# C tiles compute every row (about 25 GMAC/s a core: bench/fused_layers.py, BENCHMARKS.md "Fused layers on AVX-512"),
-# and their layer costs about 0.3 ms of dispatch more (60 operations): 0.3 ms at ~50 GMAC/s (two cores) is 15 M.
+# fp32 weights (or bf16 without AMX) on an AVX-512 CPU: the most a step's rows may cost in the C products beyond one
+# row's, in multiply-adds a layer, before PyTorch's operations take the step. Their GEMMs (MKL, oneDNN) multiply many
+# rows faster than the C tiles, which compute every row (about 30 GMAC/s a core in fp32; BENCHMARKS.md, "The fused
+# layers on AVX-512 and AMX"), and their layer costs about 0.3 ms of dispatch more (60 operations): 0.3 ms at ~50
+# GMAC/s (two cores) is 15 M.
 EXTRA_ROW_MACS = 15_000_000
 
 
-def row_cap(spec: ModelSpec, quantized: bool, capability: str) -> int | None:
+def row_cap(spec: ModelSpec, kind: int, capability: str, amx: bool) -> int | None:
     """The most rows of a step the C layers take (a larger step runs per operation, all of its rows, the LM head's
-    too), or None for no cap: on AVX2 CPUs (the C tiles are the fastest products there) and for our int4/int8 layouts
-    (PyTorch has no kernel of its own for them). At least 1 (a decode step) and at most
-    :data:`~specinfer.kernels.cpu_attention.MAX_ROWS`. ``capability``: PyTorch's CPU capability (``AVX2``,
+    too), or None for no cap: on AVX2 CPUs (the C tiles are the fastest products there), for our int4/int8 layouts
+    (PyTorch has no kernel of its own for them) and for bf16 weights on AMX (``amx``: the C library's tiles serve,
+    :mod:`specinfer.kernels.cpu_qgemm`; a 16-row product costs about a one-row one there). At least 1 (a decode step)
+    and at most :data:`~specinfer.kernels.cpu_attention.MAX_ROWS`. ``kind``: the layers' weight kind
+    (:func:`~specinfer.kernels.cpu_layers.weight_kind`); ``capability``: PyTorch's CPU capability (``AVX2``,
     ``AVX512``)."""
-    if quantized or capability == "AVX2":
+    if kind in (cpu_layers.INT4, cpu_layers.INT8) or capability == "AVX2" or (kind == cpu_layers.DENSE_BF16 and amx):
         return None
     d = spec.head_dim
     qkv = spec.hidden_size * (spec.heads + 2 * spec.kv_heads) * d
@@ -147,11 +150,9 @@ class FusedLayers:
         final = model.w.final_norm_w
         self.final_norm = final.detach().float().contiguous() if model.blocks.final is llama._final else None
         self.eps = spec.norm_eps
-        quantized = any(
-            cpu_layers.weight_kind(layer.up_w, dense) in (cpu_layers.INT4, cpu_layers.INT8) for layer in model.w.layers
-        )
         # None: every step the C layers can serve (a test may lower it)
-        self.max_rows = row_cap(spec, quantized, torch.backends.cpu.get_cpu_capability())
+        kind = cpu_layers.weight_kind(model.w.layers[0].up_w, dense)
+        self.max_rows = row_cap(spec, kind, torch.backends.cpu.get_cpu_capability(), cpu_layers.amx())
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows (or an LM head call of that many) is within :attr:`max_rows`."""
