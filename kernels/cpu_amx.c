@@ -33,6 +33,10 @@ typedef struct {
 
 static int granted = -1;  /* -1: not asked yet */
 
+#ifndef AHEAD_CHUNKS
+#define AHEAD_CHUNKS 8
+#endif
+
 /* 1 where this process may use the tiles (asked of the kernel once; the answer holds for the process), else 0. */
 int amx_enable(void) {
     if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -85,6 +89,10 @@ void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups,
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < chunks; c++) {
+        /* the weight lines AHEAD chunks on (past the block's last chunk: the next block's first, which this thread
+         * takes next under the static schedule): 16 rows of 64 bytes a chunk, where the prefetchers lagged */
+        const int ahead = c + AHEAD_CHUNKS, next = ahead < chunks ? o0 : o0 + 16, at = ahead < chunks ? ahead : ahead - chunks;
+        for (int j = 0; j < 16; j++) _mm_prefetch((const char *)(w + (size_t)(next + j) * k + 32 * at), _MM_HINT_T0);
         if (c < whole)
             _tile_loadd(4, w + (size_t)o0 * k + 32 * c, (long)k * 2);
         else
