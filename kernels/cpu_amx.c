@@ -45,12 +45,12 @@ int amx_enable(void) {
 
 int amx_on(void) { return granted == 1; }
 
-/* Tiles 0-3 (C: 16 outputs x 16 rows fp32, one per row group of a pass), 4 (A: 16 outputs x 32 bf16), 5 (B: 16
+/* Tiles 0-5 (C: 16 outputs x 16 rows fp32, one per row group of a pass), 6 (A: 16 outputs x 32 bf16), 7 (B: 16
  * pairs x 16 rows x 2 bf16), for the calling thread (the tile state is per thread). */
 void amx_begin(void) {
     /* static: GCC treats the intrinsic's operand as unread, so a configuration built on the stack was dropped */
     static const TileConfig config = {
-        .palette = 1, .colsb = {64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16}};
+        .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&config);
 }
 
@@ -71,11 +71,11 @@ void amx_pack_chunk(const float *x, int ldx, int t, int k, int g, int c, uint32_
 
 #define AMX_GROUP(G)                                                            \
     case G:                                                                     \
-        _tile_loadd(5, xv + ((size_t)(G) * chunks + c) * 256, 64);              \
-        _tile_dpbf16ps(G, 4, 5);
+        _tile_loadd(7, xv + ((size_t)(G) * chunks + c) * 256, 64);              \
+        _tile_dpbf16ps(G, 6, 7);
 
 /* out [groups][16 outputs][16 rows] fp32 = outputs o0 .. o0 + 16 of w [n, k] bf16 times the packed row groups
- * 0 .. groups (at most 4: one C tile each, sharing each chunk's weight tile). */
+ * 0 .. groups (at most AMX_GROUPS: one C tile each, sharing each chunk's weight tile). */
 void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups, float *out) {
     const int chunks = (k + 31) / 32, whole = k / 32;
     uint16_t tail[16 * 32];
@@ -88,16 +88,20 @@ void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups,
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
     for (int c = 0; c < chunks; c++) {
         /* the weight lines AHEAD chunks on (past the block's last chunk: the next block's first, which this thread
          * takes next under the static schedule): 16 rows of 64 bytes a chunk, where the prefetchers lagged */
         const int ahead = c + AHEAD_CHUNKS, next = ahead < chunks ? o0 : o0 + 16, at = ahead < chunks ? ahead : ahead - chunks;
         for (int j = 0; j < 16; j++) _mm_prefetch((const char *)(w + (size_t)(next + j) * k + 32 * at), _MM_HINT_T0);
         if (c < whole)
-            _tile_loadd(4, w + (size_t)o0 * k + 32 * c, (long)k * 2);
+            _tile_loadd(6, w + (size_t)o0 * k + 32 * c, (long)k * 2);
         else
-            _tile_loadd(4, tail, 64);
+            _tile_loadd(6, tail, 64);
         switch (groups - 1) {  /* falls through: group groups - 1 down to 0 */
+            AMX_GROUP(5)
+            AMX_GROUP(4)
             AMX_GROUP(3)
             AMX_GROUP(2)
             AMX_GROUP(1)
@@ -105,6 +109,8 @@ void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups,
         }
     }
     switch (groups) {
+        case 6: _tile_stored(5, out + 5 * 256, 64);  /* fall through */
+        case 5: _tile_stored(4, out + 4 * 256, 64);  /* fall through */
         case 4: _tile_stored(3, out + 3 * 256, 64);  /* fall through */
         case 3: _tile_stored(2, out + 2 * 256, 64);  /* fall through */
         case 2: _tile_stored(1, out + 256, 64);      /* fall through */

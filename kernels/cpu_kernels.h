@@ -71,6 +71,10 @@ void amx_end(void);
 void amx_pack_chunk(const float *x, int ldx, int t, int k, int g, int c, uint32_t *xv);
 void amx_block(const uint16_t *w, int k, int o0, const uint32_t *xv, int groups, float *out);
 
+#define AMX_GROUPS 4  /* row groups of 16 a pass over the weights (one C tile each, at most 6: A and B take two more; 6
+                       * measured no faster than 4 on 96 rows of a 1B shape, where the B tiles, read again per
+                       * weight tile, bound the pass) */
+
 /* Bytes of the B tiles of t rows of k inputs (amx_pack_chunk's layout). */
 static inline size_t amx_packed_bytes(int t, int k) { return (size_t)((t + 15) / 16) * (size_t)((k + 31) / 32) * 1024; }
 

@@ -215,9 +215,9 @@ static void amx_product(const Weight *w, int t, const float *x, int ldx, uint32_
     amx_begin();
 #pragma omp for schedule(static)
     for (int ob = 0; ob < whole / 16; ob++) {
-        float out[4 * 256];  /* [4 row groups][16 outputs][16 rows] */
-        for (int g0 = 0; g0 < groups; g0 += 4) {
-            const int gs = groups - g0 < 4 ? groups - g0 : 4;
+        float out[AMX_GROUPS * 256];  /* [row groups][16 outputs][16 rows] */
+        for (int g0 = 0; g0 < groups; g0 += AMX_GROUPS) {
+            const int gs = groups - g0 < AMX_GROUPS ? groups - g0 : AMX_GROUPS;
             amx_block((const uint16_t *)w->w, k, 16 * ob, xv + (size_t)g0 * chunks * 256, gs, out);
             for (int g = 0; g < gs; g++)
                 for (int m = 0; m < 16 && 16 * (g0 + g) + m < t; m++)
