@@ -14,10 +14,22 @@ from typing import Any
 
 import grpc
 
+RETRY_AFTER_CALLS = 256  # unary calls after a new stream was refused with a status other than UNIMPLEMENTED
+
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The error a unary call with that status raises."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Refused(Exception):
+    """A new stream ended before its first request went out. An older server's UNIMPLEMENTED can surface so, as
+    INTERNAL ("Failed execute_batch"), when its status lands before the write: the call then goes unary, which
+    answers with its own status."""
+
+    def __init__(self, code: grpc.StatusCode | None) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class StreamedUnary:
@@ -26,7 +38,9 @@ class StreamedUnary:
     next response. A call behaves as the unary call would: it raises :class:`grpc.aio.AioRpcError` with the status the
     server ended the stream with (then the next call opens a new stream), DEADLINE_EXCEEDED after ``timeout`` seconds
     (the stream is cancelled), and a server without the stream method (UNIMPLEMENTED: an older release) gets the
-    unary call (``unary_method``) from then on. ``metadata``: every stream's and call's (credentials)."""
+    unary call (``unary_method``) from then on; a new stream that ended before its first request went out with
+    another status (:class:`_Refused`) sends the call, and the next :data:`RETRY_AFTER_CALLS`, unary.
+    ``metadata``: every stream's and call's (credentials)."""
 
     def __init__(
         self, stream_method: Callable[..., Any], unary_method: Callable[..., Any], metadata: Sequence[tuple[str, str]]
@@ -38,10 +52,14 @@ class StreamedUnary:
             None  # the open stream (grpc.aio.StreamStreamCall), None before the first call or after an error
         )
         self._lock = asyncio.Lock()  # one exchange at a time: responses come in request order
-        self.streams = True  # False once the server said it has no stream method
+        self.streams = True  # False once the server said it has no stream method (or refused a new stream)
+        self._unary_left: int | None = None  # unary calls before a refused stream is tried again (None: never)
 
     async def __call__(self, request: Any, timeout: float) -> Any:
         if not self.streams:
+            if self._unary_left is not None:
+                self._unary_left -= 1
+                self.streams = self._unary_left <= 0
             return await self._unary(request, timeout=timeout, metadata=self._metadata)
         async with self._lock:
             try:
@@ -54,15 +72,27 @@ class StreamedUnary:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self.streams = False
+            except _Refused as exc:
+                self.close()
+                self.streams = False  # unary for now; UNIMPLEMENTED for good, another status for a while
+                self._unary_left = None if exc.code == grpc.StatusCode.UNIMPLEMENTED else RETRY_AFTER_CALLS
             except BaseException:  # cancelled: the stream may hold an unread response
                 self.close()
                 raise
         return await self._unary(request, timeout=timeout, metadata=self._metadata)
 
     async def _exchange(self, request: Any) -> Any:
-        if self._call is None:
+        fresh = self._call is None
+        if fresh:
             self._call = self._open(metadata=self._metadata)  # no deadline: the stream outlives each call's
-        await self._call.write(request)
+        try:
+            await self._call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:  # the stream had already ended
+            if fresh:
+                raise _Refused(exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            raise _error(grpc.StatusCode.UNAVAILABLE, "the stream ended") from exc
         response = await self._call.read()
         if response is grpc.aio.EOF:  # the server ended the stream without an error status (it should not)
             raise _error(grpc.StatusCode.UNAVAILABLE, "the stream ended")
