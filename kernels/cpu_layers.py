@@ -43,16 +43,16 @@ class Shape(ctypes.Structure):
     _fields_ += [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")]
 
 
-def weight_kind(w: object, dense: bool) -> int | None:
+def weight_kind(w: object) -> int | None:
     """The C kind of a projection's weight, or None where the C layers cannot read it: our int4/int8 block layouts,
-    and (``dense``) contiguous fp32 or bf16 tensors whose inputs are whole 8s."""
+    and contiguous fp32 or bf16 tensors whose inputs are whole 8s."""
     from specinfer.models.native.quant import QuantizedWeight  # the kernels package stays free of the runtime
 
     if type(w) is QuantizedWeight:
         if w.blocks_dtype is None:
             return None
         return INT4 if w.scheme == "int4" else INT8
-    if not dense or not isinstance(w, torch.Tensor) or w.is_mkldnn or w.device.type != "cpu":
+    if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.device.type != "cpu":
         return None
     if not w.is_contiguous() or w.shape[1] % 8:
         return None

@@ -29,14 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def dense_served() -> bool:
-    """Whether plain fp32/bf16 weights go through the C layers here: on x86-64 CPUs with AVX2 or AVX-512 (the C
-    products' tiles: 8-lane FMA, or 16-lane and AVX512-BF16 pair products where the library is built with them). On
-    AVX-512 CPUs PyTorch's GEMMs (MKL, oneDNN with AMX) multiply many rows faster, so a step of many rows goes per
-    operation there (:func:`row_cap`)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
 # fp32 weights (or bf16 without AMX) on an AVX-512 CPU: the most a step's rows may cost in the C products beyond one
 # row's, in multiply-adds a layer, before PyTorch's operations take the step. Their GEMMs (MKL, oneDNN) multiply many
 # rows faster than the C tiles, which compute every row (about 30 GMAC/s a core in fp32; BENCHMARKS.md, "The fused
@@ -68,7 +60,7 @@ def dense_candidate(spec: ModelSpec, device: torch.device, options: NativeOption
         return False
     if not isinstance(spec.family, llama.LlamaFamily):
         return False
-    return dense_served() and cpu_qgemm.library() is not None
+    return cpu_qgemm.library() is not None  # built only on x86-64 CPUs with AVX2 or AVX-512 (cpu_qgemm._gate)
 
 
 def why_not(model: NativeModel) -> str | None:
@@ -90,14 +82,13 @@ def why_not(model: NativeModel) -> str | None:
         return "more than 8 distinct sliding windows"
     if spec.head_dim % 8 or spec.head_dim > 512 or spec.heads % spec.kv_heads:
         return f"head_dim {spec.head_dim}"
-    dense = dense_served()
     for layer in w.layers:
         if layer.up_b is not None or layer.down_b is not None:
             return "MLP biases"
         for m in (layer.qkv_w, layer.o_w, layer.up_w, layer.down_w):
             if isinstance(m, torch.Tensor) and m.is_mkldnn:
                 return "weights in oneDNN's packed layout (--gemm plain keeps them plain)"
-            if cpu_layers.weight_kind(m, dense) is None:
+            if cpu_layers.weight_kind(m) is None:
                 return f"a {type(m).__name__} weight the C layers do not read (dense ones: on AVX2 or AVX-512 CPUs)"
     return None
 
@@ -121,7 +112,6 @@ class FusedLayers:
         self.inv_freq = model.rope.inv_freq.float().contiguous()  # [rotary_dim / 2]
         self.rope_scale = model.rope.scale
         self._keep: list[torch.Tensor] = []  # what the records point at
-        dense = dense_served()
         windows = tuple(sorted(set(spec.layer_windows), key=lambda x: -1 if x is None else x))
         # the step's visible-key lists, one per distinct window (0: none), which the C code builds from its segments
         self.windows = torch.tensor([w or 0 for w in windows], dtype=torch.int32)
@@ -129,9 +119,9 @@ class FusedLayers:
         for i, layer in enumerate(model.w.layers):
             r = self.records[i]
             for name, m, b in (("qkv", layer.qkv_w, layer.qkv_b), ("o", layer.o_w, layer.o_b)):
-                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m, dense), b, self._keep))
+                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m), b, self._keep))
             for name, m in (("up", layer.up_w), ("down", layer.down_w)):
-                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m, dense), None, self._keep))
+                setattr(r, name, cpu_layers.weight(m, cpu_layers.weight_kind(m), None, self._keep))
             for name, norm in (("norm1", layer.norm1_w), ("norm2", layer.norm2_w)):
                 setattr(r, name, self._address(norm))
             r.q_norm, r.k_norm = self._address(layer.q_norm_w), self._address(layer.k_norm_w)
@@ -145,13 +135,13 @@ class FusedLayers:
         head = model.w.lm_head if model.w.logits_head is None else model.w.logits_head
         # a dense LM head through the C products too, so that logits are row-invariant as the layers are
         dense_kinds = (cpu_layers.DENSE_F32, cpu_layers.DENSE_BF16)
-        self.dense_head = head if cpu_layers.weight_kind(head, dense) in dense_kinds else None
+        self.dense_head = head if cpu_layers.weight_kind(head) in dense_kinds else None
         # the final norm in C too (microseconds a step less than a dispatched operation), for every path of the model
         final = model.w.final_norm_w
         self.final_norm = final.detach().float().contiguous() if model.blocks.final is llama._final else None
         self.eps = spec.norm_eps
         # None: every step the C layers can serve (a test may lower it)
-        kind = cpu_layers.weight_kind(model.w.layers[0].up_w, dense)
+        kind = cpu_layers.weight_kind(model.w.layers[0].up_w)
         self.max_rows = row_cap(spec, kind, torch.backends.cpu.get_cpu_capability(), cpu_layers.amx())
 
     def takes(self, rows: int) -> bool:
