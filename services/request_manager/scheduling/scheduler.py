@@ -6,7 +6,8 @@ verifier replicas (:class:`~.placement.Placement`, where the verifier and worker
 ends cancelled or expired ones; the engine core's executor is :class:`~.executor.RemoteExecutor` (SSMs on
 their sticky workers, the verifier replicas); and a verified request's tokens are persisted in Redis
 *before* they are published to the client streams (fenced by this replica's owner ID and lease token: a
-request another replica took over is dropped here, see :mod:`.state.ownership`). The core owns adaptive
+request another replica took over is dropped here, see :mod:`.state.ownership`), while the next step already
+runs on them (:mod:`.appends`). The core owns adaptive
 speculation's state; :class:`~.adaptive.PlannerMetrics` publishes it.
 """
 
@@ -32,11 +33,12 @@ from specinfer.core.planner import PlannerConfig
 from specinfer.request_manager.cluster.remote import Verifiers, VerifierUnavailable
 from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.scheduling.adaptive import PlannerMetrics
+from specinfer.request_manager.scheduling.appends import Append, Appends
 from specinfer.request_manager.scheduling.executor import Backoff, RemoteExecutor
 from specinfer.request_manager.scheduling.live import MOVED, Finish, Live, StreamEvent
 from specinfer.request_manager.scheduling.placement import Placement
 from specinfer.request_manager.state.store import RequestStore
-from specinfer.request_manager.state.store_errors import OwnershipError, RequestFinishedError, RequestNotFoundError
+from specinfer.request_manager.state.store_errors import NOT_OURS
 from specinfer.serving.scheduler_metrics import SchedulerMetrics
 
 log = logging.getLogger("specinfer.request_manager")
@@ -70,10 +72,6 @@ class SchedulerConfig:
     draft_head: bool = False  # the verifier drafts with a draft head: adaptive requests ask it for their next trees
 
 
-# the store's answers to a fenced write: the request is not this replica's to drive any more
-NOT_OURS = (OwnershipError, RequestFinishedError, RequestNotFoundError)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -94,6 +92,7 @@ class Scheduler:
         self.metrics = metrics
         self._requests: Admission[Live] = Admission()
         self._releases: set[asyncio.Task] = set()  # releases of finished requests still in flight
+        self.appends = Appends(store, config.owner, config.lease_token)
         self.placement = Placement(verifier, config.verifier_backoff_seconds)
         backoff = Backoff(config.verifier_backoff_seconds, config.verifier_backoff_max_seconds)
         self.executor = RemoteExecutor(config.ssm_names, workers, verifier, self.placement, metrics, backoff)
@@ -198,6 +197,7 @@ class Scheduler:
             except Exception:  # one broken iteration must not end the service
                 log.exception("iteration failed")
                 await asyncio.sleep(self.config.verifier_backoff_seconds)
+        await self.appends.drain()  # the lease may be released once nothing is in flight
 
     def stop(self) -> None:
         self._stopping = True
@@ -280,6 +280,10 @@ class Scheduler:
         return step_rows(live.request, live.committed_len, len(self.config.ssm_names), limits)
 
     async def _commit(self, live: Live, outcome: StepOutcome) -> None:
+        """Commit a verified step to ``live`` in memory, so that the next step builds on it while Redis appends it
+        (:mod:`.appends`): its tokens are published once the append returns; a finishing step waits for it."""
+        if not await self._settled(live):  # the previous step's append, sent one verification ago
+            return
         delta = ""
         released = live.text.text if live.text is not None else ""
         if live.text is not None:
@@ -296,39 +300,29 @@ class Scheduler:
             await self._finish(live, "error", error="the LLM verifier returned no logprobs (is it older?)")
             return
         logprobs = outcome.logprobs or ()
-        # durable before anyone sees it; the offset makes a retried append idempotent
-        try:
-            appended = await self.store.append_tokens(
-                live.request_id,
-                tokens,
-                stats,
-                owner=self.config.owner,
-                offset=offset,
-                lease_token=self.config.lease_token,
-                logprobs=logprobs,
-                top_logprobs=top or 0,
-            )
-        except NOT_OURS as exc:
-            self._lose(live, exc)
-            return
-        except BaseException:
-            # nothing of the step is committed or published: a later iteration redoes it (the same
-            # tokens, appended at the same offset), and releases its text then
-            if live.text is not None:
-                live.text.text = released
-            raise
-        if appended.cancel_requested:  # by a replica that does not run it: stopped at the next iteration boundary
-            live.stop_reason = live.stop_reason or "cancelled"
+        event = StreamEvent(offset, tokens, delta, logprobs=logprobs)
+        last = outcome.finish_reason is not None
+        # the offset makes a retried append idempotent
+        self.appends.start(live, Append(tokens, stats, offset, logprobs, top or 0, None if last else event))
         live.commit(outcome)
         m = self.metrics
         m.llm_steps.inc()
         m.generated_tokens.inc(len(tokens))
         m.accepted_tokens.observe(stats.accepted)
         m.tree_size.observe(stats.tree_size)
-        if outcome.finish_reason is None:
-            live.publish(StreamEvent(offset, tokens, delta, logprobs=logprobs))
-        else:
-            await self._finish(live, outcome.finish_reason, StreamEvent(offset, tokens, delta, logprobs=logprobs))
+        if last:
+            assert outcome.finish_reason is not None
+            await self._finish(live, outcome.finish_reason, event)
+
+    async def _settled(self, live: Live) -> bool:
+        """Wait for ``live``'s append in flight; False, the request dropped, where the store says it is not ours. Any
+        other error is raised: the iteration fails, and the append is retried (:meth:`.appends.Appends.settle`)."""
+        try:
+            await self.appends.settle(live)
+        except NOT_OURS as exc:
+            self._lose(live, exc)
+            return False
+        return True
 
     async def _finish(self, live: Live, reason: str, last: StreamEvent | None = None, error: str = "") -> None:
         """End ``live`` with ``reason``; ``last``: its final step's tokens, published with the finish. When
@@ -349,6 +343,8 @@ class Scheduler:
                 live.finished,
                 last.logprobs if last else (),
             )
+        if not await self._settled(live):  # its tokens are durable before it is finished
+            return
         try:
             await self.store.finish(
                 live.request_id,
@@ -374,6 +370,7 @@ class Scheduler:
         on the workers and the verifier are left alone: its new owner uses them."""
         rid = live.request_id
         self._requests.remove(live)
+        self.appends.forget(rid)
         self.core.forget(rid)
         self.verifier.forget((rid,))
         if self.workers is not None:

@@ -39,6 +39,10 @@ class OffsetConflictError(StoreError):
         self.length = length
 
 
+# the store's answers to a fenced write: the request is not this replica's to drive any more
+NOT_OURS = (OwnershipError, RequestFinishedError, RequestNotFoundError)
+
+
 class ReplicationError(StoreError):
     """Fewer replicas than ``min_replica_acks`` acknowledged a write within the timeout. The master applied
     it, so a retry of the same call (an append at the same offset) finds it and waits again; until one
