@@ -75,9 +75,11 @@ def test_commit_stops_counts_and_adds_up():
     assert r.stats == StepStats(llm_steps=2, accepted=4, tree_size=6, committed=4)
 
 
-def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_priced_seconds():
-    """Verify seconds are 0.01 a token (no context term): a step of 12 tree tokens that admitted a 4-token prompt
-    (its context before the root), which took 0.5 s, is scored 0.46 s; a prompt longer than the call's tree tokens,
+def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_share_of_its_call():
+    """Verify seconds are 0.01 a token (no context term). A step of 0.5 s whose call of 0.45 s verified 12 tree tokens
+    and admitted a 4-token prompt (its context before the root) is priced 0.12 s for the trees and 0.16 s with the
+    prompt: the prompt took a quarter of the call, and the step is scored 0.5 - 0.45 / 4 s, however far the model's
+    scale is off. Prompts of twice the tree tokens leave it a third (scored); a call whose trees are below a fifth,
     or no call, leaves the step unscored."""
     costs = StepCosts(CostTable({1: 0.01, 64: 0.64}), 0.0, {}, frozen=True)
     chain = DraftTree(TokenTree((6, 1, 2, 3), (-1, 0, 1, 2)))
@@ -88,6 +90,8 @@ def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_pric
     decoding = [job("a", 20, 3), job("b", 30, 7)]
     assert gate_seconds([(decoding, 0.4)], 0.5, costs) == 0.5
     admitting = [*decoding, job("new", 4, 0)]  # 12 tree tokens and 4 prompt tokens (the root is the fifth)
-    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs) - 0.46) < 1e-9
-    assert gate_seconds([([job("a", 20, 3), job("new", 40, 0)], 0.45)], 0.5, costs) is None  # 40 > 8 tree tokens
+    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs) - (0.5 - 0.45 / 4)) < 1e-9
+    twice = [*decoding, job("new", 24, 0)]  # 24 prompt tokens (the root is the 25th) against 12 tree tokens
+    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs) - (0.5 - 0.45 * 2 / 3)) < 1e-9
+    assert gate_seconds([([job("a", 20, 3), job("new", 40, 0)], 0.45)], 0.5, costs) is None  # 4 of 45 tokens
     assert gate_seconds([], 0.5, costs) is None

@@ -3,8 +3,7 @@ which the engine core (:class:`specinfer.core.engine_core.EngineCore`) runs for 
 :class:`Running` request; its draft jobs (:func:`draft_specs`, one per request whose speculation names
 the SSM); the cut of drafted trees (:func:`select_drafts`) and their merge into one verify job per
 request (:func:`verify_specs`); a verdict turned into the tokens to commit, the finish reason and the
-step's :class:`StepStats` (:meth:`Running.outcome`, applied by :meth:`Running.commit` once the driver
-has persisted or published them).
+step's :class:`StepStats` (:meth:`Running.outcome`, applied by :meth:`Running.commit`).
 
 Random streams: every job draws from its own generator, ``step_rng(seed, step, stream)`` (the
 request's seed, its verify steps so far, the job's role: :data:`VERIFY_STREAM` or
@@ -30,6 +29,7 @@ from specinfer.core.requests import GenerationRequest, StepStats, TokenLogprob
 from specinfer.core.sampling import SamplingParams
 
 VERIFY_STREAM = 0  # the verifier's stream; SSM i drafts on draft_stream(i)
+MIN_TREE_SHARE = 0.2  # the least share of a verify call its trees take, for the gate to score it (gate_seconds)
 HEAD_STREAM = 1 << 20  # the verifier's draft head draws the next step's tree on this stream (beyond any SSM's)
 
 
@@ -358,10 +358,9 @@ def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
 def gate_seconds(
     timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts
 ) -> float | None:
-    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less the prompts'
-    seconds as the cost model prices them, where a call prefilled prompts of no more tokens than its trees (the
-    price stays a minor part); None where one prefilled more, or with no call. At a large batch most steps admit a
-    request: leaving them all out left the gate minutes to decide (32 streams, 1B model, CPU)."""
+    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less each call's
+    prompts' share, as the cost model splits it (right even where its scale is off); None where the trees' share of a
+    call is below :data:`MIN_TREE_SHARE` (at 32 streams most steps prefill), or with no call."""
     if not timings:
         return None
     prefill = 0.0
@@ -370,11 +369,12 @@ def gate_seconds(
         if not prompts:
             continue
         tree = _tree_shape(jobs)
-        if sum(prompts) > tree.tokens:
-            return None
         prompt_work = sum(p * (p - 1) // 2 for p in prompts)  # a prompt's row i attends to the i rows before it
         with_prompts = costs.verify_seconds(VerifyShape(tree.tokens + sum(prompts), tree.context_work + prompt_work))
-        prefill += min(call_seconds, max(0.0, with_prompts - costs.verify_seconds(tree)))
+        share = costs.verify_seconds(tree) / with_prompts if with_prompts > 0 else 1.0
+        if share < MIN_TREE_SHARE:
+            return None
+        prefill += call_seconds * (1.0 - share)
     return seconds - prefill if seconds > prefill else None
 
 
