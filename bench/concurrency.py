@@ -21,7 +21,8 @@ request and step (the root included: 1 is no speculation) and the accepted token
 steps it speculated against those realised (``predicted/realised``: how the acceptance model is calibrated), and
 the mean iteration's milliseconds with its drafting and verification parts, the mean batch of an iteration and the
 share of the row's seconds the manager spent in iterations (``busy``; the rest: admission, finishing requests,
-waiting for work).
+waiting for work), and the speculation gate's committed tokens per second with speculation on and off at the row's
+batch-size bucket as the row closed (what the gate decides by).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
@@ -44,6 +45,7 @@ from common import delta, histogram_quantile, load_prompts, pct, scrape
 from specinfer.client import Client
 from specinfer.core import ExpansionConfig
 from specinfer.core.drafts import PAPER_EXPANSION
+from specinfer.core.head_gate import bucket
 from specinfer.launcher import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +54,7 @@ STEP_ERROR = "specinfer_cost_model_step_error_ratio"  # the same on whole iterat
 TREE = "specinfer_tree_size"  # tree nodes verified per request and step, the root included
 PREDICTED = "specinfer_predicted_accepted_tokens_total"
 REALISED = "specinfer_realised_accepted_tokens_total"
+GATE = "specinfer_speculation_gate_tokens_per_second"  # the speculation gate's measured rates, by bucket and arm
 PARTS = ("iteration", "speculate", "verify")  # the request manager's histograms of an iteration and its two parts
 
 
@@ -132,10 +135,10 @@ def stream_until(client: Client, method: str, prompts, first: int, step: int, ar
 
 def run(
     client: Client, method: str, prompts, concurrency: int, args, row: Row | None = None, rm=None
-) -> tuple[Row, dict[str, float]]:
+) -> tuple[Row, dict[str, float], dict[str, float]]:
     """``concurrency`` streams of ``method`` through a window of ``args.settle_seconds`` then ``args.seconds``,
     counted into ``row`` (a new one by default); with ``rm`` (the request manager's process) its metrics are scraped
-    as the window opens and closes. Returns the row and the metric deltas over the window."""
+    as the window opens and closes. Returns the row, the metric deltas over the window and the metrics as it closed."""
     row = row if row is not None else Row()
     window = Window(time.monotonic(), args.settle_seconds, args.seconds)
     threads = [
@@ -145,15 +148,25 @@ def run(
     for t in threads:
         t.start()
     counted: dict[str, float] = {}
+    closing: dict[str, float] = {}
     if rm is not None:
         time.sleep(max(0.0, window.opens - time.monotonic()))
         before = scrape(rm.metrics_address)
         time.sleep(max(0.0, window.closes - time.monotonic()))
-        counted = {key: value - before.get(key, 0.0) for key, value in scrape(rm.metrics_address).items()}
+        closing = scrape(rm.metrics_address)
+        counted = {key: value - before.get(key, 0.0) for key, value in closing.items()}
     for t in threads:
         t.join()
     row.seconds += window.seconds
-    return row, counted
+    return row, counted, closing
+
+
+def gate_rates(closing: dict[str, float], concurrency: int) -> str:
+    """The speculation gate's measured tokens/s with speculation on and off at this concurrency's batch-size bucket,
+    as a row closed (what it decides by; ``-`` where an arm has not been measured)."""
+    largest = 1 << bucket(concurrency)
+    rates = [closing.get(f"{GATE}{{arm={arm},batch={largest}}}", 0.0) for arm in ("on", "off")]
+    return "/".join(f"{r:.0f}" if r else "-" for r in rates)
 
 
 def breakdown(counted: dict[str, float], seconds: float) -> str:
@@ -219,7 +232,7 @@ def main() -> None:
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
     columns += ("step error p50", "tree nodes", "predicted/realised accepted", "iteration ms (draft + verify)")
-    columns += ("mean batch", "busy")
+    columns += ("mean batch", "busy", "gate on/off tokens/s")
     print("| concurrency | method | " + " | ".join(columns) + " |")
     print("|---:|---|" + "---:|" * len(columns))
     with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
@@ -230,10 +243,11 @@ def main() -> None:
                 run(client, "default", prompts, c, argparse.Namespace(**{**vars(args), **warmup}))
             rows = {m: Row() for m in methods}
             counted: dict[str, dict[str, float]] = {m: {} for m in methods}  # each method's metric deltas, summed
+            closing: dict[str, dict[str, float]] = {}  # each method's metrics as its last window closed
             for repeat in range(args.repeats):
                 # rounds alternate the methods' order, so a drifting machine does not favour the first
                 for m in methods if repeat % 2 == 0 else methods[::-1]:
-                    _, window = run(client, m, prompts, c, args, rows[m], rm)
+                    _, window, closing[m] = run(client, m, prompts, c, args, rows[m], rm)
                     for key, value in window.items():
                         counted[m][key] = counted[m].get(key, 0.0) + value
             errors = {
@@ -247,7 +261,7 @@ def main() -> None:
                 print(
                     f"| {c} | {m} | {rate:.1f} | {row.done_tokens / max(1, row.done_steps):.2f} | "
                     f"{pct(row.per_token, 50) * 1e3:.1f} | {pct(row.per_token, 99) * 1e3:.1f} | {versus} | {error} | "
-                    f"{breakdown(counted[m], row.seconds)} |",
+                    f"{breakdown(counted[m], row.seconds)} | {gate_rates(closing[m], c)} |",
                     flush=True,
                 )
 
