@@ -50,13 +50,13 @@ class Appends:
         self.store = store
         self.owner = owner
         self.lease_token = lease_token
-        self._inflight: dict[str, tuple[asyncio.Task[Appended], Live, Append]] = {}
+        self._inflight: dict[str, tuple[asyncio.Task[Appended], Append]] = {}
 
     def start(self, live: Live, append: Append) -> None:
         """Send ``append`` of ``live`` (whose previous one is settled) to Redis, in the background."""
         assert live.request_id not in self._inflight, "settle a request's append before its next"
         task = asyncio.get_running_loop().create_task(self._append(live, append))
-        self._inflight[live.request_id] = (task, live, append)
+        self._inflight[live.request_id] = (task, append)
 
     async def settle(self, live: Live) -> None:
         """Wait for ``live``'s append in flight, if any. Its error is raised (the store's fencing errors as they
@@ -64,7 +64,7 @@ class Appends:
         entry = self._inflight.get(live.request_id)
         if entry is None:
             return
-        task, _, append = entry
+        task, append = entry
         try:
             await asyncio.shield(task)  # an iteration cancelled while it waits leaves the append to finish
         except asyncio.CancelledError:
@@ -72,11 +72,11 @@ class Appends:
                 raise  # the waiter was cancelled, not the append: it stays in flight
             self._retry(live, append)
             raise
-        except BaseException as exc:
-            if isinstance(exc, NOT_OURS):
-                del self._inflight[live.request_id]
-            else:
-                self._retry(live, append)
+        except NOT_OURS:
+            del self._inflight[live.request_id]
+            raise
+        except Exception:
+            self._retry(live, append)
             raise
         del self._inflight[live.request_id]
 
@@ -89,7 +89,7 @@ class Appends:
     async def drain(self) -> None:
         """Wait for every append in flight (the scheduler stops): those that fail are left to the replica that
         adopts their requests, which computes their tokens again."""
-        tasks = [task for task, _, _ in self._inflight.values()]
+        tasks = [task for task, _ in self._inflight.values()]
         self._inflight.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -301,18 +301,17 @@ class Scheduler:
             return
         logprobs = outcome.logprobs or ()
         event = StreamEvent(offset, tokens, delta, logprobs=logprobs)
-        last = outcome.finish_reason is not None
-        # the offset makes a retried append idempotent
-        self.appends.start(live, Append(tokens, stats, offset, logprobs, top or 0, None if last else event))
+        reason = outcome.finish_reason
+        # the offset makes a retried append idempotent; a finishing step's tokens are published with the finish
+        self.appends.start(live, Append(tokens, stats, offset, logprobs, top or 0, event if reason is None else None))
         live.commit(outcome)
         m = self.metrics
         m.llm_steps.inc()
         m.generated_tokens.inc(len(tokens))
         m.accepted_tokens.observe(stats.accepted)
         m.tree_size.observe(stats.tree_size)
-        if last:
-            assert outcome.finish_reason is not None
-            await self._finish(live, outcome.finish_reason, event)
+        if reason is not None:
+            await self._finish(live, reason, event)
 
     async def _settled(self, live: Live) -> bool:
         """Wait for ``live``'s append in flight; False, the request dropped, where the store says it is not ours. Any
