@@ -1,28 +1,30 @@
 """Speculation under load: the default against no speculation and the paper's static tree, at each concurrency.
 
 One stack (``specinfer up``'s processes, one of each, on free ports, the request manager's batch as large as the
-largest concurrency) serves every row. At each concurrency C, C client threads keep one gRPC stream each going
-(requests of ``--new-tokens`` tokens, prompts of the prompt file in turn) for each method; the methods of a
-concurrency run one after the other, in the order given (``--repeats`` rounds, every other one in reverse order, each
-row summing its rounds: a machine whose speed drifts favours no method), after a warm-up run of the default (the
-speculation gate and the cost model learn the batch size as a user's traffic would teach them). A row is measured
-in steady state: its streams start spread over ``--settle-seconds``, unmeasured (not a burst of C prompts
-prefilled at once, after which requests of the same length would start and end together forever), then
-``--seconds`` measured (tokens that arrive in the window, the request manager's metrics
-scraped as it opens and closes); as it closes every stream is cut, so no tail of a few late requests running at a
-small batch counts either (which method's requests finish together and which spread out would otherwise decide
-the row as much as its speed).
-Prints per row: committed tokens per second over all streams, tokens per LLM step, the per-token latency's p50 and
-p99 (a message's gap spread over its tokens; the first message is time to first token, left out), the speed against
-``none`` at that concurrency, and the cost model's median error on the row's verify calls and on its whole
-iterations (the request manager's ``specinfer_cost_model_verify_error_ratio`` and
-``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was predicted), the mean tree nodes verified per
-request and step (the root included: 1 is no speculation) and the accepted tokens the planner predicted for the
-steps it speculated against those realised (``predicted/realised``: how the acceptance model is calibrated), and
-the mean iteration's milliseconds with its drafting and verification parts, the mean batch of an iteration and the
-share of the row's seconds the manager spent in iterations (``busy``; the rest: admission, finishing requests,
-waiting for work), and the speculation gate's committed tokens per second with speculation on and off at the row's
-batch-size bucket as the row closed (what the gate decides by).
+largest concurrency) serves every row, without prefix caching unless ``--prefix-caching on``: every row takes the
+prompt file's prompts in the same order, so with it every row after the first finds its prompts' KV cached (at 16
+streams on the 1B pair the first row's steps that prefilled took 377 ms against the next row's 141).
+
+At each concurrency C, C client threads keep one gRPC stream each going (requests of ``--new-tokens`` tokens,
+prompts of the prompt file in turn) for each method; the methods of a concurrency run one after the other, in the
+order given (``--repeats`` rounds, every other one in reverse order, each row summing its rounds: a machine whose
+speed drifts favours no method), after a warm-up run of the default (the speculation gate and the cost model learn
+the batch size as a user's traffic would teach them). A row is measured in steady state: its streams start spread
+over ``--settle-seconds``, unmeasured (not a burst of C prompts prefilled at once, after which requests of the same
+length would start and end together forever), then ``--seconds`` measured (tokens that arrive in the window, the
+request manager's metrics scraped as it opens and closes); as it closes every stream is cut, so no tail of a few
+late requests running at a small batch counts either (which method's requests finish together and which spread out
+would otherwise decide the row as much as its speed). Prints per row: committed tokens per second over all streams,
+tokens per LLM step, the per-token latency's p50 and p99 (a message's gap spread over its tokens; the first message
+is time to first token, left out), the speed against ``none`` at that concurrency, and the cost model's median error
+on the row's verify calls and on its whole iterations (the request manager's
+``specinfer_cost_model_verify_error_ratio`` and ``specinfer_cost_model_step_error_ratio``; ``-`` where nothing was
+predicted), the mean tree nodes verified per request and step (the root included: 1 is no speculation) and the
+accepted tokens the planner predicted for the steps it speculated against those realised (``predicted/realised``:
+how the acceptance model is calibrated), and the mean iteration's milliseconds with its drafting and verification
+parts, the mean batch of an iteration and the share of the row's seconds the manager spent in iterations (``busy``;
+the rest: admission, finishing requests, waiting for work), and the speculation gate's committed tokens per second
+with speculation on and off at the row's batch-size bucket as the row closed (what the gate decides by).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
 (speculation disabled), ``paper`` (the paper's static expansion ``<1,1,3,1,1,1,1,1>``) or any widths ``a,b,c``.
@@ -208,6 +210,12 @@ def main() -> None:
     ap.add_argument("--seeded", action="store_true", help="with --temperature: seeded requests (coupled verification)")
     ap.add_argument("--threads", type=int, default=0, help="the verifier's torch threads (0: torch's default)")
     ap.add_argument("--speculation-gate", choices=("on", "off"), default="on", help="the request manager's")
+    ap.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default="off",
+        help="the verifier's and SSM workers' (on: every row after the first finds the prompts cached)",
+    )
     args = ap.parse_args()
     ssms = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -223,12 +231,13 @@ def main() -> None:
         extra_env=(("SPECINFER_DTYPE", args.dtype),),
         rm_args=("--max-batch", str(max(levels)), "--speculation-gate", args.speculation_gate),
         head=args.head,
+        model_args=("--prefix-caching", args.prefix_caching),
     )
     draws = "greedy" if not args.temperature else f"temperature {args.temperature}, {'' if args.seeded else 'un'}seeded"
     print(
         f"LLM {args.llm}, SSMs {[str(s) for s in ssms]}, dtype {args.dtype}, {draws}, {args.new_tokens} new tokens, "
         f"{args.seconds:.0f} s measured per row (after {args.settle_seconds:.0f} s) x {args.repeats} rounds, "
-        f"speculation gate {args.speculation_gate}"
+        f"speculation gate {args.speculation_gate}, prefix caching {args.prefix_caching}"
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
     columns += ("step error p50", "tree nodes", "predicted/realised accepted", "iteration ms (draft + verify)")
