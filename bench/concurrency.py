@@ -187,7 +187,7 @@ def breakdown(counted: dict[str, float], seconds: float) -> str:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", type=Path, default=REPO / "models/demo/llm")
     ap.add_argument("--ssm", type=Path, action="append", default=None, help="an SSM folder; repeat for several")
@@ -216,7 +216,11 @@ def main() -> None:
         default="off",
         help="the verifier's and SSM workers' (on: every row after the first finds the prompts cached)",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     ssms = args.ssm if args.ssm is not None else [REPO / "models/demo/ssm"]
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
