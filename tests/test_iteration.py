@@ -80,7 +80,7 @@ def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_shar
     and admitted a 4-token prompt (its context before the root) is priced 0.12 s for the trees and 0.16 s with the
     prompt: the prompt took a quarter of the call, and the step is scored 0.5 - 0.45 / 4 s, however far the model's
     scale is off. Prompts of twice the tree tokens leave it a third (scored); a call whose trees are below a fifth,
-    or no call, leaves the step unscored."""
+    or no call, leaves the step unscored. Prompt tokens found in the prefix cache count as not computed."""
     costs = StepCosts(CostTable({1: 0.01, 64: 0.64}), 0.0, {}, frozen=True)
     chain = DraftTree(TokenTree((6, 1, 2, 3), (-1, 0, 1, 2)))
 
@@ -88,10 +88,15 @@ def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_shar
         return VerifySpec(rid, list(range(context)), chain, SamplingParams(), 5, step)
 
     decoding = [job("a", 20, 3), job("b", 30, 7)]
-    assert gate_seconds([(decoding, 0.4)], 0.5, costs) == 0.5
+    assert gate_seconds([(decoding, 0.4)], 0.5, costs, {}) == 0.5
     admitting = [*decoding, job("new", 4, 0)]  # 12 tree tokens and 4 prompt tokens (the root is the fifth)
-    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs) - (0.5 - 0.45 / 4)) < 1e-9
+    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs, {}) - (0.5 - 0.45 / 4)) < 1e-9
     twice = [*decoding, job("new", 24, 0)]  # 24 prompt tokens (the root is the 25th) against 12 tree tokens
-    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs) - (0.5 - 0.45 * 2 / 3)) < 1e-9
-    assert gate_seconds([([job("a", 20, 3), job("new", 40, 0)], 0.45)], 0.5, costs) is None  # 4 of 45 tokens
-    assert gate_seconds([], 0.5, costs) is None
+    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {}) - (0.5 - 0.45 * 2 / 3)) < 1e-9
+    late = [job("a", 20, 3), job("new", 40, 0)]
+    assert gate_seconds([(late, 0.45)], 0.5, costs, {}) is None  # 4 of 45 tokens
+    assert gate_seconds([], 0.5, costs, {}) is None
+    # prompt tokens the prefix cache held were not computed: 8 of 24 leave the trees 0.12 of 0.20 s, 8 of 40 a half
+    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {"new": 16}) - (0.5 - 0.45 * 0.4)) < 1e-9
+    assert abs(gate_seconds([(late, 0.45)], 0.5, costs, {"new": 32}) - (0.5 - 0.45 * 0.5)) < 1e-9
+    assert gate_seconds([(decoding, 0.4)], 0.5, costs, {"a": 10}) == 0.5  # a request past its prompt: no prefill

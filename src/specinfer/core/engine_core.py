@@ -250,7 +250,8 @@ class EngineCore:
         for drafter in self.drafters.values():
             drafter.stepped(len(batch), committed_tokens, seconds, measured)
         if gate is not None and self._adaptive is not None:  # a step that prefilled prompts scored without them
-            scored = gate_seconds([(c, s) for _, c, s in verified.timings], seconds, self._adaptive.costs)
+            cached = {rid: v.prefix_hits for rid, v in verified.verdicts.items() if v.prefix_hits}
+            scored = gate_seconds([(c, s) for _, c, s in verified.timings], seconds, self._adaptive.costs, cached)
             if scored is not None:
                 gate.observe(len(batch), speculate, committed_tokens, scored)
         step_prediction = None

@@ -356,21 +356,21 @@ def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
 
 
 def gate_seconds(
-    timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts
+    timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts, cached: Mapping[str, int]
 ) -> float | None:
     """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less each call's
-    prompts' share, as the cost model splits it (right even where its scale is off); None where the trees' share of a
-    call is below :data:`MIN_TREE_SHARE` (at 32 streams most steps prefill), or with no call."""
+    prompts' share as the cost model splits it (right if its scale is off), their tokens ``cached`` (by request ID)
+    in the prefix cache not computed; None with no call, or where a call's trees take under :data:`MIN_TREE_SHARE`."""
     if not timings:
         return None
     prefill = 0.0
     for jobs, call_seconds in timings:
-        prompts = [len(j.context_tokens) for j in jobs if j.step == 0]
+        prompts = [(len(j.context_tokens), cached.get(j.request_id, 0)) for j in jobs if j.step == 0]
         if not prompts:
             continue
         tree = _tree_shape(jobs)
-        prompt_work = sum(p * (p - 1) // 2 for p in prompts)  # a prompt's row i attends to the i rows before it
-        with_prompts = costs.verify_seconds(VerifyShape(tree.tokens + sum(prompts), tree.context_work + prompt_work))
+        work = tree.context_work + sum(p * (p - 1) // 2 - h * (h - 1) // 2 for p, h in prompts)
+        with_prompts = costs.verify_seconds(VerifyShape(tree.tokens + sum(p - h for p, h in prompts), work))
         share = costs.verify_seconds(tree) / with_prompts if with_prompts > 0 else 1.0
         if share < MIN_TREE_SHARE:
             return None
