@@ -94,7 +94,7 @@ def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_shar
     twice = [*decoding, job("new", 24, 0)]  # 24 prompt tokens (the root is the 25th) against 12 tree tokens
     assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {}) - (0.5 - 0.45 * 2 / 3)) < 1e-9
     late = [job("a", 20, 3), job("new", 40, 0)]
-    assert gate_seconds([(late, 0.45)], 0.5, costs, {}) is None  # 4 of 45 tokens
+    assert gate_seconds([(late, 0.45)], 0.5, costs, {}) is None  # 8 tree tokens of 48
     assert gate_seconds([], 0.5, costs, {}) is None
     # prompt tokens the prefix cache held were not computed: 8 of 24 leave the trees 0.12 of 0.20 s, 8 of 40 a half
     assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {"new": 16}) - (0.5 - 0.45 * 0.4)) < 1e-9
