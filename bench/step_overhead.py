@@ -111,7 +111,11 @@ def through_services(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str
         expansion="auto",
         threads=args.threads,
         ssm_threads=args.ssm_threads,
-        extra_env=(("SPECINFER_DTYPE", args.dtype), ("SPECINFER_QUANTIZE", args.quantize)),
+        extra_env=(
+            ("SPECINFER_DTYPE", args.dtype),
+            ("SPECINFER_QUANTIZE", args.quantize),
+            ("SPECINFER_MODEL_CALLS", args.model_calls),
+        ),
         rm_args=("--max-batch", "1"),
     )
     rows = {}
@@ -194,6 +198,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ssm-threads", type=int, default=1, help="torch threads of the SSM worker (services)")
+    ap.add_argument("--model-calls", default="inline", help="the model services' --model-calls: inline or thread")
     ap.add_argument(
         "--kv-block-size",
         type=int,
@@ -213,7 +218,7 @@ def main() -> None:
     paths = args.paths.split(",")
     print(
         f"LLM {args.llm} (quantize {args.quantize}), SSMs {[str(p) for p in args.ssm]}, {args.dtype}, "
-        f"{args.threads} threads, batch 1, "
+        f"{args.threads} threads, batch 1, model calls {args.model_calls} (services), "
         f"{args.count} prompts x {args.new_tokens} new tokens, greedy; ms per LLM step"
     )
     if "in-process" in paths:

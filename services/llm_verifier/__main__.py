@@ -136,7 +136,7 @@ def llm_path(args: argparse.Namespace) -> tuple[str, str]:
 
 def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> LlmVerifierServicer:
     name, path = llm_path(args)
-    thread = ModelThread(name, args.torch_threads)  # every torch call of the model, its loading first, runs there
+    thread = ModelThread.from_settings(name, args)  # every torch call of the model, its loading first, runs there
     llm = thread.run(load_model, path, "llm", args, args.offload, args.offload_reserve_bytes)
     grammars = None
     if args.head:

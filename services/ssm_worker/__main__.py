@@ -75,8 +75,9 @@ def load_servicer(args: argparse.Namespace, metrics: ModelMetrics) -> SsmWorkerS
     paths = {name: str(model_folder(path, f"ssm.{name}")) for name, path in parse_named_paths(args.ssm, "ssm").items()}
     ssms: dict[str, CausalLM] = {}
     methods = {}
-    # each SSM's torch calls, its loading first, run in its own thread (ModelThread: one OpenMP team a thread)
-    threads = {name: ModelThread(name, args.torch_threads) for name in paths}
+    # each SSM's torch calls, its loading first, run in its own thread (ModelThread: one OpenMP team a thread),
+    # or all on the event loop's (--model-calls inline)
+    threads = {name: ModelThread.from_settings(name, args) for name in paths}
     for name, path in paths.items():
         check_checkpoint(path, f"ssm.{name}")  # before the LLM's vocabulary is compared with its own
         vmap = draft_vocabulary(args.llm_dir, path, f"ssm.{name}") if args.llm_dir else None

@@ -9,6 +9,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from specinfer.serving import runner
@@ -16,6 +17,7 @@ from specinfer.serving.metrics import ModelMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "models/demo"
+QUICK = ("--calibrate-tokens", "2", "--calibration-cache", "off")  # a start-up calibration of seconds, not cached
 
 
 def spy_threads(monkeypatch) -> list[tuple[str, str]]:
@@ -43,7 +45,7 @@ def test_the_verifier_loads_calibrates_and_serves_its_model_in_one_thread(monkey
     from specinfer.llm_verifier.__main__ import build_parser, load_servicer
 
     seen = spy_threads(monkeypatch)
-    argv = ["--llm", str(DEMO / "llm"), "--calibrate-tokens", "2", "--calibration-cache", "off"]
+    argv = ["--llm", str(DEMO / "llm"), *QUICK, "--model-calls", "thread"]
     servicer = load_servicer(build_parser().parse_args(argv), ModelMetrics(CollectorRegistry(), "llm"))
     serving = call_thread(servicer.runner)
     assert serving.startswith("model-") and serving != threading.main_thread().name
@@ -55,9 +57,33 @@ def test_each_ssm_of_a_worker_loads_calibrates_and_drafts_in_its_own_thread(monk
 
     seen = spy_threads(monkeypatch)
     ssm = DEMO / "ssm"
-    argv = ["--ssm", f"a={ssm},b={ssm}", "--calibrate-tokens", "2", "--calibration-cache", "off"]
+    argv = ["--ssm", f"a={ssm},b={ssm}", *QUICK, "--model-calls", "thread"]
     servicer = load_servicer(build_parser().parse_args(argv), ModelMetrics(CollectorRegistry(), "ssm"))
     serving = {name: call_thread(servicer._runner(name)) for name in ("a", "b")}
     assert serving["a"] != serving["b"] and all(n.startswith("model-") for n in serving.values())
     assert [name for what, name in seen if what == "load"] == [serving["a"], serving["b"]]
     assert [name for what, name in seen if what == "calibrate"] == [serving["a"], serving["b"]]
+
+
+def test_inline_calls_load_calibrate_and_serve_on_the_thread_that_runs_the_event_loop(monkeypatch):
+    """``--model-calls inline`` (the default): no model thread; the main thread loads, calibrates and, running the
+    event loop, makes every call (one OpenMP team still)."""
+    from specinfer.llm_verifier.__main__ import build_parser, load_servicer
+
+    seen = spy_threads(monkeypatch)
+    args = build_parser().parse_args(["--llm", str(DEMO / "llm"), *QUICK])
+    assert args.model_calls == "inline"
+    servicer = load_servicer(args, ModelMetrics(CollectorRegistry(), "llm"))
+    main = threading.main_thread().name
+    assert call_thread(servicer.runner) == main
+    assert [what for what, _ in seen] == ["load", "calibrate"] and {name for _, name in seen} == {main}
+
+
+def test_a_model_calls_setting_that_is_neither_is_refused_naming_it():
+    from specinfer.core import InvalidArgument
+    from specinfer.ssm_worker.__main__ import build_parser, load_servicer
+
+    args = build_parser().parse_args(["--ssm", str(DEMO / "ssm"), "--model-calls", "fibers"])
+    with pytest.raises(InvalidArgument, match="fibers") as caught:
+        load_servicer(args, ModelMetrics(CollectorRegistry(), "ssm"))
+    assert caught.value.field == "model-calls"

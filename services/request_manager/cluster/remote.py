@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -31,6 +32,8 @@ from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 from .streamed import StreamedUnary
+
+T = TypeVar("T")
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -157,9 +160,9 @@ class Verifiers(ReplicaPool):
         timings = []
         errors = []
         refused = []
-        for (address, cs), part in zip(
-            by_replica.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True
-        ):
+        # one replica (the common case): awaited here, not in a task of gather's (a turn of the loop a step)
+        parts = [await _settled(jobs[0])] if len(jobs) == 1 else await asyncio.gather(*jobs, return_exceptions=True)
+        for (address, cs), part in zip(by_replica.items(), parts, strict=True):
             if isinstance(part, grpc.aio.AioRpcError):
                 errors.append(part)
                 failed += [c.request_id for c in cs]
@@ -266,3 +269,11 @@ def verify_rows(call: VerifySpec) -> StepRows:
     """The KV rows ``call`` takes on the replica that verifies it: its context and its tree."""
     rows = len(call.context_tokens) + len(call.draft.tree.tokens)
     return StepRows(rows, rows)
+
+
+async def _settled(call: Awaitable[T]) -> T | Exception:
+    """``await call``, an exception it raises returned instead (``gather(..., return_exceptions=True)`` of one)."""
+    try:
+        return await call
+    except Exception as exc:
+        return exc

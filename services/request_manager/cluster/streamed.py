@@ -63,8 +63,9 @@ class StreamedUnary:
             return await self._unary(request, timeout=timeout, metadata=self._metadata)
         async with self._lock:
             try:
-                return await asyncio.wait_for(self._exchange(request), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # not wait_for: its task costs the step a turn of the loop
+                    return await self._exchange(request)
+            except TimeoutError:
                 self.close()
                 raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
             except grpc.aio.AioRpcError as exc:

@@ -319,6 +319,13 @@ def add_model_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--torch-threads", int, 0, help="CPU threads of torch (0: torch's default)")
     add_setting(
         parser,
+        "--model-calls",
+        default="inline",
+        help="where model calls run: inline (on the event loop, no hand-off between threads; health checks wait for "
+        "a call) or thread (a thread of their own: the loop answers during long calls)",
+    )
+    add_setting(
+        parser,
         "--calibration-cache",
         default="",
         help="folder of the start-up calibration's cache: "

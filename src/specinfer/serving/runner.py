@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from specinfer.core import InvalidArgument
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.engine.calibrate import REPEATS, calibrate_costs, calibrate_table, log_progress
 from specinfer.engine.calibration_cache import CalibrationCache, CalibrationKey, CostEntry, ModelIdentity, ModelRuntime
@@ -142,6 +143,9 @@ def drafter_cost_entry(settings: argparse.Namespace, identity: ModelIdentity, vo
     return CostEntry(calibration_cache(settings), CalibrationKey.build("drafter", (identity,), params))
 
 
+MODEL_CALLS = ("inline", "thread")  # the --model-calls choices (ModelThread)
+
+
 class ModelThread:
     """The one thread that does a model's torch work in a service: its loading and start-up calibration
     (:meth:`run`), then every call (:class:`ModelRunner`).
@@ -151,16 +155,40 @@ class ModelThread:
     process lives: on the 2-core EPYC, SmolLM2 (int4, bf16) decoded at 24 ms a token in one thread, and at 42 ms
     after a single parallel sum in another thread (BENCHMARKS.md, "One OpenMP team per service"). A service that loaded
     its model on its main thread and called it from another paid that on every step. ``threads``: its torch threads
-    (0: the process's count)."""
+    (0: the process's count).
 
-    def __init__(self, name: str, threads: int = 0) -> None:
+    ``inline`` (``--model-calls inline``): that thread is the caller's, the service's main thread, which then runs
+    the event loop; every call runs on the loop itself. A call then costs no hand-off between threads (a wake-up of
+    the model's thread and one of the loop's: 0.3-0.5 ms a call on a 2-core VM, BENCHMARKS.md "Model calls on the
+    event loop"), but while it runs the service answers nothing else: health checks and GetInfo wait for it, as every
+    other model call already does. ``thread`` keeps the loop free during calls, for long ones (long prompts on a CPU
+    past a liveness probe's window)."""
+
+    def __init__(self, name: str, threads: int = 0, inline: bool = False) -> None:
         threads = threads if threads > 0 else torch.get_num_threads()
-        self.executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
-        )
+        self.inline = inline
+        if inline:
+            torch.set_num_threads(threads)
+            self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        else:
+            self.executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
+            )
+
+    @classmethod
+    def from_settings(cls, name: str, settings: argparse.Namespace) -> ModelThread:
+        """The thread of ``--model-calls`` and ``--torch-threads``; raises :class:`InvalidArgument` naming the
+        setting when ``--model-calls`` is not one of :data:`MODEL_CALLS`."""
+        if settings.model_calls not in MODEL_CALLS:
+            raise InvalidArgument(
+                "model-calls", f"must be one of {', '.join(MODEL_CALLS)}, got {settings.model_calls!r}"
+            )
+        return cls(name, settings.torch_threads, settings.model_calls == "inline")
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the thread, waited for: start-up work, before the event loop serves."""
+        if self.executor is None:
+            return fn(*args)
         return self.executor.submit(fn, *args).result()
 
 
@@ -181,12 +209,15 @@ class ModelRunner:
         self._lock = asyncio.Lock()
         # One long-lived thread per model, not the loop's shared pool: OpenMP keeps a thread team
         # (and its thread count) per calling thread, so hopping between pool threads cost the
-        # forward pass ~20% on a CPU; and the thread that loaded it: one team a process (ModelThread).
+        # forward pass ~20% on a CPU; and the thread that loaded it: one team a process (ModelThread). None: inline,
+        # on the loop's thread, which loaded it.
         self._thread = (thread or ModelThread(name)).executor
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(model, *args)`` in the model's thread, after any call already running."""
         async with self._lock:
+            if self._thread is None:
+                return fn(self.model, *args)
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self.model, *args)
 
     async def release(self, request_ids: Iterable[str], forget: Callable[[str], None] | None = None) -> None:
