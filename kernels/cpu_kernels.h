@@ -148,22 +148,91 @@ static inline __attribute__((always_inline)) __m256i block_sums(__m256i w, __m25
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));  /* [8] int32 */
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI_PASS 1
+#define QPREFETCH 1024 /* bytes of the weight stream a pass asks for ahead of where it reads (one row streams from
+                        * memory: the prefetchers alone kept too few misses in flight, as for the dense tiles) */
+
+/* Chunk c (blocks 2c and 2c + 1) of a group's 8 per-block values v8: lanes 0-7 block 2c's, 8-15 block 2c + 1's. */
+static inline __attribute__((always_inline)) __m512 expand_pair(__m256 v8, const int c) {
+    const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                         2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v8));
+}
+
+/* A group's 8 weight blocks as 4 chunks of 64 bytes for vpdpbusd's unsigned operand: int4 values in block order
+ * (bytes j = value j | value j + 16 << 4 unpacked to [lo 16, hi 16] a block); int8 magnitudes, their signs in neg[]
+ * to move onto the activations. */
+static inline __attribute__((always_inline)) void load_group512(const uint8_t *wq, const int bits, int b, __m512i *u,
+                                                                __mmask64 *neg) {
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        _mm_prefetch((const char *)(wq + (size_t)b * 16 + QPREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wq + (size_t)b * 16 + QPREFETCH + 64), _MM_HINT_T0);
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + (size_t)(b + 2 * c) * 16));
+            __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low)),
+                                           _mm256_and_si256(_mm256_srli_epi16(raw, 4), low), 1);  /* Alo Blo Ahi Bhi */
+            u[c] = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                        /* Alo Ahi Blo Bhi */
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            _mm_prefetch((const char *)(wq + (size_t)(b + 2 * c) * QK + QPREFETCH), _MM_HINT_T0);
+            __m512i raw = _mm512_loadu_si512((const void *)(wq + (size_t)(b + 2 * c) * QK));
+            neg[c] = _mm512_movepi8_mask(raw);
+            u[c] = _mm512_abs_epi8(raw);
+        }
+    }
+}
+#endif
+
 /* Rows r0 .. r0 + rows - 1 of x against one weight row (bits 4: qs [K / 2], d and m [K / 32] each; bits 8: qs [K],
- * d [K / 32]) into out[0 .. rows). Per row: for each group of 8 blocks, acc += float(the 8 blocks' integer sums) *
- * (d * xd) and, int4, macc += m * xs, lane-wise; the blocks past the last whole group add d * xd * sum (+ m * xs) to
- * a scalar tail in block order; the result is (hsum(acc) + hsum(macc)) + tail. Inlined with rows and bits constant. */
+ * d [K / 32]) into out[0 .. rows). Per row: for each group of 8 blocks, the blocks' integer sums scaled by d * xd are
+ * added to a float accumulator lane-wise (AVX2: the 8 sums reduced into 8 lanes first; AVX512-VNNI: each pair of
+ * blocks' 16 partial sums, in 16 lanes) and, int4, macc += m * xs; the blocks past the last whole group add
+ * d * xd * sum (+ m * xs) to a scalar tail in block order; the result is (hsum(acc) + hsum(macc)) + tail. A row's
+ * result depends on nothing but that row and the weight. Inlined with rows and bits constant. */
 static inline __attribute__((always_inline)) void pass(const Activations *a, int r0, const int rows, const int bits,
                                                        int k, const uint8_t *wq, const uint16_t *wd,
                                                        const uint16_t *wm, float *out) {
     const int nb = k / QK, whole = nb / GROUP * GROUP;
-    __m256 acc[ROWS], macc[ROWS];
+    __m256 macc[ROWS];
     float tail[ROWS];
+#ifdef VNNI_PASS
+    __m512 acc[ROWS];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm512_setzero_ps();
+        macc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    __m512i u[4];
+    __mmask64 neg[4] = {0, 0, 0, 0};
+    for (int b = 0; b < whole; b += GROUP) {
+        load_group512(wq, bits, b, u, neg);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b)));
+        __m256 mm = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b))) : d;
+        for (int r = 0; r < rows; r++) {
+            size_t row = (size_t)(r0 + r);
+            const int8_t *xq = a->q + row * k + (size_t)b * QK;
+            __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a->xd + row * nb + b));
+            for (int c = 0; c < 4; c++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xq + c * 2 * QK));
+                if (bits == 8) xv = _mm512_mask_sub_epi8(xv, neg[c], _mm512_setzero_si512(), xv);
+                __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c], xv);  /* [16] int32: 2 blocks */
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), expand_pair(scale, c), acc[r]);
+            }
+            if (bits == 4) macc[r] = _mm256_fmadd_ps(mm, _mm256_loadu_ps(a->xs + row * nb + b), macc[r]);
+        }
+    }
+#else
+    __m256 acc[ROWS];
     for (int r = 0; r < rows; r++) {
         acc[r] = macc[r] = _mm256_setzero_ps();
         tail[r] = 0.0f;
     }
-    __m256i w[GROUP], sign[GROUP], p[GROUP];
+    __m256i p[GROUP];
     for (int b = 0; b < whole; b += GROUP) {
+        __m256i w[GROUP], sign[GROUP];
         load_blocks(wq, bits, b, GROUP, w, sign);
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b)));
         __m256 mm = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b))) : d;
@@ -176,6 +245,8 @@ static inline __attribute__((always_inline)) void pass(const Activations *a, int
             if (bits == 4) macc[r] = _mm256_fmadd_ps(mm, _mm256_loadu_ps(a->xs + row * nb + b), macc[r]);
         }
     }
+#endif
+    __m256i w[GROUP], sign[GROUP];
     for (int b = whole; b < nb; b++) {
         load_blocks(wq, bits, b, 1, w, sign);
         float d = _cvtsh_ss(wd[b]), mm = bits == 4 ? _cvtsh_ss(wm[b]) : 0.0f;
@@ -185,7 +256,11 @@ static inline __attribute__((always_inline)) void pass(const Activations *a, int
             tail[r] += d * a->xd[row * nb + b] * (float)sum + (bits == 4 ? mm * a->xs[row * nb + b] : 0.0f);
         }
     }
+#ifdef VNNI_PASS
+    for (int r = 0; r < rows; r++) out[r] = (_mm512_reduce_add_ps(acc[r]) + hsum8(macc[r])) + tail[r];
+#else
     for (int r = 0; r < rows; r++) out[r] = (hsum8(acc[r]) + hsum8(macc[r])) + tail[r];
+#endif
 }
 
 

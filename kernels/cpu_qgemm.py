@@ -56,6 +56,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 # where the CPU has them, the dense products' AVX-512 tiles (and AVX512-BF16's pair products for bf16 weights)
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
 AVX512_BF16 = {"avx512_bf16": "-mavx512bf16"}
+# and AVX512-VNNI's byte products for the int4/int8 weights (vpdpbusd: 64 a instruction, where AVX2 takes 32 in two)
+AVX512_VNNI = {"avx512_vnni": "-mavx512vnni"}
 AMX = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}  # both or neither: the fused layers' bf16 products
 _ARGS = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 _ARGS += [ctypes.c_int, ctypes.c_int]
@@ -82,7 +84,8 @@ def _gate() -> str | None:
 @functools.cache
 def isa_flags() -> tuple[str, ...]:
     """The compiler flags for this CPU's instructions beyond AVX2 that the kernels use: AVX-512 (F, BW and VL: all
-    three or none), then AVX512-BF16 and AMX (tiles and bf16) on top; none where /proc/cpuinfo does not list them."""
+    three or none), then AVX512-BF16, AVX512-VNNI and AMX (tiles and bf16) on top; none where /proc/cpuinfo does not
+    list them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -92,7 +95,8 @@ def isa_flags() -> tuple[str, ...]:
     if not set(AVX512) <= have:
         return ()
     amx = AMX.values() if set(AMX) <= have else ()
-    return (*AVX512.values(), *(flag for name, flag in AVX512_BF16.items() if name in have), *amx)
+    extra = (flag for name, flag in {**AVX512_BF16, **AVX512_VNNI}.items() if name in have)
+    return (*AVX512.values(), *extra, *amx)
 
 
 def _compiler() -> str | None:

@@ -16,8 +16,8 @@ greedy and batch 1, row after row (interleaved per prompt):
 
 A public model without a draft model, on the weights people run: ``--ssm none`` (llama.cpp incremental, ours
 incremental and ``auto``), ``--gguf FILE`` (llama.cpp runs that file, e.g. a package's Q4_1 GGUF, instead of the
-``--llm`` folder converted) and ``--quantize int8|int4`` (our weight-only quantization of ``--llm``, in this
-process).
+``--llm`` folder converted; ``--gguf-type q8_0`` converts it to llama.cpp's Q8_0) and ``--quantize int8|int4``
+(our weight-only quantization of ``--llm``, in this process).
 
 tokens/s are *decode* rates: the prompt's prefill is left out (llama.cpp's own "eval"/"decoded"
 timings; ours: the time after each request's first LLM step, which prefills and already speculates,
@@ -63,6 +63,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--gguf", type=Path, help="llama.cpp's LLM from this GGUF file (a quantized one) instead of --llm converted"
+    )
+    ap.add_argument(
+        "--gguf-type",
+        default="",
+        choices=["", "q8_0"],
+        help="the type --llm is converted to for llama.cpp (empty: --dtype's; q8_0: llama.cpp's 8-bit blocks of 32, "
+        "beside our --quantize int8)",
     )
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="our LLM's weights")
     ap.add_argument("--prompts", type=Path, default=DEMO / "prompts.jsonl", help="JSON lines with 'prompt' or 'text'")
@@ -230,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, args.count)
     tools = Toolchain(args.cache, jobs=args.jobs)
     tools.prepare()
-    llm_gguf = args.gguf.resolve() if args.gguf else tools.convert(args.llm, args.dtype)
+    llm_gguf = args.gguf.resolve() if args.gguf else tools.convert(args.llm, args.gguf_type or args.dtype)
     ggufs = (llm_gguf, tools.convert(args.ssm, args.dtype) if args.ssm is not None else None)
     bench = None if args.no_bench else tools.bench(ggufs[0], args.new_tokens, args.threads)
     samples = collect(args, tools, ggufs, prompts)
@@ -241,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ssm": str(args.ssm),
         "ggufs": [str(g) for g in ggufs if g is not None],
         "quantize": args.quantize,
+        "gguf_type": args.gguf_type or args.dtype,
         "prompts": str(args.prompts),
         "count": len(prompts),
         "new_tokens": args.new_tokens,

@@ -3,7 +3,7 @@ its timings. Everything it writes lives under the cache folder (default
 ``~/.cache/specinfer/peers/llama_cpp``), outside the repository:
 
     dist/        the llama-cpp-python sdist (pip download)     src/    its extracted tree (converter patched)
-    build/bin/   llama-completion, llama-speculative-simple, llama-bench (cmake Release, native CPU flags)
+    build/bin/   llama-completion, llama-speculative-simple, llama-bench (cmake Release, native CPU flags, no AMX)
     convert-venv/ a venv for convert_hf_to_gguf.py: sentencepiece, the rest read from this interpreter's site-packages
     stage/       each model folder as the converter sees it (links, plus a tokenizer_config.json naming BOS/EOS use)
     gguf/        converted models, keyed by folder path, file mtimes, dtype and the pin
@@ -25,7 +25,7 @@ from pathlib import Path
 
 PIN = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp: ggml 0.25.3, llama.cpp commit 0c1e570
 TARGETS = ("llama-completion", "llama-speculative-simple", "llama-bench")
-GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
+GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "q8_0": "q8_0"}  # convert_hf_to_gguf.py --outtype
 PATCH_MARK = "# specinfer: a tokenizer the converter does not list"
 PATCH_ANCHOR = '        if res is None:\n            logger.warning("\\n")\n'
 PATCH = f"""        if res is None and os.environ.get("SPECINFER_TOKENIZER_PRE"):  {PATCH_MARK}
@@ -100,6 +100,17 @@ def _run(cmd: list, log: Path | None = None, env: dict | None = None, **kw) -> s
     return proc
 
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # the compiler flags of a build without llama.cpp's AMX kernels
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU lists AMX (Linux's /proc/cpuinfo; False elsewhere)."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 class Toolchain:
     """llama.cpp's source, binaries and converter in ``cache``."""
 
@@ -138,13 +149,19 @@ class Toolchain:
         return cmake, ninja or ""
 
     def build(self) -> None:
-        if all((self.bin / t).exists() for t in TARGETS):
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+        flags += ["-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
+        if cpu_has_amx():
+            # llama.cpp's AMX matrix kernels (Q4_1, Q8_0) stop with SIGILL in its worker threads on the AMX Xeon VM
+            # we met (a tile instruction before any tile configuration): built without them, its AVX-512 VNNI
+            # kernels run instead (BENCHMARKS.md, "llama.cpp on an AMX CPU")
+            flags += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+        stamp = self.cache / "build_flags.txt"  # a build made with other flags is built again
+        if all((self.bin / t).exists() for t in TARGETS) and stamp.exists() and stamp.read_text() == " ".join(flags):
             return
         cmake, ninja = self._cmake()
         build = self.cache / "build"
         gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-        flags += ["-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
         self.log(
             f"llama.cpp: building {', '.join(TARGETS)} with -j{self.jobs} (minutes; log in {self.cache}/build.log)"
         )
@@ -153,6 +170,7 @@ class Toolchain:
         _run([cmake, "--build", build, f"-j{self.jobs}", "--target", *TARGETS], self.cache / "build.log")
         seconds = time.perf_counter() - started
         (self.cache / "build_seconds.txt").write_text(f"{seconds:.0f}\n")
+        stamp.write_text(" ".join(flags))
         self.log(f"llama.cpp: built in {seconds:.0f} s")
 
     def build_seconds(self) -> float | None:

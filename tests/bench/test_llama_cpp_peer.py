@@ -251,3 +251,26 @@ def test_gguf_cache_keyed_by_folder_mtime_and_dtype(tmp_path, monkeypatch):
     assert toolchain.convert(model, "float32") != first and len(calls) == 2
     os.utime(model / "config.json", ns=(1, 1))
     assert toolchain.convert(model, "bfloat16") != first and len(calls) == 3
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_build_leaves_out_amx_where_the_cpu_has_it_and_rebuilds_when_its_flags_change(tmp_path, monkeypatch, amx):
+    """llama.cpp's AMX kernels stop with SIGILL on the AMX VM we met: built without them there; a build whose flags
+    differ from the ones recorded beside it is built again, one with the same flags is kept."""
+    calls = []
+    monkeypatch.setattr(tools, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(tools, "_run", lambda cmd, *a, **kw: calls.append([str(c) for c in cmd]))
+    chain = tools.Toolchain(tmp_path, log=lambda *_: None)
+    monkeypatch.setattr(chain, "_cmake", lambda: ("cmake", ""))
+    chain.bin.mkdir(parents=True)
+    for target in tools.TARGETS:
+        (chain.bin / target).write_text("")  # a build without a record of its flags (an older harness's)
+    chain.build()
+    configure = calls[0]
+    assert configure[:2] == ["cmake", "-S"] and ("-DCMAKE_C_FLAGS=" + tools.NO_AMX in configure) == amx
+    assert ("-DCMAKE_CXX_FLAGS=" + tools.NO_AMX in configure) == amx
+    chain.build()  # the same flags: kept
+    assert len(calls) == 2  # configure and build, once
+    monkeypatch.setattr(tools, "cpu_has_amx", lambda: not amx)
+    chain.build()
+    assert len(calls) == 4
