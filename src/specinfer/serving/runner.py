@@ -166,10 +166,9 @@ class ModelThread:
 
     def __init__(self, name: str, threads: int = 0, inline: bool = False) -> None:
         threads = threads if threads > 0 else torch.get_num_threads()
-        self.inline = inline
         if inline:
             torch.set_num_threads(threads)
-            self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+            self.executor: concurrent.futures.ThreadPoolExecutor | None = None  # None: calls run in the caller's
         else:
             self.executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"model-{name}", initializer=torch.set_num_threads, initargs=(threads,)
