@@ -46,9 +46,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qgemm.c")
-# built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention) and the fused
-# CPU decoder stack (specinfer.kernels.cpu_layers); the header holds what they share
-SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in ("attention", "layers", "amx")))
+# built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention), the fused
+# CPU decoder stack (specinfer.kernels.cpu_layers) and drafting's logit-row tables (specinfer.kernels.cpu_rows); the
+# header holds what they share
+SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in ("attention", "layers", "amx", "rows")))
 HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
@@ -145,6 +146,9 @@ def library() -> ctypes.CDLL | None:
         [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     )
     lib.rms_norm_rows.restype = None
+    lib.row_top_k.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 2
+    lib.row_top_k.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.row_top_k.restype = None
     lib.amx_on.restype = lib.amx_enable.restype = ctypes.c_int
     if lib.amx_enable():  # asks the kernel for the tile state once, before any product (the answer holds)
         log.info("the fused layers' bf16 products run on AMX tiles")

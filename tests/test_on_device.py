@@ -31,6 +31,8 @@ from specinfer.core.coupled import coupled_children, coupled_token, position_noi
 from specinfer.core.drafts import DraftGroup, ExpansionConfig
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
+from specinfer.kernels import cpu_qgemm, cpu_rows
+from specinfer.models import drafting
 from specinfer.models.drafting import pass_tables, propose
 from specinfer.models.interface import TreeForward
 from specinfer.models.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
@@ -238,9 +240,15 @@ def test_verify_trees_refuses_a_sampled_tree_without_draft_distributions():
         verify_trees(FixedLM({"x": torch.zeros(2, 4)}, True), [job])
 
 
-def test_pass_tables_propose_what_the_reference_drafts():
+@pytest.mark.parametrize("c_rows", [True, False], ids=["C rows", "PyTorch rows"])
+def test_pass_tables_propose_what_the_reference_drafts(c_rows, monkeypatch):
     """One SSM pass over rows of greedy and sampled jobs: the proposals equal top_k_tokens, and
-    draws from sparsify(process_logits(row)) with the job's generator, row by row."""
+    draws from sparsify(process_logits(row)) with the job's generator, row by row; the greedy rows' tables from the
+    C kernel (rows in host memory, kernels/cpu_rows.c) or from PyTorch's operations (rows on an accelerator)."""
+    if c_rows and not cpu_rows.serves(torch.zeros(1, 20), 4):
+        pytest.skip(f"no CPU kernels here: {cpu_qgemm.unavailable_reason()}")
+    if not c_rows:
+        monkeypatch.setattr(drafting.cpu_rows, "serves", lambda rows, k: False)
     rng = np.random.default_rng(4)
     vocab = 20
     logits = torch.from_numpy((rng.normal(size=(30, vocab)) * 2).astype(np.float32))

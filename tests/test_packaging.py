@@ -94,5 +94,6 @@ def test_a_wheel_holds_every_package_and_module(tmp_path):
     assert {
         "specinfer/kernels/cpu_qgemm.c",
         "specinfer/kernels/cpu_layers.c",
+        "specinfer/kernels/cpu_rows.c",
         "specinfer/kernels/cpu_kernels.h",
     } <= files

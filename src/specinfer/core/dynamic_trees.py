@@ -7,7 +7,6 @@ Static trees (``ExpansionConfig``) and the tree types are :mod:`specinfer.core.d
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import sys
 from collections.abc import Sequence
@@ -149,6 +148,7 @@ class BestFirstTreeBuilder:
 
     def __init__(self, root_token: int, budget: TreeBudget) -> None:
         self.budget = budget
+        self._width = budget.width
         # every drafted slot; slot 0 is the root. Slots are numbered in draft order.
         self._tokens = [int(root_token)]
         self._parents = [-1]
@@ -170,7 +170,7 @@ class BestFirstTreeBuilder:
         return list(self._frontier)
 
     def width(self) -> int:
-        return self.budget.width
+        return self._width
 
     def tokens_of(self, slots: Sequence[int]) -> list[int]:
         return [self._tokens[i] for i in slots]
@@ -192,32 +192,38 @@ class BestFirstTreeBuilder:
             raise ValueError("one proposal per frontier node")
         for parent in self._frontier:
             self._sent[parent] = len(self._sent)
+        width = self._width
+        kept: list[tuple[int, tuple[int, ...], list[float]]] = []  # (parent, tokens, clamped slot probabilities)
         for parent, prop in zip(self._frontier, proposals, strict=True):
             if len(set(prop.tokens)) != len(prop.tokens):
                 raise ValueError("children of one node must carry distinct tokens")
             if len(prop.slot_probs) < len(prop.tokens):
                 raise ValueError("one slot probability per proposed token")
             self._q[parent] = prop.q
-            tokens = prop.tokens[: self.width()]
-            probs = [min(1.0, max(0.0, float(p))) for p in prop.slot_probs[: len(tokens)]]
-            for token, p, edge in zip(tokens, probs, edge_values(probs, self.budget.edge_curve), strict=True):
+            tokens = prop.tokens[:width]
+            kept.append((parent, tokens, [min(1.0, max(0.0, float(p))) for p in prop.slot_probs[: len(tokens)]]))
+        # one interpolation for the pass's slots (the curve is per slot: batching changes no value)
+        edges = iter(edge_values([p for _, _, probs in kept for p in probs], self.budget.edge_curve))
+        for parent, tokens, probs in kept:
+            score, value, depth = self._scores[parent], self._values[parent], self._depths[parent] + 1
+            for token, p in zip(tokens, probs, strict=True):
                 self._tokens.append(int(token))
                 self._parents.append(parent)
-                self._scores.append(self._scores[parent] * p)
-                self._values.append(self._values[parent] * edge)
-                self._depths.append(self._depths[parent] + 1)
+                self._scores.append(score * p)
+                self._values.append(value * next(edges))
+                self._depths.append(depth)
         self._passes += 1
         self._select()
 
     def _select(self) -> None:
         budget = self.budget
-        values = self._values
-        eligible = (
-            i
-            for i in range(1, len(self._tokens))
-            if values[i] >= budget.min_score and values[i] > 0.0 and self._scores[i] >= MIN_SCORE
-        )
-        best = heapq.nsmallest(budget.nodes - 1, eligible, key=lambda i: (-values[i], i))
+        values, scores = self._values, self._scores
+        floor = budget.min_score
+        eligible = [
+            i for i in range(1, len(self._tokens)) if values[i] >= floor and values[i] > 0.0 and scores[i] >= MIN_SCORE
+        ]
+        # most valuable first, ties in draft order (the sort is stable, reversed too; eligible is in slot order)
+        best = sorted(eligible, key=values.__getitem__, reverse=True)[: budget.nodes - 1]
         self._chosen = {0, *best}
         full = len(best) == budget.nodes - 1
         weakest = (values[best[-1]], best[-1]) if best else (1.0, 0)

@@ -31,6 +31,7 @@ from specinfer.core.coupled import coupled_children
 from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import DraftSpec, VerifySpec
 from specinfer.core.sampling import SparseDist
+from specinfer.kernels import cpu_rows
 from specinfer.models.head_drafter import HeadDrafter
 from specinfer.models.interface import CausalLM, TreeForward
 from specinfer.models.on_device import (
@@ -70,7 +71,15 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     scored = any(
         jobs[r].budget is not None for r in greedy
     )  # dynamic trees score slots by the softmax; static ones need none
-    if greedy:
+    g_tokens = g_probs = None  # [Rg, Wg] in host memory, where the rows were there already
+    if greedy and cpu_rows.serves(rows, g_width):
+        # rows in host memory (an SSM on the CPU): the crossing is a view, and one C pass a row finds the top tokens
+        # and their softmax, where PyTorch takes several passes over the vocabulary and a float64 copy
+        host_rows = to_host(rows)  # [R, V]
+        rows = torch.from_numpy(host_rows)
+        mine = host_rows if len(greedy) == len(host_rows) else host_rows[greedy]  # [Rg, V]
+        g_tokens, g_probs = cpu_rows.top_k(mine, g_width, scored)
+    elif greedy:
         x = select_rows(rows, greedy)  # [Rg, V]
         tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
         parts.append(tokens)
@@ -85,12 +94,15 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     out: list[RowTable | None] = [None] * len(jobs)
     at = 0
     if greedy:
-        n = len(greedy) * g_width
-        tokens = host[:n].reshape(-1, g_width).astype(np.int64)
-        probs = host[n : 2 * n].reshape(-1, g_width) if scored else np.zeros_like(tokens, dtype=np.float64)
-        at = 2 * n if scored else n
+        if g_tokens is None:
+            n = len(greedy) * g_width
+            g_tokens = host[:n].reshape(-1, g_width).astype(np.int64)
+            g_probs = host[n : 2 * n].reshape(-1, g_width) if scored else None
+            at = 2 * n if scored else n
+        if g_probs is None:
+            g_probs = np.zeros_like(g_tokens, dtype=np.float64)
         for i, r in enumerate(greedy):
-            out[r] = RowTable(tokens[i], probs[i])
+            out[r] = RowTable(g_tokens[i], g_probs[i])
     if sampled:
         n = len(sampled) * s_width
         tokens, probs = (
@@ -110,7 +122,7 @@ def propose(table: RowTable, width: int, job: DraftSpec, rng: np.random.Generato
     the position noise of their sequence index (coupled verification). ``slot_probs`` score a dynamic
     tree's slots: greedy, the SSM's own softmax at its top tokens; sampling, q's largest probabilities."""
     if job.sampling.greedy:
-        return Proposal(tuple(int(t) for t in table.tokens[:width]), None, tuple(float(p) for p in table.probs[:width]))
+        return Proposal(tuple(table.tokens[:width].tolist()), None, tuple(table.probs[:width].tolist()))
     k = min(job.draft_support, table.nonzero)
     top = table.probs[:k]
     q = SparseDist(table.tokens[:k], top / top.sum())
