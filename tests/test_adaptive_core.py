@@ -443,6 +443,11 @@ def test_edge_calibration_converges_to_the_truth_and_stays_monotone():
         p = rng.random(50)
         moving.observe(_edges(p, rng.random(50) < p**2))  # now overconfident
     assert abs(float(np.interp(0.5, EDGE_KNOTS, moving.curve())) - 0.25) < 0.05
+    # the knot values the planner reads are the curve as of the last observation, refitted after each
+    before = moving.knot_values()
+    assert before == tuple(moving.curve()) and moving.knot_values() is before
+    moving.observe(_edges(np.full(50, 0.5), np.ones(50, dtype=bool)))
+    assert moving.knot_values() == tuple(moving.curve()) and moving.knot_values() != before
     fresh = EdgeCalibration()
     assert np.allclose(fresh.curve(), EDGE_KNOTS)  # the prior: calibrated
     fresh.observe(_edges([], []))

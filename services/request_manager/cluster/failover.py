@@ -16,10 +16,13 @@ taking it out (which would also change what sampling requests draw: their drafts
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+T = TypeVar("T")
 
 PROBE_SECONDS = 1.0  # how often a worker taken out is health-checked
 # keepalive pings find a dead peer on an idle connection (the servers permit pings every 10 s);
@@ -131,3 +134,21 @@ class StallWatch:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+async def settled_all(calls: Sequence[Awaitable[T]]) -> list[T | BaseException]:
+    """``asyncio.gather(*calls, return_exceptions=True)``: each call's result, or the exception it raised; a lone
+    call (one worker, one replica, one SSM: the common case) is awaited in place, without gather's task, which costs
+    a turn of the event loop on every step. As gather, a call's own cancellation is its result, while this task's
+    cancellation propagates."""
+    if len(calls) != 1:
+        return await asyncio.gather(*calls, return_exceptions=True)
+    try:
+        return [await calls[0]]
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        return [exc]
+    except Exception as exc:
+        return [exc]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import grpc
@@ -28,7 +28,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
+from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 from .streamed import StreamedUnary
@@ -160,8 +160,7 @@ class Verifiers(ReplicaPool):
         timings = []
         errors = []
         refused = []
-        # one replica (the common case): awaited here, not in a task of gather's (a turn of the loop a step)
-        parts = [await _settled(jobs[0])] if len(jobs) == 1 else await asyncio.gather(*jobs, return_exceptions=True)
+        parts = await settled_all(jobs)
         for (address, cs), part in zip(by_replica.items(), parts, strict=True):
             if isinstance(part, grpc.aio.AioRpcError):
                 errors.append(part)
@@ -269,11 +268,3 @@ def verify_rows(call: VerifySpec) -> StepRows:
     """The KV rows ``call`` takes on the replica that verifies it: its context and its tree."""
     rows = len(call.context_tokens) + len(call.draft.tree.tokens)
     return StepRows(rows, rows)
-
-
-async def _settled(call: Awaitable[T]) -> T | Exception:
-    """``await call``, an exception it raises returned instead (``gather(..., return_exceptions=True)`` of one)."""
-    try:
-        return await call
-    except Exception as exc:
-        return exc

@@ -23,7 +23,7 @@ from specinfer.v1 import internal_pb2
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS
+from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
 from .streamed import StreamedUnary
 from .worker_pool import WorkerPool
 
@@ -79,9 +79,7 @@ class SsmWorkers(WorkerPool):
             ]
             started = asyncio.get_running_loop().time()
             pending = []
-            for (address, cs), part in zip(
-                by_worker.items(), await asyncio.gather(*jobs, return_exceptions=True), strict=True
-            ):
+            for (address, cs), part in zip(by_worker.items(), await settled_all(jobs), strict=True):
                 if isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
                     # a deadline that passed, or a connection the worker dropped (its keepalive pings unanswered),
                     # while we were not running

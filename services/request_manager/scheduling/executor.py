@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from specinfer.core.engine_core import DraftRound, VerifyRound
 from specinfer.core.iteration import DraftSpec, VerifySpec
+from specinfer.request_manager.cluster.failover import settled_all
 from specinfer.request_manager.cluster.remote import Verifiers, VerifierUnavailable
 from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.scheduling.placement import Placement
@@ -62,9 +63,7 @@ class RemoteExecutor:
         if self.workers is None:
             return DraftRound({})
         indices = list(jobs)
-        results = await asyncio.gather(
-            *(self.workers.speculate(self.ssm_names[i], jobs[i]) for i in indices), return_exceptions=True
-        )
+        results = await settled_all([self.workers.speculate(self.ssm_names[i], jobs[i]) for i in indices])
         trees, passes = {}, []
         for index, result in zip(indices, results, strict=True):
             name = self.ssm_names[index]

@@ -162,10 +162,12 @@ class EdgeCalibration:
         self.decay = decay
         self.drafted = np.zeros(len(self.knots))
         self.accepted = np.zeros(len(self.knots))
+        self._knot_values: tuple[float, ...] | None = None  # the curve as of the last observation
 
     def observe(self, outcome: StepOutcomes) -> None:
         if outcome.edge_probs.size == 0:
             return
+        self._knot_values = None
         p = np.clip(outcome.edge_probs, 0.0, 1.0)
         upper = np.clip(np.searchsorted(self.knots, p, side="right"), 1, len(self.knots) - 1)  # knot at or above p
         lower = upper - 1
@@ -184,8 +186,11 @@ class EdgeCalibration:
         return np.clip(nondecreasing((self.accepted + self.prior_weight * self.prior) / weight, weight), 0.0, 1.0)
 
     def knot_values(self) -> tuple[float, ...]:
-        """:meth:`curve` as a :class:`~specinfer.core.dynamic_trees.TreeBudget`'s ``edge_curve``."""
-        return tuple(float(v) for v in self.curve())
+        """:meth:`curve` as a :class:`~specinfer.core.dynamic_trees.TreeBudget`'s ``edge_curve`` (fitted once per
+        observation: the planner and the draft selection of each step read it, and most steps observe once)."""
+        if self._knot_values is None:
+            self._knot_values = tuple(float(v) for v in self.curve())
+        return self._knot_values
 
 
 @dataclass(frozen=True)
