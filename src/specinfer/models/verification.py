@@ -162,7 +162,9 @@ def _greedy_on_cpu(jobs: Sequence[VerifySpec], rows: torch.Tensor) -> list[Verif
     """:func:`_verdicts` of :func:`_plain_greedy` jobs whose rows  # [N, V] are in host memory: every row's argmax,
     then each tree's walk (what the general path computes, without its device-side packing: tens of microseconds a
     step on a CPU, where a one-token step's whole host work is a few hundred)."""
-    targets = to_host(rows.argmax(dim=-1))  # [N] the step's one crossing (a no-op copy here)
+    # [N] the step's one crossing (a view or a no-op copy here); of fp32 rows NumPy's argmax, a few microseconds where
+    # PyTorch's takes 15-100 (the first of equal maxima either way; NumPy has no bf16)
+    targets = to_host(rows).argmax(axis=-1) if rows.dtype == torch.float32 else to_host(rows.argmax(dim=-1))
     out, at = [], 0
     for job in jobs:
         n = len(job.draft.tree)
