@@ -155,6 +155,22 @@ def timed_load(load: Callable[[], CausalLM]) -> CausalLM:
     return model
 
 
+class Timed:
+    """Wraps one method of an object so that its calls' seconds add up in ``totals[key]``."""
+
+    def __init__(self, totals: collections.Counter, key: str, target: object, name: str) -> None:
+        inner = getattr(target, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+
+        setattr(target, name, timed)
+
+
 def scrape(address: str) -> dict[str, float]:
     """``{sample name + labels: value}`` of a process's /metrics."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()

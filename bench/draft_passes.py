@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import load_prompts
+from common import Timed, load_prompts
 
 from specinfer.core.dynamic_trees import BestFirstTreeBuilder, TreeBudget
 from specinfer.core.iteration import DraftSpec
@@ -27,22 +27,6 @@ from specinfer.models import drafting
 from specinfer.models.loading import load_backend
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Timed:
-    """Adds the seconds of each call of ``owner.name`` to ``totals[key]`` (the attribute replaced by a wrapper)."""
-
-    def __init__(self, totals: Counter, key: str, owner: object, name: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                totals[key] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
 
 
 def main() -> None:

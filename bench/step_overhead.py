@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import delta, load_prompts, products_seconds, scrape, streamed_weights
+from common import Timed, delta, load_prompts, products_seconds, scrape, streamed_weights
 
 from specinfer.client import Client
 from specinfer.engine import EngineConfig, GenerationRequest, SpeculationConfig, SpeculativeEngine
@@ -39,22 +39,6 @@ from specinfer.models.loading import eos_token_id, load_backend
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("incremental", "speculative")
 SPECULATE_COUNT = "specinfer_grpc_server_handling_seconds_count{code=OK,method=Speculate"  # the SSM worker's calls
-
-
-class Timed:
-    """Wraps one method of an object so that its calls' seconds add up in ``totals[key]``."""
-
-    def __init__(self, totals: Counter, key: str, target: object, name: str) -> None:
-        inner = getattr(target, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                totals[key] += time.perf_counter() - start
-
-        setattr(target, name, timed)
 
 
 def in_process(args, prompts: list[tuple[int, ...]]) -> dict[str, dict[str, float]]:
