@@ -24,7 +24,8 @@ predicted), the mean tree nodes verified per request and step (the root included
 accepted tokens the planner predicted for the steps it speculated against those realised (``predicted/realised``:
 how the acceptance model is calibrated), and the mean iteration's milliseconds with its drafting and verification
 parts, the mean batch of an iteration and the share of the row's seconds the manager spent in iterations (``busy``;
-the rest: admission, finishing requests, waiting for work), and the speculation gate's committed tokens per second
+the rest: admission, finishing requests, waiting for work), the requests preempted for lack of KV blocks (each
+computes its context again when it is back), and the speculation gate's committed tokens per second
 with speculation on and off at the row's batch-size bucket as the row closed (what the gate decides by).
 
 Methods: ``default`` (the server's default speculation: adaptive with the SSMs and the suffix drafts), ``none``
@@ -185,7 +186,8 @@ def gate_rates(closing: dict[str, float], concurrency: int) -> str:
 def breakdown(counted: dict[str, float], seconds: float) -> str:
     """What a row is made of, as table cells, from its metric deltas ``counted`` over ``seconds``: mean tree nodes
     per request-step, predicted/realised accepted tokens, the mean iteration's ms with its drafting and verification
-    parts, the mean batch, and the share of the seconds the manager spent in iterations."""
+    parts, the mean batch, the share of the seconds the manager spent in iterations, and the requests it preempted for
+    lack of KV blocks (each computes its context again when it is back)."""
     steps = delta({}, counted, f"{TREE}_count")
     nodes = f"{delta({}, counted, f'{TREE}_sum') / steps:.2f}" if steps else "-"
     predicted, realised = delta({}, counted, PREDICTED), delta({}, counted, REALISED)
@@ -194,7 +196,8 @@ def breakdown(counted: dict[str, float], seconds: float) -> str:
     batch = delta({}, counted, "specinfer_batch_size_sum") / iterations
     return (
         f"{nodes} | {predicted:.0f}/{realised:.0f} | {ms[0]:.1f} ({ms[1]:.1f} + {ms[2]:.1f}) | "
-        f"{batch:.2f} | {delta({}, counted, 'specinfer_iteration_seconds_sum') / seconds:.0%}"
+        f"{batch:.2f} | {delta({}, counted, 'specinfer_iteration_seconds_sum') / seconds:.0%} | "
+        f"{delta({}, counted, 'specinfer_preemptions_total'):.0f}"
     )
 
 
@@ -256,7 +259,7 @@ def main() -> None:
     )
     columns = ("tokens/s", "tokens per step", "p50 ms/token", "p99 ms/token", "vs none", "verify error p50")
     columns += ("step error p50", "tree nodes", "predicted/realised accepted", "iteration ms (draft + verify)")
-    columns += ("mean batch", "busy", "gate on/off tokens/s")
+    columns += ("mean batch", "busy", "preempted", "gate on/off tokens/s")
     print("| concurrency | method | " + " | ".join(columns) + " |")
     print("|---:|---|" + "---:|" * len(columns))
     with Stack(cfg) as stack, Client(stack.address, timeout=600, failover_seconds=0) as client:
