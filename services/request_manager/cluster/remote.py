@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TypeVar
 
 import grpc
 
@@ -32,8 +31,6 @@ from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 from .streamed import StreamedUnary
-
-T = TypeVar("T")
 
 log = logging.getLogger("specinfer.request_manager")
 

@@ -75,10 +75,8 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
     if greedy and cpu_rows.serves(rows, g_width):
         # rows in host memory (an SSM on the CPU): the crossing is a view, and one C pass a row finds the top tokens
         # and their softmax, where PyTorch takes several passes over the vocabulary and a float64 copy
-        host_rows = to_host(rows)  # [R, V]
-        rows = torch.from_numpy(host_rows)
-        mine = host_rows if len(greedy) == len(host_rows) else host_rows[greedy]  # [Rg, V]
-        g_tokens, g_probs = cpu_rows.top_k(mine, g_width, scored)
+        rows = torch.from_numpy(to_host(rows))  # [R, V]
+        g_tokens, g_probs = cpu_rows.top_k(select_rows(rows, greedy).numpy(), g_width, scored)
     elif greedy:
         x = select_rows(rows, greedy)  # [Rg, V]
         tokens, _ = ranked_top_k(x, g_width)  # [Rg, Wg]
