@@ -26,7 +26,7 @@ from specinfer.core.acceptance import (
     step_outcomes,
 )
 from specinfer.core.adaptive import KEPT_SHARE_FLOOR, AdaptiveSpeculation, Context, Drafted
-from specinfer.core.costs import ONLINE_RATE, CostTable, StepCosts, VerifyShape
+from specinfer.core.costs import CostTable, StepCosts, VerifyShape
 from specinfer.core.drafters.head import head_budget
 from specinfer.core.dynamic_trees import EDGE_KNOTS, MIN_SCORE, edge_values, slot_probabilities, tree_values
 from specinfer.core.planner import DraftedNodes, PlanInput, PlannerConfig, plan_batch, select_nodes
@@ -296,19 +296,22 @@ def test_cost_table_fit_is_monotone_on_noisy_measurements():
 
 
 def test_cost_table_online_updates_move_toward_samples_and_clip_outliers():
-    # the raw bucket moves by ONLINE_RATE x the clipped error; reads go through the monotone fit,
-    # which pools a raised bucket with the larger ones below it, weighted by their samples
+    # a raw bucket few real calls measured follows their running mean (the seed counts as one, the first call replaces
+    # it), clipped to a tenth and twice the prediction; reads go through the monotone fit, which pools a raised bucket
+    # with the larger ones below it, weighted by their samples
     table = CostTable({1: 1.0, 4: 1.0, 16: 1.0})
     table.observe(4, 100.0)  # a stall: clipped to twice the prediction
-    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 1.0 + ONLINE_RATE, 1.0, 1.0, 1.0, 1.0])
-    assert np.isclose(table(4), (2.0 * (1.0 + ONLINE_RATE) + 4.0) / 6.0)  # bucket 4 (weight 2) pooled with 6, 8, 12, 16
+    assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
+    assert np.isclose(table(4), (2.0 * 2.0 + 4.0) / 6.0)  # bucket 4 (weight 2) pooled with 6, 8, 12, 16
+    table.observe(4, 1.0)  # the next calls average the stall out
+    assert np.isclose(table.seconds[3], 1.5)
     table = CostTable({1: 1.0, 4: 1.0, 16: 1.0})
     table.observe(4, 0.0)  # faster: clipped to a tenth, taken at once on a bucket no real call measured
     assert np.allclose(table.seconds, [1.0, 1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0])
     table.observe(4, 0.05)  # faster again: the running mean of the calls that measured it
     assert np.isclose(table.seconds[3], 0.075)
-    table.observe(4, 0.4)  # slower: maybe a stall, clipped to twice the prediction and folded in slowly
-    assert np.isclose(table.seconds[3], 0.075 * (1.0 + ONLINE_RATE))
+    table.observe(4, 0.4)  # slower: clipped to twice the prediction (0.075), weight 1/3 (the seed and 2 calls so far)
+    assert np.isclose(table.seconds[3], 0.075 + (0.15 - 0.075) / 3)
     before, predicted = table.seconds[3], table(4)
     table.observe(4, 0.0)  # faster: weight 1/4 (the seed and 3 calls so far), clipped to a tenth of the prediction
     assert np.isclose(table.seconds[3], before + (0.1 * predicted - before) / 4)

@@ -75,10 +75,16 @@ def test_the_optimistic_copy_lowers_only_unmeasured_buckets_one_doubling_past_th
     assert not table.measured()[1]
 
 
-def test_a_faster_call_corrects_a_fresh_bucket_at_once_and_a_stall_slowly():
+def test_a_fresh_bucket_follows_real_calls_at_once_and_a_stall_is_clipped_and_averaged_out():
     table = CostTable({1: 1.0, 2: 3.0})
     table.observe(2, 2.0)  # faster than the seed's 3.0 on a bucket no call measured: taken at once
     assert np.isclose(table.seconds[1], 2.0)
+    slower = CostTable({1: 1.0, 2: 1.0})
+    slower.observe(2, 1.7)  # slower than the seed (an optimistic calibration, an extrapolation): taken at once too
+    assert np.isclose(slower.seconds[1], 1.7)
     stalled = CostTable({1: 1.0, 2: 1.0})
-    stalled.observe(2, 100.0)  # slower: clipped to twice, then a small step
-    assert stalled.seconds[1] < 1.2
+    stalled.observe(2, 100.0)  # a stall: clipped to twice the prediction
+    assert np.isclose(stalled.seconds[1], 2.0)
+    for _ in range(3):
+        stalled.observe(2, 1.0)  # then the running mean of the calls that measured it
+    assert np.isclose(stalled.seconds[1], 1.25)

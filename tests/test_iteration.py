@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
-from specinfer.core.costs import CostTable, StepCosts
+from specinfer.core.costs import CostTable, StepCosts, VerifyShape
 from specinfer.core.iteration import (
     VERIFY_STREAM,
     Running,
     VerifySpec,
+    call_shape,
     draft_specs,
     draft_stream,
     gate_seconds,
@@ -73,6 +74,23 @@ def test_commit_stops_counts_and_adds_up():
     r.commit(cut)
     assert r.output == [1, 2, 3, 1] and r.remaining == 6
     assert r.stats == StepStats(llm_steps=2, accepted=4, tree_size=6, committed=4)
+
+
+def test_a_calls_shape_counts_the_prompts_it_prefilled_less_their_cached_tokens():
+    """Tree nodes attend to the request's context and root; a prompt's computed tokens are rows too, each attending
+    to the prompt tokens before it; those the prefix cache held are neither."""
+    chain = DraftTree(TokenTree((6, 1, 2, 3), (-1, 0, 1, 2)))
+
+    def job(rid: str, context: int, step: int) -> VerifySpec:
+        return VerifySpec(rid, list(range(context)), chain, SamplingParams(), 5, step)
+
+    decoding = [job("a", 20, 3), job("b", 30, 7)]
+    assert call_shape(decoding, {}) == VerifyShape(8, 4 * 21 + 4 * 31)
+    assert call_shape(decoding, {"a": 10}) == call_shape(decoding, {}), "a request past its prompt prefills nothing"
+    admitting = [*decoding, job("new", 24, 0)]
+    assert call_shape(admitting, {}) == VerifyShape(12 + 24, 4 * 21 + 4 * 31 + 4 * 25 + 24 * 23 // 2)
+    cached = VerifyShape(12 + 8, 4 * 21 + 4 * 31 + 4 * 25 + 24 * 23 // 2 - 16 * 15 // 2)
+    assert call_shape(admitting, {"new": 16}) == cached
 
 
 def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_share_of_its_call():

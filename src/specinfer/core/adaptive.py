@@ -274,10 +274,9 @@ class AdaptiveSpeculation:
                 self.ssm_slots[drafter].observe(outcome)
                 self._slots(request_id, drafter).observe(outcome)
 
-    def observe_verify(self, shape: VerifyShape | None, seconds: float) -> None:
-        """One verify call's time (``shape`` None: a call that also prefilled a prompt, not a sample of the model)."""
-        if shape is not None:
-            self.costs.observe_verify(shape, seconds)
+    def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
+        """One verify call's time (:func:`~specinfer.core.iteration.call_shape`)."""
+        self.costs.observe_verify(shape, seconds)
 
     def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:
         self.costs.observe_draft(ssm, frontier_tokens, seconds)

@@ -15,13 +15,18 @@ over more tokens never costs less, so reads go through a monotone fit (pool adja
 weighted by how many observations each bucket has folded in: a bucket that real steps keep
 measuring outweighs a stale neighbour from the start-up calibration instead of being averaged with
 it. Start-up calibration (:mod:`specinfer.engine.calibrate`) fills the tables; every real step
-then moves the buckets next to its size toward what it took: a call slower than predicted by an
-exponential moving average, clipped to twice the prediction, so one stall cannot swing the plan; a
-call faster than predicted (down to a tenth of it) at once where few real calls measured the bucket
-(their running mean), because a computer does not run faster than it can: the bucket's seed was
-pessimistic, as a calibration taken while other processes loaded is. Sizes that no real step measures
-are tried now and then on the model's optimistic copy (:meth:`StepCosts.optimistic`), so a seed that
-rules them out is measured and corrected instead of steering the whole run.
+then moves the buckets next to its size toward what it took: while few real calls measured a bucket,
+to their running mean (the seed counts as one call, and the first real call replaces it), then by an
+exponential moving average. A seed is a guess about served calls: calibration times synthetic requests
+(a few, at a short context) on a machine whose speed may have been elsewhere (other processes loading,
+a VM's neighbours), and beyond its largest size the table only extrapolates (on a 2-core CPU with a
+1B-shaped LLM, 128 rows cost 3.6x 32 where the slope of 48-64 said 1.7x). A sample is clipped to
+between a tenth and twice the prediction, so one stall moves a bucket at most to twice what it said,
+and the calls after it average it out. Every verify call samples the model, a request's first step
+too: its prompt's tokens are rows like a tree's (:func:`~specinfer.core.iteration.call_shape`).
+Sizes that no real step measures are tried now and then on the model's optimistic copy
+(:meth:`StepCosts.optimistic`), so a seed that rules them out is measured and corrected instead of
+steering the whole run.
 """
 
 from __future__ import annotations
@@ -121,10 +126,9 @@ class CostTable:
         error = sample - float(_interp(self.buckets, self.seconds, x))
         for k, w in ((i, wi), (j, wj)):
             if w > 0:
-                # slower than the bucket says: maybe a stall, folded in slowly. Faster: a CPU does not run
-                # faster than it can, so the bucket is too pessimistic (a calibration taken while other
-                # processes loaded): a bucket few calls measured follows their running mean at once
-                rate = ONLINE_RATE if error >= 0 else max(ONLINE_RATE, 1.0 / self.samples[k])
+                # a bucket few real calls measured follows their running mean (the seed was a guess, in either
+                # direction: see the module docstring); one many measured, a moving average of the recent ones
+                rate = max(ONLINE_RATE, 1.0 / self.samples[k])
                 self.seconds[k] += rate * w * error
                 self.samples[k] += w
         self.seconds = np.maximum(self.seconds, 0.0)

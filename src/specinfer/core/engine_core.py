@@ -42,10 +42,11 @@ from specinfer.core.iteration import (
     StepOutcome,
     VerifySpec,
     adaptive_contexts,
+    call_shape,
     gate_seconds,
+    prefills,
     select_drafts,
     static_shape,
-    verify_shape,
     verify_specs,
 )
 from specinfer.core.kv_budget import step_rows
@@ -111,11 +112,11 @@ Commit = Callable[[R, StepOutcome], Awaitable[None]]
 class StepReport:
     """What one :meth:`EngineCore.step` did, for the driver's metrics. ``planned_nodes``: the
     planned tree size of each adaptive request (1: its root alone); ``speculate_seconds``: planning,
-    drafting and selection; ``verify_seconds``: the verification round; ``verify_predictions``: per verify call that
-    sampled the model (no prompt prefilled), the cost model's seconds for it before it ran, and the seconds it took;
-    ``step_prediction``: the same for the whole step (its verify calls, draft passes and the overhead outside the
-    models, each as the cost model predicted it before the step taught it), None where a call prefilled a prompt or
-    there is no cost model."""
+    drafting and selection; ``verify_seconds``: the verification round; ``verify_predictions``: per verify call (the
+    prompts it prefilled priced too: :func:`~specinfer.core.iteration.call_shape`), the cost model's seconds for it
+    before it ran, and the seconds it took; ``step_prediction``: the same for the whole step (its verify calls, draft
+    passes and the overhead outside the models, each as the cost model predicted it before the step taught it), None
+    where there is no cost model."""
 
     batch_size: int
     planned_nodes: tuple[int, ...]
@@ -218,12 +219,12 @@ class EngineCore:
         verify_started = time.perf_counter()
         verified = await self.executor.verify(jobs)
         verify_seconds = time.perf_counter() - verify_started
-        shapes = [verify_shape(calls) for _, calls, _ in verified.timings]  # None: a call that prefilled a prompt
+        cached = {rid: v.prefix_hits for rid, v in verified.verdicts.items() if v.prefix_hits}
         predictions: list[tuple[float, float]] = []
         if self._adaptive is not None:
-            for shape, (_, _, seconds) in zip(shapes, verified.timings, strict=True):
-                if shape is not None:  # what the model said before it learns from this call
-                    predictions.append((self._adaptive.costs.verify_seconds(shape), seconds))
+            for _, calls, seconds in verified.timings:
+                shape = call_shape(calls, cached)  # what the model said before it learns from this call
+                predictions.append((self._adaptive.costs.verify_seconds(shape), seconds))
                 self._adaptive.observe_verify(shape, seconds)
         committed_tokens = 0
         for r, job in zip(batch, jobs, strict=True):
@@ -245,20 +246,18 @@ class EngineCore:
             committed_tokens += len(outcome.tokens)
             self.grammars.advance(r, outcome.tokens, outcome.finish_reason is not None)
             await commit(r, outcome)
-        measured = bool(shapes) and None not in shapes
+        measured = bool(verified.timings) and not any(prefills(calls) for _, calls, _ in verified.timings)
         seconds = time.perf_counter() - started
         for drafter in self.drafters.values():
             drafter.stepped(len(batch), committed_tokens, seconds, measured)
         if gate is not None and self._adaptive is not None:  # a step that prefilled prompts scored without them
-            cached = {rid: v.prefix_hits for rid, v in verified.verdicts.items() if v.prefix_hits}
             scored = gate_seconds([(c, s) for _, c, s in verified.timings], seconds, self._adaptive.costs, cached)
             if scored is not None:
                 gate.observe(len(batch), speculate, committed_tokens, scored)
         step_prediction = None
         if self._adaptive is not None:
-            if measured:
-                predicted = sum(p for p, _ in predictions) + draft_predicted + self._adaptive.costs.overhead
-                step_prediction = (predicted, seconds)  # the step as the gate measured it
+            predicted = sum(p for p, _ in predictions) + draft_predicted + self._adaptive.costs.overhead
+            step_prediction = (predicted, seconds)  # prompts prefilled included: the model prices them
             # what the iteration took beyond the model calls (planning, verification maths, network, commits)
             self._adaptive.observe_overhead(time.perf_counter() - started - verify_seconds - draft_seconds)
         return StepReport(

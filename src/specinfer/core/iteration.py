@@ -339,13 +339,26 @@ def select_drafts(
     return {**drafted, **adaptive.select(candidates, VerifyShape(tokens, work), float(others), spent_seconds)}
 
 
-def verify_shape(jobs: Sequence[VerifySpec]) -> VerifyShape | None:
-    """The cost-model shape of one verify call over ``jobs``, or None when the call also prefilled
-    a prompt (a request's first step): its time is mostly the prompt's, which the cost model does
-    not describe, and folding it in would make tree tokens look expensive."""
-    if any(j.step == 0 for j in jobs):
-        return None
-    return _tree_shape(jobs)
+def prefills(jobs: Sequence[VerifySpec]) -> bool:
+    """Whether a verify call over ``jobs`` also prefilled a prompt (some request's first step)."""
+    return any(j.step == 0 for j in jobs)
+
+
+def call_shape(jobs: Sequence[VerifySpec], cached: Mapping[str, int]) -> VerifyShape:
+    """The cost-model shape of one verify call over ``jobs``: its tree tokens, and the prompt tokens it prefilled
+    (a request's first step computes its context, less the tokens ``cached`` (by request ID) in the prefix cache),
+    with their context work: a tree node attends to its request's context and root, a prompt token to the prompt
+    tokens before it. Rows are rows to the model's matrix products whether a tree or a prompt brought them, so
+    every call, a request's first step too, is a sample of the one model: at a large batch most steps admit a
+    prompt, and a model fitted from the others alone would not learn the sizes such a batch verifies."""
+    tree = _tree_shape(jobs)
+    prompts = [(len(j.context_tokens), cached.get(j.request_id, 0)) for j in jobs if j.step == 0]
+    if not prompts:
+        return tree
+    return VerifyShape(
+        tree.tokens + sum(p - h for p, h in prompts),
+        tree.context_work + sum(p * (p - 1) // 2 - h * (h - 1) // 2 for p, h in prompts),
+    )
 
 
 def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
@@ -365,13 +378,10 @@ def gate_seconds(
         return None
     prefill = 0.0
     for jobs, call_seconds in timings:
-        prompts = [(len(j.context_tokens), cached.get(j.request_id, 0)) for j in jobs if j.step == 0]
-        if not prompts:
+        if not prefills(jobs):
             continue
-        tree = _tree_shape(jobs)
-        work = tree.context_work + sum(p * (p - 1) // 2 - h * (h - 1) // 2 for p, h in prompts)
-        with_prompts = costs.verify_seconds(VerifyShape(tree.tokens + sum(p - h for p, h in prompts), work))
-        share = costs.verify_seconds(tree) / with_prompts if with_prompts > 0 else 1.0
+        with_prompts = costs.verify_seconds(call_shape(jobs, cached))
+        share = costs.verify_seconds(_tree_shape(jobs)) / with_prompts if with_prompts > 0 else 1.0
         if share < MIN_TREE_SHARE:
             return None
         prefill += call_seconds * (1.0 - share)
