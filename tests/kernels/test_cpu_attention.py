@@ -53,11 +53,26 @@ def test_tree_rows_equal_the_reference_and_one_query_steps(dtype, window, softca
         assert torch.equal(alone[0], got[i]), i
 
 
-def test_prompts_and_long_chunks_stay_on_sdpa():
-    q, k, _, _ = _step(torch.float32, False)
-    prompt = build_tree_metadata([list(range(-1, 6))], [0], [0], "cpu")  # a whole causal chain from position 0
-    assert not cpu_attention.serves(q[:7], k, prompt, 0)
-    chunk = [list(range(-1, cpu_attention.MAX_ROWS))]  # MAX_ROWS + 1 rows after a prefix
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_short_prompts_go_row_by_row_and_equal_the_reference(dtype):
+    """A whole causal chain from position 0 (a prompt) of at most MAX_ROWS tokens is a tree like any other: each token
+    reads the tokens before it, as SDPA's causal attention has it."""
+    q, k, v, _ = _step(dtype, False)
+    prompt = build_tree_metadata([list(range(-1, 6))], [0], [0], "cpu")
+    assert cpu_attention.serves(q[:7], k, prompt, 0)
+    got = tree_attention_sdpa(q[:7], k, v, prompt)
+    want = tree_attention_ref(q[:7], k, v, prompt)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_long_prompts_and_long_chunks_stay_on_sdpa():
+    gen = torch.Generator().manual_seed(3)
+    n = cpu_attention.MAX_ROWS + 1
+    q, k = torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n + 3, KV_HEADS, DIM, generator=gen)
+    prompt = build_tree_metadata([list(range(-1, n - 1))], [0], [0], "cpu")  # a causal chain of MAX_ROWS + 1 tokens
+    assert not cpu_attention.serves(q, k, prompt, 0)
+    chunk = [list(range(-1, n - 1))]  # MAX_ROWS + 1 rows after a prefix
     assert not cpu_attention.serves(q, k, build_tree_metadata(chunk, [3], [0], "cpu"), 0)
 
 

@@ -131,7 +131,11 @@ def test_split_for_fused_runs_prompts_first_and_keeps_every_row():
     decode = StepRequest(kv_start=0, cached=20, chain=(), tokens=(7, 8), parents=(-1, 0))
     prompt = StepRequest(kv_start=100, cached=0, chain=(1, 2, 3), tokens=(4,), parents=(-1,))
     step = PackedStep.from_trees([decode, prompt])
-    (first, rows1, logits1), (second, rows2, logits2) = split_for_fused(step)
+    assert fused_served(step) == [True, True, True], "no row cap: a short prompt goes in the same pass"
+    assert split_for_fused(step) is None
+    capped = fused_served(step, max_rows=8)  # a row cap: the prompt's chain per operation, first
+    assert capped == [True, False, True]
+    (first, rows1, logits1), (second, rows2, logits2) = split_for_fused(step, capped)
     assert first.seg_prefix == (0,) and rows1 == [2, 3, 4] and second.seg_prefix == (20, 3) and rows2 == [0, 1, 5]
     assert sorted(rows1 + rows2) == list(range(len(step.tokens)))
     assert sorted(logits1 + logits2) == list(range(len(step.logit_rows)))
@@ -194,8 +198,9 @@ def test_dense_steps_of_many_rows_leave_the_c_layers_on_avx512_cpus_only():
     tree = StepRequest(kv_start=0, cached=20, chain=(), tokens=(7, 8, 9), parents=(-1, 0, 0))
     prompt = StepRequest(kv_start=100, cached=0, chain=(1, 2, 3), tokens=(4,), parents=(-1,))
     step = PackedStep.from_trees([tree, prompt])
-    # the tree's 3 rows and the prompt's last token (after its chain, which stays per operation): 4 rows served
-    assert fused_served(step) == fused_served(step, 4) == [True, False, True]
+    assert fused_served(step) == [True, True, True]  # no cap: the prompt's chain in the same pass
+    # a cap: the tree's 3 rows and the prompt's last token (after its chain, which stays per operation): 4 rows served
+    assert fused_served(step, 4) == [True, False, True]
     assert fused_served(step, 3) == [False, False, False]
 
 

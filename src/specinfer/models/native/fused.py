@@ -3,8 +3,8 @@
 layer (BENCHMARKS.md, "Fused CPU decoder layers").
 
 :func:`build` decides once per model whether the C layers can run it, and :class:`FusedLayers` runs the steps they
-serve: every request of the step a decode or verify step (the row-by-row attention's; a prompt's causal chain and
-chunks of more than 64 rows run per operation, :func:`specinfer.kernels.cpu_attention.row_by_row`). A mixed step is
+serve: every request's rows of the step at most 64, decode, verify and prompts alike (the row-by-row attention's;
+longer prompts and chunks run per operation, :func:`specinfer.kernels.cpu_attention.row_by_row`). A mixed step is
 split by the runner (:func:`specinfer.models.native.step.split_for_fused`), so that a row takes the same path
 whatever else is in its batch: its result, bit for bit, depends on the row alone.
 """

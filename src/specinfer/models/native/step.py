@@ -168,12 +168,15 @@ class PackedStep:
 
 
 def fused_served(step: PackedStep, max_rows: int | None = None) -> list[bool]:
-    """Per segment of ``step``, whether the fused CPU layers serve it (:mod:`.fused`: decode and verify segments, not
-    a prompt's causal chain or a chunk of more than 64 rows; none where those segments hold more than ``max_rows``
-    rows, :attr:`.fused.FusedLayers.max_rows`)."""
+    """Per segment of ``step``, whether the fused CPU layers serve it (:mod:`.fused`: segments of at most 64 rows,
+    decode, verify and prompts alike, :func:`~specinfer.kernels.cpu_attention.segment_row_by_row`). Where the layers
+    have a row cap (``max_rows``, :attr:`.fused.FusedLayers.max_rows`: CPUs whose PyTorch GEMMs multiply many rows
+    faster than the C tiles), a prompt's causal chain stays per operation, and none is served where the others hold
+    more than ``max_rows`` rows."""
+    segments = list(zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True))
     served = [
-        segment_row_by_row(q, parents, prefix, is_chain(parents))
-        for q, parents, prefix in zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True)
+        segment_row_by_row(q) and (max_rows is None or not (prefix == 0 and q == len(p) and is_chain(p)))
+        for q, p, prefix in segments
     ]
     if max_rows is not None and sum(q for q, s in zip(step.seg_queries, served, strict=True) if s) > max_rows:
         return [False] * len(served)
