@@ -371,20 +371,30 @@ def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
 def gate_seconds(
     timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts, cached: Mapping[str, int]
 ) -> float | None:
-    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less each call's
-    prompts' share as the cost model splits it (right if its scale is off), their tokens ``cached`` (by request ID)
-    in the prefix cache not computed; None with no call, or where a call's trees take under :data:`MIN_TREE_SHARE`."""
+    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less what each
+    call's prompts would have cost it without speculation, their tokens ``cached`` (by request ID) in the prefix cache
+    not computed. The cost model prices it (a call of the roots and the prompts, less the roots alone) as a share of
+    the call (right if the model's scale is off). Without speculation that is the prompts' share of the call; with
+    it, what the trees add on top of the prompts stays in the score: where rows cost more as a call grows, a tree
+    beside a prompt costs more than alone, and that is speculation's cost. None with no call, or where a call's
+    prompts take more than 1 - :data:`MIN_TREE_SHARE` of it."""
     if not timings:
         return None
     prefill = 0.0
     for jobs, call_seconds in timings:
         if not prefills(jobs):
             continue
-        with_prompts = costs.verify_seconds(call_shape(jobs, cached))
-        share = costs.verify_seconds(_tree_shape(jobs)) / with_prompts if with_prompts > 0 else 1.0
-        if share < MIN_TREE_SHARE:
+        shape, tree = call_shape(jobs, cached), _tree_shape(jobs)
+        roots = VerifyShape(len(jobs), sum(len(j.context_tokens) + 1 for j in jobs))  # the call without speculation
+        unspeculated = VerifyShape(
+            shape.tokens - tree.tokens + roots.tokens, shape.context_work - tree.context_work + roots.context_work
+        )
+        with_prompts = costs.verify_seconds(shape)
+        added = costs.verify_seconds(unspeculated) - costs.verify_seconds(roots)  # the prompts' cost there
+        share = added / with_prompts if with_prompts > 0 else 0.0
+        if share > 1.0 - MIN_TREE_SHARE:
             return None
-        prefill += call_seconds * (1.0 - share)
+        prefill += call_seconds * share
     return seconds - prefill if seconds > prefill else None
 
 
