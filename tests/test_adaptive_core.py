@@ -611,6 +611,26 @@ def test_larger_batches_never_get_larger_budgets(per_token, draft_per_token, top
     assert max(p.nodes for p in plans.values()) <= alone
 
 
+def test_planner_prices_nodes_on_top_of_the_prompts_the_call_computes():
+    """A prompt's rows are computed whatever the plan: with a linear cost they change nothing (the plan beside them
+    is the plan without); where rows cost more past 32 tokens (flat to 32, as the weights stream, then 50 ms a row),
+    a batch of 8 speculates alone but not beside a 48-token prompt, whose rows already take the call past the
+    bend, and the plan's predicted seconds leave the prompt out (its cost without speculation)."""
+    inputs = [_input(f"r{i}", rates=(0.7, 0.1, 0.05, 0.02)) for i in range(8)]
+    prompt = VerifyShape(48, 48 * 47 // 2)
+    linear = _costs(per_token=0.002, draft=0.002)
+    alone, beside = (
+        plan_batch(inputs, linear, PlannerConfig()),
+        plan_batch(inputs, linear, PlannerConfig(), prompts=prompt),
+    )
+    assert alone.requests == beside.requests and np.isclose(alone.predicted_seconds, beside.predicted_seconds)
+    bend = StepCosts(CostTable({1: 0.1, 32: 0.1, 64: 1.7, 128: 4.9}), 0.0, {0: CostTable({1: 0.002, 64: 0.002})})
+    assert plan_batch(inputs, bend, PlannerConfig()).extra_nodes > 0
+    beside = plan_batch(inputs, bend, PlannerConfig(), prompts=prompt)
+    assert beside.extra_nodes == 0
+    assert np.isclose(beside.predicted_seconds, bend.verify_seconds(VerifyShape(8, 80)) + bend.overhead)
+
+
 def test_planner_respects_remaining_tokens_and_caps():
     costs = _costs(per_token=0.0001, draft=0.001)
     config = PlannerConfig(max_nodes=6, max_depth=8)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
+from specinfer.core.call_shapes import call_shape, gate_seconds
 from specinfer.core.costs import CostTable, StepCosts, VerifyShape
 from specinfer.core.iteration import (
     VERIFY_STREAM,
     Running,
     VerifySpec,
-    call_shape,
     draft_specs,
     draft_stream,
-    gate_seconds,
     step_rng,
     verify_specs,
 )

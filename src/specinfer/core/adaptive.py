@@ -134,8 +134,11 @@ class AdaptiveSpeculation:
             self._requests[key] = SlotAcceptance(prior, prior_weight=6.0, decay=0.9)
         return self._requests[key]
 
-    def plan(self, batch: Sequence[Context], fixed: VerifyShape = NO_TOKENS) -> dict[str, Choice]:
-        """This iteration's choices by request ID (a request left out verifies its root alone)."""
+    def plan(
+        self, batch: Sequence[Context], fixed: VerifyShape = NO_TOKENS, prompts: VerifyShape = NO_TOKENS
+    ) -> dict[str, Choice]:
+        """This iteration's choices by request ID (a request left out verifies its root alone); ``fixed`` and
+        ``prompts`` as :func:`~specinfer.core.planner.plan_batch` takes them."""
         cfg = self.config
         inputs = []
         for c in batch:
@@ -149,7 +152,7 @@ class AdaptiveSpeculation:
         self._plans += 1
         explore = cfg.explore_costs > 0 and self._plans % cfg.explore_costs == 0
         self._step_costs = self.costs.optimistic() if explore else self.costs
-        plan = plan_batch(inputs, self._step_costs, cfg, fixed, None if explore else previous)
+        plan = plan_batch(inputs, self._step_costs, cfg, fixed, None if explore else previous, prompts)
         self.previous = plan
         remaining = {c.request_id: c.remaining for c in batch}
         curves = self._edge_curves()
@@ -204,6 +207,7 @@ class AdaptiveSpeculation:
         fixed: VerifyShape = NO_TOKENS,
         fixed_committed: float = 0.0,
         spent_seconds: float = 0.0,
+        prompts: VerifyShape = NO_TOKENS,
     ) -> dict[str, list[tuple[DrafterKey, DraftTree]]]:
         """Each request's trees cut to the nodes worth verifying (:func:`~specinfer.core.planner.select_nodes`,
         whose arguments these are), by request ID, as (drafter, tree) pairs. The cut is made on the trees
@@ -229,7 +233,7 @@ class AdaptiveSpeculation:
                 DraftedNodes(d.request_id, d.context_len, values[1:], np.asarray(merged.parents[1:], dtype=np.int64))
             )
             sources.append((maps, own))
-        keep = select_nodes(nodes, self._step_costs, fixed, fixed_committed, spent_seconds)
+        keep = select_nodes(nodes, self._step_costs, fixed, fixed_committed, spent_seconds, prompts)
         out = {}
         drafted_value: dict[DrafterKey, float] = {}
         kept_value: dict[DrafterKey, float] = {}
@@ -275,7 +279,7 @@ class AdaptiveSpeculation:
                 self._slots(request_id, drafter).observe(outcome)
 
     def observe_verify(self, shape: VerifyShape, seconds: float) -> None:
-        """One verify call's time (:func:`~specinfer.core.iteration.call_shape`)."""
+        """One verify call's time (:func:`~specinfer.core.call_shapes.call_shape`)."""
         self.costs.observe_verify(shape, seconds)
 
     def observe_draft(self, ssm: int, frontier_tokens: int, seconds: float) -> None:

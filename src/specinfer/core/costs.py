@@ -23,7 +23,7 @@ a VM's neighbours), and beyond its largest size the table only extrapolates (on 
 1B-shaped LLM, 128 rows cost 3.6x 32 where the slope of 48-64 said 1.7x). A sample is clipped to
 between a tenth and twice the prediction, so one stall moves a bucket at most to twice what it said,
 and the calls after it average it out. Every verify call samples the model, a request's first step
-too: its prompt's tokens are rows like a tree's (:func:`~specinfer.core.iteration.call_shape`).
+too: its prompt's tokens are rows like a tree's (:func:`~specinfer.core.call_shapes.call_shape`).
 Sizes that no real step measures are tried now and then on the model's optimistic copy
 (:meth:`StepCosts.optimistic`), so a seed that rules them out is measured and corrected instead of
 steering the whole run.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
+from specinfer.core.call_shapes import call_shape, gate_seconds, prefills
 from specinfer.core.constraints import Grammars
 from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
 from specinfer.core.drafters import DRAFTERS
@@ -42,9 +43,7 @@ from specinfer.core.iteration import (
     StepOutcome,
     VerifySpec,
     adaptive_contexts,
-    call_shape,
-    gate_seconds,
-    prefills,
+    prompt_shape,
     select_drafts,
     static_shape,
     verify_specs,
@@ -113,7 +112,7 @@ class StepReport:
     """What one :meth:`EngineCore.step` did, for the driver's metrics. ``planned_nodes``: the
     planned tree size of each adaptive request (1: its root alone); ``speculate_seconds``: planning,
     drafting and selection; ``verify_seconds``: the verification round; ``verify_predictions``: per verify call (the
-    prompts it prefilled priced too: :func:`~specinfer.core.iteration.call_shape`), the cost model's seconds for it
+    prompts it prefilled priced too: :func:`~specinfer.core.call_shapes.call_shape`), the cost model's seconds for it
     before it ran, and the seconds it took; ``step_prediction``: the same for the whole step (its verify calls, draft
     passes and the overhead outside the models, each as the cost model predicted it before the step taught it), None
     where there is no cost model."""
@@ -203,7 +202,7 @@ class EngineCore:
             narrowed = contexts
             for drafter in self.drafters.values():
                 narrowed = drafter.narrow(batch, narrowed, adaptive)
-            choices = adaptive.plan(narrowed, static_shape(batch))
+            choices = adaptive.plan(narrowed, static_shape(batch), prompt_shape(batch))
         planned = tuple(choices[c.request_id].budget.nodes if c.request_id in choices else 1 for c in contexts)
         drafted, draft_seconds, draft_predicted = await self._propose(
             DraftStep(batch, choices, adaptive, self._adaptive, self.num_ssms)

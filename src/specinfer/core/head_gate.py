@@ -123,7 +123,7 @@ class HeadGate:
 
     def observe(self, batch_size: int, on: bool, tokens: int, seconds: float) -> None:
         """A step :meth:`decide` answered ``on`` for committed ``tokens`` in ``seconds`` (a step that prefilled a
-        prompt: without the prompt's seconds, :func:`~specinfer.core.iteration.gate_seconds`, or left out)."""
+        prompt: without the prompt's seconds, :func:`~specinfer.core.call_shapes.gate_seconds`, or left out)."""
         block = self._block
         if block is None or block.steps <= 1 or block.on != on or block.bucket != bucket(batch_size):
             return  # the block's first step carries the other arm's trees

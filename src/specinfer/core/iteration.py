@@ -21,7 +21,7 @@ import numpy as np
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice, Context, Drafted
 from specinfer.core.constraints import Constraint
-from specinfer.core.costs import StepCosts, VerifyShape
+from specinfer.core.costs import VerifyShape
 from specinfer.core.drafts import DraftTree, ExpansionConfig, merged_tree_nodes
 from specinfer.core.dynamic_trees import TreeBudget
 from specinfer.core.merge import combine_drafts
@@ -29,7 +29,6 @@ from specinfer.core.requests import GenerationRequest, StepStats, TokenLogprob
 from specinfer.core.sampling import SamplingParams
 
 VERIFY_STREAM = 0  # the verifier's stream; SSM i drafts on draft_stream(i)
-MIN_TREE_SHARE = 0.2  # the least share of a verify call its trees take, for the gate to score it (gate_seconds)
 HEAD_STREAM = 1 << 20  # the verifier's draft head draws the next step's tree on this stream (beyond any SSM's)
 
 
@@ -286,6 +285,19 @@ def adaptive_contexts(batch: Sequence[Running]) -> list[Context]:
     ]
 
 
+def prompt_shape(batch: Sequence[Running]) -> VerifyShape:
+    """The rows and context work of the prompts this step's verify call computes (a request's first step: its context
+    before the root, each token attending to those before it), whole: the prefix cache's hits are known once the call
+    answered (:func:`specinfer.core.planner.beside_prompts` prices nodes on top of them)."""
+    tokens = work = 0
+    for r in batch:
+        if r.stats.llm_steps == 0:
+            p = r.committed_len - 1
+            tokens += p
+            work += p * (p - 1) // 2
+    return VerifyShape(tokens, work)
+
+
 def static_shape(batch: Sequence[Running]) -> VerifyShape:
     """Verify tokens and context work of the batch's other requests (static trees at full size, or roots)."""
     tokens = work = 0
@@ -336,66 +348,8 @@ def select_drafts(
         others += 1
     if not candidates:
         return dict(drafted)
-    return {**drafted, **adaptive.select(candidates, VerifyShape(tokens, work), float(others), spent_seconds)}
-
-
-def prefills(jobs: Sequence[VerifySpec]) -> bool:
-    """Whether a verify call over ``jobs`` also prefilled a prompt (some request's first step)."""
-    return any(j.step == 0 for j in jobs)
-
-
-def call_shape(jobs: Sequence[VerifySpec], cached: Mapping[str, int]) -> VerifyShape:
-    """The cost-model shape of one verify call over ``jobs``: its tree tokens, and the prompt tokens it prefilled
-    (a request's first step computes its context, less the tokens ``cached`` (by request ID) in the prefix cache),
-    with their context work: a tree node attends to its request's context and root, a prompt token to the prompt
-    tokens before it. Rows are rows to the model's matrix products whether a tree or a prompt brought them, so
-    every call, a request's first step too, is a sample of the one model: at a large batch most steps admit a
-    prompt, and a model fitted from the others alone would not learn the sizes such a batch verifies."""
-    tree = _tree_shape(jobs)
-    prompts = [(len(j.context_tokens), cached.get(j.request_id, 0)) for j in jobs if j.step == 0]
-    if not prompts:
-        return tree
-    return VerifyShape(
-        tree.tokens + sum(p - h for p, h in prompts),
-        tree.context_work + sum(p * (p - 1) // 2 - h * (h - 1) // 2 for p, h in prompts),
-    )
-
-
-def _tree_shape(jobs: Sequence[VerifySpec]) -> VerifyShape:
-    """The tree tokens of ``jobs`` and their context work (each node attends to its request's context and root)."""
-    return VerifyShape(
-        sum(len(j.draft.tree) for j in jobs), sum(len(j.draft.tree) * (len(j.context_tokens) + 1) for j in jobs)
-    )
-
-
-def gate_seconds(
-    timings: Sequence[tuple[Sequence[VerifySpec], float]], seconds: float, costs: StepCosts, cached: Mapping[str, int]
-) -> float | None:
-    """The step's ``seconds`` the speculation gate scores, given its verify calls (jobs, seconds): less what each
-    call's prompts would have cost it without speculation, their tokens ``cached`` (by request ID) in the prefix cache
-    not computed. The cost model prices it (a call of the roots and the prompts, less the roots alone) as a share of
-    the call (right if the model's scale is off). Without speculation that is the prompts' share of the call; with
-    it, what the trees add on top of the prompts stays in the score: where rows cost more as a call grows, a tree
-    beside a prompt costs more than alone, and that is speculation's cost. None with no call, or where a call's
-    prompts take more than 1 - :data:`MIN_TREE_SHARE` of it."""
-    if not timings:
-        return None
-    prefill = 0.0
-    for jobs, call_seconds in timings:
-        if not prefills(jobs):
-            continue
-        shape, tree = call_shape(jobs, cached), _tree_shape(jobs)
-        roots = VerifyShape(len(jobs), sum(len(j.context_tokens) + 1 for j in jobs))  # the call without speculation
-        unspeculated = VerifyShape(
-            shape.tokens - tree.tokens + roots.tokens, shape.context_work - tree.context_work + roots.context_work
-        )
-        with_prompts = costs.verify_seconds(shape)
-        added = costs.verify_seconds(unspeculated) - costs.verify_seconds(roots)  # the prompts' cost there
-        share = added / with_prompts if with_prompts > 0 else 0.0
-        if share > 1.0 - MIN_TREE_SHARE:
-            return None
-        prefill += call_seconds * share
-    return seconds - prefill if seconds > prefill else None
+    fixed = VerifyShape(tokens, work)
+    return {**drafted, **adaptive.select(candidates, fixed, float(others), spent_seconds, prompt_shape(batch))}
 
 
 def verify_specs(batch: Sequence[Running], drafted: Mapping[str, Sequence[DraftTree]]) -> list[VerifySpec]:

@@ -167,15 +167,31 @@ def _choose_ssm(inp: PlanInput, costs: StepCosts, config: PlannerConfig) -> tupl
     return best[1], best[2]
 
 
+def beside_prompts(
+    costs: StepCosts, tokens: np.ndarray, work: np.ndarray, prompts: VerifyShape = NO_TOKENS
+) -> np.ndarray:
+    """Verify seconds of calls of ``tokens`` with context ``work`` (the first entry: the call without speculation),
+    when the call also computes ``prompts``' rows (a request's first step), less what those cost the call without
+    speculation: a prompt is computed whatever the trees, so its cost is not the plan's, but where rows cost more as a
+    call grows (a CPU past the size its weights stream at), a node beside it costs what it adds on top of it.
+    # like tokens"""
+    if not prompts.tokens:
+        return costs.verify_many(tokens, work)
+    verify = costs.verify_many(tokens + prompts.tokens, work + prompts.context_work)
+    return verify - (verify[0] - costs.verify_seconds(VerifyShape(int(tokens[0]), int(work[0]))))
+
+
 def plan_batch(
     inputs: Sequence[PlanInput],
     costs: StepCosts,
     config: PlannerConfig,
     fixed: VerifyShape = NO_TOKENS,
     previous_extra: int | None = None,
+    prompts: VerifyShape = NO_TOKENS,
 ) -> BatchPlan:
     """Plan one iteration for ``inputs``; ``fixed``: the verify tokens and context work of the
-    batch's requests with static trees (or none)."""
+    batch's requests with static trees (or none); ``prompts``: the rows of the prompts the call computes
+    (:func:`beside_prompts`)."""
     # never draft past a request's token budget (the bonus token comes on top) nor the depth cap
     inputs = [
         PlanInput(
@@ -213,7 +229,7 @@ def plan_batch(
         work[i + 1] = work[i] + inp.context_len
         draft[i + 1] = draft[i] + frontiers.add(ssm, r, inp.options[ssm], k)
     tokens = base_tokens + np.arange(total + 1)
-    verify = costs.verify_many(tokens, work)
+    verify = beside_prompts(costs, tokens, work, prompts)
     seconds = verify + draft + costs.overhead
     committed = len(inputs) + value
     rates = committed / np.maximum(seconds, 1e-12)
@@ -242,7 +258,7 @@ def plan_batch(
     # rate: those of the plan's last token. Not of the next one, past the plan: that is the node
     # that did not pay, and where the table bends just after the plan (flat to 16 tokens, steep
     # after, as on a CPU with AMX) its cost would cut most of the nodes the plan chose.
-    t = int(tokens[best])
+    t = int(tokens[best]) + prompts.tokens
     marginal = costs.verify_seconds(VerifyShape(t, 0)) - costs.verify_seconds(VerifyShape(max(1, t - 1), 0))
     per_token = marginal + costs.per_context * (base_work / max(1, base_tokens))
     min_value = float(np.clip(rates[best] * per_token, 0.0, 1.0))
@@ -267,13 +283,15 @@ def select_nodes(
     fixed: VerifyShape = NO_TOKENS,
     fixed_committed: float = 0.0,
     spent_seconds: float = 0.0,
+    prompts: VerifyShape = NO_TOKENS,
 ) -> dict[str, list[int]]:
     """The nodes to verify of each request's drafted tree (root included, parents before children):
     every drafted node of the batch best first, cut at the count K with the most expected committed
     tokens per second, ``(fixed_committed + requests + sum of the first K values) / (verify(fixed +
     roots + K tokens) + spent_seconds + overhead)``. ``fixed`` / ``fixed_committed``: the verify tokens
     and context work of the batch's other requests and the tokens they are expected to commit;
-    ``spent_seconds``: what the iteration already took (drafting), the same whatever K is."""
+    ``spent_seconds``: what the iteration already took (drafting), the same whatever K is; ``prompts``: the rows of
+    the prompts the call computes (:func:`beside_prompts`)."""
     items: list[tuple[float, int, int]] = []  # (value, request, node)
     for r, d in enumerate(drafted):
         # a node is worth at most its parent (its path goes through it): then best first never
@@ -290,7 +308,7 @@ def select_nodes(
         + sum(d.context_len for d in drafted)
         + np.concatenate(([0.0], np.cumsum([drafted[r].context_len for _, r, _ in items])))
     )
-    seconds = costs.verify_many(tokens, work) + spent_seconds + costs.overhead
+    seconds = beside_prompts(costs, tokens, work, prompts) + spent_seconds + costs.overhead
     best = int(np.argmax((fixed_committed + len(drafted) + gained) / np.maximum(seconds, 1e-12)))
     keep: dict[str, list[int]] = {d.request_id: [0] for d in drafted}
     for _, r, node in items[:best]:
