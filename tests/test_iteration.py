@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from specinfer.core import DraftTree, ExpansionConfig, SamplingParams, TokenTree
-from specinfer.core.call_shapes import call_shape, gate_seconds
-from specinfer.core.costs import CostTable, StepCosts, VerifyShape
+from specinfer.core.call_shapes import call_shape
+from specinfer.core.costs import VerifyShape
 from specinfer.core.iteration import (
     VERIFY_STREAM,
     Running,
@@ -90,50 +90,3 @@ def test_a_calls_shape_counts_the_prompts_it_prefilled_less_their_cached_tokens(
     assert call_shape(admitting, {}) == VerifyShape(12 + 24, 4 * 21 + 4 * 31 + 4 * 25 + 24 * 23 // 2)
     cached = VerifyShape(12 + 8, 4 * 21 + 4 * 31 + 4 * 25 + 24 * 23 // 2 - 16 * 15 // 2)
     assert call_shape(admitting, {"new": 16}) == cached
-
-
-def test_the_gate_charges_speculation_what_its_trees_add_on_top_of_a_prompt():
-    """Where rows cost more as a call grows (0.01 s a token up to 16, 0.03 s a token past it), a prompt is charged
-    what it would cost the call without speculation: its 8 tokens beside the 3 roots, 0.11 - 0.03 = 0.08 s. Two chains
-    of 4 nodes beside it make a call of 17 tokens (0.19 s), of which the prompt takes 0.08 / 0.19; chains of 8, a call
-    of 25 tokens (0.43 s), of which it still takes 0.08 s: the 0.24 s the longer trees add past 16 tokens are
-    speculation's (a split in proportion to the tokens would have charged the prompt 0.24 of the 0.43 s)."""
-    costs = StepCosts(CostTable({1: 0.01, 16: 0.16, 32: 0.64}), 0.0, {}, frozen=True)
-
-    def job(rid: str, context: int, step: int, nodes: int) -> VerifySpec:
-        tree = DraftTree(TokenTree(tuple(range(6, 6 + nodes)), (-1, *range(nodes - 1))))
-        return VerifySpec(rid, list(range(context)), tree, SamplingParams(), 5, step)
-
-    prompt = job("new", 8, 0, 1)
-    short = [job("a", 20, 3, 4), job("b", 30, 7, 4), prompt]
-    assert call_shape(short, {}).tokens == 17
-    assert abs(gate_seconds([(short, 1.0)], 1.0, costs, {}) - (1.0 - 0.08 / 0.19)) < 1e-9
-    long = [job("a", 20, 3, 8), job("b", 30, 7, 8), prompt]
-    assert abs(gate_seconds([(long, 1.0)], 1.0, costs, {}) - (1.0 - 0.08 / 0.43)) < 1e-9
-
-
-def test_the_gate_scores_a_step_that_prefilled_a_prompt_without_the_prompts_share_of_its_call():
-    """Verify seconds are 0.01 a token (no context term). A step of 0.5 s whose call of 0.45 s verified 12 tree tokens
-    and admitted a 4-token prompt (its context before the root) is priced 0.12 s for the trees and 0.16 s with the
-    prompt: the prompt took a quarter of the call, and the step is scored 0.5 - 0.45 / 4 s, however far the model's
-    scale is off. Prompts of twice the tree tokens leave it a third (scored); a call whose trees are below a fifth,
-    or no call, leaves the step unscored. Prompt tokens found in the prefix cache count as not computed."""
-    costs = StepCosts(CostTable({1: 0.01, 64: 0.64}), 0.0, {}, frozen=True)
-    chain = DraftTree(TokenTree((6, 1, 2, 3), (-1, 0, 1, 2)))
-
-    def job(rid: str, context: int, step: int) -> VerifySpec:
-        return VerifySpec(rid, list(range(context)), chain, SamplingParams(), 5, step)
-
-    decoding = [job("a", 20, 3), job("b", 30, 7)]
-    assert gate_seconds([(decoding, 0.4)], 0.5, costs, {}) == 0.5
-    admitting = [*decoding, job("new", 4, 0)]  # 12 tree tokens and 4 prompt tokens (the root is the fifth)
-    assert abs(gate_seconds([(admitting, 0.45)], 0.5, costs, {}) - (0.5 - 0.45 / 4)) < 1e-9
-    twice = [*decoding, job("new", 24, 0)]  # 24 prompt tokens (the root is the 25th) against 12 tree tokens
-    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {}) - (0.5 - 0.45 * 2 / 3)) < 1e-9
-    late = [job("a", 20, 3), job("new", 40, 0)]
-    assert gate_seconds([(late, 0.45)], 0.5, costs, {}) is None  # 8 tree tokens of 48
-    assert gate_seconds([], 0.5, costs, {}) is None
-    # prompt tokens the prefix cache held were not computed: 8 of 24 leave the trees 0.12 of 0.20 s, 8 of 40 a half
-    assert abs(gate_seconds([(twice, 0.45)], 0.5, costs, {"new": 16}) - (0.5 - 0.45 * 0.4)) < 1e-9
-    assert abs(gate_seconds([(late, 0.45)], 0.5, costs, {"new": 32}) - (0.5 - 0.45 * 0.5)) < 1e-9
-    assert gate_seconds([(decoding, 0.4)], 0.5, costs, {"a": 10}) == 0.5  # a request past its prompt: no prefill

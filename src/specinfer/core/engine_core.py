@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
-from specinfer.core.call_shapes import call_shape, gate_seconds, prefills
+from specinfer.core.call_shapes import call_shape, prefills
 from specinfer.core.constraints import Grammars
 from specinfer.core.drafter import Drafter, Drafts, DraftStep, Models
 from specinfer.core.drafters import DRAFTERS
@@ -249,10 +249,13 @@ class EngineCore:
         seconds = time.perf_counter() - started
         for drafter in self.drafters.values():
             drafter.stepped(len(batch), committed_tokens, seconds, measured)
-        if gate is not None and self._adaptive is not None:  # a step that prefilled prompts scored without them
-            scored = gate_seconds([(c, s) for _, c, s in verified.timings], seconds, self._adaptive.costs, cached)
-            if scored is not None:
-                gate.observe(len(batch), speculate, committed_tokens, scored)
+        if gate is not None:
+            # the whole step, prompts prefilled in it included: each request brings one prompt whichever arm runs, so
+            # per committed token both arms pay for prompts alike, except where speculation makes them dearer (more
+            # requests finish a step, so more prompts share a call, whose rows cost more as it grows), which is its
+            # cost. Scored less the prompts' priced seconds, speculation measured 155 against 130 tokens/s at 16
+            # streams, and 93 against 94.5 whole (BENCHMARKS.md).
+            gate.observe(len(batch), speculate, committed_tokens, seconds)
         step_prediction = None
         if self._adaptive is not None:
             predicted = sum(p for p, _ in predictions) + draft_predicted + self._adaptive.costs.overhead

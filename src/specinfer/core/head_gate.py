@@ -122,8 +122,8 @@ class HeadGate:
         return block.on
 
     def observe(self, batch_size: int, on: bool, tokens: int, seconds: float) -> None:
-        """A step :meth:`decide` answered ``on`` for committed ``tokens`` in ``seconds`` (a step that prefilled a
-        prompt: without the prompt's seconds, :func:`~specinfer.core.call_shapes.gate_seconds`, or left out)."""
+        """A step :meth:`decide` answered ``on`` for committed ``tokens`` in ``seconds`` (the caller chooses which steps
+        count: the speculation gate scores every step whole, the draft head's leaves out prompts' steps)."""
         block = self._block
         if block is None or block.steps <= 1 or block.on != on or block.bucket != bucket(batch_size):
             return  # the block's first step carries the other arm's trees
