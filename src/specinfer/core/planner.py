@@ -254,15 +254,18 @@ def plan_batch(
         plans[inp.request_id] = RequestPlan(
             chosen_ssm[inp.request_id], 1 + len(ks), int(values.depths[ks].max()), float(values.values[ks].sum())
         )
-    # a node pays when its expected acceptance covers its marginal verify seconds at the planned
-    # rate: those of the plan's last token. Not of the next one, past the plan: that is the node
-    # that did not pay, and where the table bends just after the plan (flat to 16 tokens, steep
-    # after, as on a CPU with AMX) its cost would cut most of the nodes the plan chose.
-    t = int(tokens[best]) + prompts.tokens
-    marginal = costs.verify_seconds(VerifyShape(t, 0)) - costs.verify_seconds(VerifyShape(max(1, t - 1), 0))
-    per_token = marginal + costs.per_context * (base_work / max(1, base_tokens))
-    min_value = float(np.clip(rates[best] * per_token, 0.0, 1.0))
+    context = base_work / max(1, base_tokens)
+    min_value = _min_value(costs, int(tokens[best]) + prompts.tokens, context, float(rates[best]))
     return BatchPlan(plans, best, float(seconds[best]), float(rates[best]), min_value)
+
+
+def _min_value(costs: StepCosts, tokens: int, context: float, rate: float) -> float:
+    """The least expected acceptance a node must have to pay at the planned ``rate`` (tokens per second): its
+    marginal verify seconds, those of the plan's last token of a call of ``tokens`` (a mean ``context`` each). Not
+    of the next one, past the plan: that is the node that did not pay, and where the table bends just after the
+    plan (flat to 16 tokens, steep after, as on a CPU with AMX) its cost would cut most of the nodes the plan chose."""
+    marginal = costs.verify_seconds(VerifyShape(tokens, 0)) - costs.verify_seconds(VerifyShape(max(1, tokens - 1), 0))
+    return float(np.clip(rate * (marginal + costs.per_context * context), 0.0, 1.0))
 
 
 @dataclass(frozen=True)
