@@ -173,10 +173,9 @@ def fused_served(step: PackedStep, max_rows: int | None = None) -> list[bool]:
     have a row cap (``max_rows``, :attr:`.fused.FusedLayers.max_rows`: CPUs whose PyTorch GEMMs multiply many rows
     faster than the C tiles), a prompt's causal chain stays per operation, and none is served where the others hold
     more than ``max_rows`` rows."""
-    segments = list(zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True))
     served = [
         segment_row_by_row(q) and (max_rows is None or not (prefix == 0 and q == len(p) and is_chain(p)))
-        for q, p, prefix in segments
+        for q, p, prefix in zip(step.seg_queries, step.seg_parents, step.seg_prefix, strict=True)
     ]
     if max_rows is not None and sum(q for q, s in zip(step.seg_queries, served, strict=True) if s) > max_rows:
         return [False] * len(served)
