@@ -542,3 +542,27 @@ void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, 
 void rms_norm_rows(int m, int n, const float *x, const float *w, float eps, int bf, float *y) {
     for (int r = 0; r < m; r++) rms_norm(x + (size_t)r * n, w, n, eps, y + (size_t)r * n, bf);
 }
+
+/* y [n_rows, vocab] (fp32) = the logits of the rows `rows` [n_rows] of h [t, hid] (fp32, or bf16 where h_bf16): the
+ * model's final norm w [hid] then the dense LM head [vocab, hid], exactly as rms_norm_rows then dense_gemm compute
+ * them on h's rows converted to fp32 (one call a step where those two and the row gather were about ten dispatched
+ * operations). Returns -2 for a row outside [0, t), -1 without memory, else 0. */
+int final_logits(int t, int hid, const void *h, int h_bf16, const int64_t *rows, int n_rows, const float *w, float eps,
+                 const void *head, int head_bf16, int vocab, float *y, int threads) {
+    for (int r = 0; r < n_rows; r++)
+        if (rows[r] < 0 || rows[r] >= t) return -2;
+    float *x = malloc(sizeof(float) * (size_t)n_rows * hid), *xn = malloc(sizeof(float) * (size_t)n_rows * hid);
+    if (!x || !xn) {
+        free(x), free(xn);
+        return -1;
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const size_t from = (size_t)rows[r] * hid;
+        for (int i = 0; i < hid; i++)
+            x[(size_t)r * hid + i] = h_bf16 ? bf16_to_f32(((const uint16_t *)h)[from + i]) : ((const float *)h)[from + i];
+    }
+    rms_norm_rows(n_rows, hid, x, w, eps, h_bf16, xn);
+    dense_gemm(n_rows, vocab, hid, xn, head, head_bf16, y, threads);
+    free(x), free(xn);
+    return 0;
+}

@@ -187,6 +187,30 @@ def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(h.dtype)
 
 
+def final_logits(
+    h: torch.Tensor,  # [T, hidden] fp32 or bf16, contiguous
+    rows: torch.Tensor,  # [N] int64
+    norm: torch.Tensor,  # [hidden] fp32
+    eps: float,
+    head: torch.Tensor,  # [vocab, hidden] dense fp32 or bf16
+) -> torch.Tensor:  # [N, vocab] float32
+    """The logits of ``h``'s rows ``rows``: :func:`rms_norm_rows` with ``norm`` then :func:`dense_linear` with
+    ``head``, bit for bit, in one call (a step's final norm and LM head)."""
+    lib = cpu_qgemm.library()
+    assert lib is not None, "cpu_layers.final_logits without its library"
+    y = torch.empty(rows.shape[0], head.shape[0], dtype=torch.float32)
+    failed = lib.final_logits(
+        h.shape[0], h.shape[1], h.data_ptr(), int(h.dtype == torch.bfloat16), rows.data_ptr(), rows.shape[0],
+        norm.data_ptr(), eps, head.data_ptr(), int(head.dtype == torch.bfloat16), head.shape[0], y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed == -2:
+        raise IndexError("cpu_layers.final_logits: a logit row outside h")
+    if failed:
+        raise MemoryError("cpu_layers.final_logits: no memory for the rows")
+    return y
+
+
 def serves_rows(meta: TreeAttentionMetadata) -> bool:
     """Whether every request of the step is a decode or verify step the row-by-row attention serves."""
     return all(not meta.num_queries[b] or cpu_attention.row_by_row(meta, b) for b in range(meta.batch_size)) and any(

@@ -146,6 +146,10 @@ def library() -> ctypes.CDLL | None:
         [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     )
     lib.rms_norm_rows.restype = None
+    lib.final_logits.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.final_logits.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 2
+    lib.final_logits.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    lib.final_logits.restype = ctypes.c_int
     lib.row_top_k.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 2
     lib.row_top_k.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.row_top_k.restype = None

@@ -231,3 +231,17 @@ def test_the_dense_products_are_row_invariant_and_near_pytorchs(dtype, n, k):
     for r in (0, 15, 16, 17, 39):
         assert torch.equal(cpu_layers.dense_linear(x[r : r + 1], w)[0], y[r])
     assert torch.allclose(y, x @ w.float().T, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype):
+    """The step's final norm and LM head in one call (``cpu_layers.final_logits``, what a fused model's ``head``
+    runs) give what ``rms_norm_rows`` then ``dense_linear`` give on the gathered rows; a row outside h is refused."""
+    torch.manual_seed(7)
+    h = torch.randn(9, 72).to(dtype)  # [T, hidden]
+    norm, head = torch.rand(72) + 0.5, torch.randn(50, 72).to(dtype)  # [hidden] fp32, [vocab, hidden]
+    rows = torch.tensor([8, 0, 3, 3])  # [N]: any order, repeats allowed
+    expected = cpu_layers.dense_linear(cpu_layers.rms_norm_rows(h[rows], norm, 1e-5), head)  # [N, vocab]
+    assert torch.equal(cpu_layers.final_logits(h, rows, norm, 1e-5, head), expected)
+    with pytest.raises(IndexError, match="logit row"):
+        cpu_layers.final_logits(h, torch.tensor([9]), norm, 1e-5, head)

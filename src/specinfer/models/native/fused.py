@@ -156,6 +156,16 @@ class FusedLayers:
         """The dense LM head on final-normed ``h``  # [N, hidden] (:attr:`dense_head` set)."""
         return cpu_layers.dense_linear(h, self.dense_head)
 
+    def serves_head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> bool:
+        """Whether :meth:`head` computes the logits of ``h``  # [T, hidden] at ``logit_rows``  # [N] int64."""
+        cpu = h.device.type == "cpu" and logit_rows.device.type == "cpu" and logit_rows.dtype == torch.int64
+        dense = self.final_norm is not None and self.dense_head is not None and self.takes(logit_rows.shape[0])
+        return cpu and dense and h.dtype in (torch.float32, torch.bfloat16) and h.is_contiguous()
+
+    def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        """:meth:`norm` then :meth:`logits` of ``h``'s rows ``logit_rows`` in one C call (:meth:`serves_head`)."""
+        return cpu_layers.final_logits(h, logit_rows.contiguous(), self.final_norm, self.eps, self.dense_head)
+
     def _address(self, x: torch.Tensor | None) -> int:
         if x is None:
             return 0

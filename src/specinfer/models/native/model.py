@@ -158,6 +158,8 @@ class NativeModel:
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """Final norm and LM head on the rows ``logit_rows`` of ``h``  # [T, hidden]; Gemma 2 soft-caps the logits
         (in fp32, where transformers does it in the model's dtype: the same in the fp32 tests, finer otherwise)."""
+        if self.fused is not None and self.fused.serves_head(h, logit_rows):
+            return soft_cap(self.fused.head(h, logit_rows), self.spec.final_softcap)  # the same, one C call
         return soft_cap(self._lm_head(self._final(h[logit_rows])).float(), self.spec.final_softcap)
 
     # Hooks a tensor-parallel shard overrides (specinfer.models.native.parallel.stage): here the

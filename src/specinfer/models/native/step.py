@@ -144,7 +144,9 @@ class PackedStep:
         """``tokens, positions, cache_rows, logit_rows`` as int64 tensors on ``device`` (views of one copy)."""
         t = len(self.tokens)
         packed = torch.tensor(self.tokens + self.positions + self.cache_rows + self.logit_rows, dtype=torch.long)
-        return packed.to(device).split((t, t, t, len(self.logit_rows)))
+        if device.type != "cpu":
+            packed = packed.to(device)
+        return packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t :]  # slices: cheaper than split
 
     def segments(self) -> Segments:
         """The step's attention segments as the fused CPU layers read them (no attention metadata built)."""
