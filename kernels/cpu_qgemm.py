@@ -53,6 +53,10 @@ SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in ("attention",
 HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
+# the most of the CPU's instructions the kernels are built for: native (all it lists), avx512 (no AMX), avx2 (neither
+# AVX-512 nor AMX). To run, on a CPU with AMX, as a CPU without it runs (with ONEDNN_MAX_CPU_ISA for PyTorch's GEMMs)
+ISA_ENV = "SPECINFER_CPU_ISA"
+ISA_CAPS = ("native", "avx512", "avx2")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 # where the CPU has them, the dense products' AVX-512 tiles (and AVX512-BF16's pair products for bf16 weights)
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
@@ -86,18 +90,30 @@ def _gate() -> str | None:
 def isa_flags() -> tuple[str, ...]:
     """The compiler flags for this CPU's instructions beyond AVX2 that the kernels use: AVX-512 (F, BW and VL: all
     three or none), then AVX512-BF16, AVX512-VNNI and AMX (tiles and bf16) on top; none where /proc/cpuinfo does not
-    list them."""
+    list them, or beyond ``SPECINFER_CPU_ISA``'s cap (:data:`ISA_CAPS`)."""
+    cap = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: one of {', '.join(ISA_CAPS)}")
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ()
     line = next((x for x in text.splitlines() if x.startswith("flags")), "")
     have = set(line.partition(":")[2].split())
-    if not set(AVX512) <= have:
+    if cap == "avx2" or not set(AVX512) <= have:
         return ()
-    amx = AMX.values() if set(AMX) <= have else ()
+    amx = AMX.values() if set(AMX) <= have and cap == "native" else ()
     extra = (flag for name, flag in {**AVX512_BF16, **AVX512_VNNI}.items() if name in have)
     return (*AVX512.values(), *extra, *amx)
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for here (:func:`isa_flags`): ``amx``, ``avx512`` or ``avx2``, or
+    ``none`` where they cannot run (:func:`_gate`)."""
+    if _gate() is not None:
+        return "none"
+    flags = isa_flags()
+    return "amx" if AMX["amx_tile"] in flags else "avx512" if flags else "avx2"
 
 
 def _compiler() -> str | None:

@@ -3,6 +3,10 @@ exactness of speculation rests on: a row's result is the same whatever the other
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,54 @@ def test_one_openmp_runtime_in_the_process():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line.split()[-1]}
     assert len(gomp) == 1, gomp
+
+
+def test_the_isa_cap_drops_amx_then_avx512(monkeypatch):
+    """``SPECINFER_CPU_ISA`` caps the instructions the library is built for, each cap a subset of the one above it;
+    a value outside the caps is refused naming the variable. (The flags are read once a process: cleared here.)"""
+    native = set(cpu_qgemm.isa_flags())
+
+    def capped(isa: str) -> tuple[str, ...]:
+        monkeypatch.setenv(cpu_qgemm.ISA_ENV, isa)
+        cpu_qgemm.isa_flags.cache_clear()
+        return cpu_qgemm.isa_flags()
+
+    try:
+        avx512 = set(capped("avx512"))
+        assert avx512 <= native and not avx512 & set(cpu_qgemm.AMX.values())
+        assert cpu_qgemm.isa() == ("avx512" if avx512 else "avx2")
+        assert capped("AVX2") == () and cpu_qgemm.isa() == "avx2"
+        with pytest.raises(ValueError, match=cpu_qgemm.ISA_ENV):
+            capped("sse4")
+    finally:
+        monkeypatch.undo()  # the variable as it was
+        cpu_qgemm.isa_flags.cache_clear()
+    assert set(cpu_qgemm.isa_flags()) == native
+
+
+@pytest.mark.skipif(cpu_qgemm.isa() == "avx2", reason="the CPU has nothing above AVX2 to cap")
+def test_a_capped_library_computes_what_the_native_one_does():
+    """Built for the instructions one cap below this CPU's (another library file), the dense and int8 products give
+    what the native library gives within rounding, and a capped AMX CPU's products leave the tiles."""
+    cap = "avx512" if cpu_qgemm.isa() == "amx" else "avx2"
+    script = (
+        "import torch, sys\n"
+        "from specinfer.kernels import cpu_layers, cpu_qgemm\n"
+        "torch.manual_seed(0)\n"
+        "w, x = torch.randn(48, 256).bfloat16(), torch.randn(3, 256).bfloat16().float()\n"
+        "q, s = cpu_qgemm.quantize_int8(w.float())\n"
+        "torch.save((cpu_layers.dense_linear(x, w), cpu_qgemm.linear(x, 'int8', q, s, torch.float32)), sys.argv[1])\n"
+        "print(cpu_qgemm.isa(), cpu_layers.amx())\n"
+    )
+    outs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, isa in enumerate(("native", cap)):
+            env = {**os.environ, cpu_qgemm.ISA_ENV: isa}
+            done = subprocess.run(
+                [sys.executable, "-c", script, f"{tmp}/{i}.pt"], env=env, capture_output=True, text=True, check=True
+            )
+            outs.append((done.stdout.split(), torch.load(f"{tmp}/{i}.pt")))
+    (native_isa, _), (dense, int8) = outs[0]
+    (capped_isa, amx), (dense_c, int8_c) = outs[1]
+    assert native_isa == cpu_qgemm.isa() and capped_isa == cap and amx == "False"
+    assert torch.allclose(dense, dense_c, rtol=1e-5, atol=1e-4) and torch.allclose(int8, int8_c, rtol=1e-5, atol=1e-4)

@@ -40,6 +40,7 @@ import torch
 
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.engine.calibrate import ProbeConfig
+from specinfer.kernels import cpu_qgemm
 from specinfer.models.dtypes import resolve_dtype
 from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS
 
@@ -131,7 +132,12 @@ def host_description(device: str) -> str:
         cpu = f"{cpu} {names[0]}" if names else cpu
     dev = torch.device(device)
     gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" and torch.cuda.is_available() else ""
-    return f"torch {torch.__version__}, {cpu}{gpu}"
+    # the instructions the products use: PyTorch's kernels' and oneDNN's (capped by their environment variables) and
+    # our C kernels' (SPECINFER_CPU_ISA): the same CPU capped runs as another CPU
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip()
+    isa = f", {torch.backends.cpu.get_cpu_capability()}, kernels {cpu_qgemm.isa()}"
+    isa += f", oneDNN {onednn}" if onednn else ""
+    return f"torch {torch.__version__}, {cpu}{isa}{gpu}"
 
 
 @dataclass(frozen=True)
