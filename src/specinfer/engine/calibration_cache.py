@@ -9,8 +9,9 @@ Terms.
   SSM's :class:`~specinfer.core.costs.CostTable`) and the key it was measured under.
 - *Key* (:class:`CalibrationKey`): everything that changes what the models' passes cost: each
   checkpoint's files (:func:`checkpoint_digest`) and how it runs (:class:`ModelRuntime`: dtype,
-  device, backend, kernels, offloading, quantization), the host (torch threads and version, the CPU or GPU),
-  what is cached with the calibration's own parameters, and :data:`FORMAT_VERSION`. The file is
+  device, backend, kernels, offloading, quantization), the host (torch threads and version, the CPU or GPU, the
+  instructions the products use), the code that measured it (:func:`code_digest`), what is cached with the
+  calibration's own parameters, and :data:`FORMAT_VERSION`. The file is
   named by a digest of the key and repeats the key, so a file whose key or version differs from
   the one asked for is *stale*.
 - *Folder* (:func:`cache_dir`): ``--calibration-cache DIR``, else ``SPECINFER_CALIBRATION_CACHE``,
@@ -26,6 +27,7 @@ A cache is only a cache: any failure to read or write it costs a calibration, ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -140,6 +142,19 @@ def host_description(device: str) -> str:
     return f"torch {torch.__version__}, {cpu}{isa}{gpu}"
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code that runs the passes: specinfer's Python modules and the C kernels' sources, by path and
+    content. Another release, or an edited checkout, prices steps its own way (a kernel, which path a step size takes),
+    so an entry another code measured is stale: its costs would steer the planner by a machine that no longer runs."""
+    roots = {Path(__file__).resolve().parents[1], Path(cpu_qgemm.__file__).resolve().parent}  # kernels: editable
+    digest = hashlib.sha256()
+    for root in sorted(roots):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h") and p.is_file()):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class CalibrationKey:
     """What an entry was measured under (module docstring). ``kind``: what it holds (``engine``:
@@ -152,6 +167,7 @@ class CalibrationKey:
     params: tuple[tuple[str, str], ...]
     threads: int
     host: str
+    code: str = ""  # :func:`code_digest`: what code measured it
     version: int = FORMAT_VERSION
 
     @staticmethod
@@ -165,6 +181,7 @@ class CalibrationKey:
             tuple(sorted((k, str(v)) for k, v in params.items())),
             torch.get_num_threads(),
             host_description(device),
+            code_digest(),
         )
 
     def as_json(self) -> dict:
