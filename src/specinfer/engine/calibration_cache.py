@@ -147,9 +147,9 @@ def code_digest() -> str:
     """A digest of the code that runs the passes: specinfer's Python modules and the C kernels' sources, by path and
     content. Another release, or an edited checkout, prices steps its own way (a kernel, which path a step size takes),
     so an entry another code measured is stale: its costs would steer the planner by a machine that no longer runs."""
-    roots = {Path(__file__).resolve().parents[1], Path(cpu_qgemm.__file__).resolve().parent}  # kernels: editable
+    package, kernels = Path(__file__).resolve().parents[1], Path(cpu_qgemm.__file__).resolve().parent
     digest = hashlib.sha256()
-    for root in sorted(roots):
+    for root in [package] if kernels.is_relative_to(package) else [package, kernels]:  # apart in an editable install
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h") and p.is_file()):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]

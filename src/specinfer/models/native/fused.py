@@ -49,10 +49,13 @@ def row_cap(spec: ModelSpec, kind: int, capability: str, amx: bool) -> int | Non
     ``AVX512``)."""
     if kind in (cpu_layers.INT4, cpu_layers.INT8) or capability == "AVX2" or (kind == cpu_layers.DENSE_BF16 and amx):
         return None
-    d = spec.head_dim
-    qkv = spec.hidden_size * (spec.heads + 2 * spec.kv_heads) * d
-    macs = qkv + spec.heads * d * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size  # a layer's
-    return max(1, min(cpu_attention.MAX_ROWS, 1 + EXTRA_ROW_MACS // macs))
+    return max(1, min(cpu_attention.MAX_ROWS, 1 + EXTRA_ROW_MACS // layer_macs(spec)))
+
+
+def layer_macs(spec: ModelSpec) -> int:
+    """A decoder layer's multiply-adds a row in its products: q/k/v, o, gate and up, down."""
+    d, hidden = spec.head_dim, spec.hidden_size
+    return hidden * (spec.heads + 2 * spec.kv_heads) * d + spec.heads * d * hidden + 3 * hidden * spec.intermediate_size
 
 
 # what the per-operation path pays a layer beyond its products: about 60 dispatched operations (BENCHMARKS.md, "Fused
@@ -78,14 +81,12 @@ def probe_row_cap(model: NativeModel, floor: int) -> int:
     layer's largest), two layers' in turn so that they stream from memory as in a step, through the C tiles and
     through the per-operation path's product, each scaled to the layer's multiply-adds, the per-operation one plus
     :data:`DISPATCH_SECONDS`. Where the weights are large a one-row product waits on memory, not on arithmetic, so
-    the C tiles' extra rows are free up to where their arithmetic catches up (a 1B shape without AMX: about 6 rows,
-    where the formula says 1; BENCHMARKS.md). Tens of milliseconds to a second, once per model load."""
+    the C tiles' extra rows cost little until their arithmetic catches up (a 1B shape on AVX512-BF16 without AMX:
+    8-12 rows measured, where the formula says 1; BENCHMARKS.md). Tens of milliseconds to a second, once per model
+    load."""
     spec, layers = model.spec, model.w.layers[:2]
     weights = [layer.up_w for layer in layers]
-    d = spec.head_dim
-    layer_macs = spec.hidden_size * ((spec.heads + 2 * spec.kv_heads) * d + 3 * spec.intermediate_size)
-    layer_macs += spec.heads * d * spec.hidden_size
-    scale = layer_macs / (weights[0].shape[0] * weights[0].shape[1])
+    scale = layer_macs(spec) / (weights[0].shape[0] * weights[0].shape[1])
     rows, fused, per_op = [], [], []
     generator = torch.Generator().manual_seed(0)  # not the global one: loading a model leaves it as it was
     for r in (n for n in PROBE_ROWS if n > floor):
