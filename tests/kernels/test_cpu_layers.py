@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Con
 from specinfer.kernels import cpu_layers, cpu_qgemm
 from specinfer.models.interface import TreeForward
 from specinfer.models.native import NativeBackend, NativeOptions
-from specinfer.models.native.fused import PROBE_ROWS, cap_from_times, probe_row_cap, row_cap
+from specinfer.models.native.fused import row_cap
 from specinfer.models.native.spec import ModelSpec
 from specinfer.models.native.step import PackedStep, StepRequest, fused_served, split_for_fused
 
@@ -245,26 +245,3 @@ def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype):
     assert torch.equal(cpu_layers.final_logits(h, rows, norm, 1e-5, head), expected)
     with pytest.raises(IndexError, match="logit row"):
         cpu_layers.final_logits(h, torch.tensor([9]), norm, 1e-5, head)
-
-
-def test_the_row_cap_is_the_last_size_where_the_c_layers_are_no_slower():
-    """Measured seconds a layer (C, per operation) at ascending sizes: the cap is the largest size whose C time is at
-    most the per-operation time with every smaller size's too; 1 where the first is slower."""
-    rows = (2, 4, 8, 16)
-    assert cap_from_times(rows, (1, 2, 3, 4), (2, 3, 4, 5)) == 16
-    assert cap_from_times(rows, (1, 2, 5, 4), (2, 3, 4, 5)) == 4  # slower at 8: 16 is not taken, though faster
-    assert cap_from_times(rows, (3, 2, 3, 4), (2, 3, 4, 5)) == 1
-    assert cap_from_times((), (), ()) == 1
-
-
-def test_the_probe_keeps_the_formulas_cap_at_least_and_the_global_generator(checkpoint):
-    """Timed on the model's own weights: a cap of the sizes probed (or the formula's floor), and torch's global
-    random state untouched by loading a model."""
-    backend = _load(checkpoint, "float32", "none")
-    model = backend._local_model()
-    if model.fused is None:
-        pytest.skip("dense weights go through the C layers on AVX2 and AVX-512 CPUs only")
-    state = torch.random.get_rng_state()
-    cap = probe_row_cap(model, 3)
-    assert cap == 3 or (cap in PROBE_ROWS and cap > 3)
-    assert torch.equal(torch.random.get_rng_state(), state)

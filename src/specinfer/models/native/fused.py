@@ -12,8 +12,6 @@ whatever else is in its batch: its result, bit for bit, depends on the row alone
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,67 +54,6 @@ def layer_macs(spec: ModelSpec) -> int:
     """A decoder layer's multiply-adds a row in its products: q/k/v, o, gate and up, down."""
     d, hidden = spec.head_dim, spec.hidden_size
     return hidden * (spec.heads + 2 * spec.kv_heads) * d + spec.heads * d * hidden + 3 * hidden * spec.intermediate_size
-
-
-# what the per-operation path pays a layer beyond its products: about 60 dispatched operations (BENCHMARKS.md, "Fused
-# CPU decoder layers")
-DISPATCH_SECONDS = 0.3e-3
-PROBE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # step sizes the probe times, up to the attention's most
-
-
-def cap_from_times(rows: Sequence[int], fused: Sequence[float], per_op: Sequence[float]) -> int:
-    """The row cap from measured seconds a layer at each of ``rows`` (ascending): the largest size whose fused time
-    is at most the per-operation time, every smaller size's too; 1 where none is."""
-    cap = 1
-    for r, f, p in zip(rows, fused, per_op, strict=True):
-        if f > p:
-            break
-        cap = r
-    return cap
-
-
-def probe_row_cap(model: NativeModel, floor: int) -> int:
-    """The row cap measured on ``model``'s own weights, at least ``floor`` (:func:`row_cap`'s, which prices every
-    extra row's multiply-adds as if the weights cost nothing to read): its MLP input products (gate and up: a
-    layer's largest), two layers' in turn so that they stream from memory as in a step, through the C tiles and
-    through the per-operation path's product, each scaled to the layer's multiply-adds, the per-operation one plus
-    :data:`DISPATCH_SECONDS`. Where the weights are large a one-row product waits on memory, not on arithmetic, so
-    the C tiles' extra rows cost little until their arithmetic catches up (a 1B shape on AVX512-BF16 without AMX:
-    8-12 rows measured, where the formula says 1; BENCHMARKS.md). Tens of milliseconds to a second, once per model
-    load."""
-    spec, layers = model.spec, model.w.layers[:2]
-    weights = [layer.up_w for layer in layers]
-    scale = layer_macs(spec) / (weights[0].shape[0] * weights[0].shape[1])
-    rows, fused, per_op = [], [], []
-    generator = torch.Generator().manual_seed(0)  # not the global one: loading a model leaves it as it was
-    for r in (n for n in PROBE_ROWS if n > floor):
-        x = torch.randn(r, spec.hidden_size, generator=generator).to(model.w.embed.dtype)  # [r, hidden]
-        times = _best(cpu_layers.dense_linear, x.float(), weights), _best(model.linear, x, weights)
-        rows.append(r)
-        fused.append(times[0] * scale)
-        per_op.append(times[1] * scale + DISPATCH_SECONDS)
-        if fused[-1] > 1.25 * per_op[-1]:  # past the crossing: larger steps only widen the gap
-            break
-    cap = max(floor, cap_from_times(rows, fused, per_op))
-    log.info(
-        "fused CPU layers take steps of up to %d rows (measured ms a layer, C / per operation: %s)",
-        cap, ", ".join(f"{r}: {f * 1e3:.2f} / {p * 1e3:.2f}" for r, f, p in zip(rows, fused, per_op, strict=True)),
-    )  # fmt: skip
-    return cap
-
-
-def _best(
-    product: Callable[[torch.Tensor, torch.Tensor], object], x: torch.Tensor, weights: Sequence[torch.Tensor]
-) -> float:
-    """The least of two rounds' mean seconds of ``product(x, w)`` over ``weights`` (after one warm call)."""
-    product(x, weights[0])
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        for w in weights:
-            product(x, w)
-        best = min(best, (time.perf_counter() - start) / len(weights))
-    return best
 
 
 def dense_candidate(spec: ModelSpec, device: torch.device, options: NativeOptions) -> bool:
@@ -209,8 +146,6 @@ class FusedLayers:
         # None: every step the C layers can serve (a test may lower it)
         kind = cpu_layers.weight_kind(model.w.layers[0].up_w)
         self.max_rows = row_cap(spec, kind, torch.backends.cpu.get_cpu_capability(), cpu_layers.amx())
-        if self.max_rows is not None and self.max_rows < cpu_attention.MAX_ROWS:
-            self.max_rows = probe_row_cap(model, self.max_rows)
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows (or an LM head call of that many) is within :attr:`max_rows`."""
