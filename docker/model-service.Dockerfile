@@ -63,15 +63,19 @@ WORKDIR /home/specinfer
 USER 10001:10001
 
 FROM runtime AS ssm-worker
-ENV SPECINFER_PORT=50052
-EXPOSE 50052
+# 50062: its socket (the request manager's Speculate calls over a plain socket, --socket-port in docs/configuration.md)
+ENV SPECINFER_PORT=50052 \
+    SPECINFER_SOCKET_PORT=50062
+EXPOSE 50052 50062
 # health turns SERVING once the models are loaded
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 CMD ["python", "-m", "specinfer.serving.healthcheck"]
 ENTRYPOINT ["specinfer-ssm-worker"]
 
 FROM runtime AS llm-verifier
-ENV SPECINFER_PORT=50053
-EXPOSE 50053
+# 50063: its socket (the request manager's Verify calls over a plain socket, --socket-port in docs/configuration.md)
+ENV SPECINFER_PORT=50053 \
+    SPECINFER_SOCKET_PORT=50063
+EXPOSE 50053 50063
 # health turns SERVING once the LLM is loaded; a big one takes minutes
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 CMD ["python", "-m", "specinfer.serving.healthcheck"]
 ENTRYPOINT ["specinfer-llm-verifier"]

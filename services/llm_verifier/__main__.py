@@ -41,6 +41,7 @@ from specinfer.serving.config import (
     add_model_settings,
     add_server_settings,
     add_setting,
+    check_ports_free,
     internal_token,
     parse_named_paths,
     server_security,
@@ -54,7 +55,8 @@ from specinfer.serving.runner import (
     verifier_cost_entry,
 )
 from specinfer.serving.security import ServerSecurity
-from specinfer.serving.server import ServerConfig, serve, setup_logging
+from specinfer.serving.server import ServerConfig, serve, serve_model, setup_logging
+from specinfer.serving.socket_calls import model_sockets
 
 log = logging.getLogger("specinfer.llm_verifier")
 
@@ -250,6 +252,7 @@ def serve_parallel(
             metrics=metrics,
             watch=lambda: watch_ranks(children, driver),
             security=security,
+            sockets=model_sockets(servicer.socket_server, args.socket_port, security, metrics),
         )
     )
     if code == 0:
@@ -274,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch = plan_parallel(args, os.environ)
         if launch is None or launch.layout.rank == 0:
             server.check_ports_free()
+            check_ports_free(server.host, {"socket-port": args.socket_port})
         if launch is None:
             servicer = load_servicer(args, ModelMetrics(metrics.registry, "llm"))
             llm = servicer.llm
@@ -285,9 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             log.info("model loaded", extra=extra)
             # the model loads before the server starts, so health turns SERVING only once it can verify
-            asyncio.run(
-                serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security)
-            )
+            serve_model(server, SERVICE_NAME, servicer, args.port_file, metrics, security, args.socket_port)
             return 0
     except InvalidArgument as exc:
         return parser.bad_setting(exc)

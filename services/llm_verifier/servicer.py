@@ -19,9 +19,11 @@ from specinfer.models.head_drafter import WithHead
 from specinfer.models.interface import CausalLM
 from specinfer.models.verification import verify_trees
 from specinfer.serving.contexts import ContextStore
-from specinfer.serving.metrics import ModelMetrics
+from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.rpc import rpc_errors
 from specinfer.serving.runner import ModelRunner, ModelThread
+from specinfer.serving.security import ServerSecurity
+from specinfer.serving.socket_calls import SocketServer, proto_handler
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["LlmVerifier"].full_name
@@ -55,6 +57,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         requests (:class:`~specinfer.core.grammar_states.DraftGrammars`; None: unmasked); ``thread``: the one that
         loaded ``llm``, where its calls run (:class:`~specinfer.serving.runner.ModelThread`; None: a new one)."""
         self.name = name
+        self.socket: SocketServer | None = None  # VerifyStream's exchanges over a plain socket, where served
         self.costs = costs
         self.metrics = metrics
         self.vocab_size = llm.vocab_size
@@ -69,6 +72,13 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
 
     def register(self, server: grpc.aio.Server) -> None:
         internal_pb2_grpc.add_LlmVerifierServicer_to_server(self, server)
+
+    def socket_server(self, security: ServerSecurity, metrics: ServiceMetrics, port: int) -> SocketServer:
+        """VerifyStream's exchanges over a plain socket beside the gRPC port (:mod:`specinfer.serving.socket_calls`),
+        on ``port`` (0: a free one), which GetInfo reports once it listens."""
+        handle = proto_handler(internal_pb2.VerifyRequest, self._verify)
+        self.socket = SocketServer(handle, "VerifySocket", security, metrics, port, "socket-port")
+        return self.socket
 
     @rpc_errors
     async def Verify(
@@ -135,6 +145,7 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
             kv_blocks=blocks,
             kv_blocks_free=llm.kv_blocks_free or 0,
             draft_head=isinstance(llm, WithHead),
+            socket_port=(self.socket.port or 0) if self.socket is not None else 0,
         )
         if self.costs is not None:
             info.verify_costs.extend(wire.cost_points_to_proto(self.costs.verify_table))

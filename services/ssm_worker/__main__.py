@@ -7,7 +7,6 @@ Example: ``specinfer-ssm-worker --ssm small=/models/ssm,/models/ssm2 --port 5006
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from specinfer.serving.config import (
     add_model_settings,
     add_server_settings,
     add_setting,
+    check_ports_free,
     internal_token,
     parse_named_paths,
     server_security,
@@ -34,7 +34,7 @@ from specinfer.serving.runner import (
     load_model,
     model_identity,
 )
-from specinfer.serving.server import ServerConfig, serve, setup_logging
+from specinfer.serving.server import ServerConfig, serve_model, setup_logging
 from specinfer.ssm_worker.servicer import SERVICE_NAME, SsmWorkerServicer
 from specinfer.tuning import slot_prior
 
@@ -119,13 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = server_security(args, (internal_token(args),))
         server = ServerConfig.from_args(args)
         server.check_ports_free()
+        check_ports_free(server.host, {"socket-port": args.socket_port})
         metrics = ServiceMetrics(SERVICE_NAME)
         servicer = load_servicer(args, ModelMetrics(metrics.registry, "ssm"))
         log.info("models loaded", extra={"ssms": servicer.models, "vocab_size": servicer.vocab_size})
         # models load before the server starts, so health turns SERVING only once they can draft
-        asyncio.run(
-            serve(server, [SERVICE_NAME], servicer.register, args.port_file, metrics=metrics, security=security)
-        )
+        serve_model(server, SERVICE_NAME, servicer, args.port_file, metrics, security, args.socket_port)
     except InvalidArgument as exc:
         return parser.bad_setting(exc)
     return 0

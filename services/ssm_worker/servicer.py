@@ -17,9 +17,11 @@ from specinfer.core.grammar_states import DraftGrammars
 from specinfer.models.drafting import draft_trees
 from specinfer.models.interface import CausalLM
 from specinfer.serving.contexts import ContextStore
-from specinfer.serving.metrics import ModelMetrics
+from specinfer.serving.metrics import ModelMetrics, ServiceMetrics
 from specinfer.serving.rpc import rpc_errors
 from specinfer.serving.runner import ModelRunner, ModelThread
+from specinfer.serving.security import ServerSecurity
+from specinfer.serving.socket_calls import SocketServer, proto_handler
 from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["SsmWorker"].full_name
@@ -62,6 +64,7 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
         if len(set(sizes.values())) > 1:
             raise InvalidArgument("ssm", f"the SSMs' vocabulary sizes differ: {sizes}")
         self.vocab_size = next(iter(sizes.values()))
+        self.socket: SocketServer | None = None  # SpeculateStream's exchanges over a plain socket, where served
         self._runners = {name: ModelRunner(name, m, (threads or {}).get(name)) for name, m in ssms.items()}
         for name, m in ssms.items():
             metrics.observe_graphs(name, m.graph_stats)  # the start-up warm-up's, before any call
@@ -76,6 +79,14 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
 
     def register(self, server: grpc.aio.Server) -> None:
         internal_pb2_grpc.add_SsmWorkerServicer_to_server(self, server)
+
+    def socket_server(self, security: ServerSecurity, metrics: ServiceMetrics, port: int) -> SocketServer:
+        """SpeculateStream's exchanges over a plain socket beside the gRPC port
+        (:mod:`specinfer.serving.socket_calls`), on ``port`` (0: a free one), which ListModels reports once it
+        listens."""
+        handle = proto_handler(internal_pb2.SpeculateRequest, self._speculate)
+        self.socket = SocketServer(handle, "SpeculateSocket", security, metrics, port, "socket-port")
+        return self.socket
 
     def _runner(self, name: str) -> ModelRunner:
         runner = self._runners.get(name)
@@ -149,4 +160,5 @@ class SsmWorkerServicer(internal_pb2_grpc.SsmWorkerServicer):
             profiles=wire.ssm_profiles_to_proto(
                 self.models, self.draft_costs, self.slot_priors, self._budgets, self.vocabularies
             ),
+            socket_port=(self.socket.port or 0) if self.socket is not None else 0,
         )

@@ -45,11 +45,12 @@ REDIS = {"external-redis": "external", "redis-cluster": "cluster"}
 SERVICES = ("request-manager", "ssm-worker", "llm-verifier")
 PORTS = {"request-manager": 50051, "ssm-worker": 50052, "llm-verifier": 50053}  # gRPC
 HTTP_PORTS = {"request-manager": 8000}  # the request manager's OpenAI-compatible HTTP API
+SOCKET_PORTS = {"ssm-worker": 50062, "llm-verifier": 50063}  # the model services' sockets (SPECINFER_SOCKET_PORT)
 
 
 def public_ports(service: str) -> list[int]:
     """The ports ``service`` serves its API on (the image's EXPOSE); metrics are not among them."""
-    return [PORTS[service], *([HTTP_PORTS[service]] if service in HTTP_PORTS else [])]
+    return [PORTS[service], *(extra[service] for extra in (HTTP_PORTS, SOCKET_PORTS) if service in extra)]
 
 
 # settings a deployment must give each service: the defaults are for one machine (127.0.0.1,

@@ -4,6 +4,7 @@ the services (run here as local processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import importlib.resources
@@ -27,13 +28,14 @@ import yaml
 
 from specinfer.request_manager.state.redis_server import EmbeddedRedis, free_tcp_port
 from specinfer.serving.security import ClientAuth, ClientTls
-from specinfer.v1 import api_pb2, api_pb2_grpc
+from specinfer.v1 import api_pb2, api_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 from .artifacts import (
     HTTP_PORTS,
     PORTS,
     REPO,
     REQUIRED,
+    SOCKET_PORTS,
     STACKS,
     compose,
     compose_raw,
@@ -263,6 +265,9 @@ def local_command(
         env.update(TEST_OVERRIDES)
     assert env["SPECINFER_METRICS_PORT"] == "9464"
     env["SPECINFER_METRICS_PORT"] = "0"  # containers each have their own 9464; processes on one host do not
+    if image.service in SOCKET_PORTS:  # the same for the model services' sockets
+        assert env["SPECINFER_SOCKET_PORT"] == str(SOCKET_PORTS[image.service])
+        env["SPECINFER_SOCKET_PORT"] = "0"
     for old, new in replace.items():
         env = {k: v.replace(old, new) for k, v in env.items()}
     secrets = secret_files(stack, name, variables)
@@ -327,6 +332,37 @@ def http_get(url: str, context: ssl.SSLContext | None, key: str = "") -> tuple[i
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def verify_socket_speaks_tls(manager_env: dict[str, str], verifier: str) -> None:
+    """The verifier's verify socket takes the request manager's TLS files and internal token, as its gRPC port
+    does, and refuses a client without the token or without a certificate."""
+    from specinfer.serving.socket_calls import SocketUnary
+
+    tls = ClientTls.from_files(*(manager_env[f"SPECINFER_TLS_{n}"] for n in ("CA", "CLIENT_CERT", "CLIENT_KEY")))
+    token = Path(manager_env["SPECINFER_INTERNAL_TOKEN_FILE"]).read_text().strip()
+    manager = ClientAuth(tls, token)
+    with manager.channel(verifier) as channel:
+        info = internal_pb2_grpc.LlmVerifierStub(channel).GetInfo(
+            internal_pb2.LlmInfoRequest(), timeout=10, metadata=manager.metadata
+        )
+    assert info.socket_port > 0
+    host = verifier.rpartition(":")[0]
+
+    async def calls() -> None:
+        call = SocketUnary(host, info.socket_port, internal_pb2.VerifyResponse, manager)
+        assert not (await call(internal_pb2.VerifyRequest(), 10)).results  # nothing to verify: an empty answer
+        call.close()
+        for auth, code in (
+            (ClientAuth(tls, "wrong"), grpc.StatusCode.UNAUTHENTICATED),
+            (ClientAuth(ClientTls.from_files(tls.ca), token), grpc.StatusCode.UNAVAILABLE),  # mTLS: no certificate
+        ):
+            refused = SocketUnary(host, info.socket_port, internal_pb2.VerifyResponse, auth)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await refused(internal_pb2.VerifyRequest(), 10)
+            assert err.value.code() == code
+
+    asyncio.run(calls())
 
 
 @pytest.mark.slow
@@ -411,6 +447,8 @@ def test_compose_services_start_as_local_processes(model_pair, tmp_path, stack):
                 )
                 *_, last = stub.Generate(request, timeout=30, metadata=auth.metadata)
                 assert last.finished.usage.completion_tokens == 8 and last.finished.usage.mean_tree_size > 1
+            if tls:
+                verify_socket_speaks_tls(env, verifier.address)
             # the HTTP API on the port the stack sets: HTTPS with the gRPC port's certificate in the tls stack
             base = f"{'https' if tls else 'http'}://127.0.0.1:{env['SPECINFER_HTTP_PORT']}"
             assert http_get(f"{base}/health", context) == (200, {"status": "ok"})  # probes need no key

@@ -32,6 +32,7 @@ from .artifacts import (
     HTTP_PORTS,
     PORTS,
     REPO,
+    SOCKET_PORTS,
     console_scripts,
     dockerfile_instructions,
     dockerfile_stages,
@@ -101,6 +102,9 @@ def test_dockerfile_rules(dockerfile):
         assert stage.env["SPECINFER_PORT"] == str(PORTS[service]) and stage.env["SPECINFER_HOST"] == "0.0.0.0"
         if service in HTTP_PORTS:
             assert stage.env["SPECINFER_HTTP_PORT"] == str(HTTP_PORTS[service])
+        assert stage.env.get("SPECINFER_SOCKET_PORT") == (
+            str(SOCKET_PORTS[service]) if service in SOCKET_PORTS else None
+        )
     assert not [args for ins, args in instructions if ins == "ADD"], "use COPY; nothing is downloaded with ADD"
     assert not re.search(r":latest\b", dockerfile.read_text())
     for ins, args in instructions:

@@ -24,6 +24,7 @@ from .artifacts import (
     REDIS,
     REQUIRED,
     SERVICES,
+    SOCKET_PORTS,
     image_key,
     images,
     public_ports,
@@ -217,8 +218,9 @@ def test_ports_agree(name):
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert named == {"grpc": port, "metrics": METRICS_PORT} | (
             {"http": HTTP_PORTS[service]} if service in HTTP_PORTS else {}
-        )
+        ) | ({"socket": SOCKET_PORTS[service]} if service in SOCKET_PORTS else {})
         assert env["SPECINFER_PORT"] == str(port)
+        assert env.get("SPECINFER_SOCKET_PORT") == (str(SOCKET_PORTS[service]) if service in SOCKET_PORTS else None)
         assert env.get("SPECINFER_HTTP_PORT") == (str(HTTP_PORTS[service]) if service in HTTP_PORTS else None)
         assert env["SPECINFER_METRICS_PORT"] == str(METRICS_PORT)
         assert workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
@@ -317,7 +319,12 @@ def test_gpu_overlay_puts_the_models_on_gpus():
 # (pods, port) -> the pods of this namespace that may connect there, by the Redis the overlay uses:
 # the request manager reaches the model services and Redis; Redis Cluster nodes also reach each
 # other (replication on 6379, the cluster bus on 16379) and the Job that forms the cluster reaches them
-INTERNAL = {("ssm-worker", 50052): {"request-manager"}, ("llm-verifier", 50053): {"request-manager"}}
+INTERNAL = {
+    ("ssm-worker", 50052): {"request-manager"},
+    ("ssm-worker", 50062): {"request-manager"},  # its socket
+    ("llm-verifier", 50053): {"request-manager"},
+    ("llm-verifier", 50063): {"request-manager"},  # its socket
+}
 REDIS_INGRESS = {
     "single": {("redis", 6379): {"request-manager"}},
     "external": {},

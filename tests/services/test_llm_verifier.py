@@ -204,6 +204,35 @@ def test_invalid_argument_names_the_field(services, local, model_pair, case):
     release(services.llm_stub, [j.request_id for j in jobs])
 
 
+def twin_jobs(local, model_pair, prefix: str) -> tuple[list[VerifySpec], list[VerifySpec]]:
+    """Two drafted greedy jobs, and the same two under other request IDs (for unary calls beside them)."""
+    jobs = drafted_jobs(local, model_pair, GREEDY, prefix, count=2)
+    twins = [VerifySpec(fresh_id("unary"), j.context_tokens, j.draft, GREEDY, 40 + i, i) for i, j in enumerate(jobs)]
+    return jobs, twins
+
+
+def request(jobs: list[VerifySpec]) -> internal_pb2.VerifyRequest:
+    return internal_pb2.VerifyRequest(items=[verify_item(j, 40 + i, i) for i, j in enumerate(jobs)])
+
+
+def verdicts(response: internal_pb2.VerifyResponse) -> list[tuple[tuple[int, ...], int]]:
+    return [(tuple(r.accepted_tokens), r.bonus_token) for r in response.results]
+
+
+async def answers_as_unary(verify, stub, jobs: list[VerifySpec], twins: list[VerifySpec]) -> None:
+    """``verify``'s exchanges answer what unary Verify calls of the same trees (``twins``) answer, the second on the
+    same stream or connection too (the contexts are known); an invalid tree ends it with INVALID_ARGUMENT naming the
+    field; the next call opens another, which knows the contexts."""
+    for _ in range(2):
+        assert verdicts(await verify(request(jobs), 30)) == verdicts(await stub.Verify(request(twins), timeout=30))
+    bad = request(jobs)
+    bad.items[0].tree.parents[0] = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await verify(bad, 30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[0].tree" in err.value.details()
+    assert all(not r.cache_miss for r in (await verify(request(jobs), 30)).results)
+
+
 def test_verify_calls_over_a_stream_answer_what_unary_calls_answer(services, local, model_pair):
     """The request manager's StreamedUnary (services/request_manager/cluster/streamed.py) against the real verifier:
     each exchange answers what a Verify call answers; an invalid request ends its stream with the status Verify
@@ -214,30 +243,13 @@ def test_verify_calls_over_a_stream_answer_what_unary_calls_answer(services, loc
     from specinfer.request_manager.cluster.streamed import StreamedUnary
     from specinfer.v1 import internal_pb2_grpc
 
-    streamed_jobs = drafted_jobs(local, model_pair, GREEDY, "streamed", count=2)
-    unary_jobs = [VerifySpec(fresh_id("unary"), j.context_tokens, j.draft, GREEDY, 40 + i, i) for i, j in
-                  enumerate(streamed_jobs)]  # fmt: skip
-
-    def request(jobs):
-        return internal_pb2.VerifyRequest(items=[verify_item(j, 40 + i, i) for i, j in enumerate(jobs)])
-
-    def verdicts(response):
-        return [(tuple(r.accepted_tokens), r.bonus_token) for r in response.results]
+    streamed_jobs, unary_jobs = twin_jobs(local, model_pair, "streamed")
 
     async def scenario():
         async with grpc.aio.insecure_channel(services.llm_verifier.address) as channel:
             stub = internal_pb2_grpc.LlmVerifierStub(channel)
             verify = StreamedUnary(stub.VerifyStream, stub.Verify, ())
-            for _ in range(2):  # the second exchange on the same stream: the contexts are known, as for unary calls
-                assert verdicts(await verify(request(streamed_jobs), 30)) == verdicts(
-                    await stub.Verify(request(unary_jobs), timeout=30)
-                )
-            bad = request(streamed_jobs)
-            bad.items[0].tree.parents[0] = 0
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await verify(bad, 30)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[0].tree" in err.value.details()
-            assert all(not r.cache_miss for r in (await verify(request(streamed_jobs), 30)).results)
+            await answers_as_unary(verify, stub, streamed_jobs, unary_jobs)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await verify(request(streamed_jobs), 1e-6)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -255,3 +267,75 @@ def test_verify_calls_over_a_stream_answer_what_unary_calls_answer(services, loc
 
     asyncio.run(scenario())
     release(services.llm_stub, [j.request_id for j in streamed_jobs + unary_jobs])
+
+
+def test_verify_calls_over_the_socket_answer_what_unary_calls_answer(services, local, model_pair):
+    """The verify socket (specinfer/serving/socket_calls.py) of the real verifier, which GetInfo names: each
+    exchange answers what a Verify call answers; an invalid request ends its connection with the status Verify
+    returns, naming the field, and the next call opens another; bytes that are no VerifyRequest get
+    INVALID_ARGUMENT; a socket that moved (a restart) is asked for again, and one that cannot be reached sends the
+    replica's calls over gRPC's stream (SocketFirst)."""
+    import asyncio
+
+    from specinfer.request_manager.cluster.streamed import SocketFirst, StreamedUnary
+    from specinfer.serving.security import ClientAuth
+    from specinfer.serving.socket_calls import SocketUnary
+    from specinfer.v1 import internal_pb2_grpc
+
+    port = services.llm_stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=10).socket_port
+    assert port > 0
+    host = services.llm_verifier.address.rpartition(":")[0]
+    socket_jobs, unary_jobs = twin_jobs(local, model_pair, "socket")
+
+    async def scenario():
+        verify = SocketUnary(host, port, internal_pb2.VerifyResponse, ClientAuth())
+        async with grpc.aio.insecure_channel(services.llm_verifier.address) as channel:
+            stub = internal_pb2_grpc.LlmVerifierStub(channel)
+            await answers_as_unary(verify, stub, socket_jobs, unary_jobs)
+            garbage = SocketUnary(host, port, internal_pb2.VerifyResponse, ClientAuth())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await garbage(Garbage(), 30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request" in err.value.details()
+            verify.close()
+            closed = free_port()
+
+            async def asked(timeout: float) -> int:  # what the verifier says its socket's port is
+                return (await stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=timeout)).socket_port
+
+            async def still_closed(timeout: float) -> int:  # a port it says, which this client cannot reach
+                return closed
+
+            # a port nothing listens on any more (a restarted verifier listens elsewhere): asked again, it moves
+            moved = SocketFirst(
+                SocketUnary(host, closed, internal_pb2.VerifyResponse, ClientAuth()),
+                StreamedUnary(stub.VerifyStream, stub.Verify, ()),
+                asked,
+            )
+            assert all(not r.cache_miss for r in (await moved(request(socket_jobs), 30)).results)
+            assert moved.socket is not None and moved.socket.port == port and moved.socket.reached
+            moved.close()
+            # a port it names but this client cannot reach (a network policy): the calls go over the stream
+            unreachable = SocketUnary(host, closed, internal_pb2.VerifyResponse, ClientAuth())
+            calls = SocketFirst(unreachable, StreamedUnary(stub.VerifyStream, stub.Verify, ()), still_closed)
+            assert all(not r.cache_miss for r in (await calls(request(socket_jobs), 30)).results)
+            assert calls.socket is None and not unreachable.reached
+            calls.close()
+
+    asyncio.run(scenario())
+    release(services.llm_stub, [j.request_id for j in socket_jobs + unary_jobs])
+
+
+class Garbage:
+    """A request whose bytes parse as no protobuf message (a truncated varint)."""
+
+    def SerializeToString(self) -> bytes:
+        return b"\xff\xff\xff"
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

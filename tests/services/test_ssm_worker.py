@@ -312,15 +312,23 @@ def test_invalid_argument_names_the_field(services, model_pair, case):
     )
 
 
-def test_speculate_calls_over_a_stream_match_draft_trees(services, local_ssms, model_pair):
-    """SpeculateStream through the request manager's StreamedUnary: each exchange drafts what draft_trees drafts,
-    for each SSM on its own stream; an unknown SSM ends the stream with Speculate's status, and the next call works."""
+@pytest.mark.parametrize("via", ["stream", "socket"])
+def test_speculate_calls_over_a_stream_or_the_socket_match_draft_trees(services, local_ssms, model_pair, via):
+    """SpeculateStream through the request manager's StreamedUnary, and the same messages over the worker's socket
+    (specinfer/serving/socket_calls.py, the port ListModels names): each exchange drafts what draft_trees drafts,
+    for each SSM on its own stream or connection; an unknown SSM ends it with Speculate's status, and the next call
+    works."""
     import asyncio
 
     from specinfer.request_manager.cluster.streamed import StreamedUnary
+    from specinfer.serving.security import ClientAuth
+    from specinfer.serving.socket_calls import SocketUnary
     from specinfer.v1 import internal_pb2_grpc
 
-    drafts = {ssm: some_drafts(model_pair, SAMPLING, f"streamed-{ssm}") for ssm in ("ssm", "ssm2")}
+    drafts = {ssm: some_drafts(model_pair, SAMPLING, f"{via}-{ssm}") for ssm in ("ssm", "ssm2")}
+    port = services.ssm_stub.ListModels(internal_pb2.ListModelsRequest(), timeout=10).socket_port
+    assert port > 0
+    host = services.ssm_worker.address.rpartition(":")[0]
 
     def request(ssm: str) -> internal_pb2.SpeculateRequest:
         return internal_pb2.SpeculateRequest(ssm=ssm, items=[d.item() for d in drafts[ssm]])
@@ -328,13 +336,18 @@ def test_speculate_calls_over_a_stream_match_draft_trees(services, local_ssms, m
     async def scenario():
         async with grpc.aio.insecure_channel(services.ssm_worker.address) as channel:
             stub = internal_pb2_grpc.SsmWorkerStub(channel)
-            calls = {ssm: StreamedUnary(stub.SpeculateStream, stub.Speculate, ()) for ssm in drafts}
+            calls = {
+                ssm: StreamedUnary(stub.SpeculateStream, stub.Speculate, ())
+                if via == "stream"
+                else SocketUnary(host, port, internal_pb2.SpeculateResponse, ClientAuth())
+                for ssm in drafts
+            }
             responses = await asyncio.gather(*(calls[ssm](request(ssm), 60) for ssm in drafts))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await calls["ssm"](internal_pb2.SpeculateRequest(ssm="nope", items=[]), 60)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             again = await calls["ssm"](request("ssm"), 60)  # a new stream; the contexts are known
-            assert all(calls[ssm].streams for ssm in drafts)
+            assert via == "socket" or all(calls[ssm].streams for ssm in drafts)
             return responses, again
 
     (first, second), again = asyncio.run(scenario())

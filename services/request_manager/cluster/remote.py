@@ -30,7 +30,7 @@ from .discovery import DNS_REFRESH_SECONDS
 from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
-from .streamed import StreamedUnary
+from .streamed import SocketFirst, StreamedUnary, stream_calls
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -59,7 +59,8 @@ class Verifiers(ReplicaPool):
     ) -> None:
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds)
         self._stubs: dict[str, internal_pb2_grpc.LlmVerifierStub] = {}
-        self._verify_calls: dict[str, StreamedUnary] = {}  # each replica's Verify calls, over one stream
+        # each replica's Verify calls, over its socket or one gRPC stream
+        self._verify_calls: dict[str, StreamedUnary | SocketFirst] = {}
         self.infos: dict[str, internal_pb2.LlmInfo] = {}  # address -> what it reported when it joined
         self.reference: internal_pb2.LlmInfo | None = None  # the first replica's report: what every replica must match
         # where each request runs and the replicas' KV block counts: this pool only reports to it and asks it
@@ -95,7 +96,21 @@ class Verifiers(ReplicaPool):
         self.reference = ref or info
         super()._join(address, channel, info)
         stub = self._stubs[address] = internal_pb2_grpc.LlmVerifierStub(channel)
-        self._verify_calls[address] = StreamedUnary(stub.VerifyStream, stub.Verify, self.auth.metadata)
+
+        async def ask_port(timeout: float) -> int:
+            info = await stub.GetInfo(internal_pb2.LlmInfoRequest(), timeout=timeout, metadata=self.auth.metadata)
+            return info.socket_port
+
+        self._verify_calls[address] = stream_calls(
+            stub.VerifyStream,
+            stub.Verify,
+            self.auth,
+            address,
+            info.socket_port,
+            internal_pb2.VerifyResponse,
+            ask_port,
+            self._tls_names.get(address, ""),
+        )
         self.infos[address] = info
         self.placement_map.join(address, wire.kv_budget_from_proto(info), info.kv_blocks_free)
 
@@ -190,7 +205,7 @@ class Verifiers(ReplicaPool):
         return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))
 
     async def _verify_on(
-        self, verify: StreamedUnary, tracker: ContextTracker, calls: Sequence[VerifySpec]
+        self, verify: StreamedUnary | SocketFirst, tracker: ContextTracker, calls: Sequence[VerifySpec]
     ) -> tuple[dict[str, Verdict], float, int | None]:
         """The verdicts, the round trip in seconds and the KV blocks the replica said were free (None: it has no
         budget)."""

@@ -24,7 +24,7 @@ from specinfer.v1 import internal_pb2
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
 from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
-from .streamed import StreamedUnary
+from .streamed import SocketFirst, StreamedUnary
 from .worker_pool import WorkerPool
 
 log = logging.getLogger("specinfer.request_manager")
@@ -101,7 +101,7 @@ class SsmWorkers(WorkerPool):
         return out
 
     async def _speculate_on(
-        self, speculate: StreamedUnary, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]
+        self, speculate: StreamedUnary | SocketFirst, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]
     ) -> Drafts:
         passes: list[tuple[int, float]] = []
 

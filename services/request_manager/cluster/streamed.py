@@ -9,10 +9,16 @@ every step through the services.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+
+from specinfer.serving.security import ClientAuth
+from specinfer.serving.socket_calls import SocketUnary
+
+log = logging.getLogger("specinfer.request_manager")
 
 RETRY_AFTER_CALLS = 256  # unary calls after a new stream was refused with a status other than UNIMPLEMENTED
 
@@ -104,3 +110,71 @@ class StreamedUnary:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+
+
+def stream_calls(
+    stream_method: Callable[..., Any],
+    unary_method: Callable[..., Any],
+    auth: ClientAuth,
+    address: str,
+    socket_port: int,
+    response_type: Any,
+    ask_port: AskPort,
+    tls_name: str = "",
+) -> StreamedUnary | SocketFirst:
+    """A replica's calls of one method: over its socket where it has one (``socket_port``, on ``address``'s host;
+    ``ask_port``: how to learn the port again), falling back to gRPC's stream (``stream_method``, or
+    ``unary_method`` for an older server); else the stream."""
+    calls = StreamedUnary(stream_method, unary_method, auth.metadata)
+    if not socket_port:
+        return calls
+    host = address.rpartition(":")[0].strip("[]")
+    return SocketFirst(SocketUnary(host, socket_port, response_type, auth, tls_name), calls, ask_port)
+
+
+AskPort = Callable[[float], Awaitable[int]]  # the replica's socket port now, asked over gRPC within a timeout
+
+
+class SocketFirst:
+    """A replica's calls over its socket (:class:`~specinfer.serving.socket_calls.SocketUnary`, cheaper per message
+    than gRPC's stream), else over ``fallback``. Where a connection cannot be opened, the replica is asked for its
+    socket's port again (``ask_port``): a restarted one listens on another (a free port by default), and the call
+    goes there; one without a socket now, or whose port was never reached (a firewall or a network policy that
+    lets only the gRPC port through), gets its calls over ``fallback`` from then on. A replica that does not
+    answer the question fails the call as the socket did (it is down)."""
+
+    def __init__(self, socket: SocketUnary, fallback: StreamedUnary, ask_port: AskPort) -> None:
+        self.socket: SocketUnary | None = socket
+        self.fallback = fallback
+        self._ask_port = ask_port
+
+    async def __call__(self, request: Any, timeout: float) -> Any:
+        if self.socket is not None:
+            try:
+                return await self.socket(request, timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not self.socket.unopened:
+                    raise
+                try:
+                    port = await self._ask_port(timeout)
+                except grpc.aio.AioRpcError:
+                    raise exc from None  # down: the call fails as it would over gRPC
+                if port and port != self.socket.port:  # restarted: its socket moved
+                    log.info(
+                        "the socket moved", extra={"address": f"{self.socket.host}:{self.socket.port}", "port": port}
+                    )
+                    self.socket = self.socket.moved(port)
+                    return await self.socket(request, timeout)
+                if port and self.socket.reached:  # the same port, which answered before: a fault of this call
+                    raise
+                log.warning(
+                    "the socket is unreachable or gone; calls go over gRPC",
+                    extra={"address": f"{self.socket.host}:{self.socket.port}", "details": exc.details()},
+                )
+                self.socket = None
+        return await self.fallback(request, timeout)
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close()
+        self.fallback.close()

@@ -23,7 +23,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 from .discovery import DNS_REFRESH_SECONDS
 from .failover import PROBE_SECONDS
 from .replica_pool import JOIN_SECONDS, ReplicaPool
-from .streamed import StreamedUnary
+from .streamed import SocketFirst, StreamedUnary, stream_calls
 
 log = logging.getLogger("specinfer.request_manager")
 
@@ -48,7 +48,8 @@ class WorkerPool(ReplicaPool):
         super().__init__(targets, timeout, auth, refresh_seconds, probe_seconds, join_seconds)
         self._stubs: dict[str, internal_pb2_grpc.SsmWorkerStub] = {}
         # each worker's Speculate calls per SSM, over one stream each (a worker's SSMs draft concurrently)
-        self._speculate_calls: dict[tuple[str, str], StreamedUnary] = {}
+        self._speculate_calls: dict[tuple[str, str], StreamedUnary | SocketFirst] = {}
+        self._socket_ports: dict[str, int] = {}  # address -> its socket's port (0: none)
         self._served: dict[str, tuple[str, ...]] = {}  # address -> SSM names
         self.models: dict[str, list[str]] = {}  # SSM name -> addresses serving it
         self.vocab_size: int | None = vocab_size
@@ -71,6 +72,7 @@ class WorkerPool(ReplicaPool):
         super()._join(address, channel, info)
         self._stubs[address] = internal_pb2_grpc.SsmWorkerStub(channel)
         self._served[address] = tuple(info.models)
+        self._socket_ports[address] = info.socket_port
         for profile in info.profiles:
             if profile.model not in self.profiles or not self.profiles[profile.model].draft_costs:
                 self.profiles[profile.model] = profile
@@ -81,18 +83,33 @@ class WorkerPool(ReplicaPool):
 
     def _leave(self, address: str) -> None:
         super()._leave(address)
-        del self._stubs[address], self._served[address]
+        del self._stubs[address], self._served[address], self._socket_ports[address]
         for key in [k for k in self._speculate_calls if k[0] == address]:
             self._speculate_calls.pop(key).close()
         self._index()
 
-    def speculate_call(self, address: str, ssm: str) -> StreamedUnary:
-        """The Speculate calls to the worker at ``address`` for ``ssm`` (one stream, opened at the first call)."""
+    def speculate_call(self, address: str, ssm: str) -> StreamedUnary | SocketFirst:
+        """The Speculate calls to the worker at ``address`` for ``ssm`` (over one connection of its socket, or one
+        stream, opened at the first call)."""
         call = self._speculate_calls.get((address, ssm))
         if call is None:
             stub = self._stubs[address]
-            call = self._speculate_calls[(address, ssm)] = StreamedUnary(
-                stub.SpeculateStream, stub.Speculate, self.auth.metadata
+
+            async def ask_port(timeout: float) -> int:
+                models = await stub.ListModels(
+                    internal_pb2.ListModelsRequest(), timeout=timeout, metadata=self.auth.metadata
+                )
+                return models.socket_port
+
+            call = self._speculate_calls[(address, ssm)] = stream_calls(
+                stub.SpeculateStream,
+                stub.Speculate,
+                self.auth,
+                address,
+                self._socket_ports[address],
+                internal_pb2.SpeculateResponse,
+                ask_port,
+                self._tls_names.get(address, ""),
             )
         return call
 

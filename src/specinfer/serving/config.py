@@ -257,12 +257,26 @@ def server_security(args: argparse.Namespace, tokens: tuple[str, ...]) -> Server
         raise InvalidArgument("tls", str(exc)) from None
 
 
+def add_socket_setting(parser: argparse.ArgumentParser) -> None:
+    """``--socket-port`` of the model services (:mod:`specinfer.serving.socket_calls`)."""
+    add_setting(
+        parser,
+        "--socket-port",
+        int,
+        0,
+        help="where the request manager's per-step calls (Verify, Speculate) are also answered over a plain socket, "
+        "cheaper per message than gRPC (same host, TLS and token; request managers learn the port from "
+        "GetInfo/ListModels): 0 a free port, -1 none",
+    )
+
+
 def add_model_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the services that run models (see :func:`specinfer.models.loading.load_backend`)."""
     # here, not at the top: the request manager reads this module and runs no model (no torch)
     from specinfer.models.native.backend import DEFAULT_GRAPH_TOKENS, DEFAULT_GRAPH_WARMUP_SECONDS
 
     add_setting(parser, "--backend", default="auto", help="auto, native or reference")
+    add_socket_setting(parser)
     add_setting(
         parser,
         "--dtype",

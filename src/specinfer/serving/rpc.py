@@ -34,12 +34,18 @@ def status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: Callable[..., Any], exc: Exception) -> None:
+def failure_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details a call of ``method`` that raised ``exc`` ends with; an unexpected exception (INTERNAL)
+    is logged with its traceback (call this inside the ``except`` block)."""
     code = status_of(exc)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("call failed", extra={"method": method.__name__})
-        await context.abort(code, f"{type(exc).__name__}: {exc}")
-    await context.abort(code, str(exc))
+        log.exception("call failed", extra={"method": method})
+        return code, f"{type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: Callable[..., Any], exc: Exception) -> None:
+    await context.abort(*failure_status(exc, method.__name__))
 
 
 def rpc_errors(method: Handler) -> Handler:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,17 @@ class ServerTls:
             )
         return grpc.ssl_server_credentials([pair])
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS for a plain socket (:mod:`specinfer.serving.socket_calls`), or None for plaintext."""
+        if not self.enabled:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_ca:
+            context.load_verify_locations(self.client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
 
 @dataclass(frozen=True)
 class ClientTls:
@@ -112,6 +124,15 @@ class ClientTls:
             private_key=_read(self.key, "tls-client-key") if self.key else None,
             certificate_chain=_read(self.cert, "tls-client-cert") if self.cert else None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS for a plain socket (:mod:`specinfer.serving.socket_calls`), or None for plaintext."""
+        if not self.enabled:
+            return None
+        context = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +30,9 @@ from grpc_reflection.v1alpha import reflection
 from specinfer.serving.config import check_ports_free, port_in_use
 from specinfer.serving.metrics import ServiceMetrics
 from specinfer.serving.security import ServerSecurity
+
+if TYPE_CHECKING:
+    from specinfer.serving.socket_calls import SocketServer
 
 MAX_MESSAGE_BYTES = 64 << 20
 FAILED_LINGER_SECONDS = 1.0  # after a failure, how long health answers NOT_SERVING before the server stops
@@ -104,8 +108,10 @@ class Service:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         metrics: ServiceMetrics | None = None,
+        sockets: Sequence[SocketServer] = (),
     ) -> None:
         self.config = config
+        self.sockets = tuple(sockets)  # served beside the gRPC port, started and stopped with it
         self.service_names = list(service_names)
         self.metrics = metrics or ServiceMetrics(service_names[0] if service_names else "")
         self.metrics_port: int | None = None
@@ -147,11 +153,17 @@ class Service:
     async def start(self, serving: bool = True) -> None:
         """Open the port; health SERVING, or NOT_SERVING with ``serving=False`` (still starting)."""
         await self.server.start()
+        for socket_server in self.sockets:
+            try:
+                await socket_server.start(self.config.host)
+            except OSError as exc:
+                await self.halt()
+                raise port_in_use(socket_server.setting, self.config.host, socket_server.asked_port, exc) from None
         if self.config.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.start_http(self.config.host, self.config.metrics_port)
             except OSError as exc:
-                await self.server.stop(0)
+                await self.halt()
                 raise port_in_use("metrics-port", self.config.host, self.config.metrics_port, exc) from None
             if self.config.metrics_port_file:
                 write_port_file(self.config.metrics_port_file, self.metrics_port)
@@ -164,7 +176,13 @@ class Service:
 
     async def stop(self) -> None:
         await self.set_serving(False)
-        await self.server.stop(self.config.grace_seconds)
+        grace = self.config.grace_seconds
+        await asyncio.gather(self.server.stop(grace), *(s.stop(grace) for s in self.sockets))
+        self.metrics.stop_http()
+
+    async def halt(self) -> None:
+        """Close every port now, calls in progress cancelled (a failed start, or a service that cannot work)."""
+        await asyncio.gather(self.server.stop(0), *(s.stop(0) for s in self.sockets))
         self.metrics.stop_http()
 
 
@@ -235,8 +253,7 @@ async def run_service(
             await service.stop()
             return 0
         if starting.exception() is not None:  # a failed start-up: close the port, then raise for the caller to clean up
-            await service.server.stop(0)
-            service.metrics.stop_http()
+            await service.halt()
             starting.result()
         freeze_start_up_objects()
         await service.set_serving(True)
@@ -247,8 +264,7 @@ async def run_service(
         log.error("failed, not serving any more", extra={"reason": watched.result()})
         await service.set_serving(False)
         await asyncio.sleep(FAILED_LINGER_SECONDS)  # health watchers and probes see NOT_SERVING, not only a closed port
-        await service.server.stop(0)
-        service.metrics.stop_http()
+        await service.halt()
         return 1
     for task in (stopped, watched):
         if task is not None:
@@ -292,12 +308,42 @@ async def serve(
     metrics: ServiceMetrics | None = None,
     watch: Watch | None = None,
     security: ServerSecurity | None = None,
+    sockets: Sequence[SocketServer] = (),
 ) -> int:
     """Build the server inside the running event loop (grpc.aio binds to it) and serve until
     SIGTERM/SIGINT (returns 0) or until ``watch`` reports a failure (returns 1; see
     :func:`run_service`); ``port_file`` gets the bound port once the server accepts calls;
-    ``security``: TLS and bearer tokens of the port (None: plaintext, open)."""
+    ``security``: TLS and bearer tokens of the port (None: plaintext, open); ``sockets``: served beside it."""
     security = security or ServerSecurity()
-    service = Service(config, service_names, register, security.tls.credentials(), security.interceptors(), metrics)
+    service = Service(
+        config, service_names, register, security.tls.credentials(), security.interceptors(), metrics, sockets
+    )
     ready = (lambda port: write_port_file(port_file, port)) if port_file else None
     return await run_service(service, on_stop, ready, watch)
+
+
+class ModelServicer(Protocol):
+    """What :func:`serve_model` serves: a servicer's gRPC methods and the socket it makes."""
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    def socket_server(self, security: ServerSecurity, metrics: ServiceMetrics, port: int) -> SocketServer: ...
+
+
+def serve_model(
+    config: ServerConfig,
+    service_name: str,
+    servicer: ModelServicer,
+    port_file: str | None,
+    metrics: ServiceMetrics,
+    security: ServerSecurity,
+    socket_port: int,
+) -> int:
+    """:func:`serve` a model service of one process: ``servicer``'s gRPC methods, and its socket on ``socket_port``
+    (``--socket-port``; -1: none)."""
+    from specinfer.serving.socket_calls import model_sockets  # that module reads this one's message bound
+
+    sockets = model_sockets(servicer.socket_server, socket_port, security, metrics)
+    return asyncio.run(
+        serve(config, [service_name], servicer.register, port_file, metrics=metrics, security=security, sockets=sockets)
+    )

@@ -156,14 +156,16 @@ class SsmProfile(_message.Message):
     def __init__(self, model: _Optional[str] = ..., draft_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., slot_prior: _Optional[_Iterable[float]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., vocabulary: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models", "vocab_size", "profiles")
+    __slots__ = ("models", "vocab_size", "profiles", "socket_port")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROFILES_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
     profiles: _containers.RepeatedCompositeFieldContainer[SsmProfile]
-    def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ...) -> None: ...
+    socket_port: int
+    def __init__(self, models: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., profiles: _Optional[_Iterable[_Union[SsmProfile, _Mapping]]] = ..., socket_port: _Optional[int] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("context", "tree", "sampling", "seed", "step", "head", "logprobs", "output_start", "token_masks")
@@ -242,7 +244,7 @@ class LlmInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LlmInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token", "kv_block_size", "kv_blocks", "kv_blocks_free", "draft_head")
+    __slots__ = ("model", "vocab_size", "max_positions", "max_requests", "verify_costs", "verify_seconds_per_context_token", "kv_block_size", "kv_blocks", "kv_blocks_free", "draft_head", "socket_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class LlmInfo(_message.Message):
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_positions: int
@@ -263,4 +266,5 @@ class LlmInfo(_message.Message):
     kv_blocks: int
     kv_blocks_free: int
     draft_head: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., draft_head: _Optional[bool] = ...) -> None: ...
+    socket_port: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., max_requests: _Optional[int] = ..., verify_costs: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_seconds_per_context_token: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., draft_head: _Optional[bool] = ..., socket_port: _Optional[int] = ...) -> None: ...
