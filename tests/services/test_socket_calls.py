@@ -16,7 +16,7 @@ import pytest
 from specinfer.core import InvalidArgument
 from specinfer.serving.metrics import ServiceMetrics
 from specinfer.serving.security import ClientAuth, ClientTls, ServerSecurity, ServerTls
-from specinfer.serving.socket_calls import HELLO, MESSAGE, STATUS, SocketServer, SocketUnary, frame
+from specinfer.serving.socket_calls import CODE, CODES, HELLO, MESSAGE, STATUS, SocketServer, SocketUnary, frame
 from specinfer.v1 import internal_pb2
 
 # a message type with a repeated string: requests and responses of the test handler
@@ -140,8 +140,8 @@ def raw_exchange(port: int, data: bytes) -> tuple[int, grpc.StatusCode | None, s
     kind = answer[4]
     if kind != STATUS:
         return kind, None, ""
-    code = {c.value[0]: c for c in grpc.StatusCode}[struct.unpack(">H", answer[5:7])[0]]
-    return kind, code, answer[7:].decode()
+    code = CODES[CODE.unpack_from(answer, 5)[0]]
+    return kind, code, answer[5 + CODE.size :].decode()
 
 
 def test_bad_frames_get_a_status_naming_what_was_wrong():

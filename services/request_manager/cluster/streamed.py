@@ -16,16 +16,11 @@ from typing import Any
 import grpc
 
 from specinfer.serving.security import ClientAuth
-from specinfer.serving.socket_calls import SocketUnary
+from specinfer.serving.socket_calls import SocketUnary, call_error
 
 log = logging.getLogger("specinfer.request_manager")
 
 RETRY_AFTER_CALLS = 256  # unary calls after a new stream was refused with a status other than UNIMPLEMENTED
-
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a unary call with that status raises."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class _Refused(Exception):
@@ -73,7 +68,7 @@ class StreamedUnary:
                     return await self._exchange(request)
             except TimeoutError:
                 self.close()
-                raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
+                raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
             except grpc.aio.AioRpcError as exc:
                 self.close()
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
@@ -99,10 +94,10 @@ class StreamedUnary:
                 raise _Refused(exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise
-            raise _error(grpc.StatusCode.UNAVAILABLE, "the stream ended") from exc
+            raise call_error(grpc.StatusCode.UNAVAILABLE, "the stream ended") from exc
         response = await self._call.read()
         if response is grpc.aio.EOF:  # the server ended the stream without an error status (it should not)
-            raise _error(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+            raise call_error(grpc.StatusCode.UNAVAILABLE, "the stream ended")
         return response
 
     def close(self) -> None:

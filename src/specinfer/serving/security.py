@@ -189,6 +189,12 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=ignore, response_serializer=serialize)
 
 
+def token_matches(given: bytes, expected: Sequence[bytes]) -> bool:
+    """Whether ``given`` is one of ``expected``: compare_digest against every one, without stopping early, so that
+    timing reveals nothing (the gRPC ports' bearer tokens and the sockets' HELLO frames)."""
+    return sum(hmac.compare_digest(given, want) for want in expected) > 0
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call but health checks unless it carries ``authorization: Bearer <one of tokens>``."""
 
@@ -199,8 +205,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def allows(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         given = [v if isinstance(v, bytes) else v.encode() for k, v in (metadata or ()) if k == AUTHORIZATION]
-        # compare_digest against every token, without stopping early: timing reveals nothing
-        return len(given) == 1 and sum(hmac.compare_digest(given[0], want) for want in self._expected) > 0
+        return len(given) == 1 and token_matches(given[0], self._expected)
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)

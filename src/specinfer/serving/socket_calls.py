@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import logging
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -40,10 +38,8 @@ from google.protobuf.message import DecodeError
 from specinfer.core.errors import InvalidArgument
 from specinfer.serving.metrics import ServiceMetrics
 from specinfer.serving.rpc import failure_status
-from specinfer.serving.security import ClientAuth, ServerSecurity
+from specinfer.serving.security import ClientAuth, ServerSecurity, token_matches
 from specinfer.serving.server import MAX_MESSAGE_BYTES
-
-log = logging.getLogger("specinfer.socket_calls")
 
 HEADER = struct.Struct(">IB")  # payload length, kind
 CODE = struct.Struct(">H")  # a STATUS frame's code, before its details
@@ -73,8 +69,8 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int,
     return kind, await reader.readexactly(length)
 
 
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a gRPC call with that status raises."""
+def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a gRPC call with that status raises (what this module's and the gRPC streams' calls raise)."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
@@ -149,7 +145,6 @@ class SocketServer:
             pass  # stopping: the status above
         finally:
             self._connections.discard(task)
-            self._waiting.discard(task)
             with contextlib.suppress(Exception):
                 if status is not None:
                     code, details = status
@@ -165,8 +160,7 @@ class SocketServer:
             return None
         if hello[0] != HELLO:
             return grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be HELLO"
-        # compare_digest against every token, without stopping early: timing reveals nothing
-        if self._tokens and sum(hmac.compare_digest(hello[1], t) for t in self._tokens) == 0:
+        if self._tokens and not token_matches(hello[1], self._tokens):
             return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (the HELLO frame)"
         while not self._stopping:
             self._waiting.add(task)
@@ -251,10 +245,10 @@ class SocketUnary:
                     return await self._exchange(request, timeout)
             except TimeoutError:
                 self.close()
-                raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
+                raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout} s") from None
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:  # ssl.SSLError is an OSError
                 self.close()
-                raise _error(grpc.StatusCode.UNAVAILABLE, f"{self.host}:{self.port}: {exc}") from exc
+                raise call_error(grpc.StatusCode.UNAVAILABLE, f"{self.host}:{self.port}: {exc}") from exc
             except BaseException:  # an error status, or cancelled: the connection may hold an unread response
                 self.close()
                 raise
@@ -282,7 +276,7 @@ class SocketUnary:
         kind, payload = got
         if kind == STATUS:
             code = CODES.get(CODE.unpack_from(payload)[0], grpc.StatusCode.UNKNOWN)
-            raise _error(code, payload[CODE.size :].decode(errors="replace"))
+            raise call_error(code, payload[CODE.size :].decode(errors="replace"))
         if kind != MESSAGE:
             raise ValueError(f"a frame of kind {kind} where a response was expected")
         return self._response_type.FromString(payload)
