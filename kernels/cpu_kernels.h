@@ -57,6 +57,35 @@ static inline void quantize_row(const void *x, int bf16, int k_x, int k, int8_t 
     }
 }
 
+/* cpu_team.c: the thread team of the kernels' parallel loops (its top comment says how it runs). A task runs on each
+ * thread that joins a call; its loops are TEAM_FOR loops, each shared by the threads joined when it begins, every
+ * sharer a contiguous share (OpenMP's static schedule); a loop ends when every share is done (a barrier, as an omp
+ * for's). The loop's body must not leave it (return, goto; break leaves the thread's share). */
+typedef struct {
+    int id, size;    /* the thread's rank (0: the caller) and the call's threads */
+    unsigned phase;  /* the loop this thread is at */
+    int share;       /* in the current loop: its sharers where this thread is one, else 0 */
+    unsigned word;   /* the pool's phase word as the current loop began for this thread */
+} Team;
+typedef void (*TeamTask)(Team *team, void *arg);
+void team_run(int threads, TeamTask task, void *arg);
+void team_begin(Team *team);
+void team_end(Team *team);
+int team_workers(void);
+void team_wake(void);
+void team_rest(void);
+double team_cpu_seconds(void);
+
+/* Where this thread's share of n iterations begins (share `part` of its loop's `share` sharers; none: 0). */
+static inline int team_bound(const Team *team, int n, int part) {
+    return team->share ? (int)((int64_t)n * part / team->share) : 0;
+}
+
+#define TEAM_FOR(team, i, n)                                                                               \
+    for (int i##_once = (team_begin(team), 1); i##_once; i##_once = 0, team_end(team))                     \
+        for (int i = team_bound(team, n, (team)->id), i##_end = team_bound(team, n, (team)->id + 1); i < i##_end; \
+             i++)
+
 typedef struct {
     int8_t *q;
     float *xd, *xs;

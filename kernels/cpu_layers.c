@@ -1,6 +1,6 @@
 /* Every decoder layer of a Llama-family model (RMSNorm, q/k/v with optional biases and per-head q/k norms, RoPE,
- * tree attention over the KV pool, o_proj, SwiGLU MLP) for one step's rows, in one call and one OpenMP team, on an
- * x86-64 CPU with AVX2, FMA and F16C.
+ * tree attention over the KV pool, o_proj, SwiGLU MLP) for one step's rows, in one call and one thread team
+ * (cpu_team.c), on an x86-64 CPU with AVX2, FMA and F16C.
  *
  * Why: the same layer as PyTorch operations is about 60 dispatched operations, each a few microseconds of host work
  * whatever its size, so on a many-layer model a one-token step was mostly host work (BENCHMARKS.md, "Fused CPU
@@ -206,15 +206,12 @@ static inline void emit16(float *y, int n, int r, int o0, const float *col, cons
 
 /* product()'s dense bf16 weights on AMX (cpu_amx.c): the rows packed once (every thread a share, then the loop's
  * barrier), each whole 16 outputs by the tiles, the outputs past them by the AVX-512 tile (for every step alike). */
-static void amx_product(const Weight *w, int t, const float *x, int ldx, uint32_t *xv, float *y, int accumulate,
-                        int bf) {
+static void amx_product(Team *tm, const Weight *w, int t, const float *x, int ldx, uint32_t *xv, float *y,
+                        int accumulate, int bf) {
     const int n = w->n, k = w->k, groups = (t + 15) / 16, chunks = (k + 31) / 32, whole = n / 16 * 16;
-#pragma omp for schedule(static) collapse(2)
-    for (int g = 0; g < groups; g++)
-        for (int c = 0; c < chunks; c++) amx_pack_chunk(x, ldx, t, k, g, c, xv);
+    TEAM_FOR(tm, gc, groups * chunks) amx_pack_chunk(x, ldx, t, k, gc / chunks, gc % chunks, xv);
     amx_begin();
-#pragma omp for schedule(static)
-    for (int ob = 0; ob < whole / 16; ob++) {
+    TEAM_FOR(tm, ob, whole / 16) {
         float out[AMX_GROUPS * 256];  /* [row groups][16 outputs][16 rows] */
         for (int g0 = 0; g0 < groups; g0 += AMX_GROUPS) {
             const int gs = groups - g0 < AMX_GROUPS ? groups - g0 : AMX_GROUPS;
@@ -225,27 +222,25 @@ static void amx_product(const Weight *w, int t, const float *x, int ldx, uint32_
         }
     }
     amx_end();
-#pragma omp for schedule(static)
-    for (int o = whole; o < n; o++)
+    TEAM_FOR(tm, j, n - whole)
         for (int r = 0; r < t; r++) {
             float v[DROWS * OUTS];
-            DENSE_TILE(x, ldx, r, 1, w->w, 1, o, 1, k, v);
-            emit(y, n, r, o, v[0], w->bias, accumulate, bf);
+            DENSE_TILE(x, ldx, r, 1, w->w, 1, whole + j, 1, k, v);
+            emit(y, n, r, whole + j, v[0], w->bias, accumulate, bf);
         }
 }
 
 #endif
 
-/* y [t, n] (=, or += with accumulate) x [t, k] @ W^T, the output rows split across the team (an orphaned omp for:
- * called inside the parallel region). x: fp32 rows of ldx (dense), or `a`, the rows quantized (block layouts). */
-static void product(const Weight *w, int t, const float *x, int ldx, const Activations *a, float *y, int accumulate,
-                    int bf) {
+/* y [t, n] (=, or += with accumulate) x [t, k] @ W^T, the output rows split across the team (every thread calls it;
+ * it returns after the team's barrier). x: fp32 rows of ldx (dense), or `a`, the rows quantized (block layouts). */
+static void product(Team *tm, const Weight *w, int t, const float *x, int ldx, const Activations *a, float *y,
+                    int accumulate, int bf) {
     const int n = w->n, k = w->k;
     if (w->kind == INT4 || w->kind == INT8) {
         const int bits = w->kind, nb = k / QK;
         const size_t row_bytes = bits == 4 ? (size_t)k / 2 : (size_t)k, scales = bits == 4 ? 2 * (size_t)nb : (size_t)nb;
-#pragma omp for schedule(static)
-        for (int o = 0; o < n; o++) {
+        TEAM_FOR(tm, o, n) {
             const uint8_t *wq = (const uint8_t *)w->w + (size_t)o * row_bytes;
             const uint16_t *wd = w->s + (size_t)o * scales, *wm = wd + nb;
             for (size_t b = 0; b < row_bytes; b += 64) PREFETCH_NEXT_TILE(wq + AHEAD * OUTS * row_bytes + b);
@@ -269,12 +264,11 @@ static void product(const Weight *w, int t, const float *x, int ldx, const Activ
     const int bf16 = w->kind == DENSE_BF16;
 #ifdef __AVX512F__
     if (bf16 && a && a->xv && n >= 16) {
-        amx_product(w, t, x, ldx, a->xv, y, accumulate, bf);
+        amx_product(tm, w, t, x, ldx, a->xv, y, accumulate, bf);
         return;
     }
 #endif
-#pragma omp for schedule(static)
-    for (int ob = 0; ob < (n + OUTS - 1) / OUTS; ob++) {
+    TEAM_FOR(tm, ob, (n + OUTS - 1) / OUTS) {
         const int o0 = ob * OUTS, outs = n - o0 < OUTS ? n - o0 : OUTS;
         for (int r0 = 0; r0 < t; r0 += DROWS) {
             const int rows = t - r0 < DROWS ? t - r0 : DROWS;
@@ -300,14 +294,13 @@ static inline void prepare(const Weight *w, const float *x, int cols, int r, Act
 }
 
 /* y = (each row of res RMS-normed with `norm` into x, and for the block layouts quantized into a) @ W^T. */
-static void norm_product(const Shape *sh, const float *norm, const Weight *w, int t, const float *res, float *x,
-                         int ldx, Activations *a, float *y) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < t; r++) {
+static void norm_product(Team *tm, const Shape *sh, const float *norm, const Weight *w, int t, const float *res,
+                         float *x, int ldx, Activations *a, float *y) {
+    TEAM_FOR(tm, r, t) {
         rms_norm(res + (size_t)r * sh->hidden, norm, sh->hidden, sh->eps, x + (size_t)r * ldx, sh->h_bf16);
         prepare(w, x + (size_t)r * ldx, sh->hidden, r, a);
     }
-    product(w, t, x, ldx, a, y, 0, sh->h_bf16);
+    product(tm, w, t, x, ldx, a, y, 0, sh->h_bf16);
 }
 
 static inline int maxi(int a, int b) { return a > b ? a : b; }
@@ -342,16 +335,15 @@ static inline void swiglu(const float *gu, int n, float *y, int bf) {
     }
 }
 
-/* One layer over the step's rows, inside the team's parallel region (every loop an omp for with its barrier). */
-static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, int ldx, float *qkv, float *att,
+/* One layer over the step's rows, run by every thread of the team (every loop a share, then the team's barrier). */
+static void layer(Team *tm, const Shape *sh, const Layer *L, int t, float *res, float *x, int ldx, float *qkv, float *att,
                   float *gu, Activations *a, const float *cos, const float *sin, const int64_t *cache_rows,
                   const int64_t *offsets, const int32_t *keys, float *s) {
     const int H = sh->heads, KV = sh->kv_heads, D = sh->dim, I = sh->inter, bf = sh->h_bf16;
     const int nqkv = L->qkv.n, rd = sh->rotary_dim;
     const size_t stride = (size_t)KV * D;
-    norm_product(sh, L->norm1, &L->qkv, t, res, x, ldx, a, qkv);
-#pragma omp for schedule(static)
-    for (int task = 0; task < t * (H + KV); task++) {  /* query and key heads: norms, RoPE; keys and values cached */
+    norm_product(tm, sh, L->norm1, &L->qkv, t, res, x, ldx, a, qkv);
+    TEAM_FOR(tm, task, t * (H + KV)) {  /* query and key heads: norms, RoPE; keys and values cached */
         const int r = task / (H + KV), hh = task % (H + KV);
         float *head = qkv + (size_t)r * nqkv + (size_t)hh * D;
         const float *norm = hh < H ? L->q_norm : L->k_norm;
@@ -370,8 +362,7 @@ static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, 
             }
         }
     }
-#pragma omp for schedule(static)
-    for (int task = 0; task < t * H; task++) {
+    TEAM_FOR(tm, task, t * H) {
         const int r = task / H, hh = task % H;
         float *out = att + ((size_t)r * H + hh) * D;
         attend_row_head(qkv + (size_t)r * nqkv + (size_t)hh * D, 0, L->k_cache, L->v_cache, sh->kv_bf16, stride,
@@ -380,17 +371,15 @@ static void layer(const Shape *sh, const Layer *L, int t, float *res, float *x, 
         if (bf)
             for (int i = 0; i < D; i++) out[i] = rnd(out[i], 1);
     }
-#pragma omp for schedule(static)
-    for (int r = 0; r < t; r++) prepare(&L->o, att + (size_t)r * H * D, H * D, r, a);
-    product(&L->o, t, att, H * D, a, res, 1, bf);
-    norm_product(sh, L->norm2, &L->up, t, res, x, ldx, a, gu);
-#pragma omp for schedule(static)
-    for (int r = 0; r < t; r++) {
+    TEAM_FOR(tm, r, t) prepare(&L->o, att + (size_t)r * H * D, H * D, r, a);
+    product(tm, &L->o, t, att, H * D, a, res, 1, bf);
+    norm_product(tm, sh, L->norm2, &L->up, t, res, x, ldx, a, gu);
+    TEAM_FOR(tm, r, t) {
         float *y = x + (size_t)r * ldx;
         swiglu(gu + (size_t)r * 2 * I, I, y, bf);
         prepare(&L->down, y, I, r, a);
     }
-    product(&L->down, t, x, ldx, a, res, 1, bf);
+    product(tm, &L->down, t, x, ldx, a, res, 1, bf);
 }
 
 typedef struct {
@@ -458,6 +447,30 @@ static int build_keys(const int32_t *seg, int nseg, int block_size, int window, 
     return out->keys ? 0 : -1;
 }
 
+/* What a decoder_layers call's team shares: the model, the step's buffers and its visible keys. */
+typedef struct {
+    const Shape *sh;
+    const Layer *layers;
+    int n_layers, t, ldx, max_keys;
+    float *res, *x, *qkv, *att, *gu;
+    Activations *a;
+    const float *cos, *sin;
+    const int64_t *cache_rows;
+    const KeyLists *lists;
+    float *scores;  /* [threads, max_keys + 8]: each thread's attention scores */
+} Stack;
+
+/* Every layer, on each thread of the team. */
+static void stack_task(Team *tm, void *arg) {
+    const Stack *p = (const Stack *)arg;
+    float *s = p->scores + (size_t)tm->id * ((size_t)p->max_keys + 8);
+    for (int l = 0; l < p->n_layers; l++) {
+        const KeyLists *keys = &p->lists[p->layers[l].keys];
+        layer(tm, p->sh, &p->layers[l], p->t, p->res, p->x, p->ldx, p->qkv, p->att, p->gu, p->a, p->cos, p->sin,
+              p->cache_rows, keys->offsets, keys->keys, s);
+    }
+}
+
 /* Runs layers[0 .. n_layers) over h [t, hidden] in place. The step's segments (see the top) give each row's visible
  * keys, one list per window of windows[0 .. n_windows) (0: none; a layer reads list Layer.keys). Returns 0, -1 when
  * out of memory, -2 when the segments' query rows are not t. */
@@ -488,6 +501,8 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
         failed = e == -1, bad = e == -2;
         max_keys = maxi(max_keys, lists[i].longest);
     }
+    float *scores = failed || bad ? NULL : malloc(sizeof(float) * (size_t)maxi(threads, 1) * ((size_t)max_keys + 8));
+    failed = failed || (!bad && !scores);
     if (!failed && !bad) {
         for (int r = 0; r < t; r++)  /* each row's RoPE from its position alone (a table op's lanes would not be) */
             for (int i = 0; i < half; i++) {
@@ -498,29 +513,17 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
             }
         for (size_t i = 0; i < (size_t)t * hid; i++)
             res[i] = sh->h_bf16 ? bf16_to_f32(((const uint16_t *)h)[i]) : ((const float *)h)[i];
-#pragma omp parallel num_threads(threads)
-        {
-            float *s = malloc(sizeof(float) * ((size_t)max_keys + 8));
-            if (!s) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp barrier
-            if (!failed)  /* every thread reads the same flag after the barrier: all run the loops, or none */
-                for (int l = 0; l < n_layers; l++)
-                    layer(sh, &layers[l], t, res, x, ldx, qkv, att, gu, &a, cos, sin, cache_rows,
-                          lists[layers[l].keys].offsets, lists[layers[l].keys].keys, s);
-            free(s);
+        Stack stack = {sh, layers, n_layers, t, ldx, max_keys, res, x, qkv, att, gu, &a, cos, sin, cache_rows, lists,
+                       scores};
+        team_run(threads, stack_task, &stack);
+        for (size_t i = 0; i < (size_t)t * hid; i++) {
+            if (sh->h_bf16)
+                ((uint16_t *)h)[i] = f32_to_bf16(res[i]);
+            else
+                ((float *)h)[i] = res[i];
         }
-        if (!failed)
-            for (size_t i = 0; i < (size_t)t * hid; i++) {
-                if (sh->h_bf16)
-                    ((uint16_t *)h)[i] = f32_to_bf16(res[i]);
-                else
-                    ((float *)h)[i] = res[i];
-            }
     }
-    free(res), free(x), free(qkv), free(att), free(gu), free(cos), free(sin), free_rows(&a);
+    free(scores), free(res), free(x), free(qkv), free(att), free(gu), free(cos), free(sin), free_rows(&a);
     for (int i = 0; i < 8; i++) free(lists[i].offsets), free(lists[i].keys);
     return bad ? -2 : failed ? -1 : 0;
 }
@@ -528,11 +531,24 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
 /* y [m, n] = x [m, k] (fp32) @ W^T for a dense fp32 or bf16 weight [n, k] (k a multiple of 8), by the layers' own
  * products: each output one reduction in a fixed order, whatever m (the LM head of a model the layers run, so that
  * its logits are row-invariant too). */
+typedef struct {
+    const Weight *w;
+    int m;
+    const float *x;
+    const Activations *a;
+    float *y;
+} Dense;
+
+static void dense_task(Team *tm, void *arg) {
+    const Dense *p = (const Dense *)arg;
+    product(tm, p->w, p->m, p->x, p->w->k, p->a, p->y, 0, 0);
+}
+
 void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, float *y, int threads) {
     const Weight weight = {w_bf16 ? DENSE_BF16 : DENSE_F32, n, k, w, NULL, NULL};
     Activations a = {NULL, NULL, NULL, w_bf16 && amx_on() ? malloc(amx_packed_bytes(m, k)) : NULL};
-#pragma omp parallel num_threads(threads)
-    product(&weight, m, x, k, &a, y, 0, 0);
+    Dense p = {&weight, m, x, &a, y};
+    team_run(threads, dense_task, &p);
     free(a.xv);
 }
 

@@ -22,10 +22,12 @@ holds on these kernels as on any other. :func:`reference_linear` is the arithmet
 tests/kernels/test_cpu_qgemm.py holds the kernels to.
 
 The C source is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into
-``~/.cache/specinfer/kernels`` and loaded with ctypes; OpenMP threads come from the ``libgomp.so.1`` torch has
-already loaded (one runtime, the calling thread's one team). Where the kernels cannot run (another architecture, a
-CPU without AVX2/FMA/F16C, no compiler, or ``SPECINFER_CPU_QGEMM=0``), :func:`library` is None and quantized
-weights use PyTorch's kernels.
+``~/.cache/specinfer/kernels`` and loaded with ctypes. A kernel runs on the threads of the code around it: these
+products and the row-by-row attention, called inside PyTorch's per-operation forward, on OpenMP's team (the
+``libgomp.so.1`` torch has loaded: one runtime, the calling thread's one team); the fused layers' steps (the layers,
+the final logits, drafting's rows, the KV pool's row moves) on our own team (``cpu_team.c``), whose workers sleep
+between a service's steps. Where the kernels cannot run (another architecture, a CPU without AVX2/FMA/F16C, no
+compiler, or ``SPECINFER_CPU_QGEMM=0``), :func:`library` is None and quantized weights use PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qgemm.c")
 # built into the same library: the row-by-row CPU tree attention (specinfer.kernels.cpu_attention), the fused
-# CPU decoder stack (specinfer.kernels.cpu_layers) and drafting's logit-row tables (specinfer.kernels.cpu_rows); the
-# header holds what they share
-SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in ("attention", "layers", "amx", "rows")))
+# CPU decoder stack (specinfer.kernels.cpu_layers), drafting's logit-row tables (specinfer.kernels.cpu_rows), the
+# KV pool's row moves (specinfer.kernels.cpu_pool) and the thread team they run on (cpu_team.c); the header holds what
+# they share
+NAMES = ("attention", "layers", "amx", "rows", "team", "pool")
+SOURCES = (SOURCE, *(SOURCE.with_name(f"cpu_{name}.c") for name in NAMES))
 HEADER = SOURCE.with_name("cpu_kernels.h")
 BLOCK = 32  # inputs per activation block (and per int4 weight block)
 ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
@@ -57,7 +61,7 @@ ENV = "SPECINFER_CPU_QGEMM"  # "0": never use these kernels
 # AVX-512 nor AMX). To run, on a CPU with AMX, as a CPU without it runs (with ONEDNN_MAX_CPU_ISA for PyTorch's GEMMs)
 ISA_ENV = "SPECINFER_CPU_ISA"
 ISA_CAPS = ("native", "avx512", "avx2")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-fPIC", "-shared")
 # where the CPU has them, the dense products' AVX-512 tiles (and AVX512-BF16's pair products for bf16 weights)
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
 AVX512_BF16 = {"avx512_bf16": "-mavx512bf16"}
@@ -169,10 +173,20 @@ def library() -> ctypes.CDLL | None:
     lib.row_top_k.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 2
     lib.row_top_k.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.row_top_k.restype = None
+    lib.pool_move.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    lib.pool_move.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.pool_move.restype = ctypes.c_int
+    lib.team_workers.restype, lib.team_cpu_seconds.restype = ctypes.c_int, ctypes.c_double
+    lib.team_wake.restype = lib.team_rest.restype = None
     lib.amx_on.restype = lib.amx_enable.restype = ctypes.c_int
     if lib.amx_enable():  # asks the kernel for the tile state once, before any product (the answer holds)
         log.info("the fused layers' bf16 products run on AMX tiles")
     return lib
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The kernels where this process has already loaded them (:func:`library`), else None: never builds them."""
+    return library() if library.cache_info().currsize else None
 
 
 def _build(cc: str, path: Path) -> None:

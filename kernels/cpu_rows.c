@@ -80,19 +80,35 @@ static double exp_sum(const float *x, int v, double m) {
     return s;
 }
 
-/* Rows r of x (row r at x + r * ld, v entries each): their top k (idx [rows, k]) and, where scored, those entries'
- * softmax probabilities (probs [rows, k]). 1 <= k <= min(v, MAX_K). */
-void row_top_k(int rows, int v, const float *x, int64_t ld, int k, int scored, int64_t *idx, double *probs,
-               int threads) {
-#pragma omp parallel for num_threads(threads) if ((int64_t)rows * v >= (1 << 20)) schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const float *row = x + r * ld;
+typedef struct {
+    int rows, v, k, scored;
+    const float *x;
+    int64_t ld;
+    int64_t *idx;
+    double *probs;
+} TopK;
+
+/* A thread's share of row_top_k's rows. */
+static void top_k_task(Team *team, void *arg) {
+    const TopK *p = (const TopK *)arg;
+    const int k = p->k, v = p->v;
+    TEAM_FOR(team, r, p->rows) {
+        const float *row = p->x + r * p->ld;
         int best[MAX_K];
         float val[MAX_K];
         top_k_row(row, v, k, best, val);
-        for (int i = 0; i < k; i++) idx[(int64_t)r * k + i] = best[i];
-        if (!scored) continue;
+        for (int i = 0; i < k; i++) p->idx[(int64_t)r * k + i] = best[i];
+        if (!p->scored) continue;
         const double m = val[0], s = exp_sum(row, v, m);
-        for (int i = 0; i < k; i++) probs[(int64_t)r * k + i] = exp((double)val[i] - m) / s;
+        for (int i = 0; i < k; i++) p->probs[(int64_t)r * k + i] = exp((double)val[i] - m) / s;
     }
+}
+
+/* Rows r of x (row r at x + r * ld, v entries each): their top k (idx [rows, k]) and, where scored, those entries'
+ * softmax probabilities (probs [rows, k]). 1 <= k <= min(v, MAX_K). Threads only where the rows hold a million
+ * entries (below that a wake-up costs more than it saves). */
+void row_top_k(int rows, int v, const float *x, int64_t ld, int k, int scored, int64_t *idx, double *probs,
+               int threads) {
+    TopK p = {rows, v, k, scored, x, ld, idx, probs};
+    team_run((int64_t)rows * v >= (1 << 20) ? threads : 1, top_k_task, &p);
 }

@@ -35,7 +35,14 @@ from specinfer.kernels import cpu_qgemm, cpu_rows
 from specinfer.models import drafting
 from specinfer.models.drafting import pass_tables, propose
 from specinfer.models.interface import TreeForward
-from specinfer.models.on_device import coupled_targets, greedy_accept, processed_probs, ranked_top_k, stack_rows
+from specinfer.models.on_device import (
+    coupled_targets,
+    greedy_accept,
+    processed_probs,
+    ranked_top_k,
+    serial_on_cpu,
+    stack_rows,
+)
 from specinfer.models.verification import verify_trees
 
 PARAMS = [
@@ -353,3 +360,19 @@ def test_the_device_walk_and_the_host_walk_agree():
         assert verdicts[0] == verdicts[1]
         accepted += sum(v.num_accepted for v in verdicts[0])
     assert accepted > 20  # the walks go somewhere
+
+
+def test_serial_on_cpu_runs_the_block_on_one_torch_thread_and_restores_the_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with serial_on_cpu(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), serial_on_cpu(torch.device("cpu")):
+            raise RuntimeError("the count comes back after an error too")
+        assert torch.get_num_threads() == 2
+        with serial_on_cpu(torch.device("meta")):  # another device's work keeps the host's threads
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

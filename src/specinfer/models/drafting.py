@@ -42,6 +42,7 @@ from specinfer.models.on_device import (
     processed_probs,
     ranked_top_k,
     select_rows,
+    serial_on_cpu,
     stack_rows,
     to_host,
 )
@@ -180,7 +181,8 @@ def draft_trees(
             # the request's biases and penalties on the draft's rows too, as verification will apply them to the
             # LLM's: drafts that follow them are accepted (verification is exact either way)
             rows = adjusted_rows(rows, _draft_histories(jobs, builders, order, items))
-        tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners])
+        with serial_on_cpu(rows.device):  # the pass's logits work beside the kernels' team (see there)
+            tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners])
         at = 0
         for i, item in zip(order, items, strict=True):
             b = builders[i]

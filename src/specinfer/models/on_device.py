@@ -17,8 +17,9 @@ float64, which holds integers below 2**53 exactly. Each function here has its Nu
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,27 @@ import torch
 
 from specinfer.core.coupled import noise_bits
 from specinfer.core.sampling import SamplingParams
+
+
+@contextlib.contextmanager
+def serial_on_cpu(device: torch.device) -> Iterator[None]:
+    """The block's PyTorch operations on the calling thread alone where ``device`` is the CPU.
+
+    Why: a parallel PyTorch operation runs on OpenMP's team, whose worker then busy-waits for milliseconds
+    (libgomp's GOMP_SPINCOUNT), beside our C kernels' own team (:mod:`specinfer.kernels.cpu_team`), whose worker
+    then gets the core in turns; temperature-1 speculation of the bundled demo in process ran 40 % slower for it
+    (BENCHMARKS.md, "The kernels' own thread team"). A step's work on its logits is small next to its forward, so
+    on the CPU it runs serially; the forward keeps its threads."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 # MSS keeps the previous target when a rejection leaves (almost) no mass: p == q_i up to rounding,
 # where rejection has probability 0 (the same bound as specinfer.core.verify.mss_residual).

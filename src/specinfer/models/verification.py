@@ -40,6 +40,7 @@ from specinfer.models.on_device import (
     pack,
     processed_probs,
     select_rows,
+    serial_on_cpu,
     stack_rows,
     to_host,
     token_logprobs,
@@ -57,13 +58,21 @@ def verify_trees(
     items = [TreeForward(j.request_id, j.context_tokens, j.draft.tree.tokens, j.draft.tree.parents) for j in jobs]
     if isinstance(llm, WithHead) and any(j.head is not None for j in jobs):
         logits, features = llm.llm.forward_tree_features(items)
-        return head_drafts(llm.head, jobs, _verdicts(jobs, logits), features, grammars)
+        verdicts = _verdicts(jobs, logits)
+        with serial_on_cpu(logits[0].device):  # the head's PyTorch layer beside the kernels' team (see there)
+            return head_drafts(llm.head, jobs, verdicts, features, grammars)
     return _verdicts(jobs, llm.forward_tree(items))
 
 
 def _verdicts(jobs: Sequence[VerifySpec], logits: Sequence[torch.Tensor]) -> list[VerifyResult]:
-    """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device)."""
-    raw = stack_rows(logits)  # [N, V] every tree's nodes, job after job
+    """The walks of ``jobs`` on their trees' logits (each ``[n_nodes, V]`` on the model's device), serially on the
+    CPU (:func:`~specinfer.models.on_device.serial_on_cpu`)."""
+    with serial_on_cpu(logits[0].device):
+        return _walks(jobs, stack_rows(logits))
+
+
+def _walks(jobs: Sequence[VerifySpec], raw: torch.Tensor) -> list[VerifyResult]:
+    """:func:`_verdicts` of the stacked rows ``raw``  # [N, V] every tree's nodes, job after job"""
     if raw.device.type == "cpu" and all(_plain_greedy(j) for j in jobs):
         return _greedy_on_cpu(jobs, raw)
     starts = np.cumsum([0, *(len(j.draft.tree) for j in jobs)])[:-1].tolist()  # each job's first row

@@ -16,6 +16,7 @@ from specinfer.core import InvalidArgument
 from specinfer.core.costs import CostTable, StepCosts
 from specinfer.engine.calibrate import REPEATS, calibrate_costs, calibrate_table, log_progress
 from specinfer.engine.calibration_cache import CalibrationCache, CalibrationKey, CostEntry, ModelIdentity, ModelRuntime
+from specinfer.kernels import cpu_team
 from specinfer.models.interface import CausalLM
 from specinfer.models.loading import load_backend
 
@@ -213,11 +214,17 @@ class ModelRunner:
         self._thread = (thread or ModelThread(name)).executor
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(model, *args)`` in the model's thread, after any call already running."""
-        async with self._lock:
-            if self._thread is None:
-                return fn(self.model, *args)
-            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self.model, *args)
+        """``fn(model, *args)`` in the model's thread, after any call already running. The CPU kernels' workers are
+        woken as it starts and sent to sleep after it (:mod:`specinfer.kernels.cpu_team`: a service's next call
+        is a round trip away)."""
+        cpu_team.wake()
+        try:
+            async with self._lock:
+                if self._thread is None:
+                    return fn(self.model, *args)
+                return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self.model, *args)
+        finally:
+            cpu_team.rest()
 
     async def release(self, request_ids: Iterable[str], forget: Callable[[str], None] | None = None) -> None:
         """Free the caches of ``request_ids`` (cheap: runs on the loop, under the lock), and ``forget`` each: state

@@ -2,7 +2,7 @@
 
 Why: gRPC Python's asyncio stack hands every message between three threads of each process (its event engine's
 poller, the completion-queue poller and the event loop). On the 2-core VMs of BENCHMARKS.md, where the LLM
-verifier's OpenMP worker holds one core between steps, a verify message took 0.25-0.57 ms one way over gRPC's
+verifier's OpenMP worker then held one core between steps, a verify message took 0.25-0.57 ms one way over gRPC's
 stream, where asyncio's own sockets wake one thread (a round trip of ~0.1 ms whether a core is busy or not); the
 bundled demo's incremental step through the services was ~0.4 ms shorter over this socket (BENCHMARKS.md, "The
 model services' sockets"). The verifier's Verify and the SSM workers' Speculate calls go this way; every other

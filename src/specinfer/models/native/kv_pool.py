@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from specinfer.core.errors import ResourceExhausted
+from specinfer.kernels import cpu_pool
 from specinfer.models.native.spec import ModelSpec
 
 
@@ -47,8 +48,7 @@ class PoolTensors:
         """Copy rows ``src`` to rows ``dst`` in every layer (gathered first, so overlap is safe).
         Rows index the pool flattened to ``[layers, rows, kv_heads, head_dim]``."""
         k, v = self.k.flatten(1, -3), self.v.flatten(1, -3)  # views: [layers, rows, kv_heads, head_dim]
-        k[:, dst] = k[:, src]
-        v[:, dst] = v[:, src]
+        cpu_pool.move(k, v, src, dst)
 
 
 class KVPool(PoolTensors):
