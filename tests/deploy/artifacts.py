@@ -10,13 +10,13 @@ import os
 import re
 import shlex
 import subprocess
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
 from specinfer.serving.config import ENV_PREFIX, env_name

@@ -287,7 +287,7 @@ def test_refresh_runs_in_the_background(monkeypatch):
 def worker_certificate(folder: Path) -> tuple[Path, Path, Path]:
     """A CA and a worker certificate for the DNS name ``localhost`` only, no IP address: as in a
     cluster, where the name is known in advance and the pods' addresses are not. (CA, cert, key)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject: str, issuer: str, key, signer, ca: bool, names: list[x509.GeneralName]) -> x509.Certificate:
         builder = (

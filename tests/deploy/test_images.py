@@ -23,9 +23,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
-import tomllib
 
 from .artifacts import (
     DOCKERFILES,

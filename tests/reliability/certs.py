@@ -38,7 +38,7 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
 
 def _ca(folder: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(name))
@@ -60,7 +60,7 @@ def _leaf(
     folder: Path, name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, server: bool
 ) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(name))

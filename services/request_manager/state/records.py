@@ -36,7 +36,7 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(str, enum.Enum):  # noqa: UP042 - not StrEnum: its str() and format() would change
     """Lifecycle of a request: queued (accepted, no step yet), running (in a batch), finished (final)."""
 
     QUEUED = "queued"
@@ -44,7 +44,7 @@ class RequestStatus(str, enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 - as RequestStatus
     """Why a request finished; mirrors ``specinfer.v1.FinishReason``."""
 
     LENGTH = "length"
