@@ -14,6 +14,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import gumbel_r, kstest
@@ -21,7 +22,15 @@ from stats import chi_square_pvalue
 from test_verify import VOCAB, _exact, synthetic_draft_dist, synthetic_logits, synthetic_probs  # tests/test_verify.py
 
 from specinfer.core import SamplingParams, TokenTree, process_logits, sparsify
-from specinfer.core.coupled import coupled_children, coupled_token, noise_at, position_noise, verify_coupled
+from specinfer.core.coupled import (
+    coupled_children,
+    coupled_token,
+    int64_seed,
+    noise_at,
+    noise_bits,
+    position_noise,
+    verify_coupled,
+)
 
 PARAMS = SamplingParams(temperature=1.0)
 
@@ -79,6 +88,17 @@ def test_position_noise_is_a_pure_function_of_seed_and_index():
     a, b = position_noise(7, 12, 100), position_noise(7, 12, 100)
     assert np.array_equal(a, b)
     assert not np.array_equal(a, position_noise(7, 13, 100)) and not np.array_equal(a, position_noise(8, 12, 100))
+
+
+@pytest.mark.parametrize("seed", [0, 5, 2**32 + 7, 2**63 - 1, 2**63, 2**64 - 1])
+def test_a_64_bit_seed_gives_the_same_bits_as_an_int_and_as_an_int64_tensor(seed):
+    """The proto's seed is a uint64: the verifier's tensors hold it as the int64 of its bits (int64_seed), the host
+    as an int; the noise must not differ (a seed of 2**63 or more once overflowed the verifier's int64 tensor)."""
+    tokens = np.arange(64, dtype=np.int64)
+    on_host = noise_bits(seed, 11, tokens)
+    as_tensor = noise_bits(torch.tensor([[int64_seed(seed)]]), torch.tensor([[11]]), torch.from_numpy(tokens))
+    assert np.array_equal(on_host, as_tensor[0].numpy())
+    assert int64_seed(seed) == (seed if seed < 2**63 else seed - 2**64)
 
 
 def test_position_noise_is_standard_gumbel_and_independent_across_tokens_indices_and_seeds():

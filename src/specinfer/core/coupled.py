@@ -69,9 +69,16 @@ def noise_bits(seed, index, tokens):
     """32 random bits per token for (seed, sequence index): a counter-based hash, so any token's bits
     are computed alone, on any device, in any order, with the same result. Operators only: ``seed``
     and ``index`` are ints or int64 arrays/tensors that broadcast against ``tokens`` (e.g. ``[R, 1]``
-    against ``[R, V]`` or ``[V]``), seeds below 2**63."""
-    key = _fmix32(_fmix32(_fmix32((seed & _M32) ^ _NOISE_DOMAIN) ^ (seed >> 32)) ^ (index & _M32))
+    against ``[R, V]`` or ``[V]``); a seed is any 64-bit value, an int in [0, 2**64) or its int64 form
+    (:func:`int64_seed`): only its two 32-bit halves enter the hash."""
+    key = _fmix32(_fmix32(_fmix32((seed & _M32) ^ _NOISE_DOMAIN) ^ ((seed >> 32) & _M32)) ^ (index & _M32))
     return _fmix32(_fmix32(_mul32(tokens & _M32, 0x9E3779B1) ^ key) ^ _mul32(key, 0x27D4EB2F))
+
+
+def int64_seed(seed: int) -> int:
+    """A request's seed in [0, 2**64) as the int64 with the same 64 bits (two's complement), the form an int64 tensor
+    holds: :func:`noise_bits` gives both forms the same bits."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def gumbel_of_bits(bits):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specinfer.core import DraftTree, TokenTree, VerifyResult
+from specinfer.core.coupled import int64_seed
 from specinfer.core.grammar_states import DraftGrammars
 from specinfer.core.iteration import VerifySpec
 from specinfer.core.requests import TokenLogprob
@@ -193,7 +194,8 @@ def _targets(rows: torch.Tensor, jobs: Sequence[VerifySpec], starts: Sequence[in
             # a node at depth d (the root: the last committed token, at index len(context)) is followed by index
             # len(context) + d + 1
             where.extend(range(len(index), len(index) + n))
-            meta.extend((job.seed, len(job.context_tokens) + int(d) + 1) for d in job.draft.tree.depths)
+            seed = int64_seed(job.seed)  # a seed of 2**63 or more as the int64 of its bits
+            meta.extend((seed, len(job.context_tokens) + int(d) + 1) for d in job.draft.tree.depths)
             params.extend([job.sampling] * n)
         index.extend(range(start, start + n))
     # [Ng] (the argmax of every row, then these: no copy of rows)
