@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -99,7 +99,13 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
         call = self._contexts.admit(
             request.items, self.vocab_size, self.llm.max_positions, wire_jobs.verify_job_from_proto
         )
-        verdicts = await self.runner.call(verify_counting_hits, call.jobs, self._grammars) if call.jobs else []
+        try:
+            verdicts = await self.runner.call(verify_counting_hits, call.jobs, self._grammars) if call.jobs else []
+        except Exception:
+            # a call that failed part way may leave its requests' caches half written: they go with their contexts,
+            # so that the caller's next call misses and sends the whole contexts, from which they are rebuilt
+            await self._forget([job.request_id for job in call.jobs])
+            raise
         response = internal_pb2.VerifyResponse(results=call.results(verdicts, wire_jobs.verify_result_to_proto))
         if self.llm.kv_budget is not None:
             response.kv_blocks_free = self.llm.kv_blocks_free or 0
@@ -122,12 +128,17 @@ class LlmVerifierServicer(internal_pb2_grpc.LlmVerifierServicer):
     async def Release(
         self, request: internal_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> internal_pb2.ReleaseResponse:
-        for rid in request.request_ids:
-            self._contexts.forget(rid)
-        # the head's grammar states under the runner's lock: its thread uses them
-        await self.runner.release(request.request_ids, None if self._grammars is None else self._grammars.forget)
+        await self._forget(request.request_ids)
         self.metrics.observe_kv(self.llm.kv_budget, self.llm.kv_blocks_free)
         return internal_pb2.ReleaseResponse()
+
+    async def _forget(self, request_ids: Iterable[str]) -> None:
+        """Drop what this verifier holds for ``request_ids``: contexts, caches, the head's grammar states."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self._contexts.forget(rid)
+        # the head's grammar states under the runner's lock: its thread uses them
+        await self.runner.release(request_ids, None if self._grammars is None else self._grammars.forget)
 
     @rpc_errors
     async def GetInfo(

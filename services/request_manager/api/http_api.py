@@ -211,6 +211,11 @@ class HttpApi:
             chunks = self._chunks(streams, params, echo, prompt_tokens, env, started, tools, logprobs)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choices = await self._collect(request, streams, params, echo, started)
+        failed = [c for c in choices if c.error]
+        if failed:  # a failed generation is the server's error, not an answer (a stream says it in an error event)
+            raise HttpError(
+                500, f"choice {failed[0].index}: {failed[0].error}", "server_error", None, "generation_failed"
+            )
         if tools is not None:
             return JSONResponse(oo.chat_object(env, choices, prompt_tokens, logprobs, tools))
         return JSONResponse(oo.completion_object(env, choices, prompt_tokens, logprobs))
@@ -288,6 +293,7 @@ class HttpApi:
         choice.logprobs.extend(event.logprobs)
         if event.finished is not None:
             choice.finish_reason = oo.FINISH_REASONS[event.finished.reason]
+            choice.error = event.finished.error
             choice.usage = _usage_proto(event)
         return now if event.tokens else last
 
@@ -353,6 +359,9 @@ class HttpApi:
                     yield chunk(i, item, choices[i].finish_reason)
                 if item.finished is not None:
                     open_choices -= 1
+                    if item.finished.error:
+                        message = f"choice {i}: {item.finished.error}"
+                        yield sse(oo.error_object(message, "server_error", None, "generation_failed"))
             if params.include_usage:
                 usage = oo.chat_usage_chunk if chat else oo.usage_chunk
                 yield sse(usage(env, choices, prompt_tokens))

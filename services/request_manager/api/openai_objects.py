@@ -30,6 +30,7 @@ class Choice:
     finish_reason: str | None = None
     usage: api_pb2.Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens', when the request asked
+    error: str = ""  # why generation failed, where it finished with reason "error"
 
 
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; vLLM's floor too)

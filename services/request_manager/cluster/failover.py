@@ -48,6 +48,20 @@ CALLER_FAULTS = frozenset(
     }
 )
 STALL_FAULTS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # what a stall of ours can cause
+# statuses a verifier answers when what it was asked failed there (a bad job, or a bug its inputs meet): the same call
+# would fail again, so the request manager finds the requests at fault by asking for each alone
+# (:meth:`.remote.Verifiers.verify`) instead of retrying the call, or taking the replica out, forever
+REQUEST_FAULTS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+# of those, the ones a broken replica answers to everything (a CUDA error, a lost rank)
+REPLICA_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class HealthProbes:

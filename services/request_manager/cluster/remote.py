@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -27,7 +28,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
+from .failover import CALLER_FAULTS, PROBE_SECONDS, REPLICA_FAULTS, REQUEST_FAULTS, STALL_FAULTS, settled_all
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 from .streamed import SocketFirst, StreamedUnary, stream_calls
@@ -37,6 +38,18 @@ log = logging.getLogger("specinfer.request_manager")
 
 class VerifierUnavailable(Exception):
     """No verify call of a round got through: no replica is live, or every one failed."""
+
+
+@dataclass
+class _Round:
+    """What a verification round's calls gave so far (:class:`VerifyRound`'s fields, and the calls' errors)."""
+
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    timings: list[tuple[str, tuple[VerifySpec, ...], float]] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    errors: list[grpc.aio.AioRpcError] = field(default_factory=list)
 
 
 class Verifiers(ReplicaPool):
@@ -152,57 +165,100 @@ class Verifiers(ReplicaPool):
         """One verify call per replica for the requests placed on it, concurrently. A replica that
         fails is taken out and its requests are unplaced (they fail this round); a call that failed
         across a stall of ours, or that the replica refused as the caller's fault, fails its requests
-        without taking the replica out. Raises VerifierUnavailable when no call got through, unless
-        every refusal was for lack of KV blocks (the replicas answer; the next schedule preempts)."""
-        by_replica: dict[str, list[VerifySpec]] = {}
-        failed: list[str] = []
+        without taking the replica out. A call the replica answered with a fault of what it was asked
+        (``REQUEST_FAULTS``) is asked again one request a call, and the requests that fail alone are
+        *rejected* (:attr:`VerifyRound.rejected`): the others go on. Raises VerifierUnavailable when no
+        call got through, unless every refusal was for lack of KV blocks (the replicas answer; the next
+        schedule preempts)."""
         live = self.live()
+        round_ = _Round()
+        by_replica: dict[str, list[VerifySpec]] = {}
         for c in calls:
             address = self.placement_map.home(c.request_id, verify_rows(c), live)
             if address is None:
-                failed.append(c.request_id)
+                round_.failed.append(c.request_id)
             else:
                 by_replica.setdefault(address, []).append(c)
         if not by_replica:
             raise VerifierUnavailable("no LLM verifier is live")
         started = asyncio.get_running_loop().time()
         # stubs and trackers are taken now: a refresh may drop a replica while its call runs
-        jobs = [self._verify_on(self._verify_calls[a], self.tracker(a), cs) for a, cs in by_replica.items()]
-        verdicts: dict[str, Verdict] = {}
-        timings = []
-        errors = []
-        refused = []
-        parts = await settled_all(jobs)
-        for (address, cs), part in zip(by_replica.items(), parts, strict=True):
-            if isinstance(part, grpc.aio.AioRpcError):
-                errors.append(part)
-                failed += [c.request_id for c in cs]
-                stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
-                if part.code() in CALLER_FAULTS or stalled:
-                    log.warning(
-                        "verify call failed; its requests retry",
-                        extra={"address": address, "code": str(part.code()), "details": part.details()},
-                    )
-                    if (
-                        part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    ):  # its KV blocks ran out (shared with another manager)
-                        refused.append(address)
-                        await self._ask_free(address)
-                else:
-                    self.take_out(address, part)  # when it is back, its tracker starts empty (ReplicaPool._back)
-            elif isinstance(part, BaseException):
-                raise part
+        handles = {a: (self._verify_calls[a], self.tracker(a)) for a in by_replica}
+        replicas = list(by_replica.items())
+        parts = await settled_all([self._verify_on(*handles[a], cs) for a, cs in replicas])
+        for (address, cs), part in zip(replicas, parts, strict=True):
+            if isinstance(part, grpc.aio.AioRpcError) and part.code() in REQUEST_FAULTS:
+                await self._isolate(address, handles[address], cs, part, started, round_)
             else:
-                results, seconds, free = part
-                verdicts.update(results)
-                timings.append((address, tuple(cs), seconds))
-                if free is not None:
-                    self.placement_map.heard_free(address, free)
+                await self._settle(address, cs, part, started, round_)
         # a full KV cache answers: it is there
-        unreachable = [e for e in errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
-        if not verdicts and unreachable:
+        unreachable = [e for e in round_.errors if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
+        if not round_.verdicts and not round_.rejected and unreachable:
             raise VerifierUnavailable(f"every verify call failed: {unreachable[0].code()} {unreachable[0].details()}")
-        return VerifyRound(verdicts, tuple(failed), tuple(timings), tuple(refused))
+        return VerifyRound(
+            round_.verdicts, tuple(round_.failed), tuple(round_.timings), tuple(round_.refused), round_.rejected
+        )
+
+    async def _settle(self, address: str, cs: Sequence[VerifySpec], part, started: float, round_: _Round) -> None:
+        """Add what ``address``'s call for ``cs`` gave (``part``: its result or its error) to ``round_``."""
+        if isinstance(part, grpc.aio.AioRpcError):
+            round_.errors.append(part)
+            round_.failed += [c.request_id for c in cs]
+            stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
+            if part.code() in CALLER_FAULTS or stalled:
+                log.warning(
+                    "verify call failed; its requests retry",
+                    extra={"address": address, "code": str(part.code()), "details": part.details()},
+                )
+                if (
+                    part.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                ):  # its KV blocks ran out (shared with another manager)
+                    round_.refused.append(address)
+                    await self._ask_free(address)
+            else:
+                self.take_out(address, part)  # when it is back, its tracker starts empty (ReplicaPool._back)
+        elif isinstance(part, BaseException):
+            raise part
+        else:
+            results, seconds, free = part
+            round_.verdicts.update(results)
+            round_.timings.append((address, tuple(cs), seconds))
+            if free is not None:
+                self.placement_map.heard_free(address, free)
+
+    async def _isolate(
+        self,
+        address: str,
+        handle: tuple[StreamedUnary | SocketFirst, ContextTracker],
+        cs: Sequence[VerifySpec],
+        error: grpc.aio.AioRpcError,
+        started: float,
+        round_: _Round,
+    ) -> None:
+        """``address`` answered the call for ``cs`` with ``error``, a fault of what it was asked: ask for each request
+        alone (at once), so that the requests at fault are rejected and the others verified. When every one fails
+        alone with a fault a broken replica answers to everything, the replica is at fault instead: taken out, its
+        requests retry elsewhere."""
+        singles: list = [error]
+        if len(cs) > 1:
+            log.warning(
+                "verify call failed; its requests are asked one by one",
+                extra={"address": address, "code": str(error.code()), "details": error.details(), "requests": len(cs)},
+            )
+            singles = await settled_all([self._verify_on(*handle, [c]) for c in cs])
+        faults = [isinstance(s, grpc.aio.AioRpcError) and s.code() in REQUEST_FAULTS for s in singles]
+        if len(cs) > 1 and all(faults) and all(s.code() in REPLICA_FAULTS for s in singles):
+            await self._settle(address, cs, singles[0], started, round_)
+            return
+        for c, single, fault in zip(cs, singles, faults, strict=True):
+            if not fault:
+                await self._settle(address, [c], single, started, round_)
+                continue
+            why = f"the LLM verifier failed on this request: {single.code().name}: {single.details()}"
+            round_.rejected[c.request_id] = why
+            log.warning(
+                "verification of a request failed alone; it ends", extra={"request_id": c.request_id, "error": why}
+            )
 
     async def _verify_on(
         self, verify: StreamedUnary | SocketFirst, tracker: ContextTracker, calls: Sequence[VerifySpec]

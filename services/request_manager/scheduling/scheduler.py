@@ -229,6 +229,11 @@ class Scheduler:
             report = await self.core.step(batch, self._commit, live=self._requests.running.__contains__)
         except VerifierUnavailable:
             return  # the executor waited its backoff; nothing was committed, the next iteration retries
+        for request_id, why in report.verify.rejected.items():
+            # its verification fails whenever it is asked, alone: it ends with that error, the others go on
+            live = self._requests.get(request_id)
+            if live is not None and live.finished is None:
+                await self._finish(live, "error", error=why)
         m.iterations.inc()
         m.batch_size.observe(len(batch))
         m.speculate_seconds.observe(report.speculate_seconds)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from specinfer.core.adaptive import AdaptiveSpeculation, Choice
@@ -86,12 +86,15 @@ class VerifyRound:
     verified this round (they retry next iteration); ``timings``, each verify call that answered:
     who ran it (a replica's address, or ``"local"``), its jobs and its seconds (a remote call's
     round trip: the network is part of what a step costs); ``refused``, replicas that refused
-    their call for lack of KV blocks."""
+    their call for lack of KV blocks; ``rejected``, requests whose verification failed on its own, asked alone (a bad
+    job, or a verifier bug their inputs meet), each with why: retried, they would fail again, so their driver ends
+    them with that error."""
 
     verdicts: dict[str, Verdict]
     failed: tuple[str, ...] = ()
     timings: tuple[tuple[str, tuple[VerifySpec, ...], float], ...] = ()
     refused: tuple[str, ...] = ()
+    rejected: Mapping[str, str] = field(default_factory=dict)
 
 
 class Executor(Protocol):
