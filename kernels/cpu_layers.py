@@ -160,16 +160,24 @@ def amx() -> bool:
     return lib is not None and bool(lib.amx_on())
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """``x``  # [M, K] times a dense fp32 or bf16 ``w``  # [N, K] (K a multiple of 8) transposed, by the layers' own
-    products (each output one reduction in a fixed order, whatever M).  # [M, N] float32"""
+    products (each output one reduction in a fixed order, whatever M), on ``threads`` threads of the kernels' team
+    (None: PyTorch's thread count).  # [M, N] float32"""
     lib = cpu_qgemm.library()
     assert lib is not None, "cpu_layers.dense_linear without its library"
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     bf16 = int(w.dtype == torch.bfloat16)
     lib.dense_gemm(
-        x.shape[0], w.shape[0], w.shape[1], x.data_ptr(), w.data_ptr(), bf16, y.data_ptr(), torch.get_num_threads()
+        x.shape[0],
+        w.shape[0],
+        w.shape[1],
+        x.data_ptr(),
+        w.data_ptr(),
+        bf16,
+        y.data_ptr(),
+        threads or torch.get_num_threads(),
     )
     return y
 

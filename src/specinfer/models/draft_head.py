@@ -92,6 +92,30 @@ class DraftHead(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(c.hidden))
         self.out = nn.Linear(c.hidden, c.feature_dim, bias=False)
         self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cpu_threads = 0  # > 0: inference runs the products on the CPU kernels (:meth:`cpu_products`)
+
+    def cpu_products(self, threads: int) -> bool:
+        """Run the layer's products outside autograd by the CPU kernels' own (``kernels/cpu_layers.c``, on their thread
+        team) with ``threads`` threads, where the kernels can read every weight (on the CPU, fp32 or bf16) and are
+        built here; returns whether they do. Why: PyTorch's products (oneDNN) run on OpenMP's team, whose worker
+        busy-waits after each one beside the kernels' team that runs the LLM's step, so a drafting pass (~8 small
+        products) ran on one thread instead (:func:`~specinfer.models.on_device.serial_on_cpu`)."""
+        from specinfer.kernels import cpu_layers, cpu_qgemm
+
+        layers = (self.fc, self.q, self.k, self.v, self.o, self.gate_up, self.down, self.out)
+        readable = all(cpu_layers.weight_kind(layer.weight.data) is not None for layer in layers)
+        self._cpu_threads = threads if threads > 0 and readable and cpu_qgemm.library() is not None else 0
+        return self._cpu_threads > 0
+
+    def product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)``  # [..., in] -> [..., out] in x's dtype: by the CPU kernels in inference where
+        :meth:`cpu_products` set them up (each output one fp32 reduction), else by PyTorch."""
+        if self._cpu_threads and not torch.is_grad_enabled():
+            from specinfer.kernels import cpu_layers
+
+            y = cpu_layers.dense_linear(x.reshape(-1, x.shape[-1]), layer.weight, self._cpu_threads)  # [N, out] fp32
+            return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+        return layer(x)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.config.norm_eps)
@@ -99,7 +123,8 @@ class DraftHead(nn.Module):
     def inputs(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The layer's input of pairs: features ``f``, embeddings of the tokens after them.
         # [..., feature_dim] x2 -> [..., hidden]"""
-        return self.fc(torch.cat([self._rms(features, self.feature_norm), self._rms(embeds, self.embed_norm)], -1))
+        pairs = torch.cat([self._rms(features, self.feature_norm), self._rms(embeds, self.embed_norm)], -1)
+        return self.product(self.fc, pairs)
 
     def keys_values(
         self, x: torch.Tensor, positions: torch.Tensor, end: int
@@ -110,23 +135,23 @@ class DraftHead(nn.Module):
         c = self.config
         n = x.shape[0]
         h = self._rms(x, self.attn_norm)
-        q = self.q(h).view(n, c.heads, c.head_dim)
-        k = self.k(h).view(n, c.kv_heads, c.head_dim)
-        v = self.v(h).view(n, c.kv_heads, c.head_dim)
+        q = self.product(self.q, h).view(n, c.heads, c.head_dim)
+        k = self.product(self.k, h).view(n, c.kv_heads, c.head_dim)
+        v = self.product(self.v, h).view(n, c.kv_heads, c.head_dim)
         cos, sin = self._rope(positions, end, x.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Predicted features from the inputs ``x``  # [N, hidden] and their attention's output
         # [N, heads, head_dim]. -> [N, feature_dim]"""
-        return self.out(self.final_state(x, attended))
+        return self.product(self.out, self.final_state(x, attended))
 
     def final_state(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """:meth:`finish` before its last product (``out``): the layer's final-normed state  # [N, hidden]
         (drafting folds ``out`` into the LLM's LM head for the logits)."""
-        h = x + self.o(attended.flatten(-2))
-        gate, up = self.gate_up(self._rms(h, self.mlp_norm)).chunk(2, dim=-1)
-        h = h + self.down(F.silu(gate) * up)
+        h = x + self.product(self.o, attended.flatten(-2))
+        gate, up = self.product(self.gate_up, self._rms(h, self.mlp_norm)).chunk(2, dim=-1)
+        h = h + self.product(self.down, F.silu(gate) * up)
         return self._rms(h, self.final_norm)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ pair: the head attends to the pairs it has.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -209,7 +210,7 @@ class HeadDrafter:
             attended.append(self._attend(state, rnd, q[at : at + n], k[at : at + n], v[at : at + n], anc))
             at += n
         final = self.head.final_state(x, torch.cat(attended))  # [N, hidden]
-        predicted = self.head.out(final)  # [N, feature_dim]
+        predicted = self.head.product(self.head.out, final)  # [N, feature_dim]
         at = 0
         for item, pos, anc in zip(batch, positions, parents_of, strict=True):
             n = len(item.tokens)
@@ -314,5 +315,9 @@ def with_head(llm: CausalLM, path: str | Path, llm_path: str | Path | None = Non
         draft_vocab = load_draft_vocab(path, c.vocab_size)
     except ValueError as exc:
         raise InvalidArgument("head", str(exc)) from None
-    drafter = HeadDrafter(head, llm.lm_logits_after, llm.embed_rows, draft_vocab)
+    # on the CPU the head's products and its logits run on the kernels' team, with the threads of the LLM's steps (a
+    # service loads its model in the thread that runs it, with its thread count)
+    threads = torch.get_num_threads() if torch.device(llm.device).type == "cpu" else 0
+    threads = threads if head.cpu_products(threads) else 0
+    drafter = HeadDrafter(head, functools.partial(llm.lm_logits_after, threads=threads), llm.embed_rows, draft_vocab)
     return WithHead(llm, drafter)

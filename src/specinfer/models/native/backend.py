@@ -337,10 +337,11 @@ class NativeBackend:
         """The LLM's logits of features  # [N, feature_dim] (its LM head, as in a forward pass)."""
         return self._local_model().logits(features)
 
-    def lm_logits_after(self, proj: torch.Tensor, rows: torch.Tensor | None = None) -> Callable:
+    def lm_logits_after(self, proj: torch.Tensor, rows: torch.Tensor | None = None, threads: int = 0) -> Callable:
         """The LLM's LM head (``rows``: those tokens' alone) after a linear map into features ``proj``  # [feature_dim,
-        k], one function of ``x``  # [N, k] -> [N, vocab] float32 (:meth:`NativeModel.logits_after`)."""
-        return self._local_model().logits_after(proj, rows)
+        k], one function of ``x``  # [N, k] -> [N, vocab] float32 (:meth:`NativeModel.logits_after`; ``threads``:
+        the CPU kernels' there)."""
+        return self._local_model().logits_after(proj, rows, threads)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, feature_dim]
         """Rows of the LLM's token embedding table  # tokens [N] int64 on the model's device."""

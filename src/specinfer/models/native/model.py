@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specinfer.kernels import TreeAttentionMetadata, soft_cap, tree_attention
+from specinfer.kernels import TreeAttentionMetadata, cpu_layers, cpu_qgemm, soft_cap, tree_attention
 from specinfer.kernels.cpu_layers import Segments
 from specinfer.models.native.fused import build as build_fused
 from specinfer.models.native.gemm import GemmPlan
@@ -131,20 +131,26 @@ class NativeModel:
         return soft_cap(self._lm_head(features).float(), self.spec.final_softcap)
 
     def logits_after(
-        self, proj: torch.Tensor, rows: torch.Tensor | None = None
+        self, proj: torch.Tensor, rows: torch.Tensor | None = None, threads: int = 0
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """The LM head after a linear map into features ``proj``  # [lm_head_dim, k]: a function of ``x``
         # [N, k] giving :meth:`logits` of ``x @ proj.T``  # [N, vocab] float32. Where ``k`` is narrower than
         the features (a draft head's width), the two products are folded into one ``[vocab, k]`` matrix,
         multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes. ``rows``
-        # [K] int64: only those tokens' logits are computed (a draft vocabulary); the others are -inf."""
+        # [K] int64: only those tokens' logits are computed (a draft vocabulary); the others are -inf. ``threads``
+        > 0: a folded matrix the CPU kernels read is multiplied by them on that many threads (a draft head's
+        products, :meth:`~specinfer.models.draft_head.DraftHead.cpu_products`)."""
         index = None if rows is None else rows.to(self.w.lm_head.device)  # [K]
         lm_head = self.w.lm_head if index is None else self.w.lm_head.index_select(0, index)  # [vocab or K, dim]
+        cap = self.spec.final_softcap
         if proj.shape[1] >= proj.shape[0]:
-            part = lambda x: soft_cap(self.linear(F.linear(x, proj), lm_head).float(), self.spec.final_softcap)  # noqa: E731
+            part = lambda x: soft_cap(self.linear(F.linear(x, proj), lm_head).float(), cap)  # noqa: E731
         else:
-            folded = (lm_head.float() @ proj.float()).to(lm_head.dtype)  # [vocab or K, k]
-            part = lambda x: soft_cap(self.linear(x, folded).float(), self.spec.final_softcap)  # noqa: E731
+            folded = (lm_head.float() @ proj.float()).to(lm_head.dtype).contiguous()  # [vocab or K, k]
+            if threads > 0 and cpu_layers.weight_kind(folded) is not None and cpu_qgemm.library() is not None:
+                part = lambda x: soft_cap(cpu_layers.dense_linear(x, folded, threads), cap)  # noqa: E731
+            else:
+                part = lambda x: soft_cap(self.linear(x, folded).float(), cap)  # noqa: E731
         if index is None:
             return part
         vocab = self.w.lm_head.shape[0]
