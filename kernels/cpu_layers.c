@@ -528,9 +528,10 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
     return bad ? -2 : failed ? -1 : 0;
 }
 
-/* y [m, n] = x [m, k] (fp32) @ W^T for a dense fp32 or bf16 weight [n, k] (k a multiple of 8), by the layers' own
- * products: each output one reduction in a fixed order, whatever m (the LM head of a model the layers run, so that
- * its logits are row-invariant too). */
+/* y [m, w->n] (fp32) = x [m, k_x] (fp32) @ W^T for a weight record of any kind, by the layers' own products on the
+ * team: each output one reduction in a fixed order, whatever m (the LM head of a model the layers run, so that its
+ * logits are row-invariant too). Dense: k_x = w->k; int4/int8: x's rows are quantized to int8 blocks first (zero past
+ * k_x), as the layers' own inputs are. Returns 0, or -1 without memory. */
 typedef struct {
     const Weight *w;
     int m;
@@ -544,12 +545,34 @@ static void dense_task(Team *tm, void *arg) {
     product(tm, p->w, p->m, p->x, p->w->k, p->a, p->y, 0, 0);
 }
 
+int weight_gemm(int m, int k_x, const float *x, const Weight *w, float *y, int threads) {
+    Activations a = {NULL, NULL, NULL, NULL};
+    int failed = 0;
+    if (w->kind == INT4 || w->kind == INT8) {
+        const int nb = w->k / QK;
+        a.q = malloc((size_t)m * w->k);
+        a.xd = malloc(sizeof(float) * (size_t)m * nb);
+        a.xs = malloc(sizeof(float) * (size_t)m * nb);
+        failed = !a.q || !a.xd || !a.xs;
+        for (int r = 0; !failed && r < m; r++)  /* a few rows: on the calling thread */
+            quantize_row(x + (size_t)r * k_x, 0, k_x, w->k, a.q + (size_t)r * w->k, a.xd + (size_t)r * nb,
+                         a.xs + (size_t)r * nb);
+    } else if (w->kind == DENSE_BF16 && amx_on()) {
+        a.xv = malloc(amx_packed_bytes(m, w->k));
+        failed = !a.xv;
+    }
+    if (!failed) {
+        Dense p = {w, m, x, &a, y};
+        team_run(threads, dense_task, &p);
+    }
+    free_rows(&a);
+    return failed ? -1 : 0;
+}
+
+/* weight_gemm of a dense fp32 or bf16 weight [n, k] (k a multiple of 8). */
 void dense_gemm(int m, int n, int k, const float *x, const void *w, int w_bf16, float *y, int threads) {
     const Weight weight = {w_bf16 ? DENSE_BF16 : DENSE_F32, n, k, w, NULL, NULL};
-    Activations a = {NULL, NULL, NULL, w_bf16 && amx_on() ? malloc(amx_packed_bytes(m, k)) : NULL};
-    Dense p = {&weight, m, x, &a, y};
-    team_run(threads, dense_task, &p);
-    free(a.xv);
+    weight_gemm(m, k, x, &weight, y, threads);
 }
 
 /* y [m, n] = each row of x [m, n] (fp32) RMS-normed with w [n], rounded to bf16 where bf (the model's final norm,
@@ -559,12 +582,12 @@ void rms_norm_rows(int m, int n, const float *x, const float *w, float eps, int 
     for (int r = 0; r < m; r++) rms_norm(x + (size_t)r * n, w, n, eps, y + (size_t)r * n, bf);
 }
 
-/* y [n_rows, vocab] (fp32) = the logits of the rows `rows` [n_rows] of h [t, hid] (fp32, or bf16 where h_bf16): the
- * model's final norm w [hid] then the dense LM head [vocab, hid], exactly as rms_norm_rows then dense_gemm compute
- * them on h's rows converted to fp32 (one call a step where those two and the row gather were about ten dispatched
- * operations). Returns -2 for a row outside [0, t), -1 without memory, else 0. */
+/* y [n_rows, head->n] (fp32) = the logits of the rows `rows` [n_rows] of h [t, hid] (fp32, or bf16 where h_bf16): the
+ * model's final norm w [hid] then the LM head (a weight record of any kind), exactly as rms_norm_rows then
+ * weight_gemm compute them on h's rows converted to fp32 (one call a step where those two and the row gather were
+ * about ten dispatched operations). Returns -2 for a row outside [0, t), -1 without memory, else 0. */
 int final_logits(int t, int hid, const void *h, int h_bf16, const int64_t *rows, int n_rows, const float *w, float eps,
-                 const void *head, int head_bf16, int vocab, float *y, int threads) {
+                 const Weight *head, float *y, int threads) {
     for (int r = 0; r < n_rows; r++)
         if (rows[r] < 0 || rows[r] >= t) return -2;
     float *x = malloc(sizeof(float) * (size_t)n_rows * hid), *xn = malloc(sizeof(float) * (size_t)n_rows * hid);
@@ -578,7 +601,7 @@ int final_logits(int t, int hid, const void *h, int h_bf16, const int64_t *rows,
             x[(size_t)r * hid + i] = h_bf16 ? bf16_to_f32(((const uint16_t *)h)[from + i]) : ((const float *)h)[from + i];
     }
     rms_norm_rows(n_rows, hid, x, w, eps, h_bf16, xn);
-    dense_gemm(n_rows, vocab, hid, xn, head, head_bf16, y, threads);
+    const int failed = weight_gemm(n_rows, hid, xn, head, y, threads);
     free(x), free(xn);
-    return 0;
+    return failed;
 }

@@ -195,22 +195,36 @@ def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(h.dtype)
 
 
+def weight_linear(x: torch.Tensor, w: Weight, threads: int | None = None) -> torch.Tensor:
+    """``x``  # [M, K_x] times the weight of record ``w`` (:func:`weight`; any kind: a dense weight's K_x is its k, a
+    block layout's at most its padded k) transposed, by the layers' own products on ``threads`` threads of the
+    kernels' team (None: PyTorch's thread count); block layouts quantize x's rows as the layers do.  # [M, n] float32"""
+    lib = cpu_qgemm.library()
+    assert lib is not None, "cpu_layers.weight_linear without its library"
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    if lib.weight_gemm(
+        x.shape[0], x.shape[1], x.data_ptr(), ctypes.addressof(w), y.data_ptr(), threads or torch.get_num_threads()
+    ):
+        raise MemoryError("cpu_layers.weight_linear: no memory for the rows")
+    return y
+
+
 def final_logits(
     h: torch.Tensor,  # [T, hidden] fp32 or bf16, contiguous
     rows: torch.Tensor,  # [N] int64
     norm: torch.Tensor,  # [hidden] fp32
     eps: float,
-    head: torch.Tensor,  # [vocab, hidden] dense fp32 or bf16
+    head: Weight,  # the LM head's record (:func:`weight`): [vocab, hidden], any kind
 ) -> torch.Tensor:  # [N, vocab] float32
-    """The logits of ``h``'s rows ``rows``: :func:`rms_norm_rows` with ``norm`` then :func:`dense_linear` with
+    """The logits of ``h``'s rows ``rows``: :func:`rms_norm_rows` with ``norm`` then :func:`weight_linear` with
     ``head``, bit for bit, in one call (a step's final norm and LM head)."""
     lib = cpu_qgemm.library()
     assert lib is not None, "cpu_layers.final_logits without its library"
-    y = torch.empty(rows.shape[0], head.shape[0], dtype=torch.float32)
+    y = torch.empty(rows.shape[0], head.n, dtype=torch.float32)
     failed = lib.final_logits(
         h.shape[0], h.shape[1], h.data_ptr(), int(h.dtype == torch.bfloat16), rows.data_ptr(), rows.shape[0],
-        norm.data_ptr(), eps, head.data_ptr(), int(head.dtype == torch.bfloat16), head.shape[0], y.data_ptr(),
-        torch.get_num_threads(),
+        norm.data_ptr(), eps, ctypes.addressof(head), y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed == -2:
         raise IndexError("cpu_layers.final_logits: a logit row outside h")

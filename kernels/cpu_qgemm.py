@@ -167,8 +167,9 @@ def library() -> ctypes.CDLL | None:
     )
     lib.rms_norm_rows.restype = None
     lib.final_logits.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.final_logits.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 2
-    lib.final_logits.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    lib.final_logits.argtypes += [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.weight_gemm.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.weight_gemm.restype = ctypes.c_int
     lib.final_logits.restype = ctypes.c_int
     lib.row_top_k.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 2
     lib.row_top_k.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]

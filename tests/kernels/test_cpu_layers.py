@@ -234,14 +234,28 @@ def test_the_dense_products_are_row_invariant_and_near_pytorchs(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype):
+@pytest.mark.parametrize("head_kind", ["dense", "int8"])
+def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype, head_kind):
     """The step's final norm and LM head in one call (``cpu_layers.final_logits``, what a fused model's ``head``
-    runs) give what ``rms_norm_rows`` then ``dense_linear`` give on the gathered rows; a row outside h is refused."""
+    runs, on the kernels' team) give what ``rms_norm_rows`` then the head's product give on the gathered rows: a
+    dense head's ``dense_linear``, an int8 head's (the quantized models' logits head) OpenMP product of
+    ``cpu_qgemm.linear``; a row outside h is refused."""
+    from specinfer.models.native.quant import pack_blocks
+
     torch.manual_seed(7)
     h = torch.randn(9, 72).to(dtype)  # [T, hidden]
-    norm, head = torch.rand(72) + 0.5, torch.randn(50, 72).to(dtype)  # [hidden] fp32, [vocab, hidden]
+    norm, plain = torch.rand(72) + 0.5, torch.randn(50, 72).to(dtype)  # [hidden] fp32, [vocab, hidden]
     rows = torch.tensor([8, 0, 3, 3])  # [N]: any order, repeats allowed
-    expected = cpu_layers.dense_linear(cpu_layers.rms_norm_rows(h[rows], norm, 1e-5), head)  # [N, vocab]
+    normed = cpu_layers.rms_norm_rows(h[rows], norm, 1e-5)  # [N, hidden] in h's dtype
+    keep = []
+    if head_kind == "dense":
+        head = cpu_layers.weight(plain, cpu_layers.weight_kind(plain), None, keep)
+        expected = cpu_layers.dense_linear(normed, plain)  # [N, vocab]
+    else:
+        q = pack_blocks(plain.float(), "int8")  # hidden 72 padded to 96 inputs
+        head = cpu_layers.weight(q, cpu_layers.weight_kind(q), None, keep)
+        expected = cpu_qgemm.linear(normed, "int8", q.packed, q.scales, torch.float32)
     assert torch.equal(cpu_layers.final_logits(h, rows, norm, 1e-5, head), expected)
+    assert torch.equal(cpu_layers.weight_linear(normed, head), expected)
     with pytest.raises(IndexError, match="logit row"):
         cpu_layers.final_logits(h, torch.tensor([9]), norm, 1e-5, head)

@@ -136,9 +136,10 @@ class FusedLayers:
         )  # fmt: skip
         self._pool: tuple[int, int] | None = None  # the bound pool's K and V addresses
         head = model.w.lm_head if model.w.logits_head is None else model.w.logits_head
-        # a dense LM head through the C products too, so that logits are row-invariant as the layers are
-        dense_kinds = (cpu_layers.DENSE_F32, cpu_layers.DENSE_BF16)
-        self.dense_head = head if cpu_layers.weight_kind(head) in dense_kinds else None
+        # the LM head (dense, or int8 kept for the logits) through the C products too, so that logits are row-invariant
+        # as the layers are, and on the kernels' team: on OpenMP's, its worker spun into the next step beside the team
+        head_kind = cpu_layers.weight_kind(head)
+        self.head_weight = None if head_kind is None else cpu_layers.weight(head, head_kind, None, self._keep)
         # the final norm in C too (microseconds a step less than a dispatched operation), for every path of the model
         final = model.w.final_norm_w
         self.final_norm = final.detach().float().contiguous() if model.blocks.final is llama._final else None
@@ -156,18 +157,18 @@ class FusedLayers:
         return cpu_layers.rms_norm_rows(h, self.final_norm, self.eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        """The dense LM head on final-normed ``h``  # [N, hidden] (:attr:`dense_head` set)."""
-        return cpu_layers.dense_linear(h, self.dense_head)
+        """The LM head on final-normed ``h``  # [N, hidden] (:attr:`head_weight` set)."""
+        return cpu_layers.weight_linear(h, self.head_weight)
 
     def serves_head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> bool:
         """Whether :meth:`head` computes the logits of ``h``  # [T, hidden] at ``logit_rows``  # [N] int64."""
         cpu = h.device.type == "cpu" and logit_rows.device.type == "cpu" and logit_rows.dtype == torch.int64
-        dense = self.final_norm is not None and self.dense_head is not None and self.takes(logit_rows.shape[0])
-        return cpu and dense and h.dtype in (torch.float32, torch.bfloat16) and h.is_contiguous()
+        ours = self.final_norm is not None and self.head_weight is not None and self.takes(logit_rows.shape[0])
+        return cpu and ours and h.dtype in (torch.float32, torch.bfloat16) and h.is_contiguous()
 
     def head(self, h: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         """:meth:`norm` then :meth:`logits` of ``h``'s rows ``logit_rows`` in one C call (:meth:`serves_head`)."""
-        return cpu_layers.final_logits(h, logit_rows.contiguous(), self.final_norm, self.eps, self.dense_head)
+        return cpu_layers.final_logits(h, logit_rows.contiguous(), self.final_norm, self.eps, self.head_weight)
 
     def _address(self, x: torch.Tensor | None) -> int:
         if x is None:

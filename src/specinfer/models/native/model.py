@@ -180,7 +180,7 @@ class NativeModel:
         return self.blocks.final(self, h)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:  # [N, vocab]
-        if self.fused is not None and self.fused.dense_head is not None and self.fused.takes(h.shape[0]):
+        if self.fused is not None and self.fused.head_weight is not None and self.fused.takes(h.shape[0]):
             return self.fused.logits(h)
         return self.linear(h, self.w.lm_head if self.w.logits_head is None else self.w.logits_head)
 
