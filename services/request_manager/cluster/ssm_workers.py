@@ -23,7 +23,7 @@ from specinfer.v1 import internal_pb2
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, STALL_FAULTS, settled_all
+from .failover import CALLER_FAULTS, PROBE_SECONDS, REPLICA_FAULTS, REQUEST_FAULTS, STALL_FAULTS, settled_all
 from .streamed import SocketFirst, StreamedUnary
 from .worker_pool import WorkerPool
 
@@ -60,7 +60,9 @@ class SsmWorkers(WorkerPool):
     async def speculate(self, ssm: str, calls: Sequence[DraftSpec]) -> Drafts:
         """Draft trees of ``calls`` by request ID, and the pass timings. Requests whose worker fails
         move to another live worker within this call; requests left without one are missing from the
-        result (their tree is the root alone). Raises only for errors that are the caller's (CALLER_FAULTS)."""
+        result (their tree is the root alone). A call the worker answered with a fault of what it was asked
+        (``REQUEST_FAULTS``) is asked again one request a call: the requests that fail alone are missing from the
+        result, the others drafted. Raises only for errors that are the caller's (CALLER_FAULTS but those)."""
         out = Drafts({}, [])
         pending = list(calls)
         retried: set[str] = set()  # workers given a second try after a stall of our own
@@ -80,7 +82,9 @@ class SsmWorkers(WorkerPool):
             started = asyncio.get_running_loop().time()
             pending = []
             for (address, cs), part in zip(by_worker.items(), await settled_all(jobs), strict=True):
-                if isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
+                if isinstance(part, grpc.aio.AioRpcError) and part.code() in REQUEST_FAULTS:
+                    pending += await self._isolate(address, ssm, cs, part, out)
+                elif isinstance(part, grpc.aio.AioRpcError) and part.code() not in CALLER_FAULTS:
                     # a deadline that passed, or a connection the worker dropped (its keepalive pings unanswered),
                     # while we were not running
                     stalled = part.code() in STALL_FAULTS and self.stalls.stalled_since(started)
@@ -99,6 +103,36 @@ class SsmWorkers(WorkerPool):
                     out.trees.update(part.trees)
                     out.passes.extend(part.passes)
         return out
+
+    async def _isolate(
+        self, address: str, ssm: str, cs: Sequence[DraftSpec], error: grpc.aio.AioRpcError, out: Drafts
+    ) -> list[DraftSpec]:
+        """``address`` answered the call for ``cs`` with ``error``, a fault of what it was asked: each request asked
+        alone, at once; the drafted ones go to ``out``, the ones that fail alone verify without this SSM's tree this
+        step (speed, not answers). Returns the requests to move to another worker: all of them where every one failed
+        alone with a fault a broken worker answers to everything (the worker is taken out), else none."""
+        singles: list = [error]
+        if len(cs) > 1 and address not in self._trackers:  # left the pool meanwhile
+            return list(cs)
+        if len(cs) > 1:
+            call, tracker = self.speculate_call(address, ssm), self._trackers[address]
+            singles = await settled_all([self._speculate_on(call, tracker, ssm, [c]) for c in cs])
+        faults = [isinstance(s, grpc.aio.AioRpcError) and s.code() in REQUEST_FAULTS for s in singles]
+        if len(cs) > 1 and all(faults) and all(s.code() in REPLICA_FAULTS for s in singles):
+            self.take_out(address, singles[0])
+            return list(cs)
+        for c, single, fault in zip(cs, singles, faults, strict=True):
+            if fault:
+                log.warning(
+                    "Speculate failed on a request alone; it verifies without this SSM's tree",
+                    extra={"address": address, "ssm": ssm, "request_id": c.request_id, "error": single.details()},
+                )
+            elif isinstance(single, BaseException):
+                log.warning("Speculate failed", extra={"address": address, "ssm": ssm, "error": repr(single)})
+            else:
+                out.trees.update(single.trees)
+                out.passes.extend(single.passes)
+        return []
 
     async def _speculate_on(
         self, speculate: StreamedUnary | SocketFirst, tracker: ContextTracker, ssm: str, calls: Sequence[DraftSpec]

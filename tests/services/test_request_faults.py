@@ -1,10 +1,12 @@
-"""A request whose verification fails on its own ends with that error; the others in its batch go on.
+"""A request whose verification fails on its own ends with that error; the others in its batch go on. A request
+whose drafting fails on its own verifies without that SSM's tree; the others' trees come.
 
-The LLM verifier runs as a separate process (the ``services`` fixture); the request manager's parts are the real
-ones (its gRPC client of the verifiers, its scheduler over a real Redis). The faulty request carries a context token
-outside the vocabulary: the verifier refuses the whole call that holds it (INVALID_ARGUMENT, naming the item), as it
-would any job that fails there, a bug its inputs meet included (INTERNAL). Before the request manager asked for such
-a call's requests one by one, every request of the batch failed the round and retried it, forever.
+The model services run as separate processes (the ``services`` fixture); the request manager's parts are the real
+ones (its gRPC clients of the verifiers and the SSM workers, its scheduler over a real Redis). The faulty request
+carries a context token outside the vocabulary: the verifier refuses the whole call that holds it (INVALID_ARGUMENT,
+naming the item), as it would any job that fails there, a bug its inputs meet included (INTERNAL). Before the
+request manager asked for such a call's requests one by one, every request of the batch failed the round and retried
+it, forever.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import os
 from prometheus_client import CollectorRegistry
 
 from services.test_llm_verifier import GREEDY, greedy_continuation
-from specinfer.core import DraftTree, TokenTree
-from specinfer.core.iteration import VerifySpec
+from specinfer.core import DraftTree, ExpansionConfig, TokenTree
+from specinfer.core.iteration import DraftSpec, VerifySpec, draft_stream
 from specinfer.core.requests import GenerationRequest
 from specinfer.request_manager.cluster.remote import Verifiers
+from specinfer.request_manager.cluster.ssm_workers import SsmWorkers
 from specinfer.request_manager.scheduling.live import Live
 from specinfer.request_manager.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.request_manager.state.live_records import live_record
@@ -106,3 +109,29 @@ def test_the_scheduler_ends_the_faulty_request_with_its_error_and_finishes_the_o
     asyncio.run(scenario())
     llm = AutoModelForCausalLM.from_pretrained(str(model_pair.llm), dtype="float32").eval()
     assert good.output == greedy_continuation(llm, list(prompt), 12)
+
+
+def test_a_draft_job_that_fails_alone_is_left_out_and_the_others_are_drafted(services, model_pair):
+    """An SSM worker that refuses a Speculate call for one of its jobs: before, the whole call failed (every request
+    of the batch lost its tree) and an INTERNAL one took the worker out, for everyone, step after step."""
+    a, b = model_pair.prompts[0], model_pair.prompts[1]
+
+    def job(rid: str, tokens) -> DraftSpec:
+        return DraftSpec(rid, list(tokens[:-1]), tokens[-1], ExpansionConfig((2, 1)), GREEDY, 32, 7, 0, draft_stream(0))
+
+    jobs = [job("draft-a", a), job("draft-bad", [*b[:-2], OUT_OF_VOCAB, b[-1]]), job("draft-b", b)]
+
+    async def scenario() -> None:
+        workers = SsmWorkers([services.ssm_worker.address], 60)
+        try:
+            await workers.discover()
+            drafted = await workers.speculate("ssm", jobs)
+            alone = await workers.speculate("ssm", [job("alone-a", a), job("alone-b", b)])
+            assert sorted(drafted.trees) == ["draft-a", "draft-b"]
+            assert drafted.trees["draft-a"].tree == alone.trees["alone-a"].tree
+            assert drafted.trees["draft-b"].tree == alone.trees["alone-b"].tree
+            assert workers.live_count() == 1  # the worker answered: not taken out
+        finally:
+            await workers.close()
+
+    asyncio.run(scenario())
