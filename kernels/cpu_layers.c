@@ -533,7 +533,7 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
 /* y [m, w->n] (fp32) = x [m, k_x] (fp32) @ W^T for a weight record of any kind, by the layers' own products on the
  * team: each output one reduction in a fixed order, whatever m (the LM head of a model the layers run, so that its
  * logits are row-invariant too). Dense: k_x = w->k; int4/int8: x's rows are quantized to int8 blocks first (zero past
- * k_x), as the layers' own inputs are. Returns 0, or -1 without memory. */
+ * k_x), as the layers' own inputs are. Returns 0, -1 without memory, -3 where k_x does not fit the weight. */
 typedef struct {
     const Weight *w;
     int m;
@@ -548,17 +548,17 @@ static void dense_task(Team *tm, void *arg) {
 }
 
 int weight_gemm(int m, int k_x, const float *x, const Weight *w, float *y, int threads) {
+    const int blocks = w->kind == INT4 || w->kind == INT8;
+    if (blocks ? k_x > w->k : k_x != w->k) return -3;
     Activations a = {NULL, NULL, NULL, NULL};
     int failed = 0;
-    if (w->kind == INT4 || w->kind == INT8) {
+    if (blocks) {
         const int nb = w->k / QK;
         a.q = malloc((size_t)m * w->k);
         a.xd = malloc(sizeof(float) * (size_t)m * nb);
         a.xs = malloc(sizeof(float) * (size_t)m * nb);
         failed = !a.q || !a.xd || !a.xs;
-        for (int r = 0; !failed && r < m; r++)  /* a few rows: on the calling thread */
-            quantize_row(x + (size_t)r * k_x, 0, k_x, w->k, a.q + (size_t)r * w->k, a.xd + (size_t)r * nb,
-                         a.xs + (size_t)r * nb);
+        for (int r = 0; !failed && r < m; r++) prepare(w, x + (size_t)r * k_x, k_x, r, &a);  /* a few rows: here */
     } else if (w->kind == DENSE_BF16 && amx_on()) {
         a.xv = malloc(amx_packed_bytes(m, w->k));
         failed = !a.xv;
@@ -587,7 +587,7 @@ void rms_norm_rows(int m, int n, const float *x, const float *w, float eps, int 
 /* y [n_rows, head->n] (fp32) = the logits of the rows `rows` [n_rows] of h [t, hid] (fp32, or bf16 where h_bf16): the
  * model's final norm w [hid] then the LM head (a weight record of any kind), exactly as rms_norm_rows then
  * weight_gemm compute them on h's rows converted to fp32 (one call a step where those two and the row gather were
- * about ten dispatched operations). Returns -2 for a row outside [0, t), -1 without memory, else 0. */
+ * about ten dispatched operations). Returns -2 for a row outside [0, t), else as weight_gemm. */
 int final_logits(int t, int hid, const void *h, int h_bf16, const int64_t *rows, int n_rows, const float *w, float eps,
                  const Weight *head, float *y, int threads) {
     for (int r = 0; r < n_rows; r++)

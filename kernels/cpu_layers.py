@@ -203,11 +203,19 @@ def weight_linear(x: torch.Tensor, w: Weight, threads: int | None = None) -> tor
     assert lib is not None, "cpu_layers.weight_linear without its library"
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    if lib.weight_gemm(
+    failed = lib.weight_gemm(
         x.shape[0], x.shape[1], x.data_ptr(), ctypes.addressof(w), y.data_ptr(), threads or torch.get_num_threads()
-    ):
-        raise MemoryError("cpu_layers.weight_linear: no memory for the rows")
+    )
+    _raise_for(failed, "weight_linear", x.shape[1], w)
     return y
+
+
+def _raise_for(failed: int, name: str, width: int, w: Weight) -> None:
+    """The error of ``weight_gemm``'s status ``failed`` (0: none) for ``width`` inputs a row against ``w``."""
+    if failed == -3:
+        raise ValueError(f"cpu_layers.{name}: rows of {width} inputs against a weight of {w.k} (kind {w.kind})")
+    if failed:
+        raise MemoryError(f"cpu_layers.{name}: no memory for the rows")
 
 
 def final_logits(
@@ -228,8 +236,7 @@ def final_logits(
     )  # fmt: skip
     if failed == -2:
         raise IndexError("cpu_layers.final_logits: a logit row outside h")
-    if failed:
-        raise MemoryError("cpu_layers.final_logits: no memory for the rows")
+    _raise_for(failed, "final_logits", h.shape[1], head)
     return y
 
 

@@ -239,7 +239,7 @@ def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype, head_kind)
     """The step's final norm and LM head in one call (``cpu_layers.final_logits``, what a fused model's ``head``
     runs, on the kernels' team) give what ``rms_norm_rows`` then the head's product give on the gathered rows: a
     dense head's ``dense_linear``, an int8 head's (the quantized models' logits head) OpenMP product of
-    ``cpu_qgemm.linear``; a row outside h is refused."""
+    ``cpu_qgemm.linear``; a row outside h, and rows wider than the head, are refused."""
     from specinfer.models.native.quant import pack_blocks
 
     torch.manual_seed(7)
@@ -259,3 +259,5 @@ def test_final_logits_equal_the_norm_then_the_head_bit_for_bit(dtype, head_kind)
     assert torch.equal(cpu_layers.weight_linear(normed, head), expected)
     with pytest.raises(IndexError, match="logit row"):
         cpu_layers.final_logits(h, torch.tensor([9]), norm, 1e-5, head)
+    with pytest.raises(ValueError, match="inputs against a weight"):  # rows wider than the head reads
+        cpu_layers.weight_linear(torch.randn(2, 100), head)
