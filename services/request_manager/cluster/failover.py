@@ -166,3 +166,16 @@ async def settled_all(calls: Sequence[Awaitable[T]]) -> list[T | BaseException]:
         return [exc]
     except Exception as exc:
         return [exc]
+
+
+async def ask_alone(
+    items: Sequence[T], error: grpc.aio.AioRpcError, ask: Callable[[T], Awaitable[object]]
+) -> tuple[list[object], list[bool], bool]:
+    """After a call for ``items`` failed with ``error`` (a ``REQUEST_FAULTS`` status), each item asked alone, at once,
+    with ``ask`` (one item: ``error`` is its answer already). Returns the answers (results or exceptions), whether each
+    is a fault of its item (a ``REQUEST_FAULTS`` status), and whether the callee is at fault instead: two or more items
+    that each failed alone with a status a broken callee answers to everything (``REPLICA_FAULTS``)."""
+    answers: list[object] = [error] if len(items) == 1 else await settled_all([ask(item) for item in items])
+    faults = [isinstance(a, grpc.aio.AioRpcError) and a.code() in REQUEST_FAULTS for a in answers]
+    broken = len(items) > 1 and all(faults) and all(a.code() in REPLICA_FAULTS for a in answers)
+    return answers, faults, broken

@@ -28,7 +28,7 @@ from specinfer.v1 import internal_pb2, internal_pb2_grpc
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, REPLICA_FAULTS, REQUEST_FAULTS, STALL_FAULTS, settled_all
+from .failover import CALLER_FAULTS, PROBE_SECONDS, REQUEST_FAULTS, STALL_FAULTS, ask_alone, settled_all
 from .placement_map import PlacementMap
 from .replica_pool import ReplicaPool
 from .streamed import SocketFirst, StreamedUnary, stream_calls
@@ -239,15 +239,13 @@ class Verifiers(ReplicaPool):
         alone (at once), so that the requests at fault are rejected and the others verified. When every one fails
         alone with a fault a broken replica answers to everything, the replica is at fault instead: taken out, its
         requests retry elsewhere."""
-        singles: list = [error]
         if len(cs) > 1:
             log.warning(
                 "verify call failed; its requests are asked one by one",
                 extra={"address": address, "code": str(error.code()), "details": error.details(), "requests": len(cs)},
             )
-            singles = await settled_all([self._verify_on(*handle, [c]) for c in cs])
-        faults = [isinstance(s, grpc.aio.AioRpcError) and s.code() in REQUEST_FAULTS for s in singles]
-        if len(cs) > 1 and all(faults) and all(s.code() in REPLICA_FAULTS for s in singles):
+        singles, faults, broken = await ask_alone(cs, error, lambda c: self._verify_on(*handle, [c]))
+        if broken:
             await self._settle(address, cs, singles[0], started, round_)
             return
         for c, single, fault in zip(cs, singles, faults, strict=True):

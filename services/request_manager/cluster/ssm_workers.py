@@ -23,7 +23,7 @@ from specinfer.v1 import internal_pb2
 
 from .context_protocol import ContextTracker, call_with_context
 from .discovery import DNS_REFRESH_SECONDS
-from .failover import CALLER_FAULTS, PROBE_SECONDS, REPLICA_FAULTS, REQUEST_FAULTS, STALL_FAULTS, settled_all
+from .failover import CALLER_FAULTS, PROBE_SECONDS, REQUEST_FAULTS, STALL_FAULTS, ask_alone, settled_all
 from .streamed import SocketFirst, StreamedUnary
 from .worker_pool import WorkerPool
 
@@ -111,14 +111,14 @@ class SsmWorkers(WorkerPool):
         alone, at once; the drafted ones go to ``out``, the ones that fail alone verify without this SSM's tree this
         step (speed, not answers). Returns the requests to move to another worker: all of them where every one failed
         alone with a fault a broken worker answers to everything (the worker is taken out), else none."""
-        singles: list = [error]
         if len(cs) > 1 and address not in self._trackers:  # left the pool meanwhile
             return list(cs)
-        if len(cs) > 1:
-            call, tracker = self.speculate_call(address, ssm), self._trackers[address]
-            singles = await settled_all([self._speculate_on(call, tracker, ssm, [c]) for c in cs])
-        faults = [isinstance(s, grpc.aio.AioRpcError) and s.code() in REQUEST_FAULTS for s in singles]
-        if len(cs) > 1 and all(faults) and all(s.code() in REPLICA_FAULTS for s in singles):
+
+        def ask(c: DraftSpec):  # only where there are several (one: its answer is the error)
+            return self._speculate_on(self.speculate_call(address, ssm), self._trackers[address], ssm, [c])
+
+        singles, faults, broken = await ask_alone(cs, error, ask)
+        if broken:
             self.take_out(address, singles[0])
             return list(cs)
         for c, single, fault in zip(cs, singles, faults, strict=True):
