@@ -162,14 +162,19 @@ def test_a_head_that_costs_more_than_it_returns_is_switched_off(model_pair, monk
         with_head(llm, head_dir, model_pair.llm), [], EngineConfig(eos_token_id=None), free_speculation()
     )
     passes = []
-    slow = engine.llm.head.forward_tree
 
-    def forward_tree(batch):
-        passes.append(len(batch))
-        time.sleep(0.02)
-        return slow(batch)
+    def slowed(name):  # greedy passes of a head with a draft vocabulary call forward_tree_columns, others forward_tree
+        inner = getattr(engine.llm.head, name)
 
-    monkeypatch.setattr(engine.llm.head, "forward_tree", forward_tree)
+        def slow(batch):
+            passes.append(len(batch))
+            time.sleep(0.02)
+            return inner(batch)
+
+        monkeypatch.setattr(engine.llm.head, name, slow)
+
+    slowed("forward_tree")
+    slowed("forward_tree_columns")
     prompt = tuple(model_pair.prompts[0][:30])
     first = engine.generate([GenerationRequest("a", prompt, 80, speculation=SPECS["head-alone"], ignore_eos=True)])
     gate = engine.head_gate

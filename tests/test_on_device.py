@@ -289,6 +289,34 @@ def test_pass_tables_propose_what_the_reference_drafts(c_rows, monkeypatch):
                 assert list(got.tokens) == draw_without_replacement(q, width, job.rng())
 
 
+@pytest.mark.parametrize("c_rows", [True, False], ids=["C rows", "PyTorch rows"])
+def test_pass_tables_of_some_columns_rank_as_the_whole_rows(c_rows, monkeypatch):
+    """Greedy rows that hold some tokens' logits alone (a draft head's draft vocabulary, ``columns``) give the tables
+    of the whole rows with -inf at every other token: the same tokens, best first, and their softmax; sampled jobs
+    are refused (they draw from processed whole rows)."""
+    if c_rows and not cpu_rows.serves(torch.zeros(1, 20), 4):
+        pytest.skip(f"no CPU kernels here: {cpu_qgemm.unavailable_reason()}")
+    if not c_rows:
+        monkeypatch.setattr(drafting.cpu_rows, "serves", lambda rows, k: False)
+    rng = np.random.default_rng(5)
+    vocab, columns = 40, np.array([1, 3, 4, 9, 17, 22, 30, 31, 38])
+    part = torch.from_numpy((rng.normal(size=(6, len(columns))) * 2).astype(np.float32))  # [R, K]
+    part[0, 2] = part[0, 5]  # a tie: the lower token first, as in the whole row
+    whole = torch.full((6, vocab), float("-inf")).index_copy_(1, torch.from_numpy(columns), part)  # [R, V]
+    jobs = [
+        DraftSpec(f"d{r}", [1], 2, None, SamplingParams(), 1, r, 0, draft_stream(0), TreeBudget(6, 2)) for r in range(6)
+    ]
+    widths = [1, 2, 3, 4, 5, 3]
+    got = pass_tables(part, jobs, widths, columns)
+    want = pass_tables(whole, jobs, widths)
+    for g, w, width in zip(got, want, widths, strict=True):
+        assert g.tokens[:width].tolist() == w.tokens[:width].tolist()
+        np.testing.assert_allclose(g.probs[:width], w.probs[:width], rtol=1e-12)
+    sampled = DraftSpec("s", [1], 2, None, PARAMS[1], 1, 0, 0, draft_stream(0), TreeBudget(6, 2))
+    with pytest.raises(ValueError, match="greedy"):
+        pass_tables(part[:1], [sampled], [1], columns)
+
+
 def test_verify_trees_of_a_forward_tree_item():
     """verify_trees hands the model each job's context and tree as they are."""
     seen = []

@@ -93,6 +93,8 @@ class DraftHead(nn.Module):
         self.out = nn.Linear(c.hidden, c.feature_dim, bias=False)
         self._rope_tables: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._cpu_threads = 0  # > 0: inference runs the products on the CPU kernels (:meth:`cpu_products`)
+        self._qkv: torch.Tensor | None = None  # [(heads + 2 kv_heads) head_dim, hidden] with the kernels
+        self._norms: dict[int, torch.Tensor] = {}  # the norms' weights in fp32, by id, with the kernels
 
     def cpu_products(self, threads: int) -> bool:
         """Run the layer's products outside autograd by the CPU kernels' own (``kernels/cpu_layers.c``, on their thread
@@ -105,6 +107,17 @@ class DraftHead(nn.Module):
         layers = (self.fc, self.q, self.k, self.v, self.o, self.gate_up, self.down, self.out)
         readable = all(cpu_layers.weight_kind(layer.weight.data) is not None for layer in layers)
         self._cpu_threads = threads if threads > 0 and readable and cpu_qgemm.library() is not None else 0
+        # copies for inference, of the weights as they are now: q, k and v as one product (a third of the calls, each
+        # output the same reduction), the norms' weights in fp32 for the kernels' norm (one call, not PyTorch's few)
+        on = self._cpu_threads > 0
+        self._qkv = torch.cat([self.q.weight, self.k.weight, self.v.weight]).detach().contiguous() if on else None
+        norms = (self.feature_norm, self.embed_norm, self.attn_norm, self.mlp_norm, self.final_norm)
+        self._norms = {id(w): w.detach().float().contiguous() for w in norms} if on else {}
+        return on
+
+    @property
+    def on_cpu_kernels(self) -> bool:
+        """Whether inference runs the products on the CPU kernels (:meth:`cpu_products`)."""
         return self._cpu_threads > 0
 
     def product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +131,11 @@ class DraftHead(nn.Module):
         return layer(x)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._cpu_threads and not torch.is_grad_enabled():
+            from specinfer.kernels import cpu_layers
+
+            rows = x.reshape(-1, x.shape[-1])  # [N, d]
+            return cpu_layers.rms_norm_rows(rows, self._norms[id(weight)], self.config.norm_eps).view(x.shape)
         return F.rms_norm(x, weight.shape, weight, self.config.norm_eps)
 
     def inputs(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -135,9 +153,14 @@ class DraftHead(nn.Module):
         c = self.config
         n = x.shape[0]
         h = self._rms(x, self.attn_norm)
-        q = self.product(self.q, h).view(n, c.heads, c.head_dim)
-        k = self.product(self.k, h).view(n, c.kv_heads, c.head_dim)
-        v = self.product(self.v, h).view(n, c.kv_heads, c.head_dim)
+        if self._cpu_threads and not torch.is_grad_enabled():
+            from specinfer.kernels import cpu_layers
+
+            qkv = cpu_layers.dense_linear(h, self._qkv, self._cpu_threads).to(x.dtype)  # [N, (heads + 2 kv_heads) d]
+            q, k, v = qkv.split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
+        else:
+            q, k, v = self.product(self.q, h), self.product(self.k, h), self.product(self.v, h)
+        q, k, v = q.reshape(n, c.heads, -1), k.reshape(n, c.kv_heads, -1), v.reshape(n, c.kv_heads, -1)
         cos, sin = self._rope(positions, end, x.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 

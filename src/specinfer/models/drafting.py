@@ -60,9 +60,15 @@ class RowTable:
     nonzero: int = 0
 
 
-def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[int]) -> list[RowTable]:
+def pass_tables(
+    rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[int], columns: np.ndarray | None = None
+) -> list[RowTable]:
     """:class:`RowTable` of each row of one SSM pass (``rows`` ``[R, V]`` on the SSM's device; row r
-    belongs to ``jobs[r]``, which wants ``widths[r]`` children there), with one device-to-host copy."""
+    belongs to ``jobs[r]``, which wants ``widths[r]`` children there), with one device-to-host copy. ``columns``
+    # [V] int64: the token of each column, where the rows hold some tokens' logits alone (the others' -inf: greedy
+    jobs only, see :meth:`~specinfer.models.head_drafter.HeadDrafter.forward_tree_columns`); None: column = token."""
+    if columns is not None and not all(job.sampling.greedy for job in jobs):
+        raise ValueError("pass_tables: rows of some tokens' columns serve greedy jobs alone")
     vocab = rows.shape[-1]
     greedy = [r for r, job in enumerate(jobs) if job.sampling.greedy]
     sampled = [r for r, job in enumerate(jobs) if not job.sampling.greedy]
@@ -100,6 +106,8 @@ def pass_tables(rows: torch.Tensor, jobs: Sequence[DraftSpec], widths: Sequence[
             at = 2 * n if scored else n
         if g_probs is None:
             g_probs = np.zeros_like(g_tokens, dtype=np.float64)
+        if columns is not None:
+            g_tokens = columns[g_tokens]
         for i, r in enumerate(greedy):
             out[r] = RowTable(g_tokens[i], g_probs[i])
     if sampled:
@@ -169,7 +177,9 @@ def draft_trees(
                     builders[i].parents_of(frontier),
                 )
             )
-        logits = ssm.forward_tree(items)
+        # a draft head's greedy passes rank its draft vocabulary's columns alone (no grammar or adjustment reads them)
+        columns = _columns(ssm, [jobs[i] for i in order], any(i in states for i in order))
+        logits = ssm.forward_tree(items) if columns is None else ssm.forward_tree_columns(items)
         owners = [i for i, item in zip(order, items, strict=True) for _ in item.tokens]  # the job of each row
         rows = stack_rows(logits)
         limits: list[int | None] = [None] * rows.shape[0]  # most children per row (None: the builder's width)
@@ -182,7 +192,7 @@ def draft_trees(
             # LLM's: drafts that follow them are accepted (verification is exact either way)
             rows = adjusted_rows(rows, _draft_histories(jobs, builders, order, items))
         with serial_on_cpu(rows.device):  # the pass's logits work beside the kernels' team (see there)
-            tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners])
+            tables = pass_tables(rows, [jobs[i] for i in owners], [builders[i].width() for i in owners], columns)
         at = 0
         for i, item in zip(order, items, strict=True):
             b = builders[i]
@@ -203,6 +213,16 @@ def draft_trees(
         if on_pass is not None:
             on_pass(sum(len(it.tokens) for it in items), time.perf_counter() - started)
     return [out[i] for i in range(len(jobs))]
+
+
+def _columns(ssm: CausalLM, jobs: Sequence[DraftSpec], constrained: bool) -> np.ndarray | None:
+    """The token of each logit column where ``ssm`` is a draft head with a draft vocabulary and a pass of ``jobs``
+    needs its columns alone (greedy, unconstrained, unadjusted); None: the pass takes whole rows."""
+    if not isinstance(ssm, HeadDrafter) or ssm.columns is None or constrained:
+        return None
+    if not all(job.sampling.greedy and not job.sampling.adjusts_logits for job in jobs):
+        return None
+    return ssm.columns_on_host
 
 
 def _grammar_masks(grammars, states, builders, order, items) -> tuple[list[tuple[int, np.ndarray]], list[int | None]]:

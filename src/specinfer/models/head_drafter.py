@@ -17,6 +17,7 @@ pair: the head attends to the pairs it has.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from specinfer.models.draft_head import DraftHead
 from specinfer.models.interface import CausalLM, TreeForward
+from specinfer.models.on_device import serial_on_cpu
 
 if TYPE_CHECKING:
     from specinfer.models.native.backend import NativeBackend
@@ -90,7 +92,9 @@ class HeadDrafter:
         max_requests: int = 4096,
     ) -> None:
         self.head = head
-        # the head's last product and the LM head as one: logits of the final state  # [N, hidden] -> [N, vocab]
+        self.columns = draft_vocab  # [K] int64 sorted, the tokens of the logits' columns (None: every token)
+        self.columns_on_host = None if draft_vocab is None else draft_vocab.cpu().numpy()  # [K] int64
+        # the head's last product and the LM head as one: logits of the final state  # [N, hidden] -> [N, K]
         self.logits = lm_logits_after(head.out.weight, draft_vocab)
         self.embed_rows = embed_rows
         self.max_requests = max_requests
@@ -101,6 +105,11 @@ class HeadDrafter:
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def _serial(self) -> contextlib.AbstractContextManager:
+        """Where the head's products run on the CPU kernels' team (with their own threads), its small PyTorch
+        operations around them on one thread (why: :func:`~specinfer.models.on_device.serial_on_cpu`)."""
+        return serial_on_cpu(self.device) if self.head.on_cpu_kernels else contextlib.nullcontext()
+
     @torch.inference_mode()
     def absorb(self, request_id: str, committed: Sequence[int], start: int, features: torch.Tensor) -> None:
         """The request's committed tokens are now ``committed`` and the LLM computed ``features``
@@ -110,6 +119,10 @@ class HeadDrafter:
             raise ValueError(
                 f"features of positions {start}.. must end at the last committed token {len(committed) - 1}"
             )
+        with self._serial():
+            self._absorb(request_id, committed, start, features)
+
+    def _absorb(self, request_id: str, committed: Sequence[int], start: int, features: torch.Tensor) -> None:
         state = self._state(request_id, committed)
         features = features.to(self.dtype)
         first = state.positions[-1] + 1 if state.positions else 0
@@ -175,9 +188,24 @@ class HeadDrafter:
     def forward_tree(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         """Logits (the LLM's LM head on the head's predicted features) of each item's new nodes, which
         follow :class:`~specinfer.models.interface.TreeForward`'s rules; the context is what
-        :meth:`absorb` last gave (:meth:`can_draft`). # each [n_new, vocab] float32"""
+        :meth:`absorb` last gave (:meth:`can_draft`); -inf outside the draft vocabulary.
+        # each [n_new, vocab] float32"""
+        rows = self.forward_tree_columns(batch)
+        if self.columns is None:
+            return rows
+        vocab = self.head.config.vocab_size
+        return [r.new_full((len(r), vocab), float("-inf")).index_copy_(1, self.columns, r) for r in rows]
+
+    @torch.inference_mode()
+    def forward_tree_columns(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
+        """:meth:`forward_tree`'s logits at the tokens :attr:`columns` alone (greedy drafting needs no others: a
+        tenth of the row to rank where a draft vocabulary is a tenth of the vocabulary). # each [n_new, K] float32"""
         if not batch:
             return []
+        with self._serial():
+            return self._forward(batch)
+
+    def _forward(self, batch: Sequence[TreeForward]) -> list[torch.Tensor]:
         inputs, positions, parents_of, rounds = [], [], [], []
         for item in batch:
             state = self._states[item.request_id]
@@ -216,7 +244,7 @@ class HeadDrafter:
             n = len(item.tokens)
             self._remember(item, k[at : at + n], v[at : at + n], predicted[at : at + n], pos, anc)
             at += n
-        logits = self.logits(final)  # [N, vocab]
+        logits = self.logits(final)  # [N, K]
         return list(logits.split([len(item.tokens) for item in batch]))
 
     def _attend(

@@ -338,8 +338,8 @@ class NativeBackend:
         return self._local_model().logits(features)
 
     def lm_logits_after(self, proj: torch.Tensor, rows: torch.Tensor | None = None, threads: int = 0) -> Callable:
-        """The LLM's LM head (``rows``: those tokens' alone) after a linear map into features ``proj``  # [feature_dim,
-        k], one function of ``x``  # [N, k] -> [N, vocab] float32 (:meth:`NativeModel.logits_after`, ``threads``)."""
+        """The LLM's LM head (``rows``: those K tokens' alone) after a linear map into features ``proj``: a function
+        of ``x``  # [N, k] -> [N, vocab or K] float32 (:meth:`NativeModel.logits_after`, ``threads``)."""
         return self._local_model().logits_after(proj, rows, threads)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, feature_dim]

@@ -137,9 +137,10 @@ class NativeModel:
         # [N, k] giving :meth:`logits` of ``x @ proj.T``  # [N, vocab] float32. Where ``k`` is narrower than
         the features (a draft head's width), the two products are folded into one ``[vocab, k]`` matrix,
         multiplied once in fp32 here: each call then reads ``k / lm_head_dim`` of the LM head's bytes. ``rows``
-        # [K] int64: only those tokens' logits are computed (a draft vocabulary); the others are -inf. ``threads``
-        > 0: a folded matrix the CPU kernels read is multiplied by them on that many threads (a draft head's
-        products, :meth:`~specinfer.models.draft_head.DraftHead.cpu_products`)."""
+        # [K] int64: only those tokens' logits are computed (a draft vocabulary), and the function gives those
+        columns alone, in ``rows``' order  # [N, K] float32. ``threads`` > 0: a folded matrix the CPU kernels read is
+        multiplied by them on that many threads (a draft head's products,
+        :meth:`~specinfer.models.draft_head.DraftHead.cpu_products`)."""
         index = None if rows is None else rows.to(self.w.lm_head.device)  # [K]
         lm_head = self.w.lm_head if index is None else self.w.lm_head.index_select(0, index)  # [vocab or K, dim]
         cap = self.spec.final_softcap
@@ -151,11 +152,7 @@ class NativeModel:
                 part = lambda x: soft_cap(cpu_layers.dense_linear(x, folded, threads), cap)  # noqa: E731
             else:
                 part = lambda x: soft_cap(self.linear(x, folded).float(), cap)  # noqa: E731
-        if index is None:
-            return part
-        vocab = self.w.lm_head.shape[0]
-        # [N, vocab]: the K computed logits in place, -inf elsewhere
-        return lambda x: torch.full((x.shape[0], vocab), float("-inf"), device=x.device).index_copy_(1, index, part(x))
+        return part
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, word_embed_dim]
         """The token embedding table's rows of ``tokens``  # [N] int64 (no scale, no positions)."""
