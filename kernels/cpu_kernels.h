@@ -367,4 +367,156 @@ static inline void attend_row_head(const void *q, int q_bf16, const void *k, con
     __m256 inv = _mm256_set1_ps(1.0f / l);
     for (int i = 0; i < lanes; i++) _mm256_storeu_ps(out + (size_t)i * 8, _mm256_mul_ps(o[i], inv));
 }
+
+/* hsum8 of each of a[0 .. 8), bit for bit (the same three rounds of additions of the same operands), as one vector:
+ * eight keys' dot products reduced together where eight hsum8 calls took about five operations each. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t[2];
+    for (int h = 0; h < 2; h++) {  /* keys 4h .. 4h + 3: each key's lanes i + (i + 4), then (0 + 2), (1 + 3) */
+        const __m256 *b = a + 4 * h;
+        const __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                                         _mm256_permute2f128_ps(b[0], b[1], 0x31));
+        const __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(b[2], b[3], 0x20),
+                                         _mm256_permute2f128_ps(b[2], b[3], 0x31));
+        t[h] = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    /* per 128-bit lane, t holds (key: t0, t1) pairs; the sums t0 + t1 come out as keys 0 2 4 6 | 1 3 5 7 */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* The scores of 8 keys (cache rows rows[0 .. 8)) for G query heads q [G][lanes * 8] into s_h[0 .. 8) (s + h * ns),
+ * each bit for bit attend_row_head's: per key and head one product then multiply-adds over the lanes in order, the
+ * fixed horizontal sum, times scale. The 8 keys' sums run side by side (8 independent chains where one key's was a
+ * chain of 8 dependent multiply-adds) and each key row is converted from the cache once for the G heads. */
+static inline __attribute__((always_inline)) void scores8(const float *q, const int G, const void *k, int kv_bf16,
+                                                          const size_t *rows, int lanes, float scale, float *s,
+                                                          size_t ns) {
+    __m256 acc[4][8];
+    for (int i = 0; i < lanes; i++)
+        for (int r = 0; r < 8; r++) {
+            const __m256 kv = load8(k, kv_bf16, rows[r] + (size_t)i * 8);
+            for (int h = 0; h < G; h++) {
+                const __m256 qh = _mm256_loadu_ps(q + (size_t)h * lanes * 8 + (size_t)i * 8);
+                acc[h][r] = i ? _mm256_fmadd_ps(qh, kv, acc[h][r]) : _mm256_mul_ps(qh, kv);
+            }
+        }
+    for (int h = 0; h < G; h++) _mm256_storeu_ps(s + h * ns, _mm256_mul_ps(hsum8x8(acc[h]), _mm256_set1_ps(scale)));
+}
+
+/* out_h += sum over the keys t of [0, n) of p_h[t] v_t (values at cache rows rows[t]), for G heads (o: G heads of
+ * lanes * 8 floats; p_h = p + h * ns), each lane's sum in key order as attend_row_head's; each value row converted
+ * once for the G heads, 8 lanes of every head at a time (8 G independent chains). */
+static inline __attribute__((always_inline)) void values_into(float *o, const int G, const void *v, int kv_bf16,
+                                                              const size_t *rows, int n, int lanes, const float *p,
+                                                              size_t ns) {
+    for (int i0 = 0; i0 < lanes; i0 += 8) {
+        const int w = lanes - i0 < 8 ? lanes - i0 : 8;
+        __m256 acc[4][8];
+        for (int h = 0; h < G; h++)
+            for (int i = 0; i < w; i++) acc[h][i] = _mm256_loadu_ps(o + ((size_t)h * lanes + i0 + i) * 8);
+        for (int t = 0; t < n; t++) {
+            __m256 pt[4];
+            for (int h = 0; h < G; h++) pt[h] = _mm256_set1_ps(p[h * ns + t]);
+            if (w == 8) {  /* the common widths (head_dim a multiple of 64): unrolled, the chains in registers */
+                for (int i = 0; i < 8; i++) {
+                    const __m256 vv = load8(v, kv_bf16, rows[t] + (size_t)(i0 + i) * 8);
+                    for (int h = 0; h < G; h++) acc[h][i] = _mm256_fmadd_ps(pt[h], vv, acc[h][i]);
+                }
+            } else {
+                for (int i = 0; i < w; i++) {
+                    const __m256 vv = load8(v, kv_bf16, rows[t] + (size_t)(i0 + i) * 8);
+                    for (int h = 0; h < G; h++) acc[h][i] = _mm256_fmadd_ps(pt[h], vv, acc[h][i]);
+                }
+            }
+        }
+        for (int h = 0; h < G; h++)
+            for (int i = 0; i < w; i++) _mm256_storeu_ps(o + ((size_t)h * lanes + i0 + i) * 8, acc[h][i]);
+    }
+}
+
+/* attend_row_head for G (1 to 4) query heads of one row that read the same KV head (q: G heads of lanes * 8 fp32
+ * values, out: the same layout), each head's result bit for bit attend_row_head's: the same products, sums and order.
+ * What differs is how the work is laid out: 8 keys' dot products side by side (scores8), each key and value row
+ * converted from the cache once for the G heads. s: scratch of G * (n + 8) floats. */
+static inline __attribute__((always_inline)) void attend_row_group_g(const float *q, const int G, const void *k,
+                                                                     const void *v, int kv_bf16, size_t stride,
+                                                                     size_t base, const int32_t *keys, int64_t n,
+                                                                     int lanes, float scale, float softcap, float *s,
+                                                                     float *out) {
+    const size_t dim = (size_t)lanes * 8, ns = (size_t)n + 8;
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l[4];
+    size_t rows[8];
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        for (int r = 0; r < 8; r++) rows[r] = (size_t)keys[j + r] * stride + base;
+        scores8(q, G, k, kv_bf16, rows, lanes, scale, s + j, ns);
+    }
+    for (; j < n; j++) {  /* the last keys one at a time, as attend_row_head takes every key */
+        const size_t row = (size_t)keys[j] * stride + base;
+        for (int h = 0; h < G; h++) {
+            const float *qh = q + h * dim;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qh), load8(k, kv_bf16, row));
+            for (int i = 1; i < lanes; i++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + (size_t)i * 8), load8(k, kv_bf16, row + (size_t)i * 8), acc);
+            s[h * ns + j] = hsum8(acc) * scale;
+        }
+    }
+    for (int h = 0; h < G; h++) {  /* attend_row_head's cap, maximum, exponentials and their sum, head by head */
+        float *sh = s + h * ns;
+        int64_t t = 0;
+        if (softcap > 0.0f)
+            for (; t < n; t++) sh[t] = softcap * tanhf(sh[t] / softcap);
+        __m256 mx = _mm256_set1_ps(-INFINITY);  /* the maximum is exact in any order */
+        for (t = 0; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + t));
+        float mxs[8];
+        _mm256_storeu_ps(mxs, mx);
+        for (int i = 0; i < 8; i++) m[h] = mxs[i] > m[h] ? mxs[i] : m[h];
+        for (; t < n; t++) m[h] = sh[t] > m[h] ? sh[t] : m[h];
+        __m256 mv = _mm256_set1_ps(m[h]), lsum = _mm256_setzero_ps();
+        int64_t e = 0;
+        for (; e + 8 <= n; e += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + e), mv));
+            _mm256_storeu_ps(sh + e, p);
+            lsum = _mm256_add_ps(lsum, p);
+        }
+        float tail = 0.0f;
+        if (e < n) {
+            float pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t t = e; t < n; t++) pad[t - e] = sh[t] - m[h];
+            _mm256_storeu_ps(pad, exp8(_mm256_loadu_ps(pad)));
+            for (int64_t t = e; t < n; t++) {
+                sh[t] = pad[t - e];
+                tail += pad[t - e];
+            }
+        }
+        l[h] = hsum8(lsum) + tail;
+    }
+    for (size_t i = 0; i < (size_t)G * dim; i++) out[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < n; t0 += 64) {  /* values 64 keys at a time (their rows' addresses first) */
+        const int count = n - t0 < 64 ? (int)(n - t0) : 64;
+        size_t vrows[64];
+        for (int t = 0; t < count; t++) vrows[t] = (size_t)keys[t0 + t] * stride + base;
+        values_into(out, G, v, kv_bf16, vrows, count, lanes, s + t0, ns);
+    }
+    for (int h = 0; h < G; h++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+        float *oh = out + h * dim;
+        for (size_t i = 0; i < dim; i += 8) _mm256_storeu_ps(oh + i, _mm256_mul_ps(_mm256_loadu_ps(oh + i), inv));
+    }
+}
+
+/* attend_row_group_g for g = 1 to 4 heads, each count compiled apart (its chains in registers). */
+static inline void attend_row_group(const float *q, int g, const void *k, const void *v, int kv_bf16, size_t stride,
+                                    size_t base, const int32_t *keys, int64_t n, int lanes, float scale, float softcap,
+                                    float *s, float *out) {
+    switch (g) {
+        case 1: attend_row_group_g(q, 1, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
+        case 2: attend_row_group_g(q, 2, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
+        case 3: attend_row_group_g(q, 3, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
+        default: attend_row_group_g(q, 4, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
+    }
+}
 #endif

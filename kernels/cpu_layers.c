@@ -7,7 +7,8 @@
  * decoder layers"). Here a layer is nine parallel loops separated by barriers, none of which returns to Python.
  *
  * Every row is computed alone: products give each (row, output) one reduction in a fixed order (tiles share weight
- * loads, never sums), attention reads the row's own visible keys (attend_row_head), norms and the MLP act per row.
+ * loads, never sums), attention reads the row's own visible keys (attend_row_group: a KV head's query heads share
+ * its key and value loads, each head's sums attend_row_head's), norms and the MLP act per row.
  * So a row's result depends on that row and what it attends to, not on the step's other rows or the threads: a tree
  * verified in one step gets, bit for bit, what one-token steps give the same tokens.
  *
@@ -337,6 +338,22 @@ static inline void swiglu(const float *gu, int n, float *y, int bf) {
     }
 }
 
+/* Query heads an attention task takes (attend_row_group): the divisor g <= 4 of the group (heads / kv_heads) whose
+ * longest thread share is shortest, a head costing 0.6 of a lone head's time where a task takes two or more (each key
+ * and value row converted once for them: 1.6-1.7x on AVX-512, BENCHMARKS.md). The result is the same for any g. */
+static int heads_per_task(int t, int heads, int kv_heads, int threads) {
+    const int group = heads / kv_heads;
+    int best = 1;
+    double best_time = 1e300;
+    for (int g = 1; g <= 4 && g <= group; g++) {
+        if (group % g) continue;
+        const int64_t tasks = (int64_t)t * (heads / g), share = (tasks + threads - 1) / threads;
+        const double time = (double)share * g * (g > 1 ? 0.6 : 1.0);
+        if (time < best_time) best = g, best_time = time;
+    }
+    return best;
+}
+
 /* One layer over the step's rows, run by every thread of the team (every loop a share, then the team's barrier). */
 static void layer(Team *tm, const Shape *sh, const Layer *L, int t, float *res, float *x, int ldx, float *qkv, float *att,
                   float *gu, Activations *a, const float *cos, const float *sin, const int64_t *cache_rows,
@@ -364,14 +381,15 @@ static void layer(Team *tm, const Shape *sh, const Layer *L, int t, float *res, 
             }
         }
     }
-    TEAM_FOR(tm, task, t * H) {
-        const int r = task / H, hh = task % H;
-        float *out = att + ((size_t)r * H + hh) * D;
-        attend_row_head(qkv + (size_t)r * nqkv + (size_t)hh * D, 0, L->k_cache, L->v_cache, sh->kv_bf16, stride,
-                        (size_t)(hh / (H / KV)) * D, keys + offsets[r], offsets[r + 1] - offsets[r], D / 8, sh->scale,
-                        sh->softcap, s, out);
+    const int gh = heads_per_task(t, H, KV, tm->size), tasks = H / gh;
+    TEAM_FOR(tm, task, t * tasks) {  /* each task: gh query heads of one row that read one KV head */
+        const int r = task / tasks, h0 = task % tasks * gh;
+        float *out = att + ((size_t)r * H + h0) * D;
+        attend_row_group(qkv + (size_t)r * nqkv + (size_t)h0 * D, gh, L->k_cache, L->v_cache, sh->kv_bf16, stride,
+                         (size_t)(h0 / (H / KV)) * D, keys + offsets[r], offsets[r + 1] - offsets[r], D / 8, sh->scale,
+                         sh->softcap, s, out);
         if (bf)
-            for (int i = 0; i < D; i++) out[i] = rnd(out[i], 1);
+            for (int i = 0; i < gh * D; i++) out[i] = rnd(out[i], 1);
     }
     TEAM_FOR(tm, r, t) prepare(&L->o, att + (size_t)r * H * D, H * D, r, a);
     product(tm, &L->o, t, att, H * D, a, res, 1, bf);
@@ -459,13 +477,13 @@ typedef struct {
     const float *cos, *sin;
     const int64_t *cache_rows;
     const KeyLists *lists;
-    float *scores;  /* [threads, max_keys + 8]: each thread's attention scores */
+    float *scores;  /* [threads, group, max_keys + 8]: each thread's attention scores, a KV head's query heads */
 } Stack;
 
 /* Every layer, on each thread of the team. */
 static void stack_task(Team *tm, void *arg) {
     const Stack *p = (const Stack *)arg;
-    float *s = p->scores + (size_t)tm->id * ((size_t)p->max_keys + 8);
+    float *s = p->scores + (size_t)tm->id * (p->sh->heads / p->sh->kv_heads) * ((size_t)p->max_keys + 8);
     for (int l = 0; l < p->n_layers; l++) {
         const KeyLists *keys = &p->lists[p->layers[l].keys];
         layer(tm, p->sh, &p->layers[l], p->t, p->res, p->x, p->ldx, p->qkv, p->att, p->gu, p->a, p->cos, p->sin,
@@ -503,7 +521,8 @@ int decoder_layers(const Shape *sh, const Layer *layers, int n_layers, int t, vo
         failed = e == -1, bad = e == -2;
         max_keys = maxi(max_keys, lists[i].longest);
     }
-    float *scores = failed || bad ? NULL : malloc(sizeof(float) * (size_t)maxi(threads, 1) * ((size_t)max_keys + 8));
+    const size_t per_thread = (size_t)(sh->heads / sh->kv_heads) * ((size_t)max_keys + 8);
+    float *scores = failed || bad ? NULL : malloc(sizeof(float) * (size_t)maxi(threads, 1) * per_thread);
     failed = failed || (!bad && !scores);
     if (!failed && !bad) {
         for (int r = 0; r < t; r++)  /* each row's RoPE from its position alone (a table op's lanes would not be) */

@@ -3,7 +3,8 @@ per-operation layers, and their row invariance: a verified tree's rows equal one
 request's rows do not depend on what else is in its batch (a mixed step is split, specinfer.models.native.step).
 
 The configurations are the Llama family's variants the C layers take: q/k/v biases and sliding-window layers
-(Qwen2), per-head q/k norms (Qwen3), partial RoPE (Phi-3), grouped-query attention; each with dense fp32 and bf16
+(Qwen2), per-head q/k norms (Qwen3), partial RoPE (Phi-3), grouped-query attention (2, 3 and 4 query heads a KV
+head: kernels/cpu_kernels.h's attend_row_group); each with dense fp32 and bf16
 weights and our int4 and int8 block layouts.
 """
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
     cpu_qgemm.unavailable_reason() is not None, reason=f"C kernels: {cpu_qgemm.unavailable_reason()}"
 )
 
+GQA3_64 = {**COMMON, "hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}
 CONFIGS = {
     "llama-gqa": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, attention_bias=True),
     "qwen2-window": lambda: Qwen2Config(
@@ -33,6 +35,8 @@ CONFIGS = {
     ),
     "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
     "phi3-partial-rope": lambda: Phi3Config(**COMMON, num_key_value_heads=4, rope_parameters=PARTIAL_ROPE),
+    # three query heads a KV head, heads of 64 (SmolLM2's): the attention's widest grouped path
+    "llama-gqa3-64": lambda: LlamaConfig(**GQA3_64),
 }
 WEIGHTS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int4"), ("float32", "int8"), ("bfloat16", "int4")]
 PROMPT = [5, 17, 33, 9, 60, 21, 44, 8, 71, 30, 12]
