@@ -508,10 +508,15 @@ static inline __attribute__((always_inline)) void attend_row_group_g(const float
     }
 }
 
-/* attend_row_group_g for g = 1 to 4 heads, each count compiled apart (its chains in registers). */
+/* attend_row_group_g for g = 1 to 4 heads, each count compiled apart (its chains in registers); one head over a few
+ * keys by attend_row_head itself (there the side-by-side sums did not pay: bench/attention_group.c). */
 static inline void attend_row_group(const float *q, int g, const void *k, const void *v, int kv_bf16, size_t stride,
                                     size_t base, const int32_t *keys, int64_t n, int lanes, float scale, float softcap,
                                     float *s, float *out) {
+    if (g == 1 && n < 64) {
+        attend_row_head(q, 0, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out);
+        return;
+    }
     switch (g) {
         case 1: attend_row_group_g(q, 1, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
         case 2: attend_row_group_g(q, 2, k, v, kv_bf16, stride, base, keys, n, lanes, scale, softcap, s, out); break;
