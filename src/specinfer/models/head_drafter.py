@@ -92,15 +92,16 @@ class HeadDrafter:
         max_requests: int = 4096,
     ) -> None:
         self.head = head
-        self.columns = draft_vocab  # [K] int64 sorted, the tokens of the logits' columns (None: every token)
-        self.columns_on_host = None if draft_vocab is None else draft_vocab.cpu().numpy()  # [K] int64
+        param = next(head.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # [K] int64 sorted, the tokens of the logits' columns, on the head's device and on the host (None: all tokens)
+        self.columns = None if draft_vocab is None else draft_vocab.to(self.device)
+        self.columns_on_host = None if draft_vocab is None else draft_vocab.cpu().numpy()
         # the head's last product and the LM head as one: logits of the final state  # [N, hidden] -> [N, K]
         self.logits = lm_logits_after(head.out.weight, draft_vocab)
         self.embed_rows = embed_rows
         self.max_requests = max_requests
         self._states: OrderedDict[str, _State] = OrderedDict()
-        param = next(head.parameters())
-        self.device, self.dtype = param.device, param.dtype
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
